@@ -1,0 +1,1 @@
+"""Conformance suite (installed as kvcore.conformance)."""

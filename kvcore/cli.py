@@ -1,0 +1,221 @@
+"""The ``kvcore`` command line: generate, chat, backends (and conformance, bench)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import warnings
+from typing import Any
+
+from kvcore.errors import KVCoreError
+
+__all__ = ["main"]
+
+
+def _sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-new-tokens", type=int, default=None, help="tokens to generate (default 128)")
+    p.add_argument("--temperature", type=float, default=None, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=None, help="sample from the k most likely tokens (0 = off)")
+    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass in (0, 1] (1 = off)")
+    p.add_argument("--seed", type=int, default=None, help="RNG seed for sampling")
+    p.add_argument("--ignore-eos", action="store_true", default=None, help="do not stop at end-of-sequence")
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="'smollm2' (default), a .gguf file or a Hugging Face directory")
+    p.add_argument("--backend", default=None, help="attention backend for both phases (see `kvcore backends`)")
+    p.add_argument("--prefill-backend", default=None, help="backend for prefill (overrides --backend)")
+    p.add_argument("--decode-backend", default=None, help="backend for decode (overrides --backend)")
+    p.add_argument("--dtype", default=None, help="float32 (default), bfloat16 or float16")
+    p.add_argument("--device", default=None, help="torch device (default cpu)")
+    p.add_argument("--config", default=None, metavar="FILE.toml", help="read settings from a TOML file")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvcore", description="Plugin-style LLM inference core.")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    for name, help_text in (("generate", "complete raw text"), ("chat", "answer one chat message")):
+        p = sub.add_parser(name, help=help_text)
+        p.add_argument("prompt", help="the prompt text" if name == "generate" else "the user message")
+        if name == "chat":
+            p.add_argument("--system", default=None, help="system message (default: the template's)")
+        _engine_args(p)
+        _sampling_args(p)
+        p.add_argument("--json", action="store_true", help="print a JSON result object as the last stdout line")
+        p.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
+
+    p = sub.add_parser("backends", help="list registered backends and their capabilities")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
+
+    try:
+        from kvcore.conformance.cli import add_parser as add_conformance
+    except ImportError:
+        add_conformance = None
+    if add_conformance is not None:
+        add_conformance(sub)
+    try:
+        from kvcore.bench import add_parser as add_bench
+    except ImportError:
+        add_bench = None
+    if add_bench is not None:
+        add_bench(sub)
+    return parser
+
+
+def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """Merge flag > environment (KVCORE_BACKEND, KVCORE_MODEL) > config file > defaults."""
+    from kvcore.config import FileConfig, load_config
+
+    file_cfg = load_config(args.config) if getattr(args, "config", None) else FileConfig()
+
+    def pick(name: str, default: Any = None, env: str | None = None) -> Any:
+        flag = getattr(args, name, None)
+        if flag is not None:
+            return flag
+        if env and os.environ.get(env):
+            return os.environ[env]
+        value = getattr(file_cfg, name, None)
+        return default if value is None else value
+
+    settings = {
+        "backend": pick("backend", env="KVCORE_BACKEND"),
+        "prefill_backend": pick("prefill_backend"),
+        "decode_backend": pick("decode_backend"),
+        "model": pick("model", "smollm2", env="KVCORE_MODEL"),
+        "dtype": pick("dtype", "float32"),
+        "device": pick("device", "cpu"),
+        "max_new_tokens": pick("max_new_tokens", 128),
+        "temperature": pick("temperature", 0.0),
+        "top_k": pick("top_k", 0),
+        "top_p": pick("top_p", 1.0),
+        "seed": pick("seed"),
+        "ignore_eos": bool(pick("ignore_eos", False)),
+        "max_num_seqs": file_cfg.max_num_seqs,
+        "max_model_len": file_cfg.max_model_len,
+        "block_size": file_cfg.block_size,
+        "num_blocks": file_cfg.num_blocks,
+        "backend_options": file_cfg.backends,
+        "plugin_options": file_cfg.plugins,
+    }
+    return settings
+
+
+def _run_generation(args: argparse.Namespace, chat: bool) -> int:
+    from kvcore.engine import Engine, EngineConfig
+    from kvcore.errors import InvalidRequestError
+    from kvcore.plugins import get_registry
+    from kvcore.sampling import SamplingParams
+
+    s = resolve_settings(args)
+    if not args.prompt:
+        raise InvalidRequestError("prompt is empty")
+    params = SamplingParams(
+        max_new_tokens=s["max_new_tokens"],
+        temperature=s["temperature"],
+        top_k=s["top_k"],
+        top_p=s["top_p"],
+        seed=s["seed"],
+        ignore_eos=s["ignore_eos"],
+    )
+    registry = get_registry()
+    if s["plugin_options"]:
+        registry.configure(s["plugin_options"])
+    engine_kwargs = {k: s[k] for k in ("max_num_seqs", "max_model_len", "block_size", "num_blocks") if s[k] is not None}
+    engine_kwargs.setdefault("max_num_seqs", 1)
+    config = EngineConfig(
+        backend=s["backend"],
+        prefill_backend=s["prefill_backend"],
+        decode_backend=s["decode_backend"],
+        dtype=s["dtype"],
+        device=s["device"],
+        backend_options=s["backend_options"],
+        **engine_kwargs,
+    )
+    # Validate the backend choice before the (slower) model load, so a typo fails fast.
+    for name in {s["backend"], s["prefill_backend"], s["decode_backend"]} - {None}:
+        registry.create(name, s["backend_options"].get(name))
+    engine = Engine.from_pretrained(s["model"], config, registry=registry)
+    tok = engine.tokenizer
+    if chat:
+        messages = [{"role": "system", "content": args.system}] if args.system else []
+        messages.append({"role": "user", "content": args.prompt})
+        prompt_ids = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True), add_bos=False)
+    else:
+        prompt_ids = tok.encode(args.prompt)
+
+    out = sys.stdout
+    last = None
+    for event in engine.stream(prompt_ids, params):
+        if event.text:
+            out.write(event.text)
+            out.flush()
+        last = event
+    out.write("\n")
+    result = engine.result(last.request_id)
+    if result.error is not None:
+        raise result.error
+    if args.json:
+        payload = {
+            "prompt_token_ids": result.prompt_token_ids,
+            "token_ids": result.token_ids,
+            "text": result.text,
+            "finish_reason": result.finish_reason.value,
+            "backend": engine.prefill_backend.name,
+            "prefill_backend": engine.prefill_backend.name,
+            "decode_backend": engine.decode_backend.name,
+            "model": s["model"],
+            "dtype": s["dtype"],
+            "metrics": result.metrics.as_dict(),
+        }
+        out.write(json.dumps(payload) + "\n")
+    return 0
+
+
+def _run_backends(args: argparse.Namespace) -> int:
+    from kvcore.plugins import get_registry
+    from kvcore.support import backend_rows, format_table
+
+    rows = backend_rows(get_registry())
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    else:
+        print(format_table(rows))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    debug = args.debug or os.environ.get("KVCORE_DEBUG") == "1"
+    if not debug:
+        warnings.simplefilter("ignore", UserWarning)
+    try:
+        if args.command in ("generate", "chat"):
+            return _run_generation(args, chat=args.command == "chat")
+        if args.command == "backends":
+            return _run_backends(args)
+        return args.func(args)
+    except KVCoreError as exc:
+        if debug:
+            raise
+        print(f"kvcore: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("kvcore: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0
+    except Exception as exc:  # a bug: still one line, with a hint to get the traceback
+        if debug:
+            raise
+        print(f"kvcore: internal error: {type(exc).__name__}: {exc} (rerun with --debug for a traceback)", file=sys.stderr)
+        return 70
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,84 @@
+"""The kvcore exception hierarchy.
+
+Every error a user can trigger (bad CLI flag, bad config, bad model file, a backend that cannot run
+here) is a :class:`KVCoreError`. The CLI prints ``str(err)`` as one line on stderr and exits non-zero;
+a traceback is shown only with ``--debug``.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "KVCoreError",
+    "ConfigError",
+    "InvalidRequestError",
+    "ModelLoadError",
+    "ModelNotFoundError",
+    "BackendError",
+    "UnknownBackendError",
+    "BackendUnavailableError",
+    "PluginError",
+    "OutOfBlocksError",
+    "ContextLengthError",
+    "RequestAbortedError",
+]
+
+
+class KVCoreError(Exception):
+    """Base class of every error kvcore raises on purpose."""
+
+    #: process exit code the CLI uses for this kind of error
+    exit_code: int = 1
+
+
+class ConfigError(KVCoreError):
+    """A configuration file, option or dataclass field has a bad value."""
+
+    exit_code = 2
+
+
+class InvalidRequestError(ConfigError):
+    """A generation request is invalid (empty prompt, bad sampling parameter, ...)."""
+
+
+class ContextLengthError(InvalidRequestError):
+    """Prompt plus requested new tokens do not fit the model's context window or the cache."""
+
+
+class ModelLoadError(KVCoreError):
+    """A model file is missing, truncated, corrupt or of an unsupported kind."""
+
+    exit_code = 3
+
+
+class ModelNotFoundError(ModelLoadError):
+    """The model path does not exist, or the embedded default is not installed."""
+
+
+class BackendError(KVCoreError):
+    """Something is wrong with an attention backend."""
+
+    exit_code = 4
+
+
+class UnknownBackendError(BackendError):
+    """No backend of that name is registered."""
+
+
+class BackendUnavailableError(BackendError):
+    """The backend is registered but cannot run here; the message says why."""
+
+    exit_code = 5
+
+
+class PluginError(BackendError):
+    """A plugin broke a registration rule (duplicate name, incomplete backend class, ...)."""
+
+
+class OutOfBlocksError(KVCoreError):
+    """The KV cache has no room left for a request."""
+
+    exit_code = 6
+
+
+class RequestAbortedError(KVCoreError):
+    """The caller aborted the request."""

@@ -1,0 +1,129 @@
+"""Request state, per-request metrics and the results the engine hands back."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvcore.errors import KVCoreError
+from kvcore.sampling import SamplingParams
+
+__all__ = ["FinishReason", "RequestMetrics", "Request", "TokenEvent", "GenerationResult"]
+
+
+class FinishReason(str, enum.Enum):
+    EOS = "eos"  # the model emitted an end-of-sequence / end-of-turn token
+    STOP = "stop"  # a caller-given stop token id
+    LENGTH = "length"  # max_new_tokens reached
+    CONTEXT = "context"  # the context window is full
+    ABORT = "abort"  # the caller aborted it
+    ERROR = "error"  # it failed; ``error`` says why
+
+
+@dataclass
+class RequestMetrics:
+    """Timings in seconds (``time.perf_counter``), sizes in tokens and bytes."""
+
+    arrival_time: float = field(default_factory=time.perf_counter)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    num_prompt_tokens: int = 0
+    num_generated_tokens: int = 0
+    kv_bytes: int = 0  # KV-cache bytes the request's tokens occupied at their peak
+    num_preemptions: int = 0
+
+    @property
+    def ttft_s(self) -> float | None:
+        """Time to first token: arrival → first generated token."""
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Time per output token after the first (mean inter-token latency)."""
+        if self.finish_time is None or self.first_token_time is None or self.num_generated_tokens < 2:
+            return None
+        return (self.finish_time - self.first_token_time) / (self.num_generated_tokens - 1)
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        """Decode throughput of this request: tokens after the first / time after the first."""
+        tpot = self.tpot_s
+        return None if not tpot else 1.0 / tpot
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "prompt_tokens": self.num_prompt_tokens,
+            "generated_tokens": self.num_generated_tokens,
+            "ttft_s": self.ttft_s,
+            "tpot_s": self.tpot_s,
+            "tokens_per_s": self.tokens_per_s,
+            "kv_bytes": self.kv_bytes,
+            "preemptions": self.num_preemptions,
+        }
+
+
+@dataclass
+class Request:
+    """Mutable engine-side state of one generation request."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: frozenset[int]
+    output_ids: list[int] = field(default_factory=list)
+    generator: torch.Generator | None = None
+    finish_reason: FinishReason | None = None
+    error: KVCoreError | None = None
+    metrics: RequestMetrics = field(default_factory=RequestMetrics)
+    seq_id: int | None = None  # KV-cache sequence while resident
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    def stop_reason_after(self, token_id: int, max_model_len: int) -> FinishReason | None:
+        """Why generation ends after appending ``token_id`` (already in ``output_ids``), if it does."""
+        p = self.params
+        if not p.ignore_eos and token_id in self.eos_token_ids:
+            return FinishReason.EOS
+        if token_id in p.stop_token_ids:
+            return FinishReason.STOP
+        if len(self.output_ids) >= p.max_new_tokens:
+            return FinishReason.LENGTH
+        if len(self.prompt_ids) + len(self.output_ids) >= max_model_len:
+            return FinishReason.CONTEXT
+        return None
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One step of a streamed request: the token it produced and the text that token completed."""
+
+    request_id: str
+    token_id: int | None  # None when the request ended without a new token (abort, error)
+    text: str
+    finish_reason: FinishReason | None = None
+    error: KVCoreError | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # generated ids (an EOS that ended the stream included)
+    text: str  # decoded generated text, special tokens skipped
+    finish_reason: FinishReason
+    metrics: RequestMetrics
+    error: KVCoreError | None = None

@@ -1,0 +1,67 @@
+"""The backend support matrix, generated from each backend's declared capabilities (never by hand)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvcore.plugins import BackendRegistry
+
+__all__ = ["backend_rows", "format_table", "markdown_table"]
+
+COLUMNS = ("backend", "plugin", "available", "devices", "dtypes", "head_dims", "gqa", "cache", "phases")
+
+
+def _dtype_names(dtypes) -> str:
+    order = {"float32": 0, "bfloat16": 1, "float16": 2}
+    names = [str(d).removeprefix("torch.") for d in dtypes]
+    return ",".join(sorted(names, key=lambda n: order.get(n, 9)))
+
+
+def backend_rows(registry: BackendRegistry) -> list[dict[str, Any]]:
+    rows = []
+    for name in sorted(registry.backends):
+        entry = registry.backends[name]
+        caps = entry.cls.capabilities
+        reason = entry.availability()
+        if caps.head_dims is not None:
+            head_dims = ",".join(str(d) for d in sorted(caps.head_dims))
+        elif caps.max_head_dim is not None:
+            head_dims = f"<={caps.max_head_dim}"
+        else:
+            head_dims = "any"
+        phases = [p for p, ok in (("prefill", caps.supports_prefill), ("decode", caps.supports_decode)) if ok]
+        rows.append(
+            {
+                "backend": name,
+                "plugin": entry.plugin,
+                "available": "yes" if reason is None else f"no: {reason}",
+                "devices": ",".join(sorted(caps.devices)),
+                "dtypes": _dtype_names(caps.dtypes),
+                "head_dims": head_dims,
+                "gqa": "yes" if caps.supports_gqa else "no",
+                "cache": ",".join(caps.cache_kinds),
+                "phases": ",".join(phases),
+                "description": entry.cls.description,
+            }
+        )
+    return rows
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    """Fixed-width text table; the availability reason goes on its own line under its backend."""
+    cols = [c for c in COLUMNS if c != "available"] + ["available"]
+    shown = [{c: (r[c] if c != "available" else r[c].split(":")[0]) for c in cols} for r in rows]
+    widths = {c: max(len(c), *(len(str(r[c])) for r in shown)) for c in cols}
+    lines = ["  ".join(c.ljust(widths[c]) for c in cols).rstrip()]
+    for row, full in zip(shown, rows):
+        lines.append("  ".join(str(row[c]).ljust(widths[c]) for c in cols).rstrip())
+        if full["available"] != "yes":
+            lines.append(f"    why unavailable: {full['available'].removeprefix('no: ')}")
+    return "\n".join(lines)
+
+
+def markdown_table(rows: list[dict[str, Any]]) -> str:
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    for r in rows:
+        lines.append("| " + " | ".join(str(r[c]).replace("|", "\\|") for c in COLUMNS) + " |")
+    return "\n".join(lines)
