@@ -1,0 +1,201 @@
+"""Load a Hugging Face Llama model directory (config.json + safetensors + tokenizer.json).
+
+Expected files::
+
+    config.json                    LlamaForCausalLM / model_type "llama"
+    model.safetensors              or model-0000x-of-0000n.safetensors + model.safetensors.index.json
+    tokenizer.json                 the fast tokenizer
+    tokenizer_config.json          optional: bos/eos/pad tokens, add_bos_token, chat_template
+    chat_template.jinja            optional: the chat template (newer transformers write it here)
+    generation_config.json         optional: eos_token_id (the ids generation stops on)
+
+Tensors are read with ``safetensors.safe_open`` (no pickle) and converted to float32.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from kvcore.errors import ModelLoadError, ModelNotFoundError
+from kvcore.loaders import LoadedModel, expected_shapes
+from kvcore.model_config import ModelConfig
+from kvcore.tokenizer import Tokenizer
+
+__all__ = ["load_hf_dir"]
+
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+#: checkpoint entries that are buffers, not parameters (old Llama checkpoints saved RoPE's inv_freq)
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def _read_json(path: Path, required: bool = True) -> dict[str, Any] | None:
+    if not path.is_file():
+        if required:
+            raise ModelLoadError(f"'{path.parent}' has no {path.name}: not a Hugging Face model directory")
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ModelLoadError(f"cannot read '{path}': {exc}") from None
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"'{path}' must hold a JSON object")
+    return data
+
+
+def _eos_ids(value: Any) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, list) else [int(value)]
+
+
+def _config(cfg: dict[str, Any], generation: dict[str, Any] | None, path: Path) -> ModelConfig:
+    archs = cfg.get("architectures") or []
+    model_type = cfg.get("model_type")
+    if model_type != "llama" and "LlamaForCausalLM" not in archs:
+        what = archs[0] if archs else model_type
+        raise ModelLoadError(f"'{path}': unsupported architecture '{what}' (supported: llama)")
+    if cfg.get("rope_scaling") is not None:
+        raise ModelLoadError(
+            f"'{path}': unsupported rope_scaling {cfg['rope_scaling']!r} in config.json "
+            "(kvcore implements plain RoPE only)"
+        )
+    # transformers >= 5 writes rope settings as rope_parameters = {"rope_type": ..., "rope_theta": ...}
+    rope = cfg.get("rope_parameters") or {}
+    if rope.get("rope_type", "default") != "default":
+        raise ModelLoadError(f"'{path}': unsupported rope_scaling (rope_type '{rope['rope_type']}')")
+    for flag in ("attention_bias", "mlp_bias"):
+        if cfg.get(flag):
+            raise ModelLoadError(f"'{path}': unsupported: {flag} is true (kvcore runs bias-free Llama)")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ModelLoadError(f"'{path}': unsupported hidden_act '{cfg['hidden_act']}' (supported: silu)")
+
+    def need(key: str) -> Any:
+        if key not in cfg:
+            raise ModelLoadError(f"'{path}': config.json has no '{key}'")
+        return cfg[key]
+
+    hidden = need("hidden_size")
+    heads = need("num_attention_heads")
+    if not isinstance(hidden, int) or not isinstance(heads, int) or heads <= 0:
+        raise ModelLoadError(f"'{path}': config.json hidden_size / num_attention_heads must be integers")
+    eos = generation.get("eos_token_id") if generation else None
+    if eos is None:
+        eos = cfg.get("eos_token_id")
+    return ModelConfig(
+        vocab_size=need("vocab_size"),
+        hidden_size=hidden,
+        intermediate_size=need("intermediate_size"),
+        num_hidden_layers=need("num_hidden_layers"),
+        num_attention_heads=heads,
+        num_key_value_heads=cfg.get("num_key_value_heads") or heads,
+        head_dim=cfg.get("head_dim") or hidden // heads,
+        max_position_embeddings=need("max_position_embeddings"),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_id=eos,
+    )
+
+
+def _shard_files(path: Path) -> list[Path]:
+    """The safetensors files holding the weights, from the index when the checkpoint is sharded."""
+    index = _read_json(path / "model.safetensors.index.json", required=False)
+    if index is not None:
+        weight_map = index.get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ModelLoadError(f"'{path}': model.safetensors.index.json has no weight_map")
+        files = [path / name for name in dict.fromkeys(weight_map.values())]
+        for file in files:
+            if not file.is_file():
+                raise ModelLoadError(f"'{path}': shard '{file.name}' listed in the index is missing")
+        return files
+    if (path / "model.safetensors").is_file():
+        return [path / "model.safetensors"]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(
+            f"'{path}' has no model.safetensors (or *.safetensors shards): kvcore loads safetensors only"
+        )
+    return files
+
+
+def _read_tensors(files: list[Path], shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
+    """Read every expected tensor as float32, checking names, dtypes and shapes."""
+    weights: dict[str, torch.Tensor] = {}
+    for file in files:
+        try:
+            with safe_open(os.fspath(file), framework="pt") as f:
+                for key in f.keys():
+                    if key.endswith(_IGNORED_SUFFIXES):
+                        continue
+                    if key == "lm_head.weight" and key not in shapes:
+                        continue  # tied: some checkpoints store the head anyway
+                    if key not in shapes:
+                        if key.endswith(".bias"):
+                            raise ModelLoadError(f"'{file}': unsupported: bias tensor '{key}'")
+                        raise ModelLoadError(f"'{file}': unexpected tensor '{key}' for a llama model")
+                    tensor = f.get_tensor(key)
+                    if tuple(tensor.shape) != shapes[key]:
+                        raise ModelLoadError(
+                            f"'{file}': tensor '{key}' has shape {list(tensor.shape)}, "
+                            f"expected {list(shapes[key])} from config.json"
+                        )
+                    if tensor.dtype not in _FLOAT_DTYPES:
+                        raise ModelLoadError(
+                            f"'{file}': tensor '{key}' has unsupported dtype {tensor.dtype} "
+                            "(supported: float32, float16, bfloat16)"
+                        )
+                    weights[key] = tensor.to(torch.float32).contiguous()
+        except (SafetensorError, OSError, RuntimeError, ValueError) as exc:
+            raise ModelLoadError(
+                f"'{file}' is not a valid safetensors file (truncated or corrupt?): {exc}"
+            ) from None
+    missing = [name for name in shapes if name not in weights]
+    if missing:
+        raise ModelLoadError(f"missing tensor '{missing[0]}' ({len(missing)} missing in all)")
+    return {name: weights[name] for name in shapes}
+
+
+def _tokenizer(path: Path, generation: dict[str, Any] | None, config: ModelConfig) -> Tokenizer:
+    tokenizer_file = path / "tokenizer.json"
+    if not tokenizer_file.is_file():
+        raise ModelLoadError(f"'{path}' has no tokenizer.json (kvcore needs the fast-tokenizer file)")
+    tokenizer_config = _read_json(path / "tokenizer_config.json", required=False)
+    template_file = path / "chat_template.jinja"
+    chat_template = template_file.read_text(encoding="utf-8") if template_file.is_file() else None
+    eos = _eos_ids(generation.get("eos_token_id") if generation else None) or config.eos_token_ids
+    return Tokenizer.from_file(
+        tokenizer_file, tokenizer_config=tokenizer_config, chat_template=chat_template, eos_token_ids=eos
+    )
+
+
+def load_hf_dir(path: str | os.PathLike[str], name: str | None = None) -> LoadedModel:
+    """Load a Hugging Face Llama directory: config, float32 weights, tokenizer.
+
+    Args:
+        path: the directory.
+        name: display name; defaults to the directory's name.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise ModelNotFoundError(f"model directory '{path}' not found")
+    cfg = _read_json(path / "config.json") or {}  # required: raises when the file is missing
+    generation = _read_json(path / "generation_config.json", required=False)
+    config = _config(cfg, generation, path)
+    tokenizer = _tokenizer(path, generation, config)
+    weights = _read_tensors(_shard_files(path), expected_shapes(config))
+    return LoadedModel(
+        config=config,
+        weights=weights,
+        tokenizer=tokenizer,
+        source=str(path),
+        name=name or path.resolve().name,
+    )

@@ -1,0 +1,458 @@
+"""Text <-> token ids, chat templates and streaming detokenisation.
+
+:class:`Tokenizer` wraps a Hugging Face ``tokenizers.Tokenizer`` (the fast Rust one) and adds what a
+generation loop needs on top: the model's BOS/EOS conventions, its Jinja chat template, and a
+:class:`StreamDecoder` that turns one token id at a time into text without ever emitting half a UTF-8
+character. It is built either from a ``tokenizer.json`` (:meth:`Tokenizer.from_file`, Hugging Face
+directories) or from a byte-level BPE vocabulary (:meth:`Tokenizer.from_bpe_vocab`, GGUF metadata).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from typing import Any
+
+import jinja2
+import tokenizers
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, decoders, models, pre_tokenizers
+
+from kvcore.errors import ConfigError, InvalidRequestError, ModelLoadError
+
+__all__ = ["Tokenizer", "StreamDecoder"]
+
+logger = logging.getLogger(__name__)
+
+#: llama.cpp's ``tokenizer.ggml.token_type`` values we act on
+_TOKEN_TYPE_CONTROL = 3
+_TOKEN_TYPE_USER_DEFINED = 4
+
+#: special tokens chat templates use to close a turn; a generation loop must stop on them even when the
+#: model's EOS is a different token (e.g. Llama 3's ``<|eot_id|>`` vs ``<|end_of_text|>``)
+_END_OF_TURN_TOKENS = (
+    "<|im_end|>",
+    "<|eot_id|>",
+    "<|eom_id|>",
+    "<|end|>",
+    "<end_of_turn>",
+    "<|end_of_turn|>",
+)
+
+#: llama.cpp's split regex for ``tokenizer.ggml.pre`` = llama3 / llama-bpe (as in Llama 3's tokenizer.json)
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+_REPLACEMENT_CHAR = "\ufffd"
+
+
+def _byte_level_alphabet() -> dict[int, str]:
+    """GPT-2's byte -> printable character table (the spelling byte-level BPE vocabularies use)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+    printable += list(range(ord("®"), ord("ÿ") + 1))
+    table = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+def _byte_level_pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:
+    """The pre-tokenizer llama.cpp's ``tokenizer.ggml.pre`` names (how text is split before BPE)."""
+    if pre == "smollm":
+        # SmolLM's tokenizer.json: every digit is its own pre-token, then GPT-2's byte-level regex
+        return pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Digits(individual_digits=True),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+            ]
+        )
+    if pre in ("llama3", "llama-bpe", "llama-v3"):
+        return pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(tokenizers.Regex(_LLAMA3_SPLIT), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+    if pre not in (None, "default", "gpt2", "gpt-2"):
+        logger.warning("unknown GGUF pre-tokenizer %r: using GPT-2's byte-level split", pre)
+    return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+
+
+def _token_content(value: Any) -> str | None:
+    """A special token as tokenizer_config.json spells it: a string or an AddedToken dict."""
+    if isinstance(value, Mapping):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+class Tokenizer:
+    """A model's tokenizer: encode/decode, chat template, BOS/EOS ids, streaming decode.
+
+    Args:
+        backend: the ``tokenizers.Tokenizer`` doing the work; its post-processor is bypassed (BOS is
+            added here, per ``add_bos``) and special-token strings in the text map to their ids.
+        bos_token_id: beginning-of-sequence id, or None when the model has none.
+        eos_token_ids: ids that end generation; the chat template's end-of-turn token is added to them.
+        pad_token_id: padding id, or None.
+        add_bos: whether :meth:`encode` prepends BOS by default.
+        chat_template: the model's Jinja chat template, or None.
+    """
+
+    def __init__(
+        self,
+        backend: tokenizers.Tokenizer,
+        *,
+        bos_token_id: int | None = None,
+        eos_token_ids: Sequence[int] = (),
+        pad_token_id: int | None = None,
+        add_bos: bool = False,
+        chat_template: str | None = None,
+    ) -> None:
+        self._backend = backend
+        self._bos_token_id = bos_token_id
+        self._pad_token_id = pad_token_id
+        self._add_bos = bool(add_bos)
+        self._chat_template = chat_template or None
+        self._compiled_template: jinja2.Template | None = None
+        self._special_ids = {i for i, t in backend.get_added_tokens_decoder().items() if t.special}
+        eos = list(dict.fromkeys(int(i) for i in eos_token_ids))
+        eos.extend(i for i in self._end_of_turn_ids() if i not in eos)
+        self._eos_token_ids = eos
+
+    # ------------------------------------------------------------------ constructors
+
+    @classmethod
+    def from_file(
+        cls,
+        path: str | os.PathLike[str],
+        *,
+        tokenizer_config: Mapping[str, Any] | None = None,
+        chat_template: str | None = None,
+        eos_token_ids: Sequence[int] = (),
+    ) -> Tokenizer:
+        """Load a ``tokenizer.json``.
+
+        Args:
+            path: the ``tokenizer.json`` file.
+            tokenizer_config: the parsed ``tokenizer_config.json`` (bos/eos/pad tokens, ``add_bos_token``,
+                ``chat_template``), or None.
+            chat_template: a template that overrides the config's (e.g. from ``chat_template.jinja``).
+            eos_token_ids: extra EOS ids, e.g. from ``generation_config.json``; the config's
+                ``eos_token`` is added to them.
+        """
+        try:
+            backend = tokenizers.Tokenizer.from_file(os.fspath(path))
+        except Exception as exc:  # the Rust side raises a bare Exception for bad JSON
+            raise ModelLoadError(f"cannot read tokenizer {os.fspath(path)!r}: {exc}") from None
+        cfg = dict(tokenizer_config or {})
+
+        def token_id(key: str) -> int | None:
+            content = _token_content(cfg.get(key))
+            return None if content is None else backend.token_to_id(content)
+
+        bos = token_id("bos_token")
+        eos = list(eos_token_ids)
+        if (cfg_eos := token_id("eos_token")) is not None:
+            eos.append(cfg_eos)
+        add_bos = cfg.get("add_bos_token")
+        if add_bos is None:
+            # no flag: see whether tokenizer.json's own post-processor (e.g. Llama 3's) adds BOS
+            probe = backend.encode("a", add_special_tokens=True).ids
+            add_bos = bos is not None and bool(probe) and probe[0] == bos
+        template = chat_template if chat_template is not None else cfg.get("chat_template")
+        if isinstance(template, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, Mapping)}
+            template = named.get("default")
+        return cls(
+            backend,
+            bos_token_id=bos,
+            eos_token_ids=eos,
+            pad_token_id=token_id("pad_token"),
+            add_bos=bool(add_bos),
+            chat_template=template if isinstance(template, str) else None,
+        )
+
+    @classmethod
+    def from_bpe_vocab(
+        cls,
+        tokens: Sequence[str],
+        merges: Sequence[str],
+        *,
+        token_types: Sequence[int] | None = None,
+        pre_tokenizer: str | None = None,
+        bos_token_id: int | None = None,
+        eos_token_ids: Sequence[int] = (),
+        pad_token_id: int | None = None,
+        add_bos: bool = False,
+        chat_template: str | None = None,
+    ) -> Tokenizer:
+        """Build a byte-level BPE tokenizer (GPT-2 style) from a GGUF-style vocabulary.
+
+        Args:
+            tokens: the vocabulary; ``tokens[i]`` is token id ``i``, spelled in GPT-2's byte alphabet.
+            merges: BPE merges, best first, each ``"left right"``.
+            token_types: llama.cpp token types per id; 3 (control) become special tokens, 4
+                (user-defined) plain added tokens, so both match whole in the text.
+            pre_tokenizer: llama.cpp's ``tokenizer.ggml.pre`` name (``"smollm"``, ``"llama-bpe"``, ...).
+            Other arguments: as for :class:`Tokenizer`.
+        """
+        spelling = _byte_level_alphabet()
+        alphabet = set(spelling.values())
+        # llama.cpp sometimes stores added tokens as raw text; BPE looks tokens up in the byte
+        # alphabet, so respell those (what transformers does too, keeping ids identical)
+        vocab = {
+            tok if set(tok) <= alphabet else "".join(spelling[b] for b in tok.encode("utf-8")): i
+            for i, tok in enumerate(tokens)
+        }
+        pairs = []
+        for merge in merges:
+            parts = merge.split(" ")
+            if len(parts) != 2:
+                raise ModelLoadError(
+                    f"malformed BPE merge {merge!r}: expected two tokens separated by a space"
+                )
+            pairs.append((parts[0], parts[1]))
+        try:
+            model = models.BPE(
+                vocab=vocab,
+                merges=pairs,
+                dropout=None,
+                continuing_subword_prefix="",
+                end_of_word_suffix="",
+                fuse_unk=False,
+            )
+        except Exception as exc:  # the Rust side raises a bare Exception, e.g. a merge of unknown tokens
+            raise ModelLoadError(f"invalid BPE vocabulary: {exc}") from None
+        backend = tokenizers.Tokenizer(model)
+        backend.pre_tokenizer = _byte_level_pre_tokenizer(pre_tokenizer)
+        backend.decoder = decoders.ByteLevel()
+        if token_types is not None:
+            types = list(token_types)
+            control = [
+                AddedToken(tok, special=True, normalized=False)
+                for tok, kind in zip(tokens, types)
+                # a control token outside the byte alphabet is a llama.cpp mislabel: adding it would
+                # grow the vocabulary past the embedding matrix
+                if kind == _TOKEN_TYPE_CONTROL and set(tok) <= alphabet
+            ]
+            backend.add_special_tokens(control)
+            user = [
+                AddedToken(tok, special=False, normalized=False)
+                for tok, kind in zip(tokens, types)
+                if kind == _TOKEN_TYPE_USER_DEFINED and tok in vocab
+            ]
+            backend.add_tokens(user)
+        return cls(
+            backend,
+            bos_token_id=bos_token_id,
+            eos_token_ids=eos_token_ids,
+            pad_token_id=pad_token_id,
+            add_bos=add_bos,
+            chat_template=chat_template,
+        )
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def backend(self) -> tokenizers.Tokenizer:
+        """The wrapped ``tokenizers.Tokenizer``."""
+        return self._backend
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids, added tokens included."""
+        return self._backend.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self._bos_token_id
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        """Ids that end generation: the model's EOS plus the chat template's end-of-turn token."""
+        return list(self._eos_token_ids)
+
+    @property
+    def pad_token_id(self) -> int | None:
+        return self._pad_token_id
+
+    @property
+    def add_bos(self) -> bool:
+        """Whether :meth:`encode` prepends BOS when not told otherwise."""
+        return self._add_bos
+
+    @property
+    def chat_template(self) -> str | None:
+        return self._chat_template
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._backend.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._backend.id_to_token(token_id)
+
+    # ------------------------------------------------------------------ encode / decode
+
+    def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
+        """Token ids of ``text``; special-token strings in it (``<|im_start|>``) map to their ids.
+
+        Args:
+            add_bos: prepend BOS; None uses the model's default. BOS is not doubled when the text
+                already starts with it (e.g. a chat template that writes it).
+        """
+        if not isinstance(text, str):
+            raise InvalidRequestError(f"text to encode must be a str, got {type(text).__name__}")
+        try:
+            ids = self._backend.encode(text, add_special_tokens=False).ids
+        except TypeError:  # the Rust side rejects strings UTF-8 cannot encode
+            raise InvalidRequestError(
+                "text contains a lone surrogate (invalid Unicode): fix the input"
+            ) from None
+        if add_bos is None:
+            add_bos = self._add_bos
+        bos = self._bos_token_id
+        if add_bos and bos is not None and (not ids or ids[0] != bos):
+            ids.insert(0, bos)
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text of ``ids``; invalid UTF-8 (a cut multi-byte character) becomes U+FFFD."""
+        return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def stream_decoder(self, skip_special_tokens: bool = True) -> StreamDecoder:
+        """A fresh :class:`StreamDecoder` for one generated sequence."""
+        return StreamDecoder(self, skip_special_tokens=skip_special_tokens)
+
+    # ------------------------------------------------------------------ chat template
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """Render ``messages`` (``[{"role": ..., "content": ...}, ...]``) with the model's chat template.
+
+        Returns the prompt text; encode it with :meth:`encode` (special tokens in it are recognised).
+        Raises ConfigError when the model has no template, InvalidRequestError when the messages are
+        malformed or the template rejects them.
+        """
+        if self._chat_template is None:
+            raise ConfigError("this model has no chat template: pass a raw prompt instead of chat messages")
+        if not isinstance(messages, list) or not all(
+            isinstance(m, Mapping) and isinstance(m.get("role"), str) for m in messages
+        ):
+            raise InvalidRequestError("chat messages must be a list of {'role': str, 'content': str} dicts")
+        template = self._template()
+        bos = self._bos_token_id
+        eos = self._eos_token_ids[0] if self._eos_token_ids else None
+        try:
+            return template.render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.id_to_token(bos) if bos is not None else "",
+                eos_token=self.id_to_token(eos) if eos is not None else "",
+            )
+        except _TemplateRaised as exc:
+            raise InvalidRequestError(f"chat template rejected the messages: {exc}") from None
+        except jinja2.TemplateError as exc:
+            raise ConfigError(f"chat template failed to render: {exc}") from None
+
+    def _template(self) -> jinja2.Template:
+        if self._compiled_template is None:
+            # the same environment transformers uses, so templates render identically
+            env = ImmutableSandboxedEnvironment(
+                trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+            )
+            env.filters["tojson"] = _tojson
+            env.globals["raise_exception"] = _raise_exception
+            env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+            try:
+                self._compiled_template = env.from_string(self._chat_template or "")
+            except jinja2.TemplateError as exc:
+                raise ConfigError(f"the model's chat template is invalid Jinja: {exc}") from None
+        return self._compiled_template
+
+    def _end_of_turn_ids(self) -> list[int]:
+        """Special tokens the chat template uses to close a turn."""
+        if not self._chat_template:
+            return []
+        ids = []
+        for token in _END_OF_TURN_TOKENS:
+            token_id = self._backend.token_to_id(token)
+            if token in self._chat_template and token_id is not None and token_id in self._special_ids:
+                ids.append(token_id)
+        return ids
+
+    def __repr__(self) -> str:
+        return (
+            f"Tokenizer(vocab_size={self.vocab_size}, bos_token_id={self._bos_token_id}, "
+            f"eos_token_ids={self._eos_token_ids}, add_bos={self._add_bos})"
+        )
+
+
+class _TemplateRaised(Exception):
+    """``raise_exception(...)`` called from inside a chat template."""
+
+
+def _raise_exception(message: str) -> None:
+    raise _TemplateRaised(message)
+
+
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: Any = None,
+    sort_keys: bool = False,
+) -> str:
+    # transformers' tojson: unlike Jinja's built-in it does not HTML-escape, which templates rely on
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+class StreamDecoder:
+    """Incremental detokeniser: feed generated ids one at a time, get text as soon as it is final.
+
+    A byte-level token can end in the middle of a multi-byte UTF-8 character (an emoji is often 2-4
+    tokens), and some decoders treat the first token specially (SentencePiece drops its leading
+    space). So each push decodes a short window of recent ids together and emits only the new part
+    that is stable: the text minus any trailing U+FFFD, which may still complete with the next token.
+    """
+
+    #: ids kept as left context once everything before them has been emitted
+    _CONTEXT = 4
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
+        self._tokenizer = tokenizer
+        self._skip = skip_special_tokens
+        self._ids: list[int] = []  # the decode window: left context + not-yet-final ids
+        self._emitted = 0  # characters of decode(self._ids) already returned
+
+    def _decode(self) -> str:
+        return self._tokenizer.decode(self._ids, skip_special_tokens=self._skip)
+
+    def push(self, token_id: int) -> str:
+        """Add one generated id; return the text it completes (often "", never a partial character)."""
+        self._ids.append(int(token_id))
+        text = self._decode()
+        stable = text.rstrip(_REPLACEMENT_CHAR)
+        new = stable[self._emitted :]
+        self._emitted = max(self._emitted, len(stable))
+        if len(stable) == len(text) and len(self._ids) > 2 * self._CONTEXT:
+            # all text is final: slide the window so each push stays O(1)
+            self._ids = self._ids[-self._CONTEXT :]
+            self._emitted = len(self._decode())
+        return new
+
+    def flush(self) -> str:
+        """Return whatever is still held back (a truly invalid byte sequence comes out as U+FFFD)."""
+        text = self._decode()
+        rest = text[self._emitted :]
+        self._ids = []
+        self._emitted = 0
+        return rest
