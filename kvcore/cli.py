@@ -188,12 +188,18 @@ def _run_backends(args: argparse.Namespace) -> int:
     return 0
 
 
+def _one_line_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    text = str(message)
+    print(text if text.startswith("kvcore:") else f"kvcore: warning: {text}", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     debug = args.debug or os.environ.get("KVCORE_DEBUG") == "1"
     if not debug:
-        warnings.simplefilter("ignore", UserWarning)
+        warnings.simplefilter("ignore", UserWarning)  # third-party library chatter
+        warnings.showwarning = _one_line_warning
     try:
         if args.command in ("generate", "chat"):
             return _run_generation(args, chat=args.command == "chat")

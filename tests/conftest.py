@@ -1,0 +1,31 @@
+"""Shared fixtures: a random-weights tiny Llama built in memory, and the embedded SmolLM2 (slow)."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+
+import pytest
+from helpers import make_random_model
+
+from kvcore import LlamaModel
+
+DATA = Path(__file__).parent / "data"
+
+# Plugin-loading warnings are asserted explicitly where they matter.
+warnings.filterwarnings("ignore", message="kvcore: built-in plugin", category=RuntimeWarning)
+os.environ.setdefault("KVCORE_LOAD_PLUGINS", "")  # third-party plugins only where a test asks for them
+
+
+@pytest.fixture(scope="session")
+def random_model() -> LlamaModel:
+    return make_random_model()
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The embedded SmolLM2-135M-Instruct, loaded once per test session (fp32 weights + tokenizer)."""
+    from kvcore.loaders import load_model
+
+    return load_model("smollm2")

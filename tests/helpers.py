@@ -1,0 +1,43 @@
+"""Test helpers importable from any test module (``from helpers import ...``)."""
+
+from __future__ import annotations
+
+import torch
+
+from kvcore import LlamaModel, ModelConfig
+
+
+def make_random_model(
+    *,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int = 16,
+    num_layers: int = 2,
+    vocab_size: int = 300,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    tie: bool = False,
+    max_positions: int = 512,
+) -> LlamaModel:
+    hidden = num_heads * head_dim
+    cfg = ModelConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=tie,
+        eos_token_id=2,
+    )
+    gen = torch.Generator().manual_seed(seed)
+    model = LlamaModel(cfg, torch.float32)
+    with torch.no_grad():
+        for _, p in model.named_parameters():
+            if p.dim() > 1:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+            else:
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+    return model.to(dtype) if dtype != torch.float32 else model

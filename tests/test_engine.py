@@ -1,0 +1,212 @@
+"""The driver: prefill/decode, batching, stopping, streaming, metrics, isolation, backend pairing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvcore import Engine, EngineConfig, FinishReason, SamplingParams
+from kvcore.errors import ConfigError, ContextLengthError, InvalidRequestError
+from kvcore.kv_cache import CacheSpec, ContiguousKVCache
+
+from helpers import make_random_model
+
+PROMPTS = [[1, 5, 9, 13, 17], [7, 8], list(range(10, 50)), [9]]
+GREEDY = SamplingParams(max_new_tokens=12, ignore_eos=True)
+
+
+def run(model, backend, prompts=PROMPTS, params=GREEDY, **cfg):
+    engine = Engine(model, None, EngineConfig(backend=backend, max_model_len=128, **cfg))
+    return [r.token_ids for r in engine.generate(prompts, params)]
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "paged"])
+def test_backends_match_reference_greedy(random_model, backend):
+    assert run(random_model, backend) == run(random_model, "naive")
+
+
+def test_batch_equals_each_prompt_alone(random_model):
+    batched = run(random_model, "sdpa")
+    alone = [run(random_model, "sdpa", [p])[0] for p in PROMPTS]
+    assert batched == alone
+
+
+def test_streams_are_not_degenerate(random_model):
+    # guards the tests above from passing on a model that repeats one token
+    streams = run(random_model, "naive")
+    assert all(len(set(s)) > 3 for s in streams)
+
+
+def test_cached_decode_equals_full_recompute(random_model):
+    """The seeds' central claim, at every step: cached decode logits == recomputation from scratch."""
+    from kvcore.backends.naive import NaiveBackend
+
+    model, backend = random_model, NaiveBackend()
+    c = model.config
+    spec = CacheSpec(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, torch.float32, torch.device("cpu"), 1, 128)
+    cache = ContiguousKVCache(spec)
+    cache.add_sequence(0)
+    ids = [3, 14, 15, 92, 65]
+    meta = cache.prepare([0], [len(ids)], c.head_dim**-0.5)
+    logits = model.compute_logits(model(torch.tensor(ids), meta, cache, backend)[-1:])
+    for _ in range(8):
+        ids.append(int(logits.argmax()))
+        fresh = ContiguousKVCache(spec)
+        fresh.add_sequence(0)
+        full_meta = fresh.prepare([0], [len(ids)], c.head_dim**-0.5)
+        full = model.compute_logits(model(torch.tensor(ids), full_meta, fresh, backend)[-1:])
+        meta = cache.prepare([0], [1], c.head_dim**-0.5)
+        logits = model.compute_logits(model(torch.tensor(ids[-1:]), meta, cache, backend))
+        torch.testing.assert_close(logits, full, rtol=1e-5, atol=1e-5)
+
+
+def test_cache_is_written_in_place_never_reallocated(random_model):
+    engine = Engine(random_model, None, EngineConfig(backend="sdpa", max_model_len=64))
+    k, v = engine.cache.k, engine.cache.v
+    ptr = k.data_ptr()
+    rid = engine.add_request([1, 2, 3], SamplingParams(max_new_tokens=10, ignore_eos=True))
+    seen_lengths = []
+    while engine.has_unfinished():
+        engine.step()
+        if engine.num_running:
+            seen_lengths.append(engine.cache.seq_len(engine._requests[rid].seq_id))
+        assert engine.cache.k is k and engine.cache.v is v and k.data_ptr() == ptr
+    assert seen_lengths == list(range(3, 12))  # prompt, then one row per decode step
+
+
+def test_stop_conditions(random_model):
+    engine = Engine(random_model, None, EngineConfig(backend="sdpa", max_model_len=64))
+    free_run = engine.generate([[1, 5, 9]], SamplingParams(max_new_tokens=10, ignore_eos=True))[0]
+    assert free_run.finish_reason is FinishReason.LENGTH and len(free_run.token_ids) == 10
+    stop_at = free_run.token_ids[4]
+    first = free_run.token_ids.index(stop_at)
+    stopped = engine.generate([[1, 5, 9]], SamplingParams(max_new_tokens=10, stop_token_ids=(stop_at,)))[0]
+    assert stopped.finish_reason is FinishReason.STOP
+    assert stopped.token_ids == free_run.token_ids[: first + 1]
+
+    # the model's EOS id (2) ends generation unless ignore_eos
+    engine.eos_token_ids = frozenset({stop_at})
+    eos = engine.generate([[1, 5, 9]], SamplingParams(max_new_tokens=10))[0]
+    assert eos.finish_reason is FinishReason.EOS and eos.token_ids[-1] == stop_at
+    ignored = engine.generate([[1, 5, 9]], SamplingParams(max_new_tokens=10, ignore_eos=True))[0]
+    assert ignored.token_ids == free_run.token_ids
+
+
+def test_context_limit_is_checked_up_front(random_model):
+    engine = Engine(random_model, None, EngineConfig(backend="sdpa", max_model_len=32))
+    with pytest.raises(ContextLengthError, match="exceeds the context limit of 32"):
+        engine.add_request(list(range(1, 30)), SamplingParams(max_new_tokens=5))
+    assert not engine.has_unfinished()
+    # exactly filling the window is fine
+    res = engine.generate([list(range(1, 28))], SamplingParams(max_new_tokens=5, ignore_eos=True))[0]
+    assert len(res.token_ids) == 5
+
+
+@pytest.mark.parametrize(
+    "prompt, params, match",
+    [
+        ([], SamplingParams(), "empty"),
+        ([1, 2, 100000], SamplingParams(), "outside the vocabulary"),
+    ],
+)
+def test_invalid_requests_leave_engine_untouched(random_model, prompt, params, match):
+    engine = Engine(random_model, None, EngineConfig(backend="sdpa", max_model_len=64))
+    with pytest.raises(InvalidRequestError, match=match):
+        engine.add_request(prompt, params)
+    assert not engine.has_unfinished() and engine.cache.num_tokens_in_use == 0
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(max_new_tokens=0), "max_new_tokens"),
+        (dict(temperature=-1), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(top_k=-1), "top_k"),
+    ],
+)
+def test_bad_sampling_params(kwargs, match):
+    with pytest.raises(InvalidRequestError, match=match):
+        SamplingParams(**kwargs)
+
+
+def test_abort_isolates_other_requests(random_model):
+    alone = run(random_model, "sdpa", [PROMPTS[0]])[0]
+    engine = Engine(random_model, None, EngineConfig(backend="sdpa", max_model_len=128))
+    keep = engine.add_request(PROMPTS[0], GREEDY)
+    victim = engine.add_request(PROMPTS[2], GREEDY)
+    engine.step()
+    engine.step()
+    engine.abort(victim)
+    assert engine.result(victim).finish_reason is FinishReason.ABORT
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.result(keep).token_ids == alone
+    assert engine.cache.num_tokens_in_use == 0 and engine.cache.can_add_sequence()
+
+
+def test_continuous_batching_join_midway(random_model):
+    alone = [run(random_model, "sdpa", [p])[0] for p in PROMPTS[:2]]
+    engine = Engine(random_model, None, EngineConfig(backend="sdpa", max_model_len=128))
+    first = engine.add_request(PROMPTS[0], GREEDY)
+    for _ in range(4):
+        engine.step()
+    second = engine.add_request(PROMPTS[1], GREEDY)  # joins a running batch
+    while engine.has_unfinished():
+        engine.step()
+    assert [engine.result(first).token_ids, engine.result(second).token_ids] == alone
+
+
+def test_more_requests_than_slots_queue_up(random_model):
+    expected = run(random_model, "sdpa")
+    assert run(random_model, "sdpa", max_num_seqs=2) == expected
+
+
+def test_seeded_sampling_is_reproducible_and_backend_independent(random_model):
+    params = SamplingParams(max_new_tokens=12, temperature=0.9, top_k=50, top_p=0.9, seed=7, ignore_eos=True)
+    a = run(random_model, "naive", [[1, 2, 3]], params)
+    assert a == run(random_model, "naive", [[1, 2, 3]], params)
+    assert a == run(random_model, "sdpa", [[1, 2, 3]], params)
+    other = SamplingParams(max_new_tokens=12, temperature=0.9, seed=8, ignore_eos=True)
+    assert a != run(random_model, "naive", [[1, 2, 3]], other)
+
+
+def test_metrics(random_model):
+    engine = Engine(random_model, None, EngineConfig(backend="sdpa", max_model_len=64))
+    res = engine.generate([[1, 2, 3, 4]], SamplingParams(max_new_tokens=6, ignore_eos=True))[0]
+    m = res.metrics
+    assert m.num_prompt_tokens == 4 and m.num_generated_tokens == 6
+    assert m.ttft_s > 0 and m.tpot_s > 0 and m.tokens_per_s == pytest.approx(1 / m.tpot_s)
+    c = random_model.config
+    # KV bytes = 2 × layers × kv_heads × head_dim × seq_len × bytes; the last token is sampled, never cached
+    assert m.kv_bytes == 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * (4 + 6 - 1) * 4
+
+
+def test_per_phase_backends_share_one_cache(random_model):
+    expected = run(random_model, "naive")
+    engine = Engine(random_model, None, EngineConfig(prefill_backend="naive", decode_backend="sdpa", max_model_len=128))
+    assert (engine.prefill_backend.name, engine.decode_backend.name) == ("naive", "sdpa")
+    assert [r.token_ids for r in engine.generate(PROMPTS, GREEDY)] == expected
+
+
+def test_incompatible_phase_pair_is_refused(random_model):
+    with pytest.raises(ConfigError, match="share no KV-cache layout"):
+        Engine(random_model, None, EngineConfig(prefill_backend="naive", decode_backend="paged"))
+
+
+def test_auto_backend_picks_an_available_one(random_model):
+    engine = Engine(random_model, None, EngineConfig())
+    assert engine.prefill_backend.availability() is None
+
+
+def test_reduced_precision_runs(random_model):
+    model = make_random_model(dtype=torch.bfloat16)
+    engine = Engine(model, None, EngineConfig(backend="sdpa", dtype="bfloat16", max_model_len=64))
+    res = engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=5, ignore_eos=True))[0]
+    assert len(res.token_ids) == 5 and engine.cache.k.dtype == torch.bfloat16
+
+
+def test_unknown_dtype():
+    with pytest.raises(ConfigError, match="unknown dtype 'float8'"):
+        EngineConfig(dtype="float8")
