@@ -46,11 +46,11 @@ def build_parser() -> argparse.ArgumentParser:
         _engine_args(p)
         _sampling_args(p)
         p.add_argument("--json", action="store_true", help="print a JSON result object as the last stdout line")
-        p.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
+        p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
 
     p = sub.add_parser("backends", help="list registered backends and their capabilities")
     p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
 
     try:
         from kvcore.conformance.cli import add_parser as add_conformance

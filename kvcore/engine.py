@@ -348,6 +348,13 @@ class Engine:
             self._waiting.appendleft(victim)
 
     def _sample_and_update(self, reqs: list[Request], logits: torch.Tensor) -> None:
+        banned_rows = [i for i, r in enumerate(reqs) if r.params.ignore_eos]
+        if banned_rows and self.eos_token_ids:
+            # ignore_eos suppresses EOS (llama.cpp --ignore-eos, transformers min_new_tokens): the stream
+            # then holds exactly max_new_tokens real tokens instead of EOS followed by noise.
+            rows = torch.tensor(banned_rows, device=logits.device)[:, None]
+            cols = torch.tensor(sorted(self.eos_token_ids), device=logits.device)[None, :]
+            logits[rows, cols] = float("-inf")
         next_ids = self.sampler.sample(logits, [r.params for r in reqs], [r.generator for r in reqs]).tolist()
         now = time.perf_counter()
         for req, token_id in zip(reqs, next_ids):

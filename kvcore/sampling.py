@@ -24,7 +24,7 @@ class SamplingParams:
     top_p: float = 1.0  # 1 = no nucleus filter; must be in (0, 1]
     seed: int | None = None  # per-request RNG seed; same seed → same stream
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
-    ignore_eos: bool = False  # keep going past EOS (benchmarks, conformance)
+    ignore_eos: bool = False  # suppress EOS: generate exactly max_new_tokens (benchmarks, conformance)
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens <= 0:

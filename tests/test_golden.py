@@ -1,0 +1,67 @@
+"""The correctness oracle: fp32 greedy tokens equal Hugging Face transformers' on the same weights.
+
+Golden files come from ``scripts/make_golden.py`` (transformers, dev-only); see tests/data/README.md.
+EOS is suppressed in the goldens (``min_new_tokens``), which is kvcore's ``ignore_eos``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvcore import Engine, EngineConfig, LlamaModel, SamplingParams
+
+DATA = Path(__file__).parent / "data"
+
+
+def load_golden(name: str) -> dict:
+    return json.loads((DATA / name).read_text())
+
+
+def check_against_golden(loaded, golden: dict, backend: str, max_num_seqs: int) -> None:
+    model = LlamaModel.from_weights(loaded.config, loaded.weights)
+    engine = Engine(model, loaded.tokenizer, EngineConfig(backend=backend, max_num_seqs=max_num_seqs))
+    prompts = golden["prompts"]
+    for p in prompts:  # our tokenizer agrees with transformers' on every golden prompt
+        assert loaded.tokenizer.encode(p["prompt"], add_bos=golden["add_bos_token"]) == p["prompt_token_ids"], p["name"]
+    params = SamplingParams(max_new_tokens=golden["max_new_tokens"], ignore_eos=True)
+    results = engine.generate([p["prompt_token_ids"] for p in prompts], params)
+    for p, r in zip(prompts, results):
+        assert r.token_ids == p["token_ids"], f"{backend}: prompt '{p['name']}' diverges from transformers"
+
+
+def test_tiny_model_matches_transformers():
+    from kvcore.loaders import load_model
+
+    check_against_golden(load_model(str(DATA / "tiny-llama")), load_golden("golden_tiny.json"), "naive", 4)
+
+
+@pytest.mark.slow
+def test_smollm2_naive_matches_transformers(smollm2):
+    """All golden prompts, batched (ragged), through the reference backend."""
+    check_against_golden(smollm2, load_golden("golden_smollm2.json"), "naive", 11)
+
+
+@pytest.mark.slow
+def test_cli_acceptance_command(capsys):
+    """The issue's acceptance command, verbatim, returns transformers' 48 greedy ids."""
+    from kvcore.cli import main
+
+    golden = {p["name"]: p for p in load_golden("golden_smollm2.json")["prompts"]}["printing_press"]
+    rc = main(["generate", "--backend", "naive", "--temperature", "0", "--max-new-tokens", "48", "--json",
+               "The history of the printing press begins"])
+    out = capsys.readouterr().out
+    result = json.loads(out.strip().splitlines()[-1])
+    assert rc == 0
+    assert result["prompt_token_ids"] == golden["prompt_token_ids"]
+    assert result["token_ids"] == golden["token_ids"]
+
+
+@pytest.mark.slow
+def test_chat_says_paris(capsys):
+    from kvcore.cli import main
+
+    rc = main(["chat", "--max-new-tokens", "24", "What is the capital of France?"])
+    assert rc == 0 and "Paris" in capsys.readouterr().out
