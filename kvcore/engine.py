@@ -294,7 +294,10 @@ class Engine:
                 break
             seq_id = next(self._seq_ids)
             self.cache.add_sequence(seq_id)
-            if not self.cache.can_append(seq_id, len(req.all_ids)):
+            # Count the whole prefill batch together: each may fit alone but not all at once.
+            batch_ids = [r.seq_id for r in admitted] + [seq_id]
+            batch_lens = [len(r.all_ids) for r in admitted] + [len(req.all_ids)]
+            if not self.cache.can_prepare(batch_ids, batch_lens):
                 self.cache.free_sequence(seq_id)
                 if not self._running and not admitted:  # alone and still too big: it can never run
                     self._waiting.popleft()
@@ -332,8 +335,7 @@ class Engine:
     def _make_room(self) -> None:
         """Preempt the newest running requests until every remaining one can append a token."""
         while self._running:
-            blocked = [r for r in self._running if not self.cache.can_append(r.seq_id, 1)]
-            if not blocked:
+            if self.cache.can_prepare([r.seq_id for r in self._running], [1] * len(self._running)):
                 return
             victim = self._running[-1]
             if len(self._running) == 1:

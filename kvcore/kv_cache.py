@@ -97,6 +97,10 @@ class KVCache(abc.ABC):
     def can_append(self, seq_id: int, num_tokens: int) -> bool:
         """Whether ``num_tokens`` more tokens fit for ``seq_id``."""
 
+    def can_prepare(self, seq_ids: list[int], query_lens: list[int]) -> bool:
+        """Whether one :meth:`prepare` call for these sequences would fit (counted together)."""
+        return all(self.can_append(s, n) for s, n in zip(seq_ids, query_lens))
+
     # -- per-call addressing -------------------------------------------------------------------------
     def prepare(self, seq_ids: list[int], query_lens: list[int], scale: float) -> AttentionMetadata:
         """Reserve room for ``query_lens[i]`` new tokens of each sequence and describe the call.

@@ -88,8 +88,10 @@ def test_stop_conditions(random_model):
     engine.eos_token_ids = frozenset({stop_at})
     eos = engine.generate([[1, 5, 9]], SamplingParams(max_new_tokens=10))[0]
     assert eos.finish_reason is FinishReason.EOS and eos.token_ids[-1] == stop_at
+    # ignore_eos suppresses EOS: exactly max_new_tokens tokens, none of them EOS, same prefix before it
     ignored = engine.generate([[1, 5, 9]], SamplingParams(max_new_tokens=10, ignore_eos=True))[0]
-    assert ignored.token_ids == free_run.token_ids
+    assert len(ignored.token_ids) == 10 and stop_at not in ignored.token_ids
+    assert ignored.token_ids[:first] == free_run.token_ids[:first]
 
 
 def test_context_limit_is_checked_up_front(random_model):
@@ -210,3 +212,24 @@ def test_reduced_precision_runs(random_model):
 def test_unknown_dtype():
     with pytest.raises(ConfigError, match="unknown dtype 'float8'"):
         EngineConfig(dtype="float8")
+
+
+@pytest.mark.parametrize("num_blocks", [14, 20, 30])
+def test_tight_paged_pool_preempts_without_changing_streams(random_model, num_blocks):
+    """Requests that fit alone but not together queue or get preempted; no stream changes."""
+    expected = run(random_model, "naive")
+    engine = Engine(random_model, None, EngineConfig(backend="paged", block_size=4, num_blocks=num_blocks,
+                                                     max_model_len=128))
+    results = engine.generate(PROMPTS, GREEDY)
+    assert [r.token_ids for r in results] == expected
+    assert engine.cache.num_free_blocks == num_blocks  # every block back in the pool
+    if num_blocks == 14:  # the four requests need 24 blocks at their peak
+        assert sum(r.metrics.num_preemptions for r in results) > 0
+
+
+def test_request_larger_than_whole_pool_fails_alone(random_model):
+    engine = Engine(random_model, None, EngineConfig(backend="paged", block_size=4, num_blocks=4, max_model_len=128))
+    results = engine.generate([list(range(1, 40)), [1, 2]], SamplingParams(max_new_tokens=3, ignore_eos=True))
+    assert results[0].finish_reason is FinishReason.ERROR and "more than the whole cache holds" in str(results[0].error)
+    assert results[1].token_ids == run(random_model, "naive", [[1, 2]], SamplingParams(max_new_tokens=3, ignore_eos=True))[0]
+    assert engine.cache.num_free_blocks == 4
