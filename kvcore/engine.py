@@ -75,9 +75,11 @@ class EngineConfig:
         if self.block_size <= 0:
             raise ConfigError(f"block_size must be positive, got {self.block_size}")
         try:
-            torch.device(self.device)
+            device = torch.device(self.device)
         except RuntimeError:
-            raise ConfigError(f"unknown device '{self.device}'") from None
+            raise ConfigError(f"unknown device '{self.device}' (examples: cpu, cuda, cuda:1)") from None
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError(f"device '{self.device}' is not available: torch.cuda.is_available() is False")
 
 
 def select_backends(

@@ -91,6 +91,8 @@ def test_per_phase_flags(capsys):
         (["--top-p", "1.5"], 2, "top_p must be in (0, 1]"),
         (["--top-k", "-3"], 2, "top_k must be an integer >= 0"),
         (["--dtype", "float8"], 2, "unknown dtype 'float8'"),
+        (["--device", "cuda"], 2, "device 'cuda' is not available"),
+        (["--device", "tpu9"], 2, "unknown device 'tpu9'"),
         (["--max-new-tokens", "100000"], 2, "exceeds the context limit"),
         (["--prefill-backend", "naive", "--decode-backend", "paged"], 2, "share no KV-cache layout"),
         (["--config", "/no/such.toml"], 2, "config file '/no/such.toml' not found"),

@@ -195,3 +195,24 @@ def test_hooks_are_documented_in_readme():
     assert hooks
     for hook in hooks:
         assert hook in readme, f"hook {hook} is not documented in README.md"
+
+
+def test_backend_refuses_unsupported_dtype_and_head_size(with_plugin, random_model):
+    from kvcore import Engine, EngineConfig
+
+    narrow = make_backend(
+        "narrow",
+        capabilities=BackendCapabilities(
+            devices=frozenset({"cpu"}), dtypes=frozenset({torch.float32}), cache_kinds=("contiguous",),
+            head_dims=frozenset({64, 128}),
+        ),
+    )
+    reg = with_plugin(plugin_registering(narrow), "narrow-plugin")
+    with pytest.raises(BackendUnavailableError, match=r"cannot run this model here: head_dim 16 not supported"):
+        Engine(random_model, None, EngineConfig(backend="narrow"), registry=reg)
+    bf16 = random_model.to(torch.bfloat16)
+    try:
+        with pytest.raises(BackendUnavailableError, match=r"dtype bfloat16 not supported \(supports: float32\)"):
+            Engine(bf16, None, EngineConfig(backend="narrow", dtype="bfloat16"), registry=reg)
+    finally:
+        random_model.to(torch.float32)
