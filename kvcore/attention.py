@@ -77,6 +77,7 @@ class BackendCapabilities:
     cache_kinds: tuple[str, ...]  # KV-cache layouts it reads, preferred first ("contiguous", "paged")
     head_dims: frozenset[int] | None = None  # None: any head size
     max_head_dim: int | None = None
+    head_dim_multiple: int | None = None  # e.g. 8: kernels that vectorise over head_dim
     supports_gqa: bool = True  # H_kv < H (grouped-query / multi-query attention)
     supports_prefill: bool = True
     supports_decode: bool = True
@@ -96,8 +97,17 @@ class BackendCapabilities:
             reasons.append(f"head_dim {head_dim} not supported (supports: {sorted(self.head_dims)})")
         if self.max_head_dim is not None and head_dim > self.max_head_dim:
             reasons.append(f"head_dim {head_dim} exceeds the maximum {self.max_head_dim}")
-        if num_kv_heads != num_heads and not self.supports_gqa:
+        if self.head_dim_multiple and head_dim % self.head_dim_multiple:
+            reasons.append(f"head_dim {head_dim} is not a multiple of {self.head_dim_multiple}")
+        if num_heads % num_kv_heads:
+            reasons.append(f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
+        elif num_kv_heads != num_heads and not self.supports_gqa:
             reasons.append(f"grouped-query attention ({num_heads} query / {num_kv_heads} KV heads) not supported")
+        if device.type == "cuda" and self.min_compute_capability and torch.cuda.is_available():
+            have = torch.cuda.get_device_capability(device)
+            if have < self.min_compute_capability:
+                need = ".".join(map(str, self.min_compute_capability))
+                reasons.append(f"GPU compute capability {have[0]}.{have[1]} < {need}")
         return reasons
 
 

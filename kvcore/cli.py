@@ -219,7 +219,10 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # a bug: still one line, with a hint to get the traceback
         if debug:
             raise
-        print(f"kvcore: internal error: {type(exc).__name__}: {exc} (rerun with --debug for a traceback)", file=sys.stderr)
+        print(
+            f"kvcore: internal error: {type(exc).__name__}: {exc} (rerun with --debug for a traceback)",
+            file=sys.stderr,
+        )
         return 70
 
 

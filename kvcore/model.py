@@ -113,7 +113,8 @@ class LlamaModel(nn.Module):
                 put(model.gate_up_proj[i], torch.cat(mlp, 0), p + "mlp.{gate,up}_proj.weight")
                 put(model.down_proj[i], take(p + "mlp.down_proj.weight"), p + "mlp.down_proj.weight")
                 put(model.input_norm[i], take(p + "input_layernorm.weight"), p + "input_layernorm.weight")
-                put(model.post_norm[i], take(p + "post_attention_layernorm.weight"), p + "post_attention_layernorm.weight")
+                post = p + "post_attention_layernorm.weight"
+                put(model.post_norm[i], take(post), post)
         return model
 
     def forward(

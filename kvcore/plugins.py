@@ -150,7 +150,8 @@ class BackendRegistry:
         known = {name for name, _ in self.pm.list_name_plugin()}
         for name in plugin_options:
             if name not in known:
-                raise ConfigError(f"config: [plugins.{name}] names no loaded plugin (loaded: {', '.join(sorted(known))})")
+                loaded = ", ".join(sorted(known))
+                raise ConfigError(f"config: [plugins.{name}] names no loaded plugin (loaded: {loaded})")
         for impl in self.pm.hook.kvcore_configure.get_hookimpls():
             impl.function(options=dict(plugin_options.get(impl.plugin_name, {})))
 

@@ -16,8 +16,8 @@ import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-from kvcore.backends.paged import BlockAllocator, PagedKVCache
 
+from kvcore.backends.paged import BlockAllocator, PagedKVCache
 from kvcore.errors import ContextLengthError, KVCoreError, OutOfBlocksError
 from kvcore.kv_cache import CacheSpec
 

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import make_random_model
 
 from kvcore import Engine, EngineConfig, FinishReason, SamplingParams
 from kvcore.errors import ConfigError, ContextLengthError, InvalidRequestError
 from kvcore.kv_cache import CacheSpec, ContiguousKVCache
-
-from helpers import make_random_model
 
 PROMPTS = [[1, 5, 9, 13, 17], [7, 8], list(range(10, 50)), [9]]
 GREEDY = SamplingParams(max_new_tokens=12, ignore_eos=True)
@@ -231,5 +230,6 @@ def test_request_larger_than_whole_pool_fails_alone(random_model):
     engine = Engine(random_model, None, EngineConfig(backend="paged", block_size=4, num_blocks=4, max_model_len=128))
     results = engine.generate([list(range(1, 40)), [1, 2]], SamplingParams(max_new_tokens=3, ignore_eos=True))
     assert results[0].finish_reason is FinishReason.ERROR and "more than the whole cache holds" in str(results[0].error)
-    assert results[1].token_ids == run(random_model, "naive", [[1, 2]], SamplingParams(max_new_tokens=3, ignore_eos=True))[0]
+    alone = run(random_model, "naive", [[1, 2]], SamplingParams(max_new_tokens=3, ignore_eos=True))[0]
+    assert results[1].token_ids == alone
     assert engine.cache.num_free_blocks == 4

@@ -7,9 +7,9 @@ import random
 
 import pytest
 import torch
+
 from kvcore.backends.naive import NaiveBackend
 from kvcore.backends.paged import BLOCK_TABLE_PAD, BlockAllocator, PagedBackend, PagedKVCache
-
 from kvcore.errors import ConfigError, ContextLengthError, KVCoreError, OutOfBlocksError
 from kvcore.kv_cache import CacheSpec, ContiguousKVCache, create_cache
 from kvcore.plugins import BackendRegistry

@@ -1,0 +1,628 @@
+"""The CUDA-only backends (``flash_attn2``, ``xformers``) on CPU, with emulated kernels.
+
+flash-attn and xformers cannot run here, but everything around their kernel calls is our code: packing,
+``cu_seqlens``, ``cache_seqlens`` (lengths *before* the in-place append), ``cache_batch_idx``, the
+attention-bias objects, the 5-D GQA layout, the cache writes and reads. These tests run that production
+glue unchanged, with the kernels swapped (``kernels=`` constructor option) for
+``kvcore.backends._emulation`` — re-implementations of each kernel's documented semantics — and compare
+every output and the cache contents with the ``naive`` oracle, in float32.
+
+The emulations are themselves checked against ``naive`` (fed by hand-built inputs, no backend glue), and
+planted glue bugs are shown to make the comparison fail. Real-kernel checks live in scripts/gpu_check.sh.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import itertools
+from types import SimpleNamespace
+
+import pytest
+import torch
+from helpers import make_random_model
+
+import kvcore.backends.flash_attn2 as flash_mod
+import kvcore.backends.xformers as xformers_mod
+from kvcore import Engine, EngineConfig, SamplingParams
+from kvcore.backends._emulation import (
+    FLASH_KERNELS,
+    XFORMERS_KERNELS,
+    EmulatedBlockDiagonalCausalMask,
+    EmulatedBlockDiagonalCausalWithOffsetPaddedKeysMask,
+    emulated_flash_attn_varlen_func,
+    emulated_flash_attn_with_kvcache,
+    emulated_memory_efficient_attention,
+)
+from kvcore.backends.flash_attn2 import FlashAttn2Backend, FlashKVCache
+from kvcore.backends.naive import NaiveBackend
+from kvcore.backends.xformers import XFormersBackend
+from kvcore.errors import BackendUnavailableError, ConfigError
+from kvcore.hookspecs import hookimpl
+from kvcore.kv_cache import CacheSpec, ContiguousKVCache, cache_kinds, create_cache
+from kvcore.plugins import BackendRegistry
+
+CPU = torch.device("cpu")
+LAYERS = 2
+HEADS = [(4, 4), (8, 2), (4, 1)]  # (H, H_kv): MHA, GQA, MQA
+HEADS_IDS = ["mha", "gqa", "mqa"]
+
+
+def make_backend(name: str, kernels=None):
+    if name == "flash_attn2":
+        return FlashAttn2Backend(kernels=kernels or FLASH_KERNELS)
+    return XFormersBackend(kernels=kernels or XFORMERS_KERNELS)
+
+
+BACKEND_KINDS = [(b, k) for b in ("flash_attn2", "xformers") for k in ("flash_contiguous", "contiguous")]
+
+
+def cache_spec(num_kv_heads: int, head_dim: int, dtype=torch.float32, max_num_seqs: int = 6, max_seq_len: int = 256):
+    return CacheSpec(LAYERS, num_kv_heads, head_dim, dtype, CPU, max_num_seqs, max_seq_len)
+
+
+class Pair:
+    """Drives the same calls through ``naive`` (the oracle, own contiguous cache) and a backend under test
+    (own cache of ``kind``), with identical random q/k/v, and compares every output."""
+
+    def __init__(self, backend, kind, num_heads, num_kv_heads, head_dim, *, dtype=torch.float32, seed=0, **spec_kw):
+        spec = cache_spec(num_kv_heads, head_dim, dtype, **spec_kw)
+        self.ref, self.ref_cache = NaiveBackend(), ContiguousKVCache(spec)
+        self.backend, self.cache = backend, create_cache(kind, spec)
+        self.shape = (num_heads, num_kv_heads, head_dim)
+        self.dtype = dtype
+        self.tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def add(self, *seq_ids):
+        for s in seq_ids:
+            self.ref_cache.add_sequence(s)
+            self.cache.add_sequence(s)
+
+    def free(self, *seq_ids):
+        for s in seq_ids:
+            self.ref_cache.free_sequence(s)
+            self.cache.free_sequence(s)
+
+    def rand(self, *shape):
+        return torch.randn(*shape, generator=self.gen).to(self.dtype)
+
+    def step(self, seq_ids, query_lens):
+        num_heads, num_kv_heads, head_dim = self.shape
+        scale = head_dim**-0.5
+        meta_ref = self.ref_cache.prepare(seq_ids, query_lens, scale)
+        meta = self.cache.prepare(seq_ids, query_lens, scale)
+        tokens = sum(query_lens)
+        for layer in range(LAYERS):
+            q = self.rand(tokens, num_heads, head_dim)
+            k, v = self.rand(tokens, num_kv_heads, head_dim), self.rand(tokens, num_kv_heads, head_dim)
+            want = self.ref.forward(layer, q, k, v, self.ref_cache, meta_ref)
+            got = self.backend.forward(layer, q.clone(), k.clone(), v.clone(), self.cache, meta)
+            assert got.shape == want.shape and got.dtype == want.dtype
+            torch.testing.assert_close(
+                got, want, **self.tol, msg=lambda m, layer=layer: f"layer {layer}, {seq_ids} {query_lens}: {m}"
+            )
+
+    def check_cache(self):
+        for seq_id in self.ref_cache.seq_ids:
+            for layer in range(LAYERS):
+                want_k, want_v = self.ref_cache.read(layer, seq_id)
+                got_k, got_v = self.cache.read(layer, seq_id)
+                torch.testing.assert_close(got_k, want_k, rtol=0, atol=0)
+                torch.testing.assert_close(got_v, want_v, rtol=0, atol=0)
+
+
+def mixed_scenario(p: Pair) -> None:
+    """Ragged prefill, continuing prefill, decode in permuted slot order, slot reuse, mixed batches,
+    consecutive and non-consecutive slots, multi-step decode."""
+    p.add(0, 1, 2, 3)  # slots 0..3
+    p.step([0, 1, 2, 3], [5, 1, 17, 3])  # fresh ragged prefill (one 1-token prompt)
+    p.step([0, 2], [4, 6])  # prefill continuing a cache (context 5 and 17)
+    p.step([3, 2, 1, 0], [1, 1, 1, 1])  # decode, slots in reverse order
+    p.free(1)
+    p.add(4)  # reuses slot 1
+    p.step([4, 0], [7, 1])  # mixed: a fresh prompt next to a one-token continuation (not a decode step)
+    p.step([0, 4], [1, 1])  # decode over consecutive slots 0, 1
+    p.step([2, 3], [1, 1])  # decode over consecutive slots 2, 3
+    p.step([3, 0], [3, 2])  # continuing prefill, slots 3, 0
+    for _ in range(3):
+        p.step([0, 2, 3, 4], [1, 1, 1, 1])  # multi-step decode, non-consecutive slots 0, 2, 3, 1
+    p.check_cache()
+
+
+# -- the backends with emulated kernels vs naive ---------------------------------------------------------
+# MHA / GQA / MQA, each head size at least twice (the naive oracle is slow on 2 cores: keep it to 16 runs)
+SHAPES = [((4, 4), 128), ((8, 2), 64), ((8, 2), 128), ((4, 1), 64)]
+
+
+@pytest.mark.parametrize("heads,head_dim", SHAPES, ids=["mha-128", "gqa-64", "gqa-128", "mqa-64"])
+@pytest.mark.parametrize("backend,kind", BACKEND_KINDS)
+def test_backend_matches_naive(backend, kind, heads, head_dim):
+    mixed_scenario(Pair(make_backend(backend), kind, *heads, head_dim))
+
+
+@pytest.mark.parametrize("heads", [(8, 2), (4, 1)], ids=["gqa", "mqa"])
+@pytest.mark.parametrize("backend,kind", BACKEND_KINDS)
+def test_decode_against_long_caches(backend, kind, heads):
+    p = Pair(make_backend(backend), kind, *heads, 128, max_seq_len=320)
+    p.add(0, 1, 2)
+    p.step([0, 1, 2], [64, 130, 77])
+    p.step([0, 2], [64, 64])  # chunked prefill continuing the cache
+    p.step([0], [72])  # seq 0 now at 200 tokens
+    for _ in range(4):
+        p.step([2, 0, 1], [1, 1, 1])
+    p.check_cache()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("backend,kind", BACKEND_KINDS[::2])
+def test_half_precision(backend, kind, dtype):
+    """The kernels' real dtypes (naive computes in fp32, the emulations too: loose tolerance)."""
+    mixed_scenario(Pair(make_backend(backend), kind, 8, 2, 64, dtype=dtype))
+
+
+def test_flash_decode_appends_in_place_without_cache_write():
+    """Decode leaves the K/V append to the kernel (flash_attn_with_kvcache with k/v)."""
+    p = Pair(make_backend("flash_attn2"), "flash_contiguous", 4, 2, 64)
+    p.add(0, 1)
+    p.step([0, 1], [3, 5])
+    p.cache.write = None  # any call to the cache's own write would now fail
+    p.step([1, 0], [1, 1])
+    p.check_cache()
+
+
+def test_xformers_zero_copy_keys_for_consecutive_slots():
+    backend = make_backend("xformers")
+    cache = FlashKVCache(cache_spec(2, 64))
+    for s in range(3):
+        cache.add_sequence(s)
+    meta = cache.prepare([1, 2], [4, 2], 0.125)
+    keys, _, pad = XFormersBackend._padded_keys(cache, 0, meta)
+    assert pad == cache.spec.max_seq_len and keys.data_ptr() == cache.k[0, 1].data_ptr()  # a view
+    meta = cache.prepare([2, 0], [1, 1], 0.125)
+    keys, _, pad = XFormersBackend._padded_keys(cache, 0, meta)
+    assert pad == meta.max_seq_len and keys.shape[1] == 2 * pad
+    assert backend.capabilities.cache_kinds[0] == "flash_contiguous"
+
+
+# -- the emulations vs naive, with hand-built kernel inputs ---------------------------------------------
+def _naive_step(cache, seq_ids, query_lens, num_heads, head_dim, gen):
+    """Run naive on ``cache`` (layer 0); returns (meta, q, k, v, out)."""
+    meta = cache.prepare(seq_ids, query_lens, head_dim**-0.5)
+    t, num_kv_heads = sum(query_lens), cache.spec.num_kv_heads
+    q = torch.randn(t, num_heads, head_dim, generator=gen)
+    k = torch.randn(t, num_kv_heads, head_dim, generator=gen)
+    v = torch.randn(t, num_kv_heads, head_dim, generator=gen)
+    return meta, q, k, v, NaiveBackend().forward(0, q, k, v, cache, meta)
+
+
+def _prefix(lengths):
+    return torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+
+
+@pytest.mark.parametrize("heads", HEADS, ids=HEADS_IDS)
+def test_emulated_varlen_matches_naive(heads):
+    num_heads, num_kv_heads = heads
+    gen = torch.Generator().manual_seed(1)
+    cache = ContiguousKVCache(cache_spec(num_kv_heads, 64))
+    for s in range(3):
+        cache.add_sequence(s)
+    _naive_step(cache, [0, 1], [6, 2], num_heads, 64, gen)
+    meta, q, _, _, want = _naive_step(cache, [2, 0, 1], [5, 3, 1], num_heads, 64, gen)  # fresh + 2 continuing
+    keys = [cache.read(0, s) for s in [2, 0, 1]]  # full per-sequence K/V after naive's write
+    got = emulated_flash_attn_varlen_func(
+        q,
+        torch.cat([k for k, _ in keys]),
+        torch.cat([v for _, v in keys]),
+        cu_seqlens_q=_prefix([5, 3, 1]),
+        cu_seqlens_k=_prefix([5, 9, 3]),
+        max_seqlen_q=5,
+        max_seqlen_k=9,
+        softmax_scale=64**-0.5,
+        causal=True,
+    )
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["batch_idx", "block_table"])
+@pytest.mark.parametrize("heads", HEADS, ids=HEADS_IDS)
+def test_emulated_kvcache_matches_naive(heads, paged):
+    num_heads, num_kv_heads = heads
+    gen = torch.Generator().manual_seed(2)
+    cache = ContiguousKVCache(cache_spec(num_kv_heads, 64, max_seq_len=300))
+    for s in range(3):
+        cache.add_sequence(s)
+    _naive_step(cache, [0, 1, 2], [260, 7, 40], num_heads, 64, gen)
+    before = {s: cache.read(0, s) for s in range(3)}
+    order = [2, 0, 1]
+    meta, q, k, v, want = _naive_step(cache, order, [1, 1, 1], num_heads, 64, gen)
+    lens = torch.tensor([before[s][0].shape[0] for s in order], dtype=torch.int32)
+    if not paged:  # cache rows in seq-id order, batch rows permuted through cache_batch_idx
+        k_cache = torch.zeros(3, 300, num_kv_heads, 64)
+        v_cache = torch.zeros_like(k_cache)
+        for s, (kk, vv) in before.items():
+            k_cache[s, : kk.shape[0]], v_cache[s, : vv.shape[0]] = kk, vv
+        extra = dict(cache_batch_idx=torch.tensor(order, dtype=torch.int32))
+    else:  # 256-token pages scattered over a pool by a block table
+        page, blocks = 256, torch.tensor([[5, 2], [0, 4], [3, 1]], dtype=torch.int32)
+        k_cache = torch.zeros(6, page, num_kv_heads, 64)
+        v_cache = torch.zeros_like(k_cache)
+        for row, s in enumerate(order):
+            kk, vv = before[s]
+            for p in range(kk.shape[0]):
+                k_cache[blocks[row, p // page], p % page] = kk[p]
+                v_cache[blocks[row, p // page], p % page] = vv[p]
+        extra = dict(block_table=blocks)
+    out = emulated_flash_attn_with_kvcache(
+        q[:, None],
+        k_cache,
+        v_cache,
+        k=k[:, None],
+        v=v[:, None],
+        cache_seqlens=lens,
+        softmax_scale=64**-0.5,
+        causal=True,
+        **extra,
+    )
+    torch.testing.assert_close(out[:, 0], want, rtol=1e-5, atol=1e-5)
+    for row, s in enumerate(order):  # the new rows landed at cache_seqlens
+        pos = int(lens[row])
+        idx = (s, pos) if not paged else (int(blocks[row, pos // 256]), pos % 256)
+        torch.testing.assert_close(k_cache[idx], k[row])
+        torch.testing.assert_close(v_cache[idx], v[row])
+
+
+@pytest.mark.parametrize("heads", HEADS, ids=HEADS_IDS)
+def test_emulated_xformers_matches_naive(heads):
+    num_heads, num_kv_heads = heads
+    group = num_heads // num_kv_heads
+    gen = torch.Generator().manual_seed(3)
+    cache = ContiguousKVCache(cache_spec(num_kv_heads, 64))
+    for s in range(3):
+        cache.add_sequence(s)
+    _, q0, k0, v0, want0 = _naive_step(cache, [0, 1], [6, 2], num_heads, 64, gen)
+    fresh = EmulatedBlockDiagonalCausalMask.from_seqlens([6, 2])
+    got0 = emulated_memory_efficient_attention(
+        q0.reshape(1, 8, num_kv_heads, group, 64),
+        k0.reshape(1, 8, num_kv_heads, 1, 64).expand(1, 8, num_kv_heads, group, 64),
+        v0.reshape(1, 8, num_kv_heads, 1, 64).expand(1, 8, num_kv_heads, group, 64),
+        attn_bias=fresh,
+        scale=64**-0.5,
+    )
+    torch.testing.assert_close(got0.reshape(8, num_heads, 64), want0, rtol=1e-5, atol=1e-5)
+    _, q, _, _, want = _naive_step(cache, [2, 0, 1], [5, 3, 1], num_heads, 64, gen)
+    pad = 12
+    keys = torch.zeros(1, 3 * pad, num_kv_heads, 64)
+    values = torch.zeros_like(keys)
+    for b, s in enumerate([2, 0, 1]):
+        kk, vv = cache.read(0, s)
+        keys[0, b * pad : b * pad + kk.shape[0]], values[0, b * pad : b * pad + vv.shape[0]] = kk, vv
+    bias = EmulatedBlockDiagonalCausalWithOffsetPaddedKeysMask.from_seqlens([5, 3, 1], pad, [5, 9, 3])
+    got = emulated_memory_efficient_attention(
+        q.reshape(1, 9, num_kv_heads, group, 64),
+        keys.unsqueeze(3).expand(1, 3 * pad, num_kv_heads, group, 64),
+        values.unsqueeze(3).expand(1, 3 * pad, num_kv_heads, group, 64),
+        attn_bias=bias,
+        scale=64**-0.5,
+    )
+    torch.testing.assert_close(got.reshape(9, num_heads, 64), want, rtol=1e-5, atol=1e-5)
+
+
+def test_flash_causal_mask_is_bottom_right_as_documented():
+    """flash-attn's docstring: seqlen_q=2, seqlen_k=5 keeps [[1,1,1,1,0],[1,1,1,1,1]]; seqlen_q=5,
+    seqlen_k=2 keeps only rows 3-4 and a fully masked row outputs zero."""
+    d = 8
+    k = torch.randn(5, 1, d)
+    v = torch.zeros(5, 1, d)
+    v[torch.arange(5), 0, torch.arange(5)] = 1.0  # value j is the one-hot e_j: output = attention weights
+    q = torch.randn(2, 1, d)
+    out = emulated_flash_attn_varlen_func(q, k, v, _prefix([2]), _prefix([5]), 2, 5, causal=True)
+    assert (out[0, 0, :5] > 0).tolist() == [True, True, True, True, False]
+    assert (out[1, 0, :5] > 0).tolist() == [True] * 5
+    q5 = torch.randn(5, 1, d)
+    out = emulated_flash_attn_varlen_func(q5, k[:2], v[:2], _prefix([5]), _prefix([2]), 5, 2, causal=True)
+    assert out[:3].abs().max() == 0
+    assert (out[3, 0, :2] > 0).tolist() == [True, False] and (out[4, 0, :2] > 0).tolist() == [True, True]
+
+
+def test_emulated_padded_mask_matches_docstring_example():
+    """xformers' docstring: 12 key slots, kv_padding=4, kv_seqlens=[2, 3, 2]; each block bottom-right causal."""
+    bias = EmulatedBlockDiagonalCausalWithOffsetPaddedKeysMask.from_seqlens([1, 2, 2], 4, [2, 3, 2])
+    allowed = bias.materialize((5, 12)).exp().to(torch.int64).tolist()
+    assert allowed == [
+        [1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0],
+        [0, 0, 0, 0, 1, 1, 0, 0, 0, 0, 0, 0],
+        [0, 0, 0, 0, 1, 1, 1, 0, 0, 0, 0, 0],
+        [0, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0],
+        [0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 0, 0],
+    ]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("xformers") is None, reason="xformers not installed")
+def test_emulated_masks_match_real_xformers_materialize():
+    """Where xformers is importable (its bias classes work on CPU), our masks equal its own materialize()."""
+    from xformers.ops.fmha import attn_bias as real
+
+    cases = [([2, 1, 3], 5, [4, 3, 3]), ([1, 1], 7, [7, 1]), ([3], 3, [3])]
+    for q_lens, pad, kv_lens in cases:
+        shape = (sum(q_lens), pad * len(q_lens))
+        ours = EmulatedBlockDiagonalCausalWithOffsetPaddedKeysMask.from_seqlens(q_lens, pad, kv_lens)
+        theirs = real.BlockDiagonalCausalWithOffsetPaddedKeysMask.from_seqlens(q_lens, pad, kv_lens, device=CPU)
+        assert torch.equal(ours.materialize(shape), theirs.materialize(shape))
+    ours = EmulatedBlockDiagonalCausalMask.from_seqlens([3, 1, 4])
+    theirs = real.BlockDiagonalCausalMask.from_seqlens([3, 1, 4], device=CPU)
+    assert torch.equal(ours.materialize((8, 8)), theirs.materialize((8, 8)))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("xformers") is None, reason="xformers not installed")
+@pytest.mark.parametrize("kind", ["flash_contiguous", "contiguous"])
+def test_xformers_glue_with_real_bias_classes(kind):
+    """The backend builds xformers' *real* bias objects (keyword names, device) and the emulated kernel
+    attends through their own materialize(): checks our from_seqlens calls against the real signatures."""
+    from xformers.ops.fmha import attn_bias as real
+
+    kernels = _wrap(
+        XFORMERS_KERNELS,
+        BlockDiagonalCausalMask=real.BlockDiagonalCausalMask,
+        BlockDiagonalCausalWithOffsetPaddedKeysMask=real.BlockDiagonalCausalWithOffsetPaddedKeysMask,
+    )
+    mixed_scenario(Pair(make_backend("xformers", kernels), kind, 8, 2, 64))
+
+
+def test_emulations_are_strict_where_the_kernels_would_silently_misbehave():
+    q, k = torch.randn(6, 2, 8), torch.randn(6, 2, 8)
+    with pytest.raises(ValueError, match="cu_seqlens_k"):
+        emulated_flash_attn_varlen_func(q, k, k, _prefix([3, 3]), _prefix([3, 2]), 3, 3, causal=True)
+    with pytest.raises(ValueError, match="int32"):
+        emulated_flash_attn_varlen_func(q, k, k, _prefix([3, 3]).long(), _prefix([3, 3]), 3, 3)
+    with pytest.raises(ValueError, match="max_seqlen"):
+        emulated_flash_attn_varlen_func(q, k, k, _prefix([4, 2]), _prefix([4, 2]), 3, 4)
+    with pytest.raises(NotImplementedError):
+        emulated_flash_attn_varlen_func(q, k, k, _prefix([6]), _prefix([6]), 6, 6, dropout_p=0.1)
+    kc = torch.zeros(2, 16, 2, 8)
+    with pytest.raises(ValueError, match="past the end"):
+        emulated_flash_attn_with_kvcache(
+            q[:2, None],
+            kc,
+            kc.clone(),
+            k=k[:2, None],
+            v=k[:2, None],
+            cache_seqlens=torch.tensor([16, 0], dtype=torch.int32),
+        )
+    with pytest.raises(ValueError, match="divisible by 256"):
+        emulated_flash_attn_with_kvcache(
+            q[:1, None],
+            kc,
+            kc.clone(),
+            cache_seqlens=torch.tensor([3], dtype=torch.int32),
+            block_table=torch.zeros(1, 2, dtype=torch.int32),
+        )
+    with pytest.raises(ValueError, match="incompatible"):  # xformers does not broadcast GQA K/V
+        emulated_memory_efficient_attention(
+            torch.randn(1, 4, 2, 2, 8), torch.randn(1, 4, 2, 1, 8), torch.randn(1, 4, 2, 1, 8)
+        )
+
+
+# -- planted glue bugs must make the comparison fail ----------------------------------------------------
+def _wrap(kernels, **overrides):
+    ns = SimpleNamespace(**vars(kernels))
+    for name, fn in overrides.items():
+        setattr(ns, name, fn)
+    return ns
+
+
+def _varlen_cu_k_off_by_one(*args, cu_seqlens_k, **kw):
+    bad = cu_seqlens_k.clone()
+    bad[1:-1] += 1
+    return emulated_flash_attn_varlen_func(*args, cu_seqlens_k=bad, **kw)
+
+
+def _kvcache_lengths_after_append(*args, cache_seqlens, **kw):
+    return emulated_flash_attn_with_kvcache(*args, cache_seqlens=cache_seqlens + 1, **kw)
+
+
+class _PaddedMaskDropsLastKey(EmulatedBlockDiagonalCausalWithOffsetPaddedKeysMask):
+    @classmethod
+    def from_seqlens(cls, q_seqlen, kv_padding, kv_seqlen, causal_diagonal=None, *, device=None):
+        return cls(q_seqlen, kv_padding, [n - 1 for n in kv_seqlen], device)
+
+
+# a planted bug is "caught" when the run fails: an output/cache mismatch, or a kernel-argument or shape error
+CAUGHT = (AssertionError, ValueError, RuntimeError, IndexError)
+
+PLANTED = {
+    "flash cu_seqlens_k off by one": ("flash_attn2", dict(flash_attn_varlen_func=_varlen_cu_k_off_by_one)),
+    "flash cache_seqlens after append": ("flash_attn2", dict(flash_attn_with_kvcache=_kvcache_lengths_after_append)),
+    "xformers kv_seqlen off by one": (
+        "xformers",
+        dict(BlockDiagonalCausalWithOffsetPaddedKeysMask=_PaddedMaskDropsLastKey),
+    ),
+}
+
+
+@pytest.mark.parametrize("bug", list(PLANTED))
+def test_planted_kernel_argument_bugs_are_caught(bug):
+    name, overrides = PLANTED[bug]
+    base = FLASH_KERNELS if name == "flash_attn2" else XFORMERS_KERNELS
+    pair = Pair(make_backend(name, _wrap(base, **overrides)), "flash_contiguous", 8, 2, 64)
+    with pytest.raises(CAUGHT):
+        mixed_scenario(pair)
+
+
+def test_planted_cu_seqlens_helper_bug_is_caught(monkeypatch):
+    real = flash_mod.cu_seqlens
+    monkeypatch.setattr(flash_mod, "cu_seqlens", lambda lens, device: real([n + 1 for n in lens], device) - 1)
+    with pytest.raises(CAUGHT):
+        mixed_scenario(Pair(make_backend("flash_attn2"), "flash_contiguous", 4, 4, 64))
+
+
+def test_planted_gqa_grouping_bug_is_caught(monkeypatch):
+    def grouped_wrong(query, keys, values):  # query head h = j * G + g instead of g * (H / G) + j
+        b, mq, num_heads, d = query.shape
+        g = keys.shape[2]
+        query = query.reshape(b, mq, num_heads // g, g, d).transpose(2, 3)
+        mk = keys.shape[1]
+        return query, *(x.unsqueeze(3).expand(b, mk, g, num_heads // g, d) for x in (keys, values))
+
+    monkeypatch.setattr(xformers_mod, "_grouped", grouped_wrong)
+    with pytest.raises(AssertionError):
+        mixed_scenario(Pair(make_backend("xformers"), "flash_contiguous", 8, 2, 64))
+
+
+# -- availability, registration, validation ---------------------------------------------------------------
+@pytest.mark.parametrize("cls,package", [(FlashAttn2Backend, "flash_attn"), (XFormersBackend, "xformers")])
+def test_availability_here_is_one_line_reason(cls, package):
+    reason = cls.availability()
+    if importlib.util.find_spec(package) is None:
+        assert reason.startswith(f"package '{package}' is not installed (pip install")
+        assert "docs/gpu-backends.md" in reason
+    elif not torch.cuda.is_available():
+        assert reason == "no CUDA device (torch.cuda.is_available() is False)"
+    if reason is not None:
+        assert "\n" not in reason
+
+
+def _pretend_installed(monkeypatch):
+    real = importlib.util.find_spec
+    fake = SimpleNamespace(name="fake")
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a, **kw: fake if name in ("flash_attn", "xformers") else real(name, *a, **kw),
+    )
+
+
+def test_availability_reasons_for_each_missing_piece(monkeypatch):
+    _pretend_installed(monkeypatch)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert FlashAttn2Backend.availability() == "no CUDA device (torch.cuda.is_available() is False)"
+    assert XFormersBackend.availability() == "no CUDA device (torch.cuda.is_available() is False)"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    assert FlashAttn2Backend.availability() == "GPU compute capability 7.5 < 8.0 (sm80+ required)"
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (5, 2))
+    assert XFormersBackend.availability() == "GPU compute capability 5.2 < 6.0 (sm60+ required)"
+    for cc in [(9, 0), (12, 0)]:  # flash-attn 2.8 checks cc_major >= 8 only (Blackwell too)
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, cc=cc: cc)
+        reason = FlashAttn2Backend.availability()
+        assert reason is None or "compute capability" not in reason
+    if not _really_installed("flash_attn"):
+        reason = FlashAttn2Backend.availability()  # passes every check, then the import fails
+        assert reason.startswith("package 'flash_attn' is installed but failed to import") and "\n" not in reason
+
+
+def _really_installed(module: str) -> bool:
+    try:
+        __import__(module)
+    except Exception:
+        return False
+    return True
+
+
+def test_availability_never_raises(monkeypatch):
+    def boom(*a, **kw):
+        raise RuntimeError("driver exploded\nsecond line")
+
+    monkeypatch.setattr(importlib.util, "find_spec", boom)
+    for cls in (FlashAttn2Backend, XFormersBackend):
+        reason = cls.availability()
+        assert reason == "availability check failed: RuntimeError: driver exploded"
+
+
+def test_registered_as_builtins_with_their_cache_kind():
+    registry = BackendRegistry(load_entrypoints=False)
+    assert registry.get("flash_attn2").cls is FlashAttn2Backend
+    assert registry.get("xformers").cls is XFormersBackend
+    assert "flash_contiguous" in cache_kinds()
+    if FlashAttn2Backend.availability() is not None:
+        with pytest.raises(BackendUnavailableError, match="backend 'flash_attn2' is unavailable: "):
+            registry.create("flash_attn2")
+    with pytest.raises(ConfigError, match="testing hook"):
+        FlashAttn2Backend(kernels="emulated")
+    with pytest.raises(ConfigError, match="takes no options"):
+        XFormersBackend(block_size=16)
+
+
+def test_validate_reports_shape_limits():
+    flash, xf = make_backend("flash_attn2"), make_backend("xformers")
+    cuda = torch.device("cuda")
+    ok = dict(device=cuda, dtype=torch.bfloat16, num_heads=8, num_kv_heads=2)
+    assert not [r for r in flash.validate(head_dim=128, **ok) if "head_dim" in r]
+    assert "head_dim 260 exceeds the maximum 256" in flash.validate(head_dim=260, **ok)
+    assert "head_dim 20 is not a multiple of 8" in flash.validate(head_dim=20, **ok)
+    assert "head_dim 20 is not a multiple of 8" in xf.validate(head_dim=20, **ok)
+    fp32 = flash.validate(device=cuda, dtype=torch.float32, head_dim=64, num_heads=8, num_kv_heads=2)
+    assert any("dtype float32 not supported" in r for r in fp32)
+    assert not any(
+        "dtype" in r for r in xf.validate(device=cuda, dtype=torch.float32, head_dim=64, num_heads=8, num_kv_heads=2)
+    )
+    cpu = xf.validate(device=CPU, dtype=torch.float16, head_dim=64, num_heads=8, num_kv_heads=2)
+    assert any("device 'cpu' not supported" in r for r in cpu)
+
+
+def test_flash_kvcache_bookkeeping():
+    cache = FlashKVCache(cache_spec(2, 16, max_num_seqs=2, max_seq_len=8))
+    cache.add_sequence(7)
+    meta = cache.prepare([7], [3], 0.25)
+    k = torch.randn(3, 2, 16)
+    cache.write(0, k, -k, meta)
+    cache.fork_sequence(7, 8)
+    assert torch.equal(cache.read(0, 8)[0], k) and torch.equal(cache.read(0, 8)[1], -k)
+    assert not cache.can_add_sequence() and not cache.can_append(7, 6)
+    assert meta.cache_meta.slots_i32.dtype == torch.int32
+    cache.free_sequence(7)
+    assert cache.can_add_sequence() and cache.kv_bytes_allocated == 2 * 2 * 2 * 8 * 2 * 16 * 4
+
+
+# -- end to end through the engine ----------------------------------------------------------------------
+def _emulated(cls, name):
+    caps = dataclasses.replace(cls.capabilities, devices=frozenset({"cpu"}), dtypes=frozenset({torch.float32}))
+    kernels = FLASH_KERNELS if cls is FlashAttn2Backend else XFORMERS_KERNELS
+
+    def init(self, **options):
+        cls.__init__(self, kernels=kernels, **options)
+
+    return type(
+        name,
+        (cls,),
+        {"name": name, "capabilities": caps, "availability": classmethod(lambda c: None), "__init__": init},
+    )
+
+
+class _EmulatedPlugin:
+    @hookimpl
+    def kvcore_register_backends(self, register):
+        register(_emulated(FlashAttn2Backend, "flash_attn2_emulated"))
+        register(_emulated(XFormersBackend, "xformers_emulated"))
+
+
+@pytest.fixture(scope="module")
+def registry():
+    reg = BackendRegistry(load_entrypoints=False)
+    reg.backends  # noqa: B018 - load the built-ins first (they load only into an empty registry)
+    reg.register_plugin(_EmulatedPlugin(), name="emulated")
+    return reg
+
+
+PROMPTS = [[1, 5, 9, 13, 17], [7, 8], list(range(10, 50)), [9]]
+GREEDY = SamplingParams(max_new_tokens=10, ignore_eos=True)
+
+
+def _generate(model, registry, **cfg):
+    engine = Engine(model, None, EngineConfig(max_model_len=96, **cfg), registry=registry)
+    return [r.token_ids for r in engine.generate(PROMPTS, GREEDY)]
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        dict(backend="flash_attn2_emulated"),
+        dict(backend="xformers_emulated"),
+        dict(prefill_backend="flash_attn2_emulated", decode_backend="naive"),  # shares a 'contiguous' cache
+        dict(prefill_backend="xformers_emulated", decode_backend="flash_attn2_emulated"),
+    ],
+    ids=["flash", "xformers", "flash+naive", "xformers+flash"],
+)
+def test_engine_greedy_matches_naive(registry, cfg):
+    model = make_random_model(num_heads=4, num_kv_heads=2, head_dim=16)
+    assert _generate(model, registry, **cfg) == _generate(model, registry, backend="naive")
