@@ -17,11 +17,10 @@ Example ``kvcore.toml``::
 
 from __future__ import annotations
 
+import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
-
-import tomllib
 
 from kvcore.errors import ConfigError
 

@@ -15,7 +15,7 @@ from kvcore.sampling import SamplingParams
 __all__ = ["FinishReason", "RequestMetrics", "Request", "TokenEvent", "GenerationResult"]
 
 
-class FinishReason(str, enum.Enum):
+class FinishReason(enum.StrEnum):
     EOS = "eos"  # the model emitted an end-of-sequence / end-of-turn token
     STOP = "stop"  # a caller-given stop token id
     LENGTH = "length"  # max_new_tokens reached
