@@ -301,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
         "eos_token_ids": eos_ids,
         "bos_token_id": gen_cfg.bos_token_id,
         "add_bos_token": False,
-        "date": _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat(),
+        "date": _dt.datetime.now(_dt.UTC).replace(microsecond=0).isoformat(),
         "generator": "scripts/make_golden.py",
         "notes": (
             "prompt_token_ids are exactly the ids fed to the model: "
