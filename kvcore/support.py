@@ -29,6 +29,8 @@ def backend_rows(registry: BackendRegistry) -> list[dict[str, Any]]:
             head_dims = f"<={caps.max_head_dim}"
         else:
             head_dims = "any"
+        if caps.head_dim_multiple:
+            head_dims += f" (x{caps.head_dim_multiple})"
         phases = [p for p, ok in (("prefill", caps.supports_prefill), ("decode", caps.supports_decode)) if ok]
         rows.append(
             {
