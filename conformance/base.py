@@ -1,0 +1,194 @@
+"""Base test classes a backend author subclasses, pandas-extension-array style.
+
+::
+
+    # tests/test_conformance.py of your backend package
+    import pytest
+    from kvcore.conformance.base import BaseConformanceTests
+
+    from my_package import MyBackend
+
+
+    class TestMyBackend(BaseConformanceTests):
+        @pytest.fixture
+        def backend(self):
+            return MyBackend  # or its registered name, "my_backend"
+
+        conformance_quick = True  # optional: class attributes tune the run (None = pytest option/default)
+
+Each tier is its own base class (:class:`BaseAttentionOpTests`, :class:`BaseCacheConsistencyTests`,
+:class:`BaseTokenStreamTests`, :class:`BaseSamplingTests`); :class:`BaseConformanceTests` is all four.
+Every case becomes one test id (``test_op[gqa8x2-d64-ragged]``). A case outside the backend's declared
+capabilities is *skipped* with the reason; an unavailable backend skips everything with its reason.
+
+Settings come from, first to last: the class attributes below, the ``--kvcore-*`` options of the
+pytest plugin, then the suite defaults (float32, cpu, full case set, models tiny and smollm2).
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import pytest
+import torch
+
+from kvcore.conformance.results import FAIL, SKIP, CaseResult
+from kvcore.conformance.runner import run_case, tier_cases
+from kvcore.conformance.settings import DEFAULT_MODELS, SuiteConfig
+from kvcore.conformance.target import Target, resolve_target
+
+__all__ = [
+    "BaseAttentionOpTests",
+    "BaseCacheConsistencyTests",
+    "BaseTokenStreamTests",
+    "BaseSamplingTests",
+    "BaseConformanceTests",
+    "suite_config",
+]
+
+#: parametrized argument name -> tier
+_CASE_ARGS = {"op_case": "op", "cache_case": "cache", "stream_case": "stream", "sampling_case": "sampling"}
+
+
+def _option(config: pytest.Config, name: str) -> Any:
+    try:
+        return config.getoption(name)
+    except ValueError:  # the kvcore pytest plugin is disabled (-p no:kvcore)
+        return None
+
+
+def suite_config(config: pytest.Config, owner: object | None = None) -> SuiteConfig:
+    """The :class:`SuiteConfig` for ``owner`` (a test class or instance) under this pytest run."""
+
+    def pick(attr: str, option: str, default: Any) -> Any:
+        value = getattr(owner, attr, None) if owner is not None else None
+        if value is None:
+            value = _option(config, option)
+        return default if value is None else value
+
+    models = pick("conformance_models", "kvcore_model", None)
+    if isinstance(models, str):
+        models = [models]
+    models = tuple(m.strip() for item in (models or ()) for m in item.split(",") if m.strip()) or DEFAULT_MODELS
+    return SuiteConfig(
+        dtype=pick("conformance_dtype", "kvcore_dtype", "float32"),
+        device=pick("conformance_device", "kvcore_device", "cpu"),
+        quick=bool(pick("conformance_quick", "kvcore_quick", False)),
+        models=models,
+    )
+
+
+class _ConformanceBase:
+    #: ``None`` = take the ``--kvcore-*`` option, then the default
+    conformance_dtype: ClassVar[str | None] = None
+    conformance_device: ClassVar[str | None] = None
+    conformance_quick: ClassVar[bool | None] = None
+    conformance_models: ClassVar[tuple[str, ...] | None] = None
+    #: torch CPU threads while this class's tests run (1: fastest on a small shared machine; 0 = leave as is)
+    conformance_threads: ClassVar[int | None] = None
+
+    @pytest.fixture(autouse=True, scope="class")
+    @classmethod
+    def _conformance_threads(cls, request):
+        threads = getattr(cls, "conformance_threads", None)
+        if threads is None:
+            threads = _option(request.config, "kvcore_threads")
+        threads = 1 if threads is None else threads
+        before = torch.get_num_threads()
+        if threads:
+            torch.set_num_threads(threads)
+        yield
+        torch.set_num_threads(before)
+
+    @pytest.fixture
+    def backend(self, request):
+        """The backend under test: a registered name, ``module:Class``, or an AttentionBackend subclass.
+        Override this fixture; the default reads ``--kvcore-backend``."""
+        name = _option(request.config, "kvcore_backend")
+        if not name:
+            pytest.skip("no backend under test: override the `backend` fixture or pass --kvcore-backend NAME")
+        return name
+
+    @pytest.fixture
+    def conformance_config(self, request) -> SuiteConfig:
+        return suite_config(request.config, self)
+
+    @pytest.fixture
+    def conformance_target(self, backend) -> Target:
+        target = backend if isinstance(backend, Target) else resolve_target(backend)
+        reason = target.availability()
+        if reason:
+            pytest.skip(f"backend '{target.name}' is unavailable: {reason}")
+        return target
+
+    def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
+        for arg, tier in _CASE_ARGS.items():
+            if arg in metafunc.fixturenames:
+                cfg = suite_config(metafunc.config, metafunc.cls)
+                cases = tier_cases(_NO_TARGET, tier, cfg)
+                metafunc.parametrize(arg, cases, ids=[c.id for c in cases])
+
+    @staticmethod
+    def _assert_result(result: CaseResult) -> None:
+        if result.status == SKIP:
+            pytest.skip(result.detail)
+        if result.status == FAIL:
+            pytest.fail(result.describe(), pytrace=False)
+
+
+class _NoTarget:
+    """Stands in for the backend at collection time (case lists do not depend on it there)."""
+
+    class capabilities:  # noqa: N801 - mimics BackendCapabilities
+        cache_kinds: tuple[str, ...] = ()
+
+
+_NO_TARGET: Any = _NoTarget()
+
+
+class BaseAttentionOpTests(_ConformanceBase):
+    """Op tier: attention output vs the reference over the case matrix (every declared cache kind)."""
+
+    def test_op(self, conformance_target: Target, conformance_config: SuiteConfig, op_case) -> None:
+        import dataclasses
+
+        kinds = tuple(conformance_target.capabilities.cache_kinds)
+        variants = [op_case] if len(kinds) < 2 else [dataclasses.replace(op_case, cache_kind=k) for k in kinds]
+        results = [run_case(conformance_target, "op", case, conformance_config) for case in variants]
+        failed = [r for r in results if r.status == FAIL]
+        if failed:
+            pytest.fail("\n".join(r.describe() for r in failed), pytrace=False)
+        if all(r.status == SKIP for r in results):
+            pytest.skip(results[0].detail)
+
+
+class BaseCacheConsistencyTests(_ConformanceBase):
+    """Cache tier: prefill + cached decode logits == full recomputation logits, every step."""
+
+    def test_cache(self, conformance_target: Target, conformance_config: SuiteConfig, cache_case) -> None:
+        self._assert_result(run_case(conformance_target, "cache", cache_case, conformance_config))
+
+
+class BaseTokenStreamTests(_ConformanceBase):
+    """Stream tier: greedy streams through the engine vs the reference backend."""
+
+    def test_stream(self, conformance_target: Target, conformance_config: SuiteConfig, stream_case) -> None:
+        self._assert_result(run_case(conformance_target, "stream", stream_case, conformance_config))
+
+
+class BaseSamplingTests(_ConformanceBase):
+    """Sampling tier: seeded streams reproducible, and equal to the reference's in float32."""
+
+    def test_sampling(self, conformance_target: Target, conformance_config: SuiteConfig, sampling_case) -> None:
+        self._assert_result(run_case(conformance_target, "sampling", sampling_case, conformance_config))
+
+
+class BaseConformanceTests(
+    BaseAttentionOpTests, BaseCacheConsistencyTests, BaseTokenStreamTests, BaseSamplingTests
+):
+    """Every tier, in run order."""
+
+    test_op = BaseAttentionOpTests.test_op
+    test_cache = BaseCacheConsistencyTests.test_cache
+    test_stream = BaseTokenStreamTests.test_stream
+    test_sampling = BaseSamplingTests.test_sampling

@@ -1,0 +1,131 @@
+"""Cache tier: prefill + cached decode gives the logits full recomputation gives, at every step.
+
+For each step, the logits the backend computes from its KV cache (one decode row per sequence) are
+compared with the logits of a *fresh* cache and one prefill of the whole sequence so far, same backend.
+Tokens are teacher-forced (a fixed continuation), so one divergence does not cascade. Variants:
+``single`` (one sequence), ``ragged`` (all prompts batched, ragged lengths), ``chunked`` (each prompt
+prefilled in two chunks, the second continuing the cache, then batched decode).
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+
+import torch
+
+from kvcore.conformance.compare import compare
+from kvcore.conformance.driver import cache_spec, forward_logits
+from kvcore.conformance.model_cases import ModelCase, skip_reasons, tier_models
+from kvcore.conformance.results import FAIL, PASS, SKIP, CaseResult
+from kvcore.conformance.settings import SuiteConfig
+from kvcore.conformance.target import Target
+from kvcore.conformance.tolerances import cache_tolerance, tie_rule
+
+__all__ = ["NAME", "cases", "run_case"]
+
+NAME = "cache"
+TITLE = "Cache consistency: cached decode vs full recomputation"
+VARIANTS = ("single", "ragged", "chunked")
+
+
+def _steps(model: str, quick: bool) -> int:
+    if model == "tiny":
+        return 8 if quick else 16
+    return 3 if quick else 4
+
+
+def cases(target: Target, cfg: SuiteConfig) -> list[ModelCase]:
+    out = []
+    for model in tier_models(cfg, first_only_when_quick=True):
+        for variant in VARIANTS:
+            out.append(ModelCase(model, variant, _steps(model, cfg.quick)))
+    return out
+
+
+def run_case(target: Target, case: ModelCase, cfg: SuiteConfig) -> CaseResult:
+    start = time.perf_counter()
+    tol = cache_tolerance(cfg.dtype)
+    result = CaseResult(tier=NAME, case=case.id, status=PASS, tolerance=str(tol))
+    cm, reasons = skip_reasons(target, case, cfg)
+    if reasons:
+        result.status, result.detail = SKIP, "; ".join(reasons)
+        return result
+    try:
+        _run(target, cm, case, cfg, result)
+    except Exception as exc:
+        result.status = FAIL
+        tb = traceback.format_exception(type(exc), exc, exc.__traceback__)
+        result.detail = f"{result.info.get('where', 'setup')}: raised {type(exc).__name__}: {exc}"
+        result.info["traceback"] = "".join(tb[-6:])
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+def _run(target: Target, cm, case: ModelCase, cfg: SuiteConfig, result: CaseResult) -> None:
+    tol, rule = cache_tolerance(cfg.dtype), tie_rule(cfg.dtype)
+    prompts = [cm.prompts[1]] if case.variant == "single" else list(cm.prompts)
+    conts = [cm.continuation(case.steps, salt=str(i)) for i in range(len(prompts))]
+    seqs = [p + c for p, c in zip(prompts, conts)]
+    B = len(seqs)
+    max_len = max(len(s) for s in seqs) + 16
+    backend = target.make()
+    result.info.update(model=case.model, variant=case.variant, prompt_lens=[len(p) for p in prompts],
+                       steps=case.steps)
+
+    cache = backend.create_cache(cache_spec(cm, cfg, B, max_len))
+    ids = list(range(B))
+    for i in ids:
+        cache.add_sequence(i)
+    cached: list[torch.Tensor] = []  # per step: [B, V]
+    if case.variant == "chunked":
+        result.info["where"] = "cached path: first prefill chunk"
+        firsts = [max(1, len(p) // 2) for p in prompts]
+        forward_logits(cm, backend, cache, ids, [p[:f] for p, f in zip(prompts, firsts)])
+        result.info["where"] = "cached path: second prefill chunk (continuing the cache)"
+        cached.append(forward_logits(cm, backend, cache, ids, [p[f:] for p, f in zip(prompts, firsts)]))
+    else:
+        result.info["where"] = "cached path: prefill"
+        cached.append(forward_logits(cm, backend, cache, ids, prompts))
+    for step in range(1, case.steps + 1):
+        result.info["where"] = f"cached path: decode step {step}"
+        tokens = [[s[len(p) + step - 1]] for s, p in zip(seqs, prompts)]
+        cached.append(forward_logits(cm, backend, cache, ids, tokens))
+
+    worst = 0.0
+    for step in range(case.steps + 1):
+        result.info["where"] = f"recomputation of step {step}"
+        fresh = backend.create_cache(cache_spec(cm, cfg, B, max_len))
+        for i in ids:
+            fresh.add_sequence(i)
+        full = forward_logits(cm, backend, fresh, ids, [s[: len(p) + step] for s, p in zip(seqs, prompts)])
+        for b in ids:
+            m = compare(cached[step][b], full[b], tol)
+            worst = max(worst, m.max_err)
+            top_c, top_f = int(cached[step][b].argmax()), int(full[b].argmax())
+            top2 = full[b].topk(2).values
+            gap = float(top2[0] - top2[1])
+            top1_bad = not rule.exact and top_c != top_f and gap > rule.max_gap
+            if m.ok and not top1_bad:
+                continue
+            pos = len(prompts[b]) + step - 1
+            phase = "prefill" if step == 0 else f"decode step {step}"
+            if case.variant == "chunked" and step == 0:
+                phase = "prefill continuing the cache (2nd chunk)"
+            result.status = FAIL
+            result.max_err = m.max_err
+            result.detail = (
+                f"model {case.model}, {case.variant}: at {phase} (position {pos}) of seq {b} "
+                f"(prompt {len(prompts[b])} tokens) the logits from the KV cache differ from full recomputation: "
+                f"max |err| {m.max_err:.3g} ({tol}), {m.num_bad}/{m.numel} logits off; top-1 token cached "
+                f"{top_c} vs recomputed {top_f} (recomputed top-2 gap {gap:.3g})"
+            )
+            result.info.update(step=step, seq=b, position=pos, top1_cached=top_c, top1_recomputed=top_f)
+            result.info.pop("where", None)
+            return
+    result.max_err = worst
+    result.info.pop("where", None)
+    result.detail = (
+        f"model {case.model}: {B} seq(s), prefill + {case.steps} decode steps, every step matches "
+        f"recomputation: max |err| {worst:.3g} ({tol})"
+    )

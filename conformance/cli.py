@@ -1,0 +1,127 @@
+"""``kvcore conformance``: the release gate for an attention backend.
+
+Exit codes: 0 every case that ran passed; 1 something failed; 2 usage or configuration error (bad
+flag, unknown backend or model); 3 the backend is unavailable here, or every case was skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import warnings
+from pathlib import Path
+
+from kvcore.errors import KVCoreError
+
+__all__ = ["add_parser", "run"]
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "conformance",
+        help="check an attention backend against the reference (the release gate)",
+        description="Run the conformance suite against one backend: op-level attention vs the reference, "
+        "cache consistency, greedy token streams and seeded sampling. Exit 0 pass, 1 fail, 2 usage error, "
+        "3 backend unavailable.",
+    )
+    p.add_argument("--backend", required=True, metavar="NAME",
+                   help="registered backend name (see `kvcore backends`) or package.module:ClassName")
+    p.add_argument("--backend-option", action="append", default=None, metavar="KEY=VALUE",
+                   help="constructor option for the backend (as in [backends.NAME]); VALUE is parsed as JSON "
+                   "when it can be, e.g. --backend-option block_size=8; repeatable")
+    p.add_argument("--quick", action="store_true", help="CI-sized case set (under 2 minutes on 2 CPU cores)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
+    p.add_argument("--report", metavar="FILE.md", default=None, help="also write a Markdown report to FILE.md")
+    p.add_argument("--dtype", default="float32", help="float32 (default), bfloat16 or float16")
+    p.add_argument("--device", default="cpu", help="torch device (default cpu)")
+    p.add_argument("--model", action="append", default=None, metavar="SPEC",
+                   help="model for the model-level tiers: 'tiny' (in-memory random Llama), 'smollm2', a .gguf "
+                   "file or a Hugging Face directory; repeat or comma-separate (default: tiny,smollm2)")
+    p.add_argument("--tier", action="append", default=None, metavar="TIER",
+                   help="run only these tiers: op, cache, stream, sampling (repeat or comma-separate)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch CPU threads (default 1: fastest on a shared 2-core machine; 0 = torch's default)")
+    p.add_argument("--verbose", "-v", action="store_true", help="list every case and failure tracebacks")
+    p.add_argument("--no-progress", action="store_true", help="do not print per-case progress on stderr")
+    p.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
+    p.set_defaults(func=run)
+    return p
+
+
+def _split(values: list[str] | None) -> tuple[str, ...] | None:
+    if not values:
+        return None
+    return tuple(v.strip() for item in values for v in item.split(",") if v.strip())
+
+
+def _options(values: list[str] | None) -> dict:
+    import json
+
+    from kvcore.errors import ConfigError
+
+    options = {}
+    for item in values or ():
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--backend-option expects KEY=VALUE, got '{item}'")
+        try:
+            options[key.strip()] = json.loads(raw)
+        except ValueError:
+            options[key.strip()] = raw
+    return options
+
+
+def _error(message: str) -> int:
+    from kvcore.conformance.results import EXIT_USAGE
+
+    print(f"kvcore conformance: error: {message}", file=sys.stderr)
+    return EXIT_USAGE
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from kvcore.conformance.report import to_json, to_markdown, to_text
+    from kvcore.conformance.runner import run_suite, stderr_progress
+    from kvcore.conformance.settings import DEFAULT_MODELS, TIERS, SuiteConfig
+    from kvcore.conformance.target import resolve_target
+
+    if args.threads < 0:
+        return _error(f"--threads must be >= 0, got {args.threads}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        cfg = SuiteConfig(
+            dtype=args.dtype,
+            device=args.device,
+            quick=args.quick,
+            models=_split(args.model) or DEFAULT_MODELS,
+            tiers=_split(args.tier) or TIERS,
+        )
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            target = resolve_target(args.backend, options=_options(args.backend_option))
+            if target.options and target.availability() is None:
+                target.make()  # bad options fail here, as a usage error
+        for w in caught:
+            if "kvcore:" in str(w.message) and args.backend in str(w.message):
+                print(f"warning: {w.message}", file=sys.stderr)
+    except KVCoreError as exc:
+        return _error(str(exc))
+    try:
+        torch.empty(0, device=cfg.torch_device)
+    except (RuntimeError, AssertionError) as exc:
+        return _error(f"device '{cfg.device}' is not usable here: {str(exc).splitlines()[0]}")
+
+    progress = None if args.no_progress else stderr_progress
+    report = run_suite(target, cfg, progress=progress)
+    if args.report:
+        try:
+            Path(args.report).write_text(to_markdown(report), encoding="utf-8")
+        except OSError as exc:
+            return _error(f"cannot write report '{args.report}': {exc.strerror or exc}")
+    if args.json:
+        print(to_json(report))
+    else:
+        print(to_text(report, verbose=args.verbose))
+    return report.exit_code

@@ -1,0 +1,232 @@
+"""Op tier: one backend's attention output vs the reference, call by call, on the case matrix.
+
+The backend under test writes into its own cache (``backend.create_cache(spec)``, or each declared
+cache kind); the reference (``naive``) writes into a float32 :class:`ContiguousKVCache` and is fed the
+same q/k/v (rounded to the test dtype, then upcast). After the script, every sequence's cached K/V
+(``cache.read``) must equal what was written.
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+
+import torch
+
+from kvcore.backends.naive import NaiveBackend
+from kvcore.conformance.cases import BLOCK_SIZE, NUM_LAYERS, OpCase, op_cases
+from kvcore.conformance.compare import compare
+from kvcore.conformance.results import FAIL, PASS, SKIP, CaseResult
+from kvcore.conformance.settings import SuiteConfig
+from kvcore.conformance.target import Target
+from kvcore.conformance.tolerances import op_tolerance
+from kvcore.kv_cache import CacheSpec, ContiguousKVCache, KVCache, create_cache
+
+__all__ = ["NAME", "cases", "run_case"]
+
+NAME = "op"
+TITLE = "Op level: attention output vs the reference"
+_SEQ_ID_BASE = 100  # the case's sequence ids (not 0..B-1, so seq_id == slot assumptions show)
+_DUMMY_ID_BASE = 10_000
+_GARBAGE = 50.0  # magnitude of the K/V the fragmenting sequences leave behind
+
+
+def cases(target: Target, cfg: SuiteConfig) -> list[OpCase]:
+    return op_cases(cfg.quick, tuple(target.capabilities.cache_kinds))
+
+
+def _skip_reasons(target: Target, case: OpCase, cfg: SuiteConfig) -> list[str]:
+    caps = target.capabilities
+    reasons = caps.reasons_unsupported(
+        device=cfg.torch_device,
+        dtype=cfg.dtype,
+        head_dim=case.head_dim,
+        num_heads=case.num_heads,
+        num_kv_heads=case.num_kv_heads,
+    )
+    if not caps.supports_prefill:
+        reasons.append("backend declares no prefill support (every op case starts with a prefill)")
+    if not caps.supports_decode:
+        reasons.append("backend declares no decode support")
+    return reasons
+
+
+def _fragment(cache: KVCache, gen: torch.Generator, scale: float) -> list[int]:
+    """Fill the cache with one-block sequences holding garbage, then free a random 3/4 of them in random
+    order. Returns the ids still live (they stay, interleaved with the holes the case will use)."""
+    spec = cache.spec
+    dummies = []
+    while len(dummies) < 4096 and cache.can_add_sequence():
+        seq_id = _DUMMY_ID_BASE + len(dummies)
+        cache.add_sequence(seq_id)
+        if not cache.can_append(seq_id, spec.block_size):
+            cache.free_sequence(seq_id)
+            break
+        dummies.append(seq_id)
+        meta = cache.prepare([seq_id], [spec.block_size], scale)
+        shape = (spec.block_size, spec.num_kv_heads, spec.head_dim)
+        for layer in range(spec.num_layers):
+            k = (torch.randn(shape, generator=gen) * _GARBAGE).to(spec.dtype).to(spec.device)
+            v = (torch.randn(shape, generator=gen) * _GARBAGE).to(spec.dtype).to(spec.device)
+            cache.write(layer, k, v, meta)
+    order = torch.randperm(len(dummies), generator=gen).tolist()
+    keep = set(order[: len(dummies) // 4])
+    for i in order:
+        if i not in keep:
+            cache.free_sequence(dummies[i])
+    return [dummies[i] for i in sorted(keep)]
+
+
+def _describe_call(call_idx: int, num_calls: int, seq_idx, query_lens, context_lens) -> str:
+    if max(query_lens) == 1 and min(context_lens) > 0:
+        kind = "decode"
+    elif min(context_lens) == 0 and max(context_lens) == 0:
+        kind = "prefill"
+    else:
+        kind = "prefill continuing the cache" if max(query_lens) > 1 else "mixed"
+    return (
+        f"call {call_idx + 1}/{num_calls} ({kind}; seqs {list(seq_idx)}, query_lens {list(query_lens)}, "
+        f"context_lens {list(context_lens)})"
+    )
+
+
+def _make_cache(target: Target, backend, case: OpCase, spec: CacheSpec) -> KVCache:
+    kinds = target.capabilities.cache_kinds
+    if case.cache_kind is None or case.cache_kind == kinds[0]:
+        return backend.create_cache(spec)
+    return create_cache(case.cache_kind, spec)
+
+
+def run_case(target: Target, case: OpCase, cfg: SuiteConfig) -> CaseResult:
+    start = time.perf_counter()
+    tol = op_tolerance(cfg.dtype)
+    result = CaseResult(tier=NAME, case=case.id, status=PASS, tolerance=str(tol), info={"shapes": case.shapes()})
+    reasons = _skip_reasons(target, case, cfg)
+    if reasons:
+        result.status, result.detail = SKIP, "; ".join(reasons)
+        return result
+    try:
+        _run(target, case, cfg, result)
+    except Exception as exc:  # a backend crash is a failure with its location, not a suite crash
+        result.status = FAIL
+        where = result.info.get("where", "setup")
+        tb = traceback.format_exception(type(exc), exc, exc.__traceback__)
+        result.detail = f"{where}: raised {type(exc).__name__}: {exc}"
+        result.info["traceback"] = "".join(tb[-6:])
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+@torch.inference_mode()
+def _run(target: Target, case: OpCase, cfg: SuiteConfig, result: CaseResult) -> None:
+    dtype, device = cfg.dtype, cfg.torch_device
+    H, H_kv, D = case.num_heads, case.num_kv_heads, case.head_dim
+    scale = D**-0.5
+    n = case.num_seqs
+    max_len = max(case.final_lens) + BLOCK_SIZE  # slack: a write past the end lands in real memory
+    spec = CacheSpec(
+        num_layers=NUM_LAYERS,
+        num_kv_heads=H_kv,
+        head_dim=D,
+        dtype=dtype,
+        device=device,
+        max_num_seqs=2 * n if case.fragment else n,
+        max_seq_len=max_len,
+        block_size=BLOCK_SIZE,
+    )
+    backend = target.make()
+    cache = _make_cache(target, backend, case, spec)
+    result.info["cache_kind"] = cache.kind
+    ref_spec = CacheSpec(
+        num_layers=NUM_LAYERS, num_kv_heads=H_kv, head_dim=D, dtype=torch.float32, device=device,
+        max_num_seqs=n, max_seq_len=max_len, block_size=BLOCK_SIZE,
+    )
+    ref_cache, ref = ContiguousKVCache(ref_spec), NaiveBackend()
+    gen = torch.Generator().manual_seed(case.seed)
+    if case.fragment:
+        result.info["where"] = "fragmenting the cache"
+        result.info["live_dummies"] = len(_fragment(cache, gen, scale))
+
+    tol = op_tolerance(dtype)
+    calls = case.calls
+    started: set[int] = set()
+    worst = 0.0
+    for call_idx, call in enumerate(calls):
+        seq_idx = [i for i, _ in call]
+        query_lens = [q for _, q in call]
+        for i in seq_idx:
+            if i not in started:
+                started.add(i)
+                cache.add_sequence(_SEQ_ID_BASE + i)
+                ref_cache.add_sequence(i)
+        context_lens = [ref_cache.seq_len(i) for i in seq_idx]
+        where = _describe_call(call_idx, len(calls), seq_idx, query_lens, context_lens)
+        result.info["where"] = where
+        meta = cache.prepare([_SEQ_ID_BASE + i for i in seq_idx], query_lens, scale)
+        ref_meta = ref_cache.prepare(seq_idx, query_lens, scale)
+        T = sum(query_lens)
+        for layer in range(NUM_LAYERS):
+            result.info["where"] = f"{where} layer {layer}"
+            q = torch.randn((T, H, D), generator=gen).to(dtype)
+            k = torch.randn((T, H_kv, D), generator=gen).to(dtype)
+            v = torch.randn((T, H_kv, D), generator=gen).to(dtype)
+            ref_out = ref.forward(layer, q.float().to(device), k.float().to(device), v.float().to(device), ref_cache,
+                                  ref_meta)
+            out = backend.forward(layer, q.to(device), k.to(device), v.to(device), cache, meta)
+            if tuple(out.shape) != (T, H, D) or out.dtype != dtype:
+                result.status = FAIL
+                result.detail = (
+                    f"{where} layer {layer}: output has shape {tuple(out.shape)} dtype {out.dtype}, "
+                    f"expected {(T, H, D)} {dtype}"
+                )
+                return
+            m = compare(out, ref_out, tol)
+            worst = max(worst, m.max_err)
+            result.max_err = worst
+            if not m.ok:
+                row, head, dim = m.worst_index
+                cu = [0]
+                for ql in query_lens:
+                    cu.append(cu[-1] + ql)
+                b = max(j for j in range(len(seq_idx)) if cu[j] <= row)
+                pos = context_lens[b] + row - cu[b]
+                result.status = FAIL
+                result.max_err = m.max_err
+                result.detail = (
+                    f"{where} layer {layer}: attention output diverges from the reference: max |err| "
+                    f"{m.max_err:.3g} ({tol}); {m.num_bad}/{m.numel} elements off; worst at seq {seq_idx[b]} "
+                    f"(query row {row - cu[b]}, position {pos}) head {head} (KV head "
+                    f"{head // (H // H_kv)}) dim {dim}: got {m.out_value:.5g}, expected {m.ref_value:.5g}. "
+                    f"Shapes: H={H} H_kv={H_kv} D={D} dtype={cfg.dtype_name} cache={cache.kind}"
+                )
+                result.info.update(call=call_idx, layer=layer, seq=seq_idx[b], position=pos, head=head,
+                                   num_bad=m.num_bad)
+                return
+
+    result.info["where"] = "reading the cache back"
+    for i in sorted(started):
+        for layer in range(NUM_LAYERS):
+            k_got, v_got = cache.read(layer, _SEQ_ID_BASE + i)
+            k_ref, v_ref = ref_cache.read(layer, i)
+            for what, got, want in (("K", k_got, k_ref), ("V", v_got, v_ref)):
+                if got.shape != want.shape:
+                    result.status = FAIL
+                    result.detail = (
+                        f"after the last call: cache.read(layer {layer}, seq {i}) returned {what} of shape "
+                        f"{tuple(got.shape)}, expected {tuple(want.shape)}"
+                    )
+                    return
+                m = compare(got, want, tol)
+                if not m.ok:
+                    pos, head, dim = m.worst_index
+                    result.status = FAIL
+                    result.max_err = max(worst, m.max_err)
+                    result.detail = (
+                        f"after the last call: cached {what} of seq {i} layer {layer} differs from what was "
+                        f"written: {m.num_bad}/{m.numel} elements off, first bad at position {pos} KV head {head}: "
+                        f"got {m.out_value:.5g}, expected {m.ref_value:.5g} (cache={cache.kind})"
+                    )
+                    result.info.update(layer=layer, seq=i, position=pos)
+                    return
+    result.info.pop("where", None)
+    result.detail = f"{len(calls)} calls x {NUM_LAYERS} layers, max |err| {worst:.3g} ({tol})"

@@ -1,0 +1,51 @@
+"""The ``kvcore`` pytest plugin (registered through the ``pytest11`` entry point).
+
+* ``pytest --kvcore-backend NAME`` with no test paths runs the bundled suite
+  (:mod:`kvcore.conformance.suite`) against ``NAME``; with paths, it runs those (your own
+  subclasses of :mod:`kvcore.conformance.base` pick the backend up from the option), and
+  ``--pyargs kvcore.conformance.suite`` adds the bundled suite explicitly.
+* ``--kvcore-quick``, ``--kvcore-dtype``, ``--kvcore-device``, ``--kvcore-model`` tune the run;
+  ``--kvcore-threads`` (default 1) sets torch's CPU threads while conformance test classes run.
+
+Without ``--kvcore-backend`` the plugin only registers its options: it never adds tests to a
+normal pytest run. Disable it with ``-p no:kvcore``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+SUITE_MODULE = "kvcore.conformance.suite"
+SUITE_PATH = Path(__file__).with_name("suite.py")
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("kvcore", "kvcore conformance suite")
+    group.addoption("--kvcore-backend", metavar="NAME", default=None,
+                    help="attention backend to run the kvcore conformance suite against (name or module:Class)")
+    group.addoption("--kvcore-quick", action="store_true", default=None, help="CI-sized conformance case set")
+    group.addoption("--kvcore-dtype", metavar="DTYPE", default=None, help="float32 (default), bfloat16, float16")
+    group.addoption("--kvcore-device", metavar="DEVICE", default=None, help="torch device (default cpu)")
+    group.addoption("--kvcore-model", metavar="SPEC", action="append", default=None,
+                    help="model for the model-level tiers (tiny, smollm2, a path); repeatable")
+    group.addoption("--kvcore-threads", metavar="N", type=int, default=None,
+                    help="torch CPU threads while conformance tests run (default 1; 0 = leave torch's setting)")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "kvcore_conformance: a kvcore backend conformance test")
+    if not config.getoption("kvcore_backend"):
+        return
+    # No explicit test paths: run the bundled suite instead of the project's own tests.
+    if getattr(config, "args_source", None) != pytest.Config.ArgsSource.ARGS:
+        config.args = [str(SUITE_PATH)]
+
+
+def pytest_report_header(config: pytest.Config) -> str | None:
+    name = config.getoption("kvcore_backend")
+    if not name:
+        return None
+    quick = " (quick)" if config.getoption("kvcore_quick") else ""
+    return f"kvcore conformance: backend {name}{quick}"

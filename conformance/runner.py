@@ -1,0 +1,97 @@
+"""Run the tiers against one backend and collect a :class:`~kvcore.conformance.results.SuiteReport`."""
+
+from __future__ import annotations
+
+import platform
+import sys
+import time
+from collections.abc import Callable
+from types import ModuleType
+
+import torch
+
+from kvcore.attention import AttentionBackend
+from kvcore.conformance import cache_tier, op_tier, sampling_tier, stream_tier
+from kvcore.conformance.results import CaseResult, SuiteReport
+from kvcore.conformance.settings import SuiteConfig
+from kvcore.conformance.target import Target, resolve_target
+from kvcore.plugins import BackendRegistry
+
+__all__ = ["TIER_MODULES", "run_suite", "tier_cases", "run_case", "stderr_progress"]
+
+TIER_MODULES: dict[str, ModuleType] = {
+    op_tier.NAME: op_tier,
+    cache_tier.NAME: cache_tier,
+    stream_tier.NAME: stream_tier,
+    sampling_tier.NAME: sampling_tier,
+}
+
+Progress = Callable[[str, int, int, object, CaseResult | None], None]
+
+
+def tier_cases(target: Target, tier: str, cfg: SuiteConfig) -> list:
+    return TIER_MODULES[tier].cases(target, cfg)
+
+
+def run_case(target: Target, tier: str, case, cfg: SuiteConfig) -> CaseResult:
+    return TIER_MODULES[tier].run_case(target, case, cfg)
+
+
+def stderr_progress(tier: str, index: int, total: int, case, result: CaseResult | None) -> None:
+    """One line per case on stderr: ``[op  3/36] mha8x8-d128-ragged ... pass (0.31s)``."""
+    if result is None:
+        print(f"[{tier:<8} {index:>3}/{total}] {case.id} ...", end="", file=sys.stderr, flush=True)
+    else:
+        print(f" {result.status} ({result.seconds:.2f}s)", file=sys.stderr, flush=True)
+
+
+def environment(target: Target) -> dict:
+    import kvcore
+
+    plugin = None
+    entry = target.registry.backends.get(target.name)
+    if entry is not None:
+        plugin = entry.plugin
+    return {
+        "kvcore": kvcore.__version__,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "torch_threads": torch.get_num_threads(),
+        "backend_class": f"{target.cls.__module__}.{target.cls.__qualname__}",
+        "plugin": plugin,
+    }
+
+
+def run_suite(
+    backend: str | type[AttentionBackend] | Target,
+    cfg: SuiteConfig | None = None,
+    *,
+    registry: BackendRegistry | None = None,
+    progress: Progress | None = None,
+) -> SuiteReport:
+    """Run every tier of ``cfg`` against ``backend`` (a name, ``module:Class``, a class, or a Target).
+
+    An unavailable backend gives a report with ``unavailable`` set and no cases. Unknown names raise
+    :class:`~kvcore.errors.UnknownBackendError` / :class:`~kvcore.errors.ConfigError`.
+    """
+    cfg = cfg or SuiteConfig()
+    target = backend if isinstance(backend, Target) else resolve_target(backend, registry)
+    report = SuiteReport(backend=target.name, settings=cfg.as_dict(), tiers=list(cfg.tiers))
+    report.environment = environment(target)
+    start = time.perf_counter()
+    reason = target.availability()
+    if reason:
+        report.unavailable = reason
+        return report
+    for tier in cfg.tiers:
+        cases = tier_cases(target, tier, cfg)
+        for i, case in enumerate(cases, 1):
+            if progress:
+                progress(tier, i, len(cases), case, None)
+            result = run_case(target, tier, case, cfg)
+            report.results.append(result)
+            if progress:
+                progress(tier, i, len(cases), case, result)
+    report.seconds = time.perf_counter() - start
+    return report

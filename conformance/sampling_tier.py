@@ -1,0 +1,96 @@
+"""Sampling tier: seeded sampling is reproducible, and (float32) identical across backends.
+
+``repeat``: the backend under test runs the same two seeded requests (a ragged batch) twice; the
+streams must be identical. ``vs-reference`` (float32 only): the same seeded requests on ``naive`` give
+the same streams. Sampling: temperature 0.8, top-k 50, top-p 0.95.
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+
+from kvcore.conformance.driver import run_engine
+from kvcore.conformance.model_cases import ModelCase, skip_reasons, tier_models
+from kvcore.conformance.results import FAIL, PASS, SKIP, CaseResult
+from kvcore.conformance.settings import SuiteConfig
+from kvcore.conformance.stream_tier import compare_streams, reference_streams
+from kvcore.conformance.target import Target
+from kvcore.conformance.tolerances import TieRule
+from kvcore.sampling import SamplingParams
+
+__all__ = ["NAME", "cases", "run_case"]
+
+NAME = "sampling"
+TITLE = "Sampling: seeded streams reproducible and equal across backends"
+VARIANTS = ("repeat", "vs-reference")
+SEEDS = (11, 22)
+_EXACT = TieRule(exact=True)
+
+
+def _new_tokens(model: str, quick: bool) -> int:
+    if model == "tiny":
+        return 12 if quick else 24
+    return 6 if quick else 12
+
+
+def cases(target: Target, cfg: SuiteConfig) -> list[ModelCase]:
+    return [
+        ModelCase(m, v, _new_tokens(m, cfg.quick))
+        for m in tier_models(cfg, first_only_when_quick=True)
+        for v in VARIANTS
+    ]
+
+
+def sampled_params(n: int) -> list[SamplingParams]:
+    return [
+        SamplingParams(max_new_tokens=n, temperature=0.8, top_k=50, top_p=0.95, seed=s, ignore_eos=True) for s in SEEDS
+    ]
+
+
+def run_case(target: Target, case: ModelCase, cfg: SuiteConfig) -> CaseResult:
+    start = time.perf_counter()
+    result = CaseResult(tier=NAME, case=case.id, status=PASS, tolerance="exact")
+    cm, reasons = skip_reasons(target, case, cfg)
+    if case.variant == "vs-reference" and cfg.dtype_name != "float32":
+        reasons = reasons + [f"sampled streams are compared across backends in float32 only (got {cfg.dtype_name})"]
+    if reasons:
+        result.status, result.detail = SKIP, "; ".join(reasons)
+        return result
+    try:
+        prompts = list(cm.prompts[:2])
+        params = sampled_params(case.steps)
+        result.info.update(model=case.model, seeds=list(SEEDS), new_tokens=case.steps)
+        first = run_engine(target.registry, target.name, cm, prompts, params, cfg, target.options)
+        if case.variant == "repeat":
+            second = run_engine(target.registry, target.name, cm, prompts, params, cfg, target.options)
+            other, what = second, "a second run with the same seeds"
+        else:
+            other = reference_streams(cm, ("sampled", case.steps), prompts, params, cfg)
+            what = "the reference backend with the same seeds"
+        for i, (a, b) in enumerate(zip(other, first)):
+            c = compare_streams(a, b, _EXACT)
+            if c["equal"]:
+                continue
+            result.status = FAIL
+            if "ref_token" not in c:
+                result.detail = f"model {case.model}, seed {SEEDS[i]}: {c['why']}"
+                break
+            result.detail = (
+                f"model {case.model}, seed {SEEDS[i]}: the sampled stream differs from {what} at step {c['step']}: "
+                f"expected token {c['ref_token']}, got {c['got_token']} (logit gap {c['ref_margin']:.4g} vs "
+                f"{c['got_margin']:.4g}); expected {a.tokens[: c['step'] + 1]}, got {b.tokens[: c['step'] + 1]}"
+            )
+            result.info.update(seed=SEEDS[i], **{k: v for k, v in c.items() if k != "equal"})
+            break
+        else:
+            result.detail = (
+                f"model {case.model}: {len(SEEDS)} seeded streams of {case.steps} tokens identical to {what}"
+            )
+    except Exception as exc:
+        result.status = FAIL
+        tb = traceback.format_exception(type(exc), exc, exc.__traceback__)
+        result.detail = f"model {case.model}: generation raised {type(exc).__name__}: {exc}"
+        result.info["traceback"] = "".join(tb[-6:])
+    result.seconds = time.perf_counter() - start
+    return result

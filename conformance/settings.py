@@ -1,0 +1,59 @@
+"""Settings of one conformance run."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvcore.engine import parse_dtype
+from kvcore.errors import ConfigError
+
+__all__ = ["SuiteConfig", "TIERS", "DEFAULT_MODELS"]
+
+#: tier names, in run order
+TIERS = ("op", "cache", "stream", "sampling")
+#: ``tiny``: a random-weights Llama built in memory (fast); ``smollm2``: the embedded default model
+DEFAULT_MODELS = ("tiny", "smollm2")
+
+
+@dataclass(frozen=True)
+class SuiteConfig:
+    """``quick`` trims every tier to a CI-sized case set (the op matrix's corners, the first model only for
+    the cache and sampling tiers, shorter streams)."""
+
+    dtype: torch.dtype = torch.float32
+    device: str = "cpu"
+    quick: bool = False
+    models: tuple[str, ...] = DEFAULT_MODELS
+    tiers: tuple[str, ...] = TIERS
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", parse_dtype(self.dtype))
+        try:
+            torch.device(self.device)
+        except RuntimeError:
+            raise ConfigError(f"unknown device '{self.device}'") from None
+        unknown = [t for t in self.tiers if t not in TIERS]
+        if unknown:
+            raise ConfigError(f"unknown tier(s) {', '.join(unknown)} (choose from: {', '.join(TIERS)})")
+        if not self.models:
+            raise ConfigError("no model given for the model-level tiers")
+        object.__setattr__(self, "tiers", tuple(t for t in TIERS if t in self.tiers))
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device(self.device)
+
+    @property
+    def dtype_name(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
+
+    def as_dict(self) -> dict:
+        return {
+            "dtype": self.dtype_name,
+            "device": self.device,
+            "quick": self.quick,
+            "models": list(self.models),
+            "tiers": list(self.tiers),
+        }

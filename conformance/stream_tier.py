@@ -1,0 +1,160 @@
+"""Token-stream tier: greedy streams through the real engine vs the reference backend.
+
+Each case runs the backend under test and ``naive`` (same model, dtype and device) through
+:class:`~kvcore.engine.Engine` with ``ignore_eos`` and compares the generated ids. float32 must match
+exactly; reduced precision is tie-aware (see :mod:`kvcore.conformance.tolerances`): at the first
+divergence both tokens must be in each other's top-k with a small logit gap, and the comparison stops
+there. Variants: ``single-<i>`` (prompt ``i`` alone) and ``batch`` (all prompts, one ragged batch).
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+
+import torch
+
+from kvcore.conformance.driver import Stream, run_engine
+from kvcore.conformance.model_cases import ModelCase, skip_reasons, tier_models
+from kvcore.conformance.results import FAIL, PASS, SKIP, CaseResult
+from kvcore.conformance.settings import SuiteConfig
+from kvcore.conformance.target import REFERENCE_BACKEND, Target, reference_registry
+from kvcore.conformance.tolerances import TieRule, tie_rule
+from kvcore.sampling import SamplingParams
+
+__all__ = ["NAME", "cases", "run_case", "compare_streams", "reference_streams"]
+
+NAME = "stream"
+TITLE = "Token streams: greedy generation vs the reference backend"
+
+_REFERENCE_CACHE: dict[tuple, list[Stream]] = {}
+
+
+def _new_tokens(model: str, quick: bool) -> int:
+    if model == "tiny":
+        return 16 if quick else 32
+    return 8 if quick else 24
+
+
+def cases(target: Target, cfg: SuiteConfig) -> list[ModelCase]:
+    out = []
+    for model in tier_models(cfg, first_only_when_quick=False):
+        n = _new_tokens(model, cfg.quick)
+        singles = (1,) if cfg.quick else (0, 1, 2)
+        out += [ModelCase(model, f"single-{i}", n) for i in singles]
+        out.append(ModelCase(model, "batch", n))
+    return out
+
+
+def _prompts(cm, case: ModelCase) -> list[list[int]]:
+    if case.variant == "batch":
+        return list(cm.prompts)
+    return [cm.prompts[int(case.variant.split("-")[1]) % len(cm.prompts)]]
+
+
+def greedy_params(n: int, count: int) -> list[SamplingParams]:
+    # seed is only a tag here (greedy ignores it): the recording sampler tells rows apart by it
+    return [SamplingParams(max_new_tokens=n, ignore_eos=True, seed=1000 + i) for i in range(count)]
+
+
+def reference_streams(cm, case_key: tuple, prompts, params, cfg: SuiteConfig) -> list[Stream]:
+    """The reference backend's streams, computed once per process for each (model, dtype, case)."""
+    key = (cm.name, cfg.dtype, cfg.device, case_key)
+    if key not in _REFERENCE_CACHE:
+        _REFERENCE_CACHE[key] = run_engine(reference_registry(), REFERENCE_BACKEND, cm, prompts, params, cfg)
+    return _REFERENCE_CACHE[key]
+
+
+def run_case(target: Target, case: ModelCase, cfg: SuiteConfig) -> CaseResult:
+    start = time.perf_counter()
+    rule = tie_rule(cfg.dtype)
+    result = CaseResult(tier=NAME, case=case.id, status=PASS, tolerance=str(rule))
+    cm, reasons = skip_reasons(target, case, cfg)
+    if reasons:
+        result.status, result.detail = SKIP, "; ".join(reasons)
+        return result
+    try:
+        prompts = _prompts(cm, case)
+        params = greedy_params(case.steps, len(prompts))
+        result.info.update(model=case.model, prompt_lens=[len(p) for p in prompts], new_tokens=case.steps)
+        ref = reference_streams(cm, ("greedy", case.variant, case.steps), prompts, params, cfg)
+        got = run_engine(target.registry, target.name, cm, prompts, params, cfg, target.options)
+        _judge(result, case, prompts, ref, got, rule)
+    except Exception as exc:
+        result.status = FAIL
+        tb = traceback.format_exception(type(exc), exc, exc.__traceback__)
+        result.detail = f"model {case.model}: generation raised {type(exc).__name__}: {exc}"
+        result.info["traceback"] = "".join(tb[-6:])
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+def _top(logits: torch.Tensor, k: int = 5) -> list[tuple[int, float]]:
+    vals, idx = logits.topk(min(k, logits.numel()))
+    return [(int(i), round(float(v), 4)) for v, i in zip(vals, idx)]
+
+
+def compare_streams(ref: Stream, got: Stream, rule: TieRule) -> dict:
+    """First divergence of two streams and whether it is an acceptable near-tie under ``rule``."""
+    n = min(len(ref.tokens), len(got.tokens))
+    step = next((i for i in range(n) if ref.tokens[i] != got.tokens[i]), None)
+    if step is None:
+        if len(ref.tokens) != len(got.tokens):
+            return {"equal": False, "tie": False, "step": n, "why": f"lengths differ: {len(got.tokens)} vs "
+                    f"reference {len(ref.tokens)}"}
+        margins = [float(v[0] - v[1]) for v in (row.topk(2).values for row in ref.logits)] if len(ref.logits) else []
+        low = min(range(len(margins)), key=margins.__getitem__) if margins else None
+        return {"equal": True, "min_margin": margins[low] if margins else None, "min_margin_step": low}
+    a, b = ref.tokens[step], got.tokens[step]
+    rl, gl = ref.logits[step], got.logits[step]
+    ref_gap = float(rl[a] - rl[b])  # how much the reference preferred its token
+    got_gap = float(gl[b] - gl[a])  # how much the backend preferred its token
+    k = min(rule.top_k, rl.numel())
+    in_topk = b in rl.topk(k).indices.tolist() and a in gl.topk(k).indices.tolist()
+    tie = (not rule.exact) and in_topk and ref_gap <= rule.max_gap and got_gap <= rule.max_gap
+    return {
+        "equal": False,
+        "tie": tie,
+        "step": step,
+        "ref_token": a,
+        "got_token": b,
+        "ref_margin": ref_gap,
+        "got_margin": got_gap,
+        "in_topk": in_topk,
+        "ref_top": _top(rl),
+        "got_top": _top(gl),
+    }
+
+
+def _judge(result: CaseResult, case: ModelCase, prompts, ref: list[Stream], got: list[Stream], rule) -> None:
+    notes = []
+    for i, (r, g) in enumerate(zip(ref, got)):
+        c = compare_streams(r, g, rule)
+        label = f"seq {i} (prompt {len(prompts[i])} tokens)"
+        if c["equal"]:
+            if c.get("min_margin") is not None:
+                notes.append(f"{label}: {len(r.tokens)} tokens identical (min top-2 margin "
+                             f"{c['min_margin']:.3g} at step {c['min_margin_step']})")
+            continue
+        if c.get("tie"):
+            notes.append(
+                f"{label}: near-tie at step {c['step']} (reference {c['ref_token']} by {c['ref_margin']:.3g}, "
+                f"backend {c['got_token']} by {c['got_margin']:.3g}); comparison stopped there"
+            )
+            result.info.setdefault("ties", []).append({"seq": i, **c})
+            continue
+        result.status = FAIL
+        if "ref_token" not in c:
+            result.detail = f"model {case.model}, {case.variant}: {label}: {c['why']}"
+            return
+        result.detail = (
+            f"model {case.model}, {case.variant}: {label} diverges from the reference at step {c['step']} "
+            f"(position {len(prompts[i]) + c['step']}): reference token {c['ref_token']} (it leads the backend's "
+            f"token by {c['ref_margin']:.4g} in the reference logits), backend token {c['got_token']} (leads by "
+            f"{c['got_margin']:.4g} in the backend's logits); rule: {rule}. Reference top-5 {c['ref_top']}; "
+            f"backend top-5 {c['got_top']}. Reference {r.tokens[: c['step'] + 1]} vs backend "
+            f"{g.tokens[: c['step'] + 1]}"
+        )
+        result.info.update(seq=i, **{k: v for k, v in c.items() if k != "equal"})
+        return
+    result.detail = f"model {case.model}: " + "; ".join(notes) if notes else f"model {case.model}: identical"

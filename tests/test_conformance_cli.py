@@ -1,0 +1,180 @@
+"""``kvcore conformance`` (exit codes, outputs) and the ``kvcore`` pytest plugin (via pytester)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from kvcore.cli import main
+
+pytest_plugins = ["pytester"]
+
+TINY_QUICK = ["--quick", "--model", "tiny", "--no-progress"]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _restore_threads():
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+# -- CLI -----------------------------------------------------------------------------------------------
+def test_pass_exits_0_with_per_tier_summary(capsys, tmp_path):
+    report = tmp_path / "report.md"
+    rc = main(["conformance", "--backend", "sdpa", *TINY_QUICK, "--tier", "op,cache", "--report", str(report)])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "RESULT: PASS (exit 0)" in out
+    for tier in ("op", "cache"):
+        assert f"\n{tier} " in out
+    md = report.read_text()
+    assert md.startswith("# Conformance report: `sdpa`") and "| op level" in md and "## Cases" in md
+
+
+def test_json_output_and_progress_on_stderr(capsys):
+    rc = main(["conformance", "--backend", "naive", "--quick", "--model", "tiny", "--tier", "sampling", "--json"])
+    captured = capsys.readouterr()
+    data = json.loads(captured.out)
+    assert rc == 0 and data["status"] == "pass" and data["exit_code"] == 0
+    assert set(data["tiers"]) == {"sampling"}
+    assert data["settings"]["quick"] is True and data["settings"]["models"] == ["tiny"]
+    assert "[sampling" in captured.err and "pass" in captured.err  # progress goes to stderr
+
+
+def test_planted_bug_exits_1_and_names_tier_case_and_error(capsys):
+    rc = main(["conformance", "--backend", "test_conformance_planted:GQAHeadMapping", *TINY_QUICK,
+               "--tier", "op,stream"])
+    out = capsys.readouterr().out
+    assert rc == 1
+    assert "[op] gqa8x2-d32-ragged" in out and "max |err|" in out and "H=8 H_kv=2 D=32" in out
+    assert "[stream] tiny-" in out and "diverges from the reference at step" in out
+    assert "RESULT: FAIL (exit 1)" in out
+
+
+def test_unavailable_backend_exits_3(capsys):
+    from kvcore.plugins import get_registry
+
+    if "flash_attn2" not in get_registry().backends or get_registry().backends["flash_attn2"].availability() is None:
+        pytest.skip("flash_attn2 is not registered, or can run here")
+    rc = main(["conformance", "--backend", "flash_attn2", *TINY_QUICK])
+    out = capsys.readouterr().out
+    assert rc == 3
+    assert "unavailable here:" in out and "RESULT: UNAVAILABLE (exit 3)" in out
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--backend", "no_such_backend"], "unknown backend 'no_such_backend'"),
+        (["--backend", "sdpa", "--dtype", "int7"], "unknown dtype 'int7'"),
+        (["--backend", "sdpa", "--tier", "speed"], "unknown tier(s) speed"),
+        (["--backend", "sdpa", "--device", "nosuchdevice"], "unknown device"),
+        (["--backend", "sdpa", "--threads", "-1"], "--threads"),
+        (["--backend", "sdpa", "--backend-option", "novalue"], "KEY=VALUE"),
+    ],
+)
+def test_usage_errors_exit_2_with_one_line(capsys, argv, message):
+    rc = main(["conformance", *argv])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert message in err and err.count("\n") == 1
+
+
+def test_backend_options_reach_the_backend(capsys):
+    rc = main(["conformance", "--backend", "paged", "--backend-option", "block_size=8", *TINY_QUICK, "--tier", "cache",
+               "--json"])
+    assert rc == 0 and json.loads(capsys.readouterr().out)["status"] == "pass"
+    rc = main(["conformance", "--backend", "paged", "--backend-option", "bogus=1", *TINY_QUICK])
+    assert rc == 2 and "takes no options, got: bogus" in capsys.readouterr().err
+
+
+def test_missing_backend_flag_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["conformance"])
+    assert exc.value.code == 2
+
+
+# -- pytest plugin -------------------------------------------------------------------------------------
+PLUGIN_ARGS = ["--kvcore-quick", "--kvcore-model", "tiny", "-p", "no:cacheprovider"]
+
+
+def test_plugin_runs_the_bundled_suite(pytester):
+    result = pytester.runpytest("--kvcore-backend", "paged", *PLUGIN_ARGS, "-k", "test_op or test_cache", "-v")
+    result.assert_outcomes(passed=17)
+    result.stdout.fnmatch_lines(["*TestConformance::test_op[[]mha8x8-d32-ragged[]] PASSED*",
+                                 "*TestConformance::test_cache[[]tiny-chunked[]] PASSED*"])
+
+
+def test_plugin_adds_nothing_without_the_option(pytester):
+    pytester.makepyfile("def test_plain():\n    pass\n")
+    result = pytester.runpytest("-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1)
+
+
+def test_plugin_reports_unavailable_backend_as_skips(pytester):
+    pytester.makepyfile(
+        """
+        import pytest, torch
+        from kvcore import AttentionBackend, BackendCapabilities
+        from kvcore.conformance.base import BaseCacheConsistencyTests
+
+        class Gone(AttentionBackend):
+            name = "gone"
+            capabilities = BackendCapabilities(devices=frozenset({"cuda"}), dtypes=frozenset({torch.float16}),
+                                               cache_kinds=("contiguous",))
+            @classmethod
+            def availability(cls):
+                return "no CUDA device"
+            def forward(self, *a):
+                raise AssertionError
+
+        class TestGone(BaseCacheConsistencyTests):
+            conformance_quick = True
+            conformance_models = ("tiny",)
+
+            @pytest.fixture
+            def backend(self):
+                return Gone
+        """
+    )
+    result = pytester.runpytest("-p", "no:cacheprovider", "-rs")
+    result.assert_outcomes(skipped=3)
+    result.stdout.fnmatch_lines(["*backend 'gone' is unavailable: no CUDA device*"])
+
+
+def test_subclassed_base_classes_fail_a_planted_bug(pytester):
+    pytester.makepyfile(
+        """
+        import pytest
+        from kvcore.conformance.base import BaseAttentionOpTests
+        from kvcore.backends.sdpa import SDPABackend
+
+        class OffByOneScale(SDPABackend):
+            name = "off_by_one_scale"
+            def forward(self, layer_idx, q, k, v, cache, meta):
+                import dataclasses
+                return super().forward(layer_idx, q, k, v, cache, dataclasses.replace(meta, scale=meta.scale * 1.01))
+
+        class TestGood(BaseAttentionOpTests):
+            conformance_quick = True
+            @pytest.fixture
+            def backend(self):
+                return "sdpa"
+
+        class TestBad(BaseAttentionOpTests):
+            conformance_quick = True
+            @pytest.fixture
+            def backend(self):
+                return OffByOneScale
+        """
+    )
+    result = pytester.runpytest("-p", "no:cacheprovider", "--kvcore-threads", "1", "-v")
+    outcomes = result.parseoutcomes()
+    assert outcomes["failed"] == outcomes["passed"] == 14
+    result.stdout.fnmatch_lines(["*TestGood::test_op[[]gqa8x2-d64-ragged[]] PASSED*",
+                                 "*TestBad::test_op[[]gqa8x2-d64-ragged[]] FAILED*",
+                                 "*[[]op[]] gqa8x2-d64-ragged: FAIL*",
+                                 "*max |err|*Shapes: H=8 H_kv=2 D=64*"])
