@@ -50,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("backends", help="list registered backends and their capabilities")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--markdown", action="store_true", help="a Markdown table (the README's support matrix)")
     p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
 
     try:
@@ -178,11 +179,13 @@ def _run_generation(args: argparse.Namespace, chat: bool) -> int:
 
 def _run_backends(args: argparse.Namespace) -> int:
     from kvcore.plugins import get_registry
-    from kvcore.support import backend_rows, format_table
+    from kvcore.support import backend_rows, format_table, markdown_table
 
     rows = backend_rows(get_registry())
     if args.json:
         print(json.dumps(rows, indent=2))
+    elif args.markdown:
+        print(markdown_table(rows))
     else:
         print(format_table(rows))
     return 0

@@ -63,7 +63,9 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 
 
 def markdown_table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    """Capabilities only (availability depends on the machine, so it stays out of the docs)."""
+    cols = [c for c in COLUMNS if c not in ("plugin", "available")] + ["description"]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
-        lines.append("| " + " | ".join(str(r[c]).replace("|", "\\|") for c in COLUMNS) + " |")
+        lines.append("| " + " | ".join(str(r[c]).replace("|", "\\|") for c in cols) + " |")
     return "\n".join(lines)

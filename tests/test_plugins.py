@@ -216,3 +216,15 @@ def test_backend_refuses_unsupported_dtype_and_head_size(with_plugin, random_mod
             Engine(bf16, None, EngineConfig(backend="narrow", dtype="bfloat16"), registry=reg)
     finally:
         random_model.to(torch.float32)
+
+
+def test_readme_support_table_is_generated_from_declarations(registry):
+    from pathlib import Path
+
+    from kvcore.support import backend_rows, markdown_table
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    start, end = "<!-- backends-table:start -->\n", "\n<!-- backends-table:end -->"
+    documented = readme[readme.index(start) + len(start) : readme.index(end)]
+    builtin_rows = [r for r in backend_rows(registry) if r["plugin"] in BUILTIN_PLUGINS]
+    assert documented == markdown_table(builtin_rows), "run `kvcore backends --markdown` and update README.md"
