@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,6 +19,7 @@ import torch
 
 from kvcore.attention import AttentionBackend
 from kvcore.errors import (
+    BackendError,
     BackendUnavailableError,
     ConfigError,
     ContextLengthError,
@@ -313,7 +314,23 @@ class Engine:
             admitted.append(req)
         return admitted
 
+    def _run_batch(self, reqs: list[Request], forward: Callable[[], None], backend: AttentionBackend) -> None:
+        """Run one forward for ``reqs``; if it raises, those requests fail (and free their cache)
+        while every other request, waiting or running, is untouched."""
+        try:
+            forward()
+        except KVCoreError as exc:
+            for req in reqs:
+                self._finish(req, FinishReason.ERROR, exc)
+        except Exception as exc:
+            error = BackendError(f"backend '{backend.name}' failed: {type(exc).__name__}: {exc}")
+            for req in reqs:
+                self._finish(req, FinishReason.ERROR, error)
+
     def _prefill(self, reqs: list[Request]) -> None:
+        self._run_batch(reqs, lambda: self._prefill_forward(reqs), self.prefill_backend)
+
+    def _prefill_forward(self, reqs: list[Request]) -> None:
         # A preempted request re-enters with prompt + generated so far (recompute).
         chunks = [r.all_ids for r in reqs]
         meta = self.cache.prepare([r.seq_id for r in reqs], [len(c) for c in chunks], self.scale)
@@ -327,8 +344,10 @@ class Engine:
     def _decode(self) -> None:
         self._make_room()
         reqs = list(self._running)
-        if not reqs:
-            return
+        if reqs:
+            self._run_batch(reqs, lambda: self._decode_forward(reqs), self.decode_backend)
+
+    def _decode_forward(self, reqs: list[Request]) -> None:
         meta = self.cache.prepare([r.seq_id for r in reqs], [1] * len(reqs), self.scale)
         input_ids = torch.tensor([r.output_ids[-1] for r in reqs], dtype=torch.long, device=self.device)
         hidden = self.model(input_ids, meta, self.cache, self.decode_backend)  # (B, d)

@@ -233,3 +233,33 @@ def test_request_larger_than_whole_pool_fails_alone(random_model):
     alone = run(random_model, "naive", [[1, 2]], SamplingParams(max_new_tokens=3, ignore_eos=True))[0]
     assert results[1].token_ids == alone
     assert engine.cache.num_free_blocks == 4
+
+
+def test_backend_failure_ends_only_that_batch(random_model):
+    from kvcore.backends.sdpa import SDPABackend
+    from kvcore.errors import BackendError
+    from kvcore.plugins import BackendRegistry
+
+    class Fragile(SDPABackend):
+        name = "fragile"
+
+        def forward(self, layer_idx, q, k, v, cache, meta):
+            if meta.max_query_len == 7:
+                raise RuntimeError("kernel exploded")
+            return super().forward(layer_idx, q, k, v, cache, meta)
+
+    registry = BackendRegistry(load_entrypoints=False)
+    registry.backends["fragile"] = type(registry.get("sdpa"))("fragile", Fragile, "test")
+    alone = run(random_model, "sdpa", [PROMPTS[0]])[0]
+    engine = Engine(random_model, None, EngineConfig(backend="fragile", max_model_len=128), registry=registry)
+    keep = engine.add_request(PROMPTS[0], GREEDY)
+    engine.step()
+    engine.step()
+    doomed = engine.add_request(list(range(20, 27)), GREEDY)  # its 7-token prefill raises
+    while engine.has_unfinished():
+        engine.step()
+    failed = engine.result(doomed)
+    assert failed.finish_reason is FinishReason.ERROR and isinstance(failed.error, BackendError)
+    assert "kernel exploded" in str(failed.error)
+    assert engine.result(keep).token_ids == alone
+    assert engine.cache.num_tokens_in_use == 0
