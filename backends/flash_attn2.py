@@ -39,11 +39,11 @@ from typing import Any
 import torch
 
 from kvcore.attention import AttentionBackend, AttentionMetadata, BackendCapabilities
-from kvcore.errors import BackendError, ConfigError, KVCoreError, OutOfBlocksError
+from kvcore.errors import BackendError, ConfigError
 from kvcore.hookspecs import hookimpl
-from kvcore.kv_cache import CacheSpec, ContiguousKVCache, KVCache, register_cache_kind
+from kvcore.kv_cache import CacheSpec, ContiguousKVCache, KVCache, SlotKVCache, register_cache_kind
 
-__all__ = ["FlashAttn2Backend", "FlashKVCache", "FlashCacheMeta", "cuda_availability", "kv_views"]
+__all__ = ["FlashAttn2Backend", "FlashKVCache", "cuda_availability", "kv_views"]
 
 FLASH_ATTN_INSTALL = "pip install flash-attn --no-build-isolation; see docs/gpu-backends.md"
 #: flash-attn 2.8.3's csrc/flash_attn/flash_api.cpp: ``TORCH_CHECK(cc_major >= 8, "FlashAttention only
@@ -82,16 +82,8 @@ def _import_reason(module: str) -> str | None:
 
 
 # -- the flash-layout KV cache ---------------------------------------------------------------------------
-@dataclass
-class FlashCacheMeta:
-    slots: list[int]  # [B] slot of each sequence
-    slots_t: torch.Tensor  # [B] int64
-    slots_i32: torch.Tensor  # [B] int32 (flash-attn's cache_batch_idx)
-    token_slots: torch.Tensor  # [T] int64, slot of every packed token
-
-
 @register_cache_kind
-class FlashKVCache(KVCache):
+class FlashKVCache(SlotKVCache):
     """Contiguous per-slot cache in flash-attn's layout: ``k[layer]`` is ``[max_num_seqs, max_seq_len,
     H_kv, D]`` (``[batch, seqlen, nheads_k, headdim]``, what ``flash_attn_with_kvcache`` takes as
     ``k_cache``). A sequence owns one slot for its life; token ``p`` lives at ``k[layer, slot, p]``.
@@ -99,57 +91,13 @@ class FlashKVCache(KVCache):
 
     kind = "flash_contiguous"
 
-    def __init__(self, spec: CacheSpec) -> None:
-        super().__init__(spec)
-        shape = (spec.num_layers, spec.max_num_seqs, spec.max_seq_len, spec.num_kv_heads, spec.head_dim)
-        self.k = torch.zeros(shape, dtype=spec.dtype, device=spec.device)
-        self.v = torch.zeros(shape, dtype=spec.dtype, device=spec.device)
-        self._free_slots = list(range(spec.max_num_seqs - 1, -1, -1))  # pop() hands out the lowest
-        self.slot_of: dict[int, int] = {}
+    @staticmethod
+    def _storage_shape(spec: CacheSpec) -> tuple[int, ...]:
+        return (spec.num_layers, spec.max_num_seqs, spec.max_seq_len, spec.num_kv_heads, spec.head_dim)
 
-    def can_add_sequence(self) -> bool:
-        return bool(self._free_slots)
-
-    def add_sequence(self, seq_id: int) -> None:
-        if seq_id in self._seq_lens:
-            raise KVCoreError(f"sequence {seq_id} is already in the KV cache")
-        if not self._free_slots:
-            raise OutOfBlocksError(f"flash_contiguous KV cache is full ({self.spec.max_num_seqs} sequences)")
-        self.slot_of[seq_id] = self._free_slots.pop()
-        self._free_slots.sort(reverse=True)
-        self._seq_lens[seq_id] = 0
-
-    def free_sequence(self, seq_id: int) -> None:
-        self.seq_len(seq_id)  # raises for an unknown id
-        del self._seq_lens[seq_id]
-        self._free_slots.append(self.slot_of.pop(seq_id))
-        self._free_slots.sort(reverse=True)
-
-    def fork_sequence(self, src_seq_id: int, dst_seq_id: int) -> None:
-        length = self.seq_len(src_seq_id)
-        self.add_sequence(dst_seq_id)
-        src, dst = self.slot_of[src_seq_id], self.slot_of[dst_seq_id]
-        self.k[:, dst, :length] = self.k[:, src, :length]
-        self.v[:, dst, :length] = self.v[:, src, :length]
-        self._seq_lens[dst_seq_id] = length
-
-    def can_append(self, seq_id: int, num_tokens: int) -> bool:
-        return self.seq_len(seq_id) + num_tokens <= self.spec.max_seq_len
-
-    def _reserve(self, seq_ids: list[int], query_lens: list[int]) -> None:
-        pass  # the slot already spans max_seq_len
-
-    def _cache_meta(self, meta: AttentionMetadata) -> FlashCacheMeta:
-        device = self.spec.device
-        slots = [self.slot_of[s] for s in meta.seq_ids]
-        slots_t = torch.tensor(slots, dtype=torch.long, device=device)
-        counts = torch.tensor(meta.query_lens, device=device)
-        return FlashCacheMeta(
-            slots=slots,
-            slots_t=slots_t,
-            slots_i32=slots_t.to(torch.int32),
-            token_slots=slots_t.repeat_interleave(counts),
-        )
+    def _copy_prefix(self, src_slot: int, dst_slot: int, length: int) -> None:
+        self.k[:, dst_slot, :length] = self.k[:, src_slot, :length]
+        self.v[:, dst_slot, :length] = self.v[:, src_slot, :length]
 
     def write(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
         cm = meta.cache_meta
@@ -159,10 +107,6 @@ class FlashKVCache(KVCache):
     def read(self, layer_idx: int, seq_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         slot, length = self.slot_of[seq_id], self.seq_len(seq_id)
         return self.k[layer_idx, slot, :length].clone(), self.v[layer_idx, slot, :length].clone()
-
-    @property
-    def kv_bytes_allocated(self) -> int:
-        return self.k.numel() * self.k.element_size() * 2
 
 
 # -- glue shared with the xformers backend -----------------------------------------------------------------
@@ -185,13 +129,8 @@ def cu_seqlens(lengths: list[int], device: torch.device) -> torch.Tensor:
 
 
 def slots_i32(meta: AttentionMetadata) -> torch.Tensor:
-    cm = meta.cache_meta
-    t = getattr(cm, "slots_i32", None)
-    if t is None:
-        t = meta.extras.get("kvcore.slots_i32")
-        if t is None:
-            t = meta.extras["kvcore.slots_i32"] = cm.slots_t.to(torch.int32)
-    return t
+    """Cache slot of each batch row as int32 (flash-attn's ``cache_batch_idx``)."""
+    return meta.cache_meta.slots_i32
 
 
 @dataclass

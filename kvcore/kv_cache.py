@@ -17,7 +17,16 @@ import torch
 from kvcore.attention import AttentionMetadata
 from kvcore.errors import ConfigError, ContextLengthError, KVCoreError, OutOfBlocksError
 
-__all__ = ["CacheSpec", "KVCache", "ContiguousKVCache", "create_cache", "register_cache_kind", "cache_kinds"]
+__all__ = [
+    "CacheSpec",
+    "KVCache",
+    "SlotKVCache",
+    "SlotCacheMeta",
+    "ContiguousKVCache",
+    "create_cache",
+    "register_cache_kind",
+    "cache_kinds",
+]
 
 
 @dataclass(frozen=True)
@@ -179,22 +188,25 @@ class KVCache(abc.ABC):
         """Bytes the cache's storage occupies."""
 
 
-class ContiguousKVCache(KVCache):
-    """One preallocated slab per layer: ``k[layer]`` is ``[max_num_seqs, H_kv, max_seq_len, D]``.
-
-    A sequence owns one slot (row) for its whole life; token ``p`` of it is written at
-    ``k[layer, slot, :, p]`` (gpt-fast's ``k_out[:, :, input_pos] = k_val``).
-    """
-
-    kind = "contiguous"
+class SlotKVCache(KVCache):
+    """Base of the per-slot caches: one preallocated row ("slot") of ``max_seq_len`` tokens per
+    sequence for its whole life. Subclasses choose the tensor layout of ``k`` / ``v``."""
 
     def __init__(self, spec: CacheSpec) -> None:
         super().__init__(spec)
-        shape = (spec.num_layers, spec.max_num_seqs, spec.num_kv_heads, spec.max_seq_len, spec.head_dim)
-        self.k = torch.zeros(shape, dtype=spec.dtype, device=spec.device)
-        self.v = torch.zeros(shape, dtype=spec.dtype, device=spec.device)
+        self.k = torch.zeros(self._storage_shape(spec), dtype=spec.dtype, device=spec.device)
+        self.v = torch.zeros(self._storage_shape(spec), dtype=spec.dtype, device=spec.device)
         self._free_slots = list(range(spec.max_num_seqs - 1, -1, -1))  # pop() hands out the lowest
         self.slot_of: dict[int, int] = {}
+
+    @staticmethod
+    @abc.abstractmethod
+    def _storage_shape(spec: CacheSpec) -> tuple[int, ...]:
+        """Shape of ``k`` (and ``v``), ``num_layers`` first and ``max_num_seqs`` second."""
+
+    @abc.abstractmethod
+    def _copy_prefix(self, src_slot: int, dst_slot: int, length: int) -> None:
+        """Copy the first ``length`` tokens of every layer from one slot to another."""
 
     def can_add_sequence(self) -> bool:
         return bool(self._free_slots)
@@ -203,7 +215,7 @@ class ContiguousKVCache(KVCache):
         if seq_id in self._seq_lens:
             raise KVCoreError(f"sequence {seq_id} is already in the KV cache")
         if not self._free_slots:
-            raise OutOfBlocksError(f"contiguous KV cache is full ({self.spec.max_num_seqs} sequences)")
+            raise OutOfBlocksError(f"{self.kind} KV cache is full ({self.spec.max_num_seqs} sequences)")
         self.slot_of[seq_id] = self._free_slots.pop()
         self._free_slots.sort(reverse=True)
         self._seq_lens[seq_id] = 0
@@ -217,9 +229,7 @@ class ContiguousKVCache(KVCache):
     def fork_sequence(self, src_seq_id: int, dst_seq_id: int) -> None:
         length = self.seq_len(src_seq_id)
         self.add_sequence(dst_seq_id)
-        src, dst = self.slot_of[src_seq_id], self.slot_of[dst_seq_id]
-        self.k[:, dst, :, :length] = self.k[:, src, :, :length]
-        self.v[:, dst, :, :length] = self.v[:, src, :, :length]
+        self._copy_prefix(self.slot_of[src_seq_id], self.slot_of[dst_seq_id], length)
         self._seq_lens[dst_seq_id] = length
 
     def can_append(self, seq_id: int, num_tokens: int) -> bool:
@@ -228,14 +238,49 @@ class ContiguousKVCache(KVCache):
     def _reserve(self, seq_ids: list[int], query_lens: list[int]) -> None:
         pass  # the slot already spans max_seq_len
 
-    def _cache_meta(self, meta: AttentionMetadata) -> ContiguousCacheMeta:
+    def _cache_meta(self, meta: AttentionMetadata) -> SlotCacheMeta:
         slots = [self.slot_of[s] for s in meta.seq_ids]
-        slot_t = torch.tensor(slots, dtype=torch.long, device=self.spec.device)
+        slots_t = torch.tensor(slots, dtype=torch.long, device=self.spec.device)
         counts = torch.tensor(meta.query_lens, device=self.spec.device)
-        return ContiguousCacheMeta(slots=slots, slots_t=slot_t, token_slots=slot_t.repeat_interleave(counts))
+        return SlotCacheMeta(
+            slots=slots,
+            slots_t=slots_t,
+            slots_i32=slots_t.to(torch.int32),
+            token_slots=slots_t.repeat_interleave(counts),
+        )
+
+    @property
+    def kv_bytes_allocated(self) -> int:
+        return self.k.numel() * self.k.element_size() * 2
+
+
+@dataclass
+class SlotCacheMeta:
+    slots: list[int]  # [B] slot of each sequence
+    slots_t: torch.Tensor  # [B] int64
+    slots_i32: torch.Tensor  # [B] int32 (e.g. flash-attn's cache_batch_idx)
+    token_slots: torch.Tensor  # [T] int64, slot of every packed token
+
+
+class ContiguousKVCache(SlotKVCache):
+    """One preallocated slab per layer: ``k[layer]`` is ``[max_num_seqs, H_kv, max_seq_len, D]``.
+
+    A sequence owns one slot (row) for its whole life; token ``p`` of it is written at
+    ``k[layer, slot, :, p]`` (gpt-fast's ``k_out[:, :, input_pos] = k_val``).
+    """
+
+    kind = "contiguous"
+
+    @staticmethod
+    def _storage_shape(spec: CacheSpec) -> tuple[int, ...]:
+        return (spec.num_layers, spec.max_num_seqs, spec.num_kv_heads, spec.max_seq_len, spec.head_dim)
+
+    def _copy_prefix(self, src_slot: int, dst_slot: int, length: int) -> None:
+        self.k[:, dst_slot, :, :length] = self.k[:, src_slot, :, :length]
+        self.v[:, dst_slot, :, :length] = self.v[:, src_slot, :, :length]
 
     def write(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
-        cm: ContiguousCacheMeta = meta.cache_meta
+        cm: SlotCacheMeta = meta.cache_meta
         # Advanced indices split by a slice: the indexed view is [T, H_kv, D], matching k and v.
         self.k[layer_idx, cm.token_slots, :, meta.positions] = k
         self.v[layer_idx, cm.token_slots, :, meta.positions] = v
@@ -246,16 +291,8 @@ class ContiguousKVCache(KVCache):
         v = self.v[layer_idx, slot, :, :length].transpose(0, 1).clone()
         return k, v
 
-    @property
-    def kv_bytes_allocated(self) -> int:
-        return self.k.numel() * self.k.element_size() * 2
 
-
-@dataclass
-class ContiguousCacheMeta:
-    slots: list[int]  # [B] slot of each sequence
-    slots_t: torch.Tensor  # [B] int64
-    token_slots: torch.Tensor  # [T] int64, slot of every packed token
+ContiguousCacheMeta = SlotCacheMeta  # the name backends written against the first release import
 
 
 _CACHE_KINDS: dict[str, type[KVCache]] = {"contiguous": ContiguousKVCache}
