@@ -1,16 +1,24 @@
 """``sdpa``: ``torch.nn.functional.scaled_dot_product_attention`` over the contiguous cache.
 
-On CPU this runs PyTorch's fused flash-attention kernel. Two details matter:
+On CPU this runs PyTorch's fused flash-attention kernel. Details that matter:
 
 * SDPA's ``is_causal`` aligns the mask top-left. That is right only when the query covers the whole
   key range (a fresh prefill). A prefill that continues a cache needs the mask aligned bottom-right
   (query ``i`` at absolute position ``context_len + i``), so we pass an explicit boolean mask then.
-* GQA is handled by the kernel (``enable_gqa=True``): K/V keep ``H_kv`` heads, nothing is repeated.
+* GQA never repeats K/V. Prefill uses the kernel's ``enable_gqa=True``; decode lays the ``H / H_kv``
+  query heads of a group out as that KV head's query rows (``q.view(B, H_kv, G, D)``), which is as fast
+  in float32 and 3-6x faster in bfloat16 on CPU than ``enable_gqa`` with one query row.
+* Per-call work (the cache rows each token's K/V go to, the decode key-padding mask) is planned once at
+  the first layer and kept in ``meta.extras``; every layer then does one ``index_copy_`` per K and V and
+  one attention call.
 
-Everything read from the cache is a view (no copy, no concatenation).
+Everything read from the cache is a view (no copy, no concatenation): a decode step reads exactly the
+live ``[:max_seq_len]`` prefix of each slot.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +26,16 @@ import torch.nn.functional as F
 from kvcore.attention import AttentionBackend, AttentionMetadata, BackendCapabilities
 from kvcore.hookspecs import hookimpl
 from kvcore.kv_cache import ContiguousKVCache
+
+
+@dataclass
+class _Plan:
+    """What every layer of one forward call shares."""
+
+    rows: torch.Tensor | None  # [T * H_kv] row of each (token, KV head) in a layer's [S * H_kv * L, D] view
+    decode_slot: int | None  # first slot of a decode batch on consecutive slots (one kernel call), else None
+    decode_len: int = 0  # keys each decode row reads (max seq_len of the batch)
+    decode_mask: torch.Tensor | None = None  # [B, 1, 1, decode_len] additive key-padding mask (ragged batch)
 
 
 class SDPABackend(AttentionBackend):
@@ -39,14 +57,21 @@ class SDPABackend(AttentionBackend):
         cache: ContiguousKVCache,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        cache.write(layer_idx, k, v, meta)
+        plan = meta.extras.get("sdpa")
+        if plan is None:
+            plan = meta.extras["sdpa"] = self._plan(q, cache, meta)
         k_cache, v_cache = cache.k[layer_idx], cache.v[layer_idx]  # [S, H_kv, max_len, D]
-        slots = meta.cache_meta.slots
-        if meta.is_decode and slots == list(range(slots[0], slots[0] + len(slots))):
-            return self._decode_batched(q, k_cache, v_cache, meta, slots[0])
+        if plan.rows is not None:  # the cache's own write, as two index_copy_ calls
+            d = k.shape[-1]
+            k_cache.view(-1, d).index_copy_(0, plan.rows, k.reshape(-1, d))
+            v_cache.view(-1, d).index_copy_(0, plan.rows, v.reshape(-1, d))
+        else:
+            cache.write(layer_idx, k, v, meta)
+        if plan.decode_slot is not None:
+            return self._decode_batched(q, k_cache, v_cache, meta, plan)
         out = torch.empty_like(q)
         starts = meta.cu_seqlens_q.tolist()
-        for i, (slot, ctx, q_len) in enumerate(zip(slots, meta.context_lens, meta.query_lens)):
+        for i, (slot, ctx, q_len) in enumerate(zip(meta.cache_meta.slots, meta.context_lens, meta.query_lens)):
             seq_len = ctx + q_len
             qi = q[starts[i] : starts[i + 1]].transpose(0, 1).unsqueeze(0)  # (1, H, q_len, D)
             ki = k_cache[slot, :, :seq_len].unsqueeze(0)  # (1, H_kv, seq_len, D) view
@@ -64,18 +89,35 @@ class SDPABackend(AttentionBackend):
         return out
 
     @staticmethod
-    def _decode_batched(q, k_cache, v_cache, meta: AttentionMetadata, first_slot: int) -> torch.Tensor:
-        """One kernel call for a decode batch whose sequences occupy consecutive cache slots."""
-        num_seqs, max_len = meta.num_seqs, meta.max_seq_len
-        ks = k_cache[first_slot : first_slot + num_seqs, :, :max_len]  # (B, H_kv, max_len, D) view
-        vs = v_cache[first_slot : first_slot + num_seqs, :, :max_len]
-        qs = q.unsqueeze(2)  # (B, H, 1, D)
+    def _plan(q: torch.Tensor, cache: ContiguousKVCache, meta: AttentionMetadata) -> _Plan:
+        rows = None
+        if type(cache).write is ContiguousKVCache.write:  # a subclass may store differently: let it write
+            _, num_kv_heads, max_len, _ = cache.k.shape[1:]
+            heads = torch.arange(num_kv_heads, device=q.device)
+            token_slots = meta.cache_meta.token_slots
+            rows = ((token_slots[:, None] * num_kv_heads + heads) * max_len + meta.positions[:, None]).flatten()
+        slots = meta.cache_meta.slots
+        if not (meta.is_decode and slots == list(range(slots[0], slots[0] + len(slots)))):
+            return _Plan(rows, None)
+        max_len = meta.max_seq_len
         mask = None
         if min(meta.context_lens) + 1 != max_len:  # ragged: hide each row's keys past its length
-            key_pos = torch.arange(max_len, device=q.device)
-            mask = (key_pos[None, :] < meta.seq_lens_t[:, None]).view(num_seqs, 1, 1, max_len)
-        out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=meta.scale, enable_gqa=True)
-        return out.squeeze(2)  # (B, H, D)
+            valid = torch.arange(max_len, device=q.device)[None, :] < meta.seq_lens_t[:, None]
+            mask = torch.zeros(valid.shape, dtype=q.dtype, device=q.device).masked_fill_(~valid, float("-inf"))
+            mask = mask.view(len(slots), 1, 1, max_len)
+        return _Plan(rows, slots[0], max_len, mask)
+
+    @staticmethod
+    def _decode_batched(q, k_cache, v_cache, meta: AttentionMetadata, plan: _Plan) -> torch.Tensor:
+        """One kernel call for a decode batch whose sequences occupy consecutive cache slots."""
+        num_seqs, num_heads, head_dim = q.shape
+        first, max_len = plan.decode_slot, plan.decode_len
+        ks = k_cache[first : first + num_seqs, :, :max_len]  # (B, H_kv, max_len, D) view
+        vs = v_cache[first : first + num_seqs, :, :max_len]
+        num_kv_heads = ks.shape[1]
+        qs = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)  # (B, H_kv, G, D): group = rows
+        out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=plan.decode_mask, scale=meta.scale)
+        return out.view(num_seqs, num_heads, head_dim)
 
 
 @hookimpl

@@ -22,8 +22,10 @@ __all__ = ["LlamaModel", "RotaryEmbedding", "rms_norm"]
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``x / rms(x) * weight``, the statistics in float32 (as Hugging Face Llama does)."""
     x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
+    normed = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)  # a new tensor
+    if weight.dtype != normed.dtype:
+        return weight * normed  # type promotion
+    return normed.mul_(weight)  # in place (no allocation): same values as ``weight * normed``
 
 
 class RotaryEmbedding(nn.Module):
@@ -36,12 +38,67 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", angles.cos(), persistent=False)  # [P, D/2] float32
         self.register_buffer("sin", angles.sin(), persistent=False)
 
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Full-width ``cos`` and sign-folded ``sin`` ``[T, 1, D]`` for :meth:`rotate`: built once per
+        forward call and shared by every layer (and by Q and K)."""
+        cos, sin = self.cos[positions], self.sin[positions]  # [T, D/2] float32
+        return torch.cat((cos, cos), -1).to(dtype)[:, None, :], torch.cat((-sin, sin), -1).to(dtype)[:, None, :]
+
+    @staticmethod
+    def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[T, heads, D]`` rotated: ``[x1·c − x2·s, x2·c + x1·s]`` (bitwise the same as spelling the
+        halves out: ``x2·(−s) = −(x2·s)`` exactly), in four kernels."""
+        t, n, d = x.shape
+        swapped = x.reshape(t, n, 2, d // 2).flip(2).view(t, n, d)  # [x2, x1], a new tensor
+        return (x * cos).add_(swapped.mul_(sin))
+
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Rotate ``x`` ``[T, heads, D]`` by the angles of ``positions`` ``[T]``."""
-        cos = self.cos[positions].to(x.dtype)[:, None, :]  # [T, 1, D/2]
-        sin = self.sin[positions].to(x.dtype)[:, None, :]
-        x1, x2 = x.chunk(2, dim=-1)  # [T, heads, D/2] each
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        return self.rotate(x, *self.tables(positions, x.dtype))
+
+
+#: weights smaller than this (elements; 512 KiB in float32, about a core's L2) keep row-major: cache-resident
+#: GEMVs gain nothing from column-major, and small test models keep their exact historical numerics
+COLUMN_MAJOR_MIN_NUMEL = 1 << 17
+
+
+def _prepack(p: torch.Tensor) -> torch.Tensor | None:
+    """oneDNN's blocked copy of a big ``[out, in]`` float32 weight (None for small ones: plain F.linear)."""
+    if p.numel() < COLUMN_MAJOR_MIN_NUMEL or not torch.backends.mkldnn.is_available():
+        return None
+    return torch.ops.mkldnn._reorder_linear_weight(p.detach().contiguous(), 8)  # blocked for ~8-row inputs
+
+
+def _version(p: torch.Tensor) -> int:
+    """In-place update counter (inference-mode tensors have none: their packed copy is keyed on storage only)."""
+    try:
+        return p._version
+    except RuntimeError:
+        return -1
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None, parts: int = 1) -> torch.Tensor:
+    """``F.linear(x, weight)``, via oneDNN when ``weight`` has a prepacked copy, or, for one row and a big
+    column-major weight, as ``parts`` partial GEMVs over slices of the input dimension in one ``bmm``
+    (ATen runs the batch in parallel: one thread per slice; MKL's single GEMV leaves half the memory
+    bandwidth of a 2-core machine unused), summed."""
+    if packed is not None:
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, None, "none", [], "")
+    if parts > 1 and weight.stride(0) == 1 and weight.numel() >= COLUMN_MAJOR_MIN_NUMEL:
+        n, k = weight.shape
+        if k % parts == 0:
+            partial = torch.bmm(x.reshape(parts, 1, k // parts), weight.t().view(parts, k // parts, n))  # [P, 1, N]
+            return partial.sum(0)
+    return F.linear(x, weight)
+
+
+def _set_layout(p: nn.Parameter, column_major: bool) -> None:
+    column_major = column_major and p.numel() >= COLUMN_MAJOR_MIN_NUMEL
+    is_column_major = p.dim() == 2 and p.stride() == (1, p.shape[0])
+    if column_major and not is_column_major:
+        p.data = p.data.t().contiguous().t()
+    elif not column_major and not p.is_contiguous():
+        p.data = p.data.contiguous()
 
 
 class LlamaModel(nn.Module):
@@ -72,6 +129,59 @@ class LlamaModel(nn.Module):
         self.norm = empty(c.hidden_size)
         self.lm_head = self.embed_tokens if c.tie_word_embeddings else empty(c.vocab_size, c.hidden_size)
         self.rotary = RotaryEmbedding(c.head_dim, c.max_position_embeddings, c.rope_theta)
+        self._packed_cache: tuple[tuple, dict[str, list]] | None = None
+        self._set_weight_layout()
+
+    def _apply(self, fn, recurse=True):  # .to() / .float() / .cuda() ... : re-pick the weight layout
+        super()._apply(fn, recurse)
+        self._set_weight_layout()
+        return self
+
+    def _set_weight_layout(self) -> None:
+        """Store each matmul weight (logical shape ``[out, in]`` always) in the memory order the
+        device/dtype reads fastest: on CPU in float32, column-major (``W.t()`` contiguous), so
+        ``F.linear`` runs MKL's ``x @ Wt`` kernel, measurably faster for the memory-bound 1..8-row decode
+        GEMMs (see benchmarks/README.md); row-major everywhere else (bfloat16 GEMMs on CPU are much
+        slower column-major) and for small weights."""
+        column_major = self.device.type == "cpu" and self.dtype == torch.float32
+        self._packed_cache = None
+        with torch.no_grad():
+            for plist in (self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj):
+                for p in plist:
+                    _set_layout(p, column_major)
+            _set_layout(self.lm_head, column_major)  # tied embeddings: the embedding table too
+
+    #: Multi-row GEMMs (prefill, batched decode) of the big float32 weights on CPU run on oneDNN-prepacked
+    #: copies of those weights, built on the first multi-row forward (~0.7 s for SmolLM2-135M) and rebuilt
+    #: when a weight changes: on a 2-core AVX2 machine 1.5-2.3x faster than MKL at 2-16 rows (MKL repacks
+    #: the whole weight on every small-M call) and 10-25% faster at prefill sizes, for one extra copy of
+    #: those weights in memory (benchmarks/matmul_kernels.py). Single-row decode keeps the column-major
+    #: parameters. Set False (on an instance or the class) to keep a single copy of the weights.
+    packed_weights: bool = True
+
+    def _packed(self, num_rows: int) -> dict[str, list] | None:
+        """The prepacked weights for a ``num_rows``-row forward, or None (use ``F.linear``)."""
+        if num_rows < 2 or not self.packed_weights or self.dtype != torch.float32 or self.device.type != "cpu":
+            return None
+        lists = {"qkv": self.qkv_proj, "o": self.o_proj, "gate_up": self.gate_up_proj, "down": self.down_proj}
+        lists["lm_head"] = [self.lm_head]
+        key = tuple((p.data_ptr(), _version(p)) for plist in lists.values() for p in plist)
+        if self._packed_cache is None or self._packed_cache[0] != key:
+            self._packed_cache = None
+            try:
+                with torch.no_grad():
+                    packed = {name: [_prepack(p) for p in plist] for name, plist in lists.items()}
+            except (RuntimeError, AttributeError):  # no oneDNN in this torch build: plain F.linear from now on
+                self.packed_weights = False
+                return None
+            self._packed_cache = (key, packed)
+        return self._packed_cache[1]
+
+    def _gemv_parts(self, num_rows: int) -> int:
+        """Slices a single-row float32 CPU GEMM is split into (one per intra-op thread), else 1."""
+        if num_rows != 1 or self.dtype != torch.float32 or self.device.type != "cpu":
+            return 1
+        return torch.get_num_threads()
 
     @property
     def dtype(self) -> torch.dtype:
@@ -132,21 +242,32 @@ class LlamaModel(nn.Module):
         c = self.config
         num_tokens = input_ids.shape[0]
         eps = c.rms_norm_eps
+        num_heads, head_dim = c.num_attention_heads, c.head_dim
+        qk_size, rope_heads = self.q_size + self.kv_size, c.num_attention_heads + c.num_key_value_heads
+        cos, sin = self.rotary.tables(meta.positions, self.dtype)  # once per call, shared by all layers
+        packed = self._packed(num_tokens)
+        parts = self._gemv_parts(num_tokens)
+        no_pack = [None] * c.num_hidden_layers
+        qkv_w, o_w, gate_up_w, down_w = (packed[n] if packed else no_pack for n in ("qkv", "o", "gate_up", "down"))
         h = F.embedding(input_ids, self.embed_tokens)  # (T, d)
         for i in range(c.num_hidden_layers):
             x = rms_norm(h, self.input_norm[i], eps)
-            qkv = F.linear(x, self.qkv_proj[i])  # (T, (H + 2 H_kv) D)
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = self.rotary(q.view(num_tokens, c.num_attention_heads, c.head_dim), meta.positions)  # (T, H, D)
-            k = self.rotary(k.view(num_tokens, c.num_key_value_heads, c.head_dim), meta.positions)  # (T, H_kv, D)
-            v = v.view(num_tokens, c.num_key_value_heads, c.head_dim)  # (T, H_kv, D)
+            qkv = _linear(x, self.qkv_proj[i], qkv_w[i], parts)  # (T, (H + 2 H_kv) D)
+            # Q and K are adjacent in the fused projection: one RoPE over H + H_kv heads.
+            qk = self.rotary.rotate(qkv[:, :qk_size].view(num_tokens, rope_heads, head_dim), cos, sin)
+            q, k = qk[:, :num_heads], qk[:, num_heads:]  # (T, H, D), (T, H_kv, D) views
+            v = qkv[:, qk_size:].view(num_tokens, c.num_key_value_heads, head_dim)  # (T, H_kv, D)
             attn = backend.forward(i, q, k, v, cache, meta)  # (T, H, D)
-            h = h + F.linear(attn.reshape(num_tokens, self.q_size), self.o_proj[i])
+            # h is this forward's own tensor: residual adds and the SwiGLU product run in place, which saves
+            # the prefill a fresh multi-megabyte allocation (page faults) per op; the values are the same.
+            h.add_(_linear(attn.reshape(num_tokens, self.q_size), self.o_proj[i], o_w[i], parts))
             x = rms_norm(h, self.post_norm[i], eps)
-            gate, up = F.linear(x, self.gate_up_proj[i]).chunk(2, dim=-1)  # (T, I) each
-            h = h + F.linear(F.silu(gate) * up, self.down_proj[i])
+            gate, up = _linear(x, self.gate_up_proj[i], gate_up_w[i], parts).chunk(2, dim=-1)  # (T, I) each
+            h.add_(_linear(F.silu(gate).mul_(up), self.down_proj[i], down_w[i], parts))
         return rms_norm(h, self.norm, eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[N, d]`` hidden states → ``[N, V]`` float32 logits."""
-        return F.linear(hidden, self.lm_head).float()
+        rows = hidden.shape[0]
+        packed = self._packed(rows)
+        return _linear(hidden, self.lm_head, packed["lm_head"][0] if packed else None, self._gemv_parts(rows)).float()

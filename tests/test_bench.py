@@ -1,0 +1,82 @@
+"""Smoke test of ``kvcore bench``'s code paths on the tiny model (no timing assertions)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvcore.bench import CASES, Bench, BenchSettings, render_markdown, write_outputs
+from kvcore.cli import main
+
+TINY = str(Path(__file__).parent / "data" / "tiny-llama")
+
+
+def tiny_settings(tmp_path, **kw) -> BenchSettings:
+    base = dict(quick=True, model=TINY, out=str(tmp_path), reps=1, new_tokens=4, long_context=96,
+                contexts=(16, 64), progress=False, transformers=False)
+    base.update(kw)
+    return BenchSettings(**base)
+
+
+def test_every_case_runs_and_writes_outputs(tmp_path):
+    report = Bench(tiny_settings(tmp_path)).run()
+    sides = {(m["case"], m["side"]) for m in report["measurements"]}
+    for case in ("decode", "long", "bf16", "batch"):
+        for backend in ("naive", "sdpa", "paged"):
+            assert (case, backend) in sides
+    for m in report["measurements"]:
+        assert m["decode_tok_s"] > 0 and m["ttft_s"] > 0 and m["kv_bytes_allocated"] > 0
+    cap = report["capacity"]
+    contiguous, paged = cap["caches"].values()
+    # same byte budget, and the paged cache runs more of the mixed-length requests at once
+    assert contiguous["kv_bytes_allocated"] <= cap["kv_budget_bytes"] >= paged["kv_bytes_allocated"]
+    assert paged["max_concurrent"] > contiguous["max_concurrent"] == 4
+    assert contiguous["errors"] == paged["errors"] == 0
+    assert set(report["scaling"]) == {"naive", "sdpa", "paged"}
+    assert {row["key"] for row in report["targets"]} >= {"decode", "ttft", "capacity", "scaling"}
+
+    paths = write_outputs(report, tmp_path)
+    names = {p.name for p in paths}
+    assert {"results.md", "results.json"} <= names
+    assert "| case |" in (tmp_path / "results.md").read_text()
+    assert json.loads((tmp_path / "results.json").read_text())["settings"]["model"] == TINY
+
+
+def test_greedy_tokens_match_transformers_on_the_same_weights(tmp_path):
+    pytest.importorskip("transformers")
+    report = Bench(tiny_settings(tmp_path, transformers=True, backends=("sdpa",), cases=("decode", "batch"))).run()
+    sides = {(m["case"], m["side"]): m for m in report["measurements"]}
+    assert ("decode", "transformers") in sides and ("batch", "transformers") in sides
+    # fp32 greedy on the same weights: the engine and transformers' generate agree token for token
+    assert sides[("decode", "sdpa")]["tokens_match_transformers"] is True
+    assert sides[("batch", "sdpa")]["tokens_match_transformers"] is True
+    md = render_markdown(report)
+    assert "transformers" in md and "×" in md
+
+
+def test_cli_bench_quick(tmp_path, capsys):
+    rc = main(["bench", "--quick", "--model", TINY, "--no-transformers", "--backends", "sdpa", "--cases",
+               "decode,capacity", "--reps", "1", "--out", str(tmp_path), "--no-progress"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "decode tok/s" in out and (tmp_path / "results.md").exists()
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--cases", "nope"], "unknown bench case"),
+        (["--backends", "no-such-backend"], "no-such-backend"),
+        (["--reps", "0"], "--reps"),
+    ],
+)
+def test_cli_bench_usage_errors_are_one_line(tmp_path, capsys, argv, message):
+    rc = main(["bench", "--model", TINY, "--no-transformers", "--out", str(tmp_path), *argv])
+    err = capsys.readouterr().err
+    assert rc != 0 and message in err and len(err.strip().splitlines()) == 1
+
+
+def test_cases_constant_is_what_the_cli_accepts():
+    assert CASES == ("decode", "long", "bf16", "batch", "capacity", "scaling")
