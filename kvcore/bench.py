@@ -589,33 +589,54 @@ class Bench:
         }
 
     def run_scaling(self) -> None:
-        """Median decode step time of one sequence at each context length, per backend."""
+        """Median decode step time of one sequence at each context length, per backend.
+
+        Every (backend, context) pair gets its own engine holding one prefilled request; then rounds of
+        a few timed decode steps visit every pair in turn, so a burst of load from elsewhere on the
+        machine hits all contexts alike instead of skewing one point of the curve.
+        """
         import torch
 
-        steps = 5 if self.s.quick else 9
-        contexts = sorted({min(c, self.window(steps)) for c in self.s.context_lengths})
-        max_len = max(contexts) + steps + 8
+        from kvcore.sampling import SamplingParams
+
+        rounds, per_round = (3, 2) if self.s.quick else (5, 3)
+        steps = rounds * per_round
+        contexts = sorted({min(c, self.window(steps + 2)) for c in self.s.context_lengths})
+        pairs = {}
         for name in self.s.backends:
-            kind = self._cache_kind(name)
-            if kind == "contiguous" and name != "sdpa" and "sdpa" in self._registry_names():
-                # only decode is timed: let the fast backend build the context
-                eng = self.engine(None, torch.float32, prefill_backend="sdpa", decode_backend=name,
-                                  max_num_seqs=1, max_model_len=max_len)
-            else:
-                eng = self.engine(name, torch.float32, max_num_seqs=1, max_model_len=max_len)
-            kv_run(eng, [self.prompt(16)], 3)  # warm-up
-            series = {}
             for ctx in contexts:
-                stats = kv_run(eng, [self.prompt(ctx)], steps)
-                series[ctx] = statistics.median(stats.step_times_s)
-                self.log(f"scaling: {name} ctx {ctx}: {series[ctx] * 1e3:.1f} ms/step")
-            self.scaling[name] = series
+                max_len = ctx + steps + 8
+                if self._cache_kind(name) == "contiguous" and name != "sdpa" and "sdpa" in self._registry_names():
+                    # only decode is timed: let the fast backend build the context
+                    eng = self.engine(None, torch.float32, prefill_backend="sdpa", decode_backend=name,
+                                      max_num_seqs=1, max_model_len=max_len)
+                else:
+                    eng = self.engine(name, torch.float32, max_num_seqs=1, max_model_len=max_len)
+                kv_run(eng, [self.prompt(8)], 3)  # warm-up
+                rid = eng.add_request(self.prompt(ctx), SamplingParams(max_new_tokens=steps + 2, ignore_eos=True))
+                eng.step()  # prefill (untimed)
+                eng.step()  # first decode step (untimed)
+                pairs[name, ctx] = (eng, rid, [])
+            self.log(f"scaling: {name}: contexts {', '.join(map(str, contexts))} prefilled")
+        for _ in range(rounds):
+            for eng, _, times in pairs.values():
+                for _ in range(per_round):
+                    start = time.perf_counter()
+                    eng.step()
+                    times.append(time.perf_counter() - start)
+        for (name, ctx), (eng, rid, times) in pairs.items():
+            eng.abort(rid)
+            eng.release(rid)
+            self.scaling.setdefault(name, {})[ctx] = statistics.median(times)
+        for name, series in self.scaling.items():
+            self.log(f"scaling: {name}: " + ", ".join(f"{c}: {t * 1e3:.1f} ms" for c, t in series.items()))
+        pairs.clear()
         hf = None if self.s.quick else self.hf_model(torch.float32)
-        if hf is not None:
+        if hf is not None:  # generate() cannot be paused: one run per context (informational line)
             hf_run(hf, [self.prompt(16)], 3, self.pad_id)
             series = {}
             for ctx in contexts:
-                stats = hf_run(hf, [self.prompt(ctx)], steps, self.pad_id)
+                stats = hf_run(hf, [self.prompt(ctx)], 8, self.pad_id)
                 series[ctx] = statistics.median(stats.step_times_s)
                 self.log(f"scaling: transformers ctx {ctx}: {series[ctx] * 1e3:.1f} ms/step")
             self.scaling["transformers"] = series
