@@ -189,6 +189,7 @@ class Engine:
         self._running: list[Request] = []
         self._requests: dict[str, Request] = {}
         self._decoders: dict[str, Any] = {}
+        self._events: list[TokenEvent] = []  # what the current step() reports
         self._ids = itertools.count()
         self._seq_ids = itertools.count()
 
@@ -251,7 +252,8 @@ class Engine:
             return
         if req in self._waiting:
             self._waiting.remove(req)
-        self._finish(req, FinishReason.ABORT, RequestAbortedError(f"request '{request_id}' was aborted"))
+        # The caller asked for it, so no event: the previous step's event list stays as it was returned.
+        self._finish(req, FinishReason.ABORT, RequestAbortedError(f"request '{request_id}' was aborted"), emit=False)
 
     def has_unfinished(self) -> bool:
         return bool(self._waiting or self._running)
@@ -281,7 +283,7 @@ class Engine:
     @torch.inference_mode()
     def step(self) -> list[TokenEvent]:
         """Advance every unfinished request by one token (prefilling newcomers first)."""
-        self._events: list[TokenEvent] = []
+        self._events = []
         admitted = self._admit()
         if admitted:
             self._prefill(admitted)
@@ -403,7 +405,7 @@ class Engine:
         if req.seq_id is not None:
             self.cache.free_sequence(req.seq_id)
             req.seq_id = None
-        if emit and hasattr(self, "_events"):
+        if emit:
             self._events.append(TokenEvent(req.request_id, None, "", reason, error))
 
     # -- conveniences --------------------------------------------------------------------------------
