@@ -43,7 +43,7 @@ from kvcore.errors import BackendError, ConfigError
 from kvcore.hookspecs import hookimpl
 from kvcore.kv_cache import CacheSpec, ContiguousKVCache, KVCache, SlotKVCache, register_cache_kind
 
-__all__ = ["FlashAttn2Backend", "FlashKVCache", "cuda_availability", "kv_views"]
+__all__ = ["FlashAttn2Backend", "FlashKVCache", "KernelBackend", "cuda_availability", "kv_views"]
 
 FLASH_ATTN_INSTALL = "pip install flash-attn --no-build-isolation; see docs/gpu-backends.md"
 #: flash-attn 2.8.3's csrc/flash_attn/flash_api.cpp: ``TORCH_CHECK(cc_major >= 8, "FlashAttention only
@@ -166,7 +166,28 @@ def _flash_attn_module() -> Any:
     return flash_attn
 
 
-class FlashAttn2Backend(AttentionBackend):
+class KernelBackend(AttentionBackend):
+    """A backend that calls its kernels through ``self.kernels``: the real package by default
+    (imported on first use), or an object passed as ``kernels=`` (tests pass the CPU emulations)."""
+
+    @staticmethod
+    def _load_kernels() -> Any:
+        raise NotImplementedError
+
+    def __init__(self, kernels: Any = None, **options: Any) -> None:
+        super().__init__(**options)
+        if isinstance(kernels, str):
+            raise ConfigError(f"backend '{self.name}': 'kernels' is a testing hook and cannot be set from a config")
+        self._kernels = kernels
+
+    @property
+    def kernels(self) -> Any:
+        if self._kernels is None:
+            self._kernels = self._load_kernels()
+        return self._kernels
+
+
+class FlashAttn2Backend(KernelBackend):
     name = "flash_attn2"
     description = "flash-attn 2: varlen prefill, flash_attn_with_kvcache decode (in-place append)"
     priority = 20
@@ -180,19 +201,7 @@ class FlashAttn2Backend(AttentionBackend):
         min_compute_capability=FLASH_MIN_CC,
     )
 
-    def __init__(self, kernels: Any = None, **options: Any) -> None:
-        """``kernels``: an object with ``flash_attn_varlen_func`` and ``flash_attn_with_kvcache``
-        (default: the ``flash_attn`` module). A testing hook: tests pass the CPU emulations."""
-        super().__init__(**options)
-        if isinstance(kernels, str):
-            raise ConfigError("backend 'flash_attn2': 'kernels' is a testing hook and cannot be set from a config")
-        self._kernels = kernels
-
-    @property
-    def kernels(self) -> Any:
-        if self._kernels is None:
-            self._kernels = _flash_attn_module()
-        return self._kernels
+    _load_kernels = staticmethod(_flash_attn_module)  # flash_attn_varlen_func, flash_attn_with_kvcache
 
     @classmethod
     def availability(cls) -> str | None:

@@ -30,16 +30,14 @@ bias classes), imported on first use; tests pass ``kernels=kvcore.backends._emul
 from __future__ import annotations
 
 from types import SimpleNamespace
-from typing import Any
 
 import torch
 
-from kvcore.attention import AttentionBackend, AttentionMetadata, BackendCapabilities
-from kvcore.errors import ConfigError
+from kvcore.attention import AttentionMetadata, BackendCapabilities
 from kvcore.hookspecs import hookimpl
 from kvcore.kv_cache import KVCache
 
-from .flash_attn2 import FlashKVCache, cuda_availability, kv_views
+from .flash_attn2 import FlashKVCache, KernelBackend, cuda_availability, kv_views
 
 __all__ = ["XFormersBackend"]
 
@@ -67,7 +65,7 @@ def _import_reason() -> str | None:
     return None
 
 
-class XFormersBackend(AttentionBackend):
+class XFormersBackend(KernelBackend):
     name = "xformers"
     description = "xformers memory_efficient_attention, one block-diagonal call per layer (5-D GQA)"
     priority = 15
@@ -80,19 +78,8 @@ class XFormersBackend(AttentionBackend):
         min_compute_capability=XFORMERS_MIN_CC,
     )
 
-    def __init__(self, kernels: Any = None, **options: Any) -> None:
-        """``kernels``: an object with ``memory_efficient_attention``, ``BlockDiagonalCausalMask`` and
-        ``BlockDiagonalCausalWithOffsetPaddedKeysMask`` (default: xformers'). A testing hook."""
-        super().__init__(**options)
-        if isinstance(kernels, str):
-            raise ConfigError("backend 'xformers': 'kernels' is a testing hook and cannot be set from a config")
-        self._kernels = kernels
-
-    @property
-    def kernels(self) -> Any:
-        if self._kernels is None:
-            self._kernels = _xformers_kernels()
-        return self._kernels
+    # memory_efficient_attention, BlockDiagonalCausalMask, BlockDiagonalCausalWithOffsetPaddedKeysMask
+    _load_kernels = staticmethod(_xformers_kernels)
 
     @classmethod
     def availability(cls) -> str | None:
