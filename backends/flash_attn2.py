@@ -41,9 +41,11 @@ import torch
 from kvcore.attention import AttentionBackend, AttentionMetadata, BackendCapabilities
 from kvcore.errors import BackendError, ConfigError
 from kvcore.hookspecs import hookimpl
-from kvcore.kv_cache import CacheSpec, ContiguousKVCache, KVCache, SlotKVCache, register_cache_kind
+from kvcore.kv_cache import KVCache
 
-__all__ = ["FlashAttn2Backend", "FlashKVCache", "KernelBackend", "cuda_availability", "kv_views"]
+from .contiguous import ContiguousKVCache
+
+__all__ = ["FlashAttn2Backend", "FlashKVCache", "KernelBackend", "SlotPlan", "cuda_availability", "kv_views"]
 
 FLASH_ATTN_INSTALL = "pip install flash-attn --no-build-isolation; see docs/gpu-backends.md"
 #: flash-attn 2.8.3's csrc/flash_attn/flash_api.cpp: ``TORCH_CHECK(cc_major >= 8, "FlashAttention only
@@ -82,81 +84,81 @@ def _import_reason(module: str) -> str | None:
 
 
 # -- the flash-layout KV cache ---------------------------------------------------------------------------
-@register_cache_kind
-class FlashKVCache(SlotKVCache):
+class FlashKVCache(ContiguousKVCache):
     """Contiguous per-slot cache in flash-attn's layout: ``k[layer]`` is ``[max_num_seqs, max_seq_len,
     H_kv, D]`` (``[batch, seqlen, nheads_k, headdim]``, what ``flash_attn_with_kvcache`` takes as
     ``k_cache``). A sequence owns one slot for its life; token ``p`` lives at ``k[layer, slot, p]``.
     """
 
-    kind = "flash_contiguous"
+    name = "flash_contiguous"
+    layout = "flash_contiguous"
+    description = "one slot of max_seq_len tokens per sequence in flash-attn's [L, slots, S, H_kv, D]"
 
-    @staticmethod
-    def _storage_shape(spec: CacheSpec) -> tuple[int, ...]:
-        return (spec.num_layers, spec.max_num_seqs, spec.max_seq_len, spec.num_kv_heads, spec.head_dim)
-
-    def _copy_prefix(self, src_slot: int, dst_slot: int, length: int) -> None:
-        self.k[:, dst_slot, :length] = self.k[:, src_slot, :length]
-        self.v[:, dst_slot, :length] = self.v[:, src_slot, :length]
+    def storage_shape(self) -> tuple[int, ...]:
+        s = self.spec
+        return (s.num_layers, self.num_blocks, self.block_size, s.num_kv_heads, s.head_dim)
 
     def write(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
-        cm = meta.cache_meta
-        self.k[layer_idx, cm.token_slots, meta.positions] = k  # [T, H_kv, D]
-        self.v[layer_idx, cm.token_slots, meta.positions] = v
+        slots = meta.slot_mapping // self.block_size
+        self.k[layer_idx, slots, meta.positions] = k  # [T, H_kv, D]
+        self.v[layer_idx, slots, meta.positions] = v
 
-    def read(self, layer_idx: int, seq_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-        slot, length = self.slot_of[seq_id], self.seq_len(seq_id)
+    def read(self, layer_idx: int, block_table: list[int], length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        slot = block_table[0]
         return self.k[layer_idx, slot, :length].clone(), self.v[layer_idx, slot, :length].clone()
 
 
 # -- glue shared with the xformers backend -----------------------------------------------------------------
 def kv_views(cache: KVCache, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """One layer of the cache as ``[num_slots, max_seq_len, H_kv, D]`` views (no copy)."""
-    if isinstance(cache, FlashKVCache):
+    """One layer of a per-slot cache as ``[num_slots, max_seq_len, H_kv, D]`` views (no copy)."""
+    if cache.layout == "flash_contiguous":
         return cache.k[layer_idx], cache.v[layer_idx]
-    if isinstance(cache, ContiguousKVCache) and cache.kind == "contiguous":
+    if cache.layout == "contiguous":
         # [slots, H_kv, S, D] -> [slots, S, H_kv, D]: strided view, last dim still contiguous
         return cache.k[layer_idx].transpose(1, 2), cache.v[layer_idx].transpose(1, 2)
-    raise BackendError(f"cannot read a '{cache.kind}' KV cache (reads: flash_contiguous, contiguous)")
+    raise BackendError(f"cannot read a '{cache.layout}' KV cache (reads: flash_contiguous, contiguous)")
 
 
 def cu_seqlens(lengths: list[int], device: torch.device) -> torch.Tensor:
     """int32 prefix sums ``[0, l0, l0 + l1, ...]`` (flash-attn's ``cu_seqlens``)."""
-    out = [0]
-    for n in lengths:
-        out.append(out[-1] + n)
-    return torch.tensor(out, dtype=torch.int32, device=device)
+    out = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    out[1:] = torch.tensor(lengths).cumsum(0)
+    return out.to(device)
 
 
-def slots_i32(meta: AttentionMetadata) -> torch.Tensor:
-    """Cache slot of each batch row as int32 (flash-attn's ``cache_batch_idx``)."""
-    return meta.cache_meta.slots_i32
+@dataclass(frozen=True)
+class SlotPlan:
+    """What every layer of one call over a per-slot cache shares (flash_attn2, xformers)."""
+
+    meta: AttentionMetadata
+    slots_t: torch.Tensor  # [B] int64, cache slot of each sequence
+    slots_i32: torch.Tensor  # [B] int32 (flash-attn's cache_batch_idx)
+    context_lens_i32: torch.Tensor  # [B] int32, lengths before this call (flash-attn's cache_seqlens)
+    gather_slot: torch.Tensor | None  # [sum(seq_lens)] int64: every sequence's full key range, by slot ...
+    gather_pos: torch.Tensor | None  # ... and position (a prefill continuing the cache)
+    cu_seqlens_k: torch.Tensor | None  # [B + 1] int32, prefix sums of seq_lens
 
 
-@dataclass
-class GatherPlan:
-    """Where every sequence's full key range lives in a ``[slots, S, H_kv, D]`` view."""
-
-    slot_idx: torch.Tensor  # [sum(seq_lens)] int64
-    pos_idx: torch.Tensor  # [sum(seq_lens)] int64
-    cu_seqlens_k: torch.Tensor  # [B + 1] int32
-
-
-def gather_plan(meta: AttentionMetadata, device: torch.device) -> GatherPlan:
-    """Built once per call (cached in ``meta.extras``) and reused by every layer."""
-    plan = meta.extras.get("kvcore.gather_plan")
-    if plan is None:
+def slot_plan(meta: AttentionMetadata) -> SlotPlan:
+    device = meta.positions.device
+    slots_t = torch.tensor(meta.slots, dtype=torch.long, device=device)
+    gather_slot = gather_pos = cu_k = None
+    if not meta.is_decode and max(meta.context_lens) > 0:
         seq_lens = meta.seq_lens
         cu_k = cu_seqlens(seq_lens, device)
         lens = torch.tensor(seq_lens, dtype=torch.long, device=device)
         starts = cu_k[:-1].long().repeat_interleave(lens)  # first packed row of each row's sequence
-        plan = GatherPlan(
-            slot_idx=meta.cache_meta.slots_t.to(device).repeat_interleave(lens),
-            pos_idx=torch.arange(int(cu_k[-1]), device=device) - starts,
-            cu_seqlens_k=cu_k,
-        )
-        meta.extras["kvcore.gather_plan"] = plan
-    return plan
+        gather_slot = slots_t.repeat_interleave(lens)
+        gather_pos = torch.arange(int(cu_k[-1]), device=device) - starts
+    return SlotPlan(
+        meta=meta,
+        slots_t=slots_t,
+        slots_i32=slots_t.to(torch.int32),
+        context_lens_i32=torch.tensor(meta.context_lens, dtype=torch.int32, device=device),
+        gather_slot=gather_slot,
+        gather_pos=gather_pos,
+        cu_seqlens_k=cu_k,
+    )
 
 
 # -- the backend ---------------------------------------------------------------------------------------
@@ -166,9 +168,9 @@ def _flash_attn_module() -> Any:
     return flash_attn
 
 
-class KernelBackend(AttentionBackend):
-    """A backend that calls its kernels through ``self.kernels``: the real package by default
-    (imported on first use), or an object passed as ``kernels=`` (tests pass the CPU emulations)."""
+class KernelBackend(AttentionBackend[SlotPlan]):
+    """A backend over a per-slot cache that calls its kernels through ``self.kernels``: the real package
+    by default (imported on first use), or an object passed as ``kernels=`` (tests pass CPU emulations)."""
 
     @staticmethod
     def _load_kernels() -> Any:
@@ -186,6 +188,9 @@ class KernelBackend(AttentionBackend):
             self._kernels = self._load_kernels()
         return self._kernels
 
+    def plan(self, meta: AttentionMetadata, cache: KVCache) -> SlotPlan:
+        return slot_plan(meta)
+
 
 class FlashAttn2Backend(KernelBackend):
     name = "flash_attn2"
@@ -194,7 +199,7 @@ class FlashAttn2Backend(KernelBackend):
     capabilities = BackendCapabilities(
         devices=frozenset({"cuda"}),
         dtypes=frozenset({torch.float16, torch.bfloat16}),
-        cache_kinds=("flash_contiguous", "contiguous"),
+        kv_layouts=("flash_contiguous", "contiguous"),
         max_head_dim=256,
         head_dim_multiple=8,
         supports_gqa=True,
@@ -217,41 +222,36 @@ class FlashAttn2Backend(KernelBackend):
         k: torch.Tensor,  # [T, H_kv, D]
         v: torch.Tensor,  # [T, H_kv, D]
         cache: KVCache,
-        meta: AttentionMetadata,
+        plan: SlotPlan,
     ) -> torch.Tensor:
         k_cache, v_cache = kv_views(cache, layer_idx)  # [slots, S, H_kv, D]
-        if meta.is_decode:
-            return self._decode(q, k, v, k_cache, v_cache, meta)
-        return self._prefill(layer_idx, q, k, v, cache, k_cache, v_cache, meta)
+        if plan.meta.is_decode:
+            return self._decode(q, k, v, k_cache, v_cache, plan)
+        return self._prefill(layer_idx, q, k, v, cache, k_cache, v_cache, plan)
 
-    def _decode(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
-        cache_seqlens = meta.extras.get("kvcore.context_lens_i32")
-        if cache_seqlens is None:  # lengths BEFORE this step's append
-            cache_seqlens = meta.extras["kvcore.context_lens_i32"] = torch.tensor(
-                meta.context_lens, dtype=torch.int32, device=q.device
-            )
+    def _decode(self, q, k, v, k_cache, v_cache, plan: SlotPlan) -> torch.Tensor:
         out = self.kernels.flash_attn_with_kvcache(
             q.unsqueeze(1),  # [B, 1, H, D]
             k_cache,
             v_cache,
             k=k.unsqueeze(1),  # [B, 1, H_kv, D], appended in place at cache_seqlens
             v=v.unsqueeze(1),
-            cache_seqlens=cache_seqlens,
-            cache_batch_idx=slots_i32(meta),
-            softmax_scale=meta.scale,
+            cache_seqlens=plan.context_lens_i32,  # lengths BEFORE this step's append
+            cache_batch_idx=plan.slots_i32,
+            softmax_scale=plan.meta.scale,
             causal=True,  # one query row: the kernel treats it as non-causal, it sees every key
         )
         return out.squeeze(1)
 
-    def _prefill(self, layer_idx, q, k, v, cache: KVCache, k_cache, v_cache, meta: AttentionMetadata):
+    def _prefill(self, layer_idx, q, k, v, cache: KVCache, k_cache, v_cache, plan: SlotPlan):
+        meta = plan.meta
         cache.write(layer_idx, k, v, meta)
-        if max(meta.context_lens) == 0:  # every sequence starts fresh: this call's K/V are all the keys
+        if plan.gather_slot is None:  # every sequence starts fresh: this call's K/V are all the keys
             keys, values = k, v
             cu_k, max_k = meta.cu_seqlens_q, meta.max_query_len
         else:
-            plan = gather_plan(meta, q.device)
-            keys = k_cache[plan.slot_idx, plan.pos_idx]  # [sum(seq_lens), H_kv, D]
-            values = v_cache[plan.slot_idx, plan.pos_idx]
+            keys = k_cache[plan.gather_slot, plan.gather_pos]  # [sum(seq_lens), H_kv, D]
+            values = v_cache[plan.gather_slot, plan.gather_pos]
             cu_k, max_k = plan.cu_seqlens_k, meta.max_seq_len
         return self.kernels.flash_attn_varlen_func(
             q,
@@ -283,3 +283,8 @@ def _version_reason() -> str | None:
 @hookimpl
 def kvcore_register_backends(register):
     register(FlashAttn2Backend)
+
+
+@hookimpl
+def kvcore_register_kv_caches(register):
+    register(FlashKVCache)

@@ -8,8 +8,8 @@ On CPU this runs PyTorch's fused flash-attention kernel. Details that matter:
 * GQA never repeats K/V. Prefill uses the kernel's ``enable_gqa=True``; decode lays the ``H / H_kv``
   query heads of a group out as that KV head's query rows (``q.view(B, H_kv, G, D)``), which is as fast
   in float32 and 3-6x faster in bfloat16 on CPU than ``enable_gqa`` with one query row.
-* Per-call work (the cache rows each token's K/V go to, the decode key-padding mask) is planned once at
-  the first layer and kept in ``meta.extras``; every layer then does one ``index_copy_`` per K and V and
+* Per-call work (the cache rows each token's K/V go to, the decode key-padding mask) is planned once per
+  forward call in :meth:`SDPABackend.plan`; every layer then does one ``index_copy_`` per K and V and
   one attention call.
 
 Everything read from the cache is a view (no copy, no concatenation): a decode step reads exactly the
@@ -23,30 +23,49 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvcore.attention import AttentionBackend, AttentionMetadata, BackendCapabilities
+from kvcore.attention import AttentionBackend, AttentionMetadata, BackendCapabilities, causal_mask
 from kvcore.hookspecs import hookimpl
-from kvcore.kv_cache import ContiguousKVCache
+
+from .contiguous import ALL_DTYPES, ContiguousKVCache
 
 
-@dataclass
-class _Plan:
+@dataclass(frozen=True)
+class SDPAPlan:
     """What every layer of one forward call shares."""
 
-    rows: torch.Tensor | None  # [T * H_kv] row of each (token, KV head) in a layer's [S * H_kv * L, D] view
+    meta: AttentionMetadata
+    rows: torch.Tensor  # [T * H_kv] row of each (token, KV head) in a layer's [slots * H_kv * S, D] view
     decode_slot: int | None  # first slot of a decode batch on consecutive slots (one kernel call), else None
     decode_len: int = 0  # keys each decode row reads (max seq_len of the batch)
     decode_mask: torch.Tensor | None = None  # [B, 1, 1, decode_len] additive key-padding mask (ragged batch)
 
 
-class SDPABackend(AttentionBackend):
+class SDPABackend(AttentionBackend[SDPAPlan]):
     name = "sdpa"
     description = "torch scaled_dot_product_attention (fused kernels), contiguous cache"
     priority = 10
     capabilities = BackendCapabilities(
         devices=frozenset({"cpu", "cuda"}),
-        dtypes=frozenset({torch.float32, torch.float16, torch.bfloat16}),
-        cache_kinds=("contiguous",),
+        dtypes=ALL_DTYPES,
+        kv_layouts=("contiguous",),
     )
+
+    def plan(self, meta: AttentionMetadata, cache: ContiguousKVCache) -> SDPAPlan:
+        _, num_kv_heads, max_len, _ = cache.k.shape[1:]
+        device = meta.positions.device
+        heads = torch.arange(num_kv_heads, device=device)
+        token_slots = meta.slot_mapping // cache.block_size
+        rows = ((token_slots[:, None] * num_kv_heads + heads) * max_len + meta.positions[:, None]).flatten()
+        slots = meta.slots
+        if not (meta.is_decode and slots == list(range(slots[0], slots[0] + len(slots)))):
+            return SDPAPlan(meta, rows, None)
+        max_len = meta.max_seq_len
+        mask = None
+        if min(meta.context_lens) + 1 != max_len:  # ragged: hide each row's keys past its length
+            valid = torch.arange(max_len, device=device)[None, :] < meta.seq_lens_t[:, None]
+            mask = torch.zeros(valid.shape, dtype=cache.spec.dtype, device=device).masked_fill_(~valid, float("-inf"))
+            mask = mask.view(len(slots), 1, 1, max_len)
+        return SDPAPlan(meta, rows, slots[0], max_len, mask)
 
     def forward(
         self,
@@ -55,23 +74,19 @@ class SDPABackend(AttentionBackend):
         k: torch.Tensor,  # [T, H_kv, D]
         v: torch.Tensor,  # [T, H_kv, D]
         cache: ContiguousKVCache,
-        meta: AttentionMetadata,
+        plan: SDPAPlan,
     ) -> torch.Tensor:
-        plan = meta.extras.get("sdpa")
-        if plan is None:
-            plan = meta.extras["sdpa"] = self._plan(q, cache, meta)
+        meta = plan.meta
         k_cache, v_cache = cache.k[layer_idx], cache.v[layer_idx]  # [S, H_kv, max_len, D]
-        if plan.rows is not None:  # the cache's own write, as two index_copy_ calls
-            d = k.shape[-1]
-            k_cache.view(-1, d).index_copy_(0, plan.rows, k.reshape(-1, d))
-            v_cache.view(-1, d).index_copy_(0, plan.rows, v.reshape(-1, d))
-        else:
-            cache.write(layer_idx, k, v, meta)
+        d = k.shape[-1]
+        # The cache's write as two index_copy_ calls over rows planned once for all layers.
+        k_cache.view(-1, d).index_copy_(0, plan.rows, k.reshape(-1, d))
+        v_cache.view(-1, d).index_copy_(0, plan.rows, v.reshape(-1, d))
         if plan.decode_slot is not None:
-            return self._decode_batched(q, k_cache, v_cache, meta, plan)
+            return self._decode_batched(q, k_cache, v_cache, plan)
         out = torch.empty_like(q)
         starts = meta.cu_seqlens_q.tolist()
-        for i, (slot, ctx, q_len) in enumerate(zip(meta.cache_meta.slots, meta.context_lens, meta.query_lens)):
+        for i, (slot, ctx, q_len) in enumerate(zip(meta.slots, meta.context_lens, meta.query_lens)):
             seq_len = ctx + q_len
             qi = q[starts[i] : starts[i + 1]].transpose(0, 1).unsqueeze(0)  # (1, H, q_len, D)
             ki = k_cache[slot, :, :seq_len].unsqueeze(0)  # (1, H_kv, seq_len, D) view
@@ -80,8 +95,7 @@ class SDPABackend(AttentionBackend):
             if q_len > 1 and ctx == 0:
                 causal = True  # square: top-left and bottom-right alignment coincide
             elif q_len > 1:
-                query_pos = torch.arange(ctx, seq_len, device=q.device)[:, None]
-                mask = torch.arange(seq_len, device=q.device)[None, :] <= query_pos  # (q_len, seq_len) bottom-right
+                mask = causal_mask(ctx, q_len, q.device)  # SDPA's is_causal would align it top-left
             oi = F.scaled_dot_product_attention(
                 qi, ki, vi, attn_mask=mask, is_causal=causal, scale=meta.scale, enable_gqa=True
             )  # (1, H, q_len, D)
@@ -89,26 +103,7 @@ class SDPABackend(AttentionBackend):
         return out
 
     @staticmethod
-    def _plan(q: torch.Tensor, cache: ContiguousKVCache, meta: AttentionMetadata) -> _Plan:
-        rows = None
-        if type(cache).write is ContiguousKVCache.write:  # a subclass may store differently: let it write
-            _, num_kv_heads, max_len, _ = cache.k.shape[1:]
-            heads = torch.arange(num_kv_heads, device=q.device)
-            token_slots = meta.cache_meta.token_slots
-            rows = ((token_slots[:, None] * num_kv_heads + heads) * max_len + meta.positions[:, None]).flatten()
-        slots = meta.cache_meta.slots
-        if not (meta.is_decode and slots == list(range(slots[0], slots[0] + len(slots)))):
-            return _Plan(rows, None)
-        max_len = meta.max_seq_len
-        mask = None
-        if min(meta.context_lens) + 1 != max_len:  # ragged: hide each row's keys past its length
-            valid = torch.arange(max_len, device=q.device)[None, :] < meta.seq_lens_t[:, None]
-            mask = torch.zeros(valid.shape, dtype=q.dtype, device=q.device).masked_fill_(~valid, float("-inf"))
-            mask = mask.view(len(slots), 1, 1, max_len)
-        return _Plan(rows, slots[0], max_len, mask)
-
-    @staticmethod
-    def _decode_batched(q, k_cache, v_cache, meta: AttentionMetadata, plan: _Plan) -> torch.Tensor:
+    def _decode_batched(q, k_cache, v_cache, plan: SDPAPlan) -> torch.Tensor:
         """One kernel call for a decode batch whose sequences occupy consecutive cache slots."""
         num_seqs, num_heads, head_dim = q.shape
         first, max_len = plan.decode_slot, plan.decode_len
@@ -116,7 +111,7 @@ class SDPABackend(AttentionBackend):
         vs = v_cache[first : first + num_seqs, :, :max_len]
         num_kv_heads = ks.shape[1]
         qs = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)  # (B, H_kv, G, D): group = rows
-        out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=plan.decode_mask, scale=meta.scale)
+        out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=plan.decode_mask, scale=plan.meta.scale)
         return out.view(num_seqs, num_heads, head_dim)
 
 

@@ -33,11 +33,11 @@ from types import SimpleNamespace
 
 import torch
 
-from kvcore.attention import AttentionMetadata, BackendCapabilities
+from kvcore.attention import BackendCapabilities
 from kvcore.hookspecs import hookimpl
 from kvcore.kv_cache import KVCache
 
-from .flash_attn2 import FlashKVCache, KernelBackend, cuda_availability, kv_views
+from .flash_attn2 import KernelBackend, SlotPlan, cuda_availability, kv_views
 
 __all__ = ["XFormersBackend"]
 
@@ -72,7 +72,7 @@ class XFormersBackend(KernelBackend):
     capabilities = BackendCapabilities(
         devices=frozenset({"cuda"}),
         dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
-        cache_kinds=("flash_contiguous", "contiguous"),
+        kv_layouts=("flash_contiguous", "contiguous"),
         head_dim_multiple=8,
         supports_gqa=True,
         min_compute_capability=XFORMERS_MIN_CC,
@@ -107,15 +107,16 @@ class XFormersBackend(KernelBackend):
         k: torch.Tensor,  # [T, H_kv, D]
         v: torch.Tensor,  # [T, H_kv, D]
         cache: KVCache,
-        meta: AttentionMetadata,
+        plan: SlotPlan,
     ) -> torch.Tensor:
         xf = self.kernels
+        meta = plan.meta
         cache.write(layer_idx, k, v, meta)
         if max(meta.context_lens) == 0:
             keys, values = k.unsqueeze(0), v.unsqueeze(0)  # [1, T, H_kv, D]
             bias = xf.BlockDiagonalCausalMask.from_seqlens(meta.query_lens, device=q.device)
         else:
-            keys, values, pad = self._padded_keys(cache, layer_idx, meta)  # [1, B * pad, H_kv, D]
+            keys, values, pad = self._padded_keys(cache, layer_idx, plan)  # [1, B * pad, H_kv, D]
             bias = xf.BlockDiagonalCausalWithOffsetPaddedKeysMask.from_seqlens(
                 q_seqlen=meta.query_lens, kv_padding=pad, kv_seqlen=meta.seq_lens, device=q.device
             )
@@ -124,19 +125,20 @@ class XFormersBackend(KernelBackend):
         return out.reshape(q.shape)
 
     @staticmethod
-    def _padded_keys(cache: KVCache, layer_idx: int, meta: AttentionMetadata):
+    def _padded_keys(cache: KVCache, layer_idx: int, plan: SlotPlan):
         """Each sequence's keys in its own block of ``pad`` rows, as ``[1, B * pad, H_kv, D]``."""
         k_cache, v_cache = kv_views(cache, layer_idx)  # [slots, S, H_kv, D]
-        slots = meta.cache_meta.slots
+        meta = plan.meta
+        slots = meta.slots
         num_seqs, max_len = len(slots), k_cache.shape[1]
         first = slots[0]
-        if isinstance(cache, FlashKVCache) and slots == list(range(first, first + num_seqs)):
+        if cache.layout == "flash_contiguous" and slots == list(range(first, first + num_seqs)):
             # consecutive slots of a contiguous slab: the blocks are the cache itself (zero copy)
             keys = k_cache[first : first + num_seqs].reshape(1, num_seqs * max_len, *k_cache.shape[2:])
             values = v_cache[first : first + num_seqs].reshape(1, num_seqs * max_len, *v_cache.shape[2:])
             return keys, values, max_len
         pad = meta.max_seq_len
-        slots_t = meta.cache_meta.slots_t
+        slots_t = plan.slots_t
         keys = k_cache[slots_t, :pad].reshape(1, num_seqs * pad, *k_cache.shape[2:])  # gathers B × pad rows
         values = v_cache[slots_t, :pad].reshape(1, num_seqs * pad, *v_cache.shape[2:])
         return keys, values, pad

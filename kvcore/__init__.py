@@ -1,14 +1,14 @@
 """kvcore: swap attention implementations and KV caches under one generation driver."""
 
-from kvcore.attention import AttentionBackend, AttentionMetadata, BackendCapabilities
+from kvcore.attention import AttentionBackend, AttentionMetadata, BackendCapabilities, causal_mask
 from kvcore.engine import Engine, EngineConfig
 from kvcore.errors import KVCoreError
 from kvcore.hookspecs import hookimpl
-from kvcore.kv_cache import CacheSpec, ContiguousKVCache, KVCache
+from kvcore.kv_cache import CacheCapabilities, CacheSpec, KVCache
 from kvcore.model import LlamaModel
 from kvcore.model_config import ModelConfig
 from kvcore.request import FinishReason, GenerationResult, TokenEvent
-from kvcore.sampling import DefaultSampler, Sampler, SamplingParams
+from kvcore.sampling import DefaultSampler, Sampler, SamplingParams, SamplingRow
 
 __version__ = "0.1.0"
 
@@ -16,8 +16,8 @@ __all__ = [
     "AttentionBackend",
     "AttentionMetadata",
     "BackendCapabilities",
+    "CacheCapabilities",
     "CacheSpec",
-    "ContiguousKVCache",
     "DefaultSampler",
     "Engine",
     "EngineConfig",
@@ -29,6 +29,8 @@ __all__ = [
     "ModelConfig",
     "Sampler",
     "SamplingParams",
+    "SamplingRow",
     "TokenEvent",
+    "causal_mask",
     "hookimpl",
 ]

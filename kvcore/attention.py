@@ -13,37 +13,45 @@ Tokens of all sequences in one forward call are *packed* along a single axis (vL
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
 import torch
 
 if TYPE_CHECKING:
-    from kvcore.kv_cache import CacheSpec, KVCache
+    from kvcore.kv_cache import KVCache
 
-__all__ = ["AttentionMetadata", "BackendCapabilities", "AttentionBackend"]
+__all__ = ["AttentionMetadata", "BackendCapabilities", "AttentionBackend", "causal_mask"]
+
+#: a backend's own per-call plan type (``AttentionMetadata`` itself when it needs nothing more)
+PlanT = TypeVar("PlanT")
 
 
-@dataclass
+@dataclass(frozen=True)
 class AttentionMetadata:
-    """Describes one forward call over a packed batch of ``B`` sequences.
+    """Describes one forward call over a packed batch of ``B`` sequences; built once per step by the core.
 
     Python lists mirror the small integer tensors so backends can shape work without a device sync.
+    Cache addressing is the core's block tables: token ``p`` of sequence ``i`` lives in block
+    ``block_tables[i][p // block_size]`` at offset ``p % block_size``; ``slot_mapping`` is that
+    address flattened (``block * block_size + offset``) for each packed token. A per-sequence (slot)
+    layout has one block per sequence, so ``block_tables[i][0]`` is the sequence's slot.
     """
 
-    seq_ids: list[int]  # cache-level sequence ids, length B
     query_lens: list[int]  # new tokens per sequence, length B
     context_lens: list[int]  # tokens already cached before this call, length B
+    block_tables: list[list[int]]  # [B] physical block ids per sequence, in token order
+    block_size: int  # tokens per block of the cache this call writes
     positions: torch.Tensor  # [T] int64, absolute position of every packed query token
     cu_seqlens_q: torch.Tensor  # [B + 1] int32, prefix sums of query_lens (row offsets into T)
     seq_lens_t: torch.Tensor  # [B] int32, context_len + query_len per sequence
-    scale: float  # softmax scale, 1 / sqrt(head_dim) for Llama
-    cache_meta: Any = None  # layout-specific addressing built by the KV cache (slots, block tables)
-    extras: dict[str, Any] = field(default_factory=dict)  # per-backend scratch (e.g. packed masks)
+    block_tables_t: torch.Tensor  # [B, max_blocks] int32, padded with block 0 (masked by seq_lens)
+    slot_mapping: torch.Tensor  # [T] int64, block_id * block_size + offset of every packed token
+    scale: float  # softmax scale, from the model (1 / sqrt(head_dim) for Llama)
 
     @property
     def num_seqs(self) -> int:
-        return len(self.seq_ids)
+        return len(self.query_lens)
 
     @property
     def num_tokens(self) -> int:
@@ -67,6 +75,51 @@ class AttentionMetadata:
         """True when every sequence contributes exactly one query row (a decode step)."""
         return self.max_query_len == 1 and min(self.context_lens) > 0
 
+    @property
+    def slots(self) -> list[int]:
+        """First block of each sequence: its slot in a per-sequence layout."""
+        return [table[0] for table in self.block_tables]
+
+    @classmethod
+    def build(
+        cls,
+        query_lens: list[int],
+        context_lens: list[int],
+        block_tables: list[list[int]],
+        block_size: int,
+        scale: float,
+        device: torch.device,
+    ) -> AttentionMetadata:
+        """The metadata of one call: ``query_lens[i]`` new tokens after ``context_lens[i]`` cached ones."""
+        positions = torch.cat([torch.arange(c, c + q) for c, q in zip(context_lens, query_lens)])  # [T]
+        seq_lens = torch.tensor([c + q for c, q in zip(context_lens, query_lens)], dtype=torch.int32)
+        max_blocks = max(len(t) for t in block_tables)
+        tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in block_tables], dtype=torch.int32)
+        seq_of_token = torch.repeat_interleave(torch.arange(len(query_lens)), torch.tensor(query_lens))  # [T]
+        blocks = tables.long()[seq_of_token, positions // block_size]
+        cu = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
+        cu[1:] = torch.tensor(query_lens).cumsum(0)
+        return cls(
+            query_lens=list(query_lens),
+            context_lens=list(context_lens),
+            block_tables=[list(t) for t in block_tables],
+            block_size=block_size,
+            positions=positions.to(device),
+            cu_seqlens_q=cu.to(device),
+            seq_lens_t=seq_lens.to(device),
+            block_tables_t=tables.to(device),
+            slot_mapping=(blocks * block_size + positions % block_size).to(device),
+            scale=scale,
+        )
+
+
+def causal_mask(context_len: int, query_len: int, device: torch.device) -> torch.Tensor:
+    """``[query_len, context_len + query_len]`` bool, True where attention is allowed: the causal mask
+    aligned bottom-right, query ``i`` sitting at absolute position ``context_len + i`` and seeing keys
+    ``0 .. context_len + i``. With ``context_len == 0`` it is the ordinary lower-triangular mask."""
+    query_pos = torch.arange(context_len, context_len + query_len, device=device)[:, None]
+    return torch.arange(context_len + query_len, device=device)[None, :] <= query_pos
+
 
 @dataclass(frozen=True)
 class BackendCapabilities:
@@ -74,7 +127,7 @@ class BackendCapabilities:
 
     devices: frozenset[str]  # torch device types, e.g. {"cpu", "cuda"}
     dtypes: frozenset[torch.dtype]
-    cache_kinds: tuple[str, ...]  # KV-cache layouts it reads, preferred first ("contiguous", "paged")
+    kv_layouts: tuple[str, ...]  # KV-cache layouts it reads, preferred first ("contiguous", "paged")
     head_dims: frozenset[int] | None = None  # None: any head size
     max_head_dim: int | None = None
     head_dim_multiple: int | None = None  # e.g. 8: kernels that vectorise over head_dim
@@ -111,12 +164,13 @@ class BackendCapabilities:
         return reasons
 
 
-class AttentionBackend(abc.ABC):
+class AttentionBackend(abc.ABC, Generic[PlanT]):
     """An attention implementation. Subclass it, declare ``name`` and ``capabilities``, implement
-    :meth:`forward`, and register the class through the ``kvcore_register_backends`` hook.
+    :meth:`forward` (and :meth:`plan` when per-call work can be shared by the layers), and register the
+    class through the ``kvcore_register_backends`` hook.
 
-    A backend instance is stateless across requests; all per-sequence state lives in the
-    :class:`~kvcore.kv_cache.KVCache` it is handed.
+    A backend instance is stateless across calls; all per-sequence state lives in the
+    :class:`~kvcore.kv_cache.KVCache` it is handed, all per-call state in the plan.
     """
 
     name: ClassVar[str]
@@ -148,11 +202,12 @@ class AttentionBackend(abc.ABC):
             device=device, dtype=dtype, head_dim=head_dim, num_heads=num_heads, num_kv_heads=num_kv_heads
         )
 
-    def create_cache(self, spec: CacheSpec) -> KVCache:
-        """Allocate the KV cache this backend prefers (the first of ``capabilities.cache_kinds``)."""
-        from kvcore.kv_cache import create_cache
-
-        return create_cache(self.capabilities.cache_kinds[0], spec)
+    def plan(self, meta: AttentionMetadata, cache: KVCache) -> PlanT:
+        """Turn the call's metadata into this backend's own typed plan, once per forward call (before the
+        first layer); every layer's :meth:`forward` receives it. The default plan is ``meta`` itself; a
+        backend with work its layers share (gather indices, masks) declares ``AttentionBackend[MyPlan]``
+        and returns a dataclass holding ``meta`` and that work."""
+        return meta  # type: ignore[return-value]
 
     @abc.abstractmethod
     def forward(
@@ -162,15 +217,15 @@ class AttentionBackend(abc.ABC):
         k: torch.Tensor,
         v: torch.Tensor,
         cache: KVCache,
-        meta: AttentionMetadata,
+        plan: PlanT,
     ) -> torch.Tensor:
-        """Write this call's K/V into ``cache`` at ``meta``'s positions, then attend.
+        """Write this call's K/V into ``cache`` (``cache.write``), then attend.
 
         :param layer_idx: decoder layer, selects the cache layer.
         :param q: ``[T, H, D]`` queries, RoPE already applied.
         :param k: ``[T, H_kv, D]`` new keys, RoPE already applied.
         :param v: ``[T, H_kv, D]`` new values.
-        :param cache: the KV cache; its ``kind`` is one of ``capabilities.cache_kinds``.
-        :param meta: packing, lengths and cache addressing of this call.
+        :param cache: the KV cache; its ``layout`` is one of ``capabilities.kv_layouts``.
+        :param plan: what :meth:`plan` returned for this call.
         :returns: ``[T, H, D]`` attention output, same dtype as ``q``.
         """

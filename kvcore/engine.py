@@ -1,136 +1,54 @@
-"""The generation driver: prefill + decode over any backend, cache and sampler, with continuous batching.
+"""The generation driver: continuous batching over any backend, KV cache and sampler.
 
-Each :meth:`Engine.step` either prefills newly admitted requests (their whole prompts in one packed
-forward; the first token comes from each prompt's last position) or runs one decode step for every
-running request (one query row each, attending to the whole cache). Requests join the running batch
-as soon as the cache has room and leave it the step they finish, giving their cache storage back.
+One :meth:`Engine.step` is::
+
+    schedule  →  metadata (once)  →  backend plan (once)  →  model  →  sampler  →  post-process
+    Scheduler    KVCacheManager       AttentionBackend         LlamaModel  Sampler    Engine
+                 .prepare              .plan                                          (stop checks, events)
+
+The scheduler either admits waiting requests for a prefill (their whole prompts in one packed forward;
+the first token comes from each prompt's last position) or runs one decode step for every running
+request. Requests join the running batch as soon as the cache has room and leave it the step they
+finish, giving their KV blocks back.
+
+Threading: an ``Engine`` is not thread-safe. Call every method from one thread (a serving front owns
+the engine in one loop and talks to it through queues).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
-from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
 
-from kvcore.attention import AttentionBackend
+from kvcore.engine_config import EngineConfig, parse_dtype, select_components
 from kvcore.errors import (
     BackendError,
-    BackendUnavailableError,
     ConfigError,
     ContextLengthError,
     InvalidRequestError,
     KVCoreError,
-    OutOfBlocksError,
     RequestAbortedError,
+    SamplerError,
 )
-from kvcore.kv_cache import CacheSpec, KVCache, create_cache
+from kvcore.kv_cache import CacheSpec
+from kvcore.kv_manager import KVCacheManager
 from kvcore.model import LlamaModel
-from kvcore.plugins import BackendRegistry, get_registry
+from kvcore.model_runner import last_token_logits
+from kvcore.plugins import PluginRegistry, get_registry
 from kvcore.request import FinishReason, GenerationResult, Request, TokenEvent
-from kvcore.sampling import DefaultSampler, Sampler, SamplingParams
+from kvcore.sampling import Sampler, SamplingParams
+from kvcore.scheduler import ScheduledBatch, Scheduler
 
-__all__ = ["EngineConfig", "Engine", "parse_dtype", "select_backends"]
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def parse_dtype(name: str | torch.dtype) -> torch.dtype:
-    if isinstance(name, torch.dtype):
-        return name
-    aliases = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
-    key = aliases.get(str(name), str(name))
-    if key not in DTYPES:
-        raise ConfigError(f"unknown dtype '{name}' (choose from: {', '.join(DTYPES)})")
-    return DTYPES[key]
-
-
-@dataclass
-class EngineConfig:
-    """How the engine runs. Backend names ``None`` mean "pick the best available"."""
-
-    backend: str | None = None  # both phases
-    prefill_backend: str | None = None  # overrides ``backend`` for prefill
-    decode_backend: str | None = None  # overrides ``backend`` for decode
-    dtype: str = "float32"
-    device: str = "cpu"
-    max_num_seqs: int = 8  # requests resident in the KV cache at once
-    max_model_len: int | None = None  # tokens per request; None = the model's context window, capped
-    block_size: int = 16  # paged caches: tokens per block
-    num_blocks: int | None = None  # paged caches: pool size; None = max_num_seqs × max_model_len worth
-    backend_options: dict[str, dict[str, Any]] = field(default_factory=dict)  # [backends.<name>] tables
-
-    #: default cap on max_model_len so a contiguous cache does not reserve the full 8K window per slot
-    DEFAULT_MAX_MODEL_LEN = 4096
-
-    def __post_init__(self) -> None:
-        parse_dtype(self.dtype)
-        if self.max_num_seqs <= 0:
-            raise ConfigError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
-        if self.max_model_len is not None and self.max_model_len <= 1:
-            raise ConfigError(f"max_model_len must be > 1, got {self.max_model_len}")
-        if self.block_size <= 0:
-            raise ConfigError(f"block_size must be positive, got {self.block_size}")
-        try:
-            device = torch.device(self.device)
-        except RuntimeError:
-            raise ConfigError(f"unknown device '{self.device}' (examples: cpu, cuda, cuda:1)") from None
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise ConfigError(f"device '{self.device}' is not available: torch.cuda.is_available() is False")
-
-
-def select_backends(
-    registry: BackendRegistry,
-    config: EngineConfig,
-    *,
-    head_dim: int,
-    num_heads: int,
-    num_kv_heads: int,
-) -> tuple[AttentionBackend, AttentionBackend, str]:
-    """Resolve (prefill backend, decode backend, shared cache kind), or raise with the reason."""
-    device, dtype = torch.device(config.device), parse_dtype(config.dtype)
-    shape = dict(device=device, dtype=dtype, head_dim=head_dim, num_heads=num_heads, num_kv_heads=num_kv_heads)
-
-    def make(name: str) -> AttentionBackend:
-        backend = registry.create(name, config.backend_options.get(name))
-        reasons = backend.validate(**shape)
-        if reasons:
-            raise BackendUnavailableError(f"backend '{name}' cannot run this model here: {'; '.join(reasons)}")
-        return backend
-
-    def auto() -> str:
-        usable = []
-        for entry in registry.backends.values():
-            if entry.availability() is None and not entry.cls.capabilities.reasons_unsupported(**shape):
-                usable.append(entry)
-        if not usable:
-            raise BackendUnavailableError(f"no registered backend supports {dtype} on {device.type}")
-        return max(usable, key=lambda e: (e.cls.priority, e.name)).name
-
-    prefill_name = config.prefill_backend or config.backend or auto()
-    decode_name = config.decode_backend or config.backend or prefill_name
-    prefill = make(prefill_name)
-    decode = prefill if decode_name == prefill_name else make(decode_name)
-    if not prefill.capabilities.supports_prefill:
-        raise ConfigError(f"backend '{prefill_name}' cannot run prefill")
-    if not decode.capabilities.supports_decode:
-        raise ConfigError(f"backend '{decode_name}' cannot run decode")
-    shared = [k for k in decode.capabilities.cache_kinds if k in prefill.capabilities.cache_kinds]
-    if not shared:
-        raise ConfigError(
-            f"prefill backend '{prefill_name}' (reads {'/'.join(prefill.capabilities.cache_kinds)} caches) and "
-            f"decode backend '{decode_name}' (reads {'/'.join(decode.capabilities.cache_kinds)} caches) "
-            "share no KV-cache layout; pick a compatible pair"
-        )
-    return prefill, decode, shared[0]
+__all__ = ["Engine", "EngineConfig", "parse_dtype"]
 
 
 class Engine:
-    """Runs requests through a model with a chosen attention backend per phase.
+    """Runs requests through a model with the configured backends, KV cache and sampler.
 
     Use :meth:`add_request` + :meth:`step` (a serving loop), or the conveniences :meth:`generate` and
     :meth:`stream`.
@@ -142,25 +60,21 @@ class Engine:
         tokenizer: Any | None = None,
         config: EngineConfig | None = None,
         *,
-        registry: BackendRegistry | None = None,
+        registry: PluginRegistry | None = None,
         sampler: Sampler | None = None,
     ) -> None:
         self.config = config = config or EngineConfig()
-        self.model = model
-        self.tokenizer = tokenizer
-        self.sampler = sampler or DefaultSampler()
+        registry = registry or get_registry()
+        self.model, self.tokenizer = model, tokenizer
         mc = model.config
-        self.dtype = parse_dtype(config.dtype)
-        self.device = torch.device(config.device)
+        self.dtype, self.device = parse_dtype(config.dtype), torch.device(config.device)
         if model.dtype != self.dtype:
             raise ConfigError(f"model weights are {model.dtype} but the engine was configured for {self.dtype}")
-        self.prefill_backend, self.decode_backend, cache_kind = select_backends(
-            registry or get_registry(),
-            config,
-            head_dim=mc.head_dim,
-            num_heads=mc.num_attention_heads,
-            num_kv_heads=mc.num_key_value_heads,
+        chosen = select_components(
+            registry, config, head_dim=mc.head_dim, num_heads=mc.num_attention_heads, num_kv_heads=mc.num_key_value_heads
         )
+        self.prefill_backend, self.decode_backend = chosen.prefill_backend, chosen.decode_backend
+        self.sampler = sampler or registry.create_sampler(config.sampler, config.sampler_options.get(config.sampler))
         window = mc.max_position_embeddings
         self.max_model_len = min(config.max_model_len or min(window, EngineConfig.DEFAULT_MAX_MODEL_LEN), window)
         spec = CacheSpec(
@@ -174,24 +88,27 @@ class Engine:
             block_size=config.block_size,
             num_blocks=config.num_blocks,
         )
-        owner = next(
-            (b for b in (self.decode_backend, self.prefill_backend) if b.capabilities.cache_kinds[0] == cache_kind),
-            None,
-        )
-        self.cache: KVCache = owner.create_cache(spec) if owner else create_cache(cache_kind, spec)
-        self.scale = mc.head_dim**-0.5
-        eos = set(mc.eos_token_ids)
-        if tokenizer is not None:
-            eos |= set(getattr(tokenizer, "eos_token_ids", []) or [])
+        cache_name, cache_options = chosen.kv_cache.name, config.kv_cache_options.get(chosen.kv_cache.name)
+        if config.kv_cache_bytes and not config.num_blocks:
+            if not chosen.kv_cache.cls.paged:
+                raise ConfigError(f"kv_cache_bytes sizes a paged cache; '{cache_name}' reserves one slot per sequence")
+            block_size = (cache_options or {}).get("block_size", config.block_size)
+            per_block = chosen.kv_cache.cls.token_bytes(spec) * block_size
+            spec = dataclasses.replace(spec, num_blocks=max(1, config.kv_cache_bytes // per_block))
+        cache = registry.create_cache(cache_name, spec, cache_options)
+        self.kv = KVCacheManager(cache, enable_prefix_caching=config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        eos = set(mc.eos_token_ids) | set(getattr(tokenizer, "eos_token_ids", None) or [])
         self.eos_token_ids = frozenset(eos)
-
-        self._waiting: deque[Request] = deque()
-        self._running: list[Request] = []
         self._requests: dict[str, Request] = {}
         self._decoders: dict[str, Any] = {}
         self._events: list[TokenEvent] = []  # what the current step() reports
         self._ids = itertools.count()
-        self._seq_ids = itertools.count()
+
+    @property
+    def cache(self):
+        """The KV cache (storage); its blocks are addressed through ``self.kv``."""
+        return self.kv.cache
 
     # -- construction --------------------------------------------------------------------------------
     @classmethod
@@ -233,30 +150,25 @@ class Engine:
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self._requests:
             raise InvalidRequestError(f"request id '{request_id}' is already in use")
-        generator = None
-        if not params.is_greedy:
-            generator = torch.Generator(device="cpu")
-            generator.manual_seed(params.seed if params.seed is not None else int(time.time_ns() % 2**63))
-        req = Request(request_id, prompt_ids, params, self.eos_token_ids, generator=generator)
+        seed = params.seed if params.seed is not None else time.time_ns() % 2**63
+        req = Request(request_id, prompt_ids, params, self.eos_token_ids, seed=seed)
         req.metrics.num_prompt_tokens = len(prompt_ids)
         self._requests[request_id] = req
-        self._waiting.append(req)
+        self.scheduler.add(req)
         if self.tokenizer is not None:
             self._decoders[request_id] = self.tokenizer.stream_decoder()
         return request_id
 
     def abort(self, request_id: str) -> None:
-        """Stop a request now; its cache storage is freed and other requests are unaffected."""
+        """Stop a request now; its KV blocks are freed and other requests are unaffected."""
         req = self._requests.get(request_id)
         if req is None or req.is_finished:
             return
-        if req in self._waiting:
-            self._waiting.remove(req)
         # The caller asked for it, so no event: the previous step's event list stays as it was returned.
         self._finish(req, FinishReason.ABORT, RequestAbortedError(f"request '{request_id}' was aborted"), emit=False)
 
     def has_unfinished(self) -> bool:
-        return bool(self._waiting or self._running)
+        return self.scheduler.has_unfinished()
 
     def result(self, request_id: str) -> GenerationResult:
         req = self._requests[request_id]
@@ -284,103 +196,52 @@ class Engine:
     def step(self) -> list[TokenEvent]:
         """Advance every unfinished request by one token (prefilling newcomers first)."""
         self._events = []
-        admitted = self._admit()
-        if admitted:
-            self._prefill(admitted)
-        elif self._running:
-            self._decode()
+        scheduled = self.scheduler.schedule()
+        for req, error in scheduled.failed:
+            self._finish(req, FinishReason.ERROR, error)
+        if scheduled.batch is not None:
+            self._execute(scheduled.batch)
         return self._events
 
-    def _admit(self) -> list[Request]:
-        admitted = []
-        while self._waiting and len(self._running) + len(admitted) < self.config.max_num_seqs:
-            req = self._waiting[0]
-            if not self.cache.can_add_sequence():
-                break
-            seq_id = next(self._seq_ids)
-            self.cache.add_sequence(seq_id)
-            # Count the whole prefill batch together: each may fit alone but not all at once.
-            batch_ids = [r.seq_id for r in admitted] + [seq_id]
-            batch_lens = [len(r.all_ids) for r in admitted] + [len(req.all_ids)]
-            if not self.cache.can_prepare(batch_ids, batch_lens):
-                self.cache.free_sequence(seq_id)
-                if not self._running and not admitted:  # alone and still too big: it can never run
-                    self._waiting.popleft()
-                    self._finish(req, FinishReason.ERROR, OutOfBlocksError(
-                        f"request '{req.request_id}' needs {len(req.all_ids)} tokens of KV cache, more than the "
-                        "whole cache holds; raise num_blocks or shorten the prompt"))
-                    continue
-                break
-            req.seq_id = seq_id
-            self._waiting.popleft()
-            admitted.append(req)
-        return admitted
-
-    def _run_batch(self, reqs: list[Request], forward: Callable[[], None], backend: AttentionBackend) -> None:
-        """Run one forward for ``reqs``; if it raises, those requests fail (and free their cache)
+    def _execute(self, batch: ScheduledBatch) -> None:
+        """Run one forward and sample; if it raises, the batch's requests fail (and free their blocks)
         while every other request, waiting or running, is untouched."""
+        reqs = batch.requests
+        backend = self.prefill_backend if batch.is_prefill else self.decode_backend
         try:
-            forward()
+            try:
+                meta = self.kv.prepare([r.seq_id for r in reqs], batch.query_lens, self.model.attention_scale)
+                logits = last_token_logits(self.model, backend, self.kv.cache, meta, batch.input_ids)  # [B, V]
+            except KVCoreError:
+                raise
+            except Exception as exc:
+                raise BackendError(f"backend '{backend.name}' failed: {type(exc).__name__}: {exc}") from exc
+            if self.kv.blocks.enable_prefix_caching:
+                for req in reqs:
+                    self.kv.blocks.commit(req.seq_id, req.all_ids)
+            self._suppress_eos(reqs, logits)
+            try:
+                next_ids = self.sampler.sample(logits, reqs).tolist()
+            except KVCoreError:
+                raise
+            except Exception as exc:
+                raise SamplerError(f"sampler '{self.sampler.name}' failed: {type(exc).__name__}: {exc}") from exc
         except KVCoreError as exc:
             for req in reqs:
                 self._finish(req, FinishReason.ERROR, exc)
-        except Exception as exc:
-            error = BackendError(f"backend '{backend.name}' failed: {type(exc).__name__}: {exc}")
-            for req in reqs:
-                self._finish(req, FinishReason.ERROR, error)
+            return
+        self._append_tokens(reqs, next_ids)
 
-    def _prefill(self, reqs: list[Request]) -> None:
-        self._run_batch(reqs, lambda: self._prefill_forward(reqs), self.prefill_backend)
-
-    def _prefill_forward(self, reqs: list[Request]) -> None:
-        # A preempted request re-enters with prompt + generated so far (recompute).
-        chunks = [r.all_ids for r in reqs]
-        meta = self.cache.prepare([r.seq_id for r in reqs], [len(c) for c in chunks], self.scale)
-        input_ids = torch.tensor(list(itertools.chain.from_iterable(chunks)), dtype=torch.long, device=self.device)
-        hidden = self.model(input_ids, meta, self.cache, self.prefill_backend)  # (T, d)
-        last_rows = (meta.cu_seqlens_q[1:] - 1).long()
-        logits = self.model.compute_logits(hidden[last_rows])  # (B, V)
-        self._running.extend(reqs)
-        self._sample_and_update(reqs, logits)
-
-    def _decode(self) -> None:
-        self._make_room()
-        reqs = list(self._running)
-        if reqs:
-            self._run_batch(reqs, lambda: self._decode_forward(reqs), self.decode_backend)
-
-    def _decode_forward(self, reqs: list[Request]) -> None:
-        meta = self.cache.prepare([r.seq_id for r in reqs], [1] * len(reqs), self.scale)
-        input_ids = torch.tensor([r.output_ids[-1] for r in reqs], dtype=torch.long, device=self.device)
-        hidden = self.model(input_ids, meta, self.cache, self.decode_backend)  # (B, d)
-        self._sample_and_update(reqs, self.model.compute_logits(hidden))
-
-    def _make_room(self) -> None:
-        """Preempt the newest running requests until every remaining one can append a token."""
-        while self._running:
-            if self.cache.can_prepare([r.seq_id for r in self._running], [1] * len(self._running)):
-                return
-            victim = self._running[-1]
-            if len(self._running) == 1:
-                self._finish(victim, FinishReason.ERROR, OutOfBlocksError(
-                    f"request '{victim.request_id}' ran out of KV-cache blocks at {len(victim.all_ids)} tokens"))
-                continue
-            # Recompute-style preemption: drop its cache, requeue it first; its stream is unchanged.
-            self._running.remove(victim)
-            self.cache.free_sequence(victim.seq_id)
-            victim.seq_id = None
-            victim.metrics.num_preemptions += 1
-            self._waiting.appendleft(victim)
-
-    def _sample_and_update(self, reqs: list[Request], logits: torch.Tensor) -> None:
+    def _suppress_eos(self, reqs: list[Request], logits: torch.Tensor) -> None:
+        # ignore_eos suppresses EOS (llama.cpp --ignore-eos, transformers min_new_tokens): the stream then
+        # holds exactly max_new_tokens real tokens instead of EOS followed by noise.
         banned_rows = [i for i, r in enumerate(reqs) if r.params.ignore_eos]
         if banned_rows and self.eos_token_ids:
-            # ignore_eos suppresses EOS (llama.cpp --ignore-eos, transformers min_new_tokens): the stream
-            # then holds exactly max_new_tokens real tokens instead of EOS followed by noise.
             rows = torch.tensor(banned_rows, device=logits.device)[:, None]
             cols = torch.tensor(sorted(self.eos_token_ids), device=logits.device)[None, :]
             logits[rows, cols] = float("-inf")
-        next_ids = self.sampler.sample(logits, [r.params for r in reqs], [r.generator for r in reqs]).tolist()
+
+    def _append_tokens(self, reqs: list[Request], next_ids: list[int]) -> None:
         now = time.perf_counter()
         for req, token_id in zip(reqs, next_ids):
             req.output_ids.append(token_id)
@@ -388,7 +249,7 @@ class Engine:
             m.num_generated_tokens = len(req.output_ids)
             if m.first_token_time is None:
                 m.first_token_time = now
-            m.kv_bytes = max(m.kv_bytes, self.cache.kv_bytes_in_use(req.seq_id))
+            m.kv_bytes = max(m.kv_bytes, self.kv.kv_bytes_in_use(req.seq_id))
             reason = req.stop_reason_after(token_id, self.max_model_len)
             decoder = self._decoders.get(req.request_id)
             text = decoder.push(token_id) if decoder is not None else ""
@@ -400,11 +261,7 @@ class Engine:
     def _finish(self, req: Request, reason: FinishReason, error: KVCoreError | None = None, emit: bool = True) -> None:
         req.finish_reason, req.error = reason, error
         req.metrics.finish_time = time.perf_counter()
-        if req in self._running:
-            self._running.remove(req)
-        if req.seq_id is not None:
-            self.cache.free_sequence(req.seq_id)
-            req.seq_id = None
+        self.scheduler.remove(req)
         if emit:
             self._events.append(TokenEvent(req.request_id, None, "", reason, error))
 
@@ -443,8 +300,8 @@ class Engine:
 
     @property
     def num_running(self) -> int:
-        return len(self._running)
+        return len(self.scheduler.running)
 
     @property
     def num_waiting(self) -> int:
-        return len(self._waiting)
+        return len(self.scheduler.waiting)

@@ -17,6 +17,7 @@ __all__ = [
     "UnknownBackendError",
     "BackendUnavailableError",
     "PluginError",
+    "SamplerError",
     "OutOfBlocksError",
     "ContextLengthError",
     "RequestAbortedError",
@@ -72,6 +73,12 @@ class BackendUnavailableError(BackendError):
 
 class PluginError(BackendError):
     """A plugin broke a registration rule (duplicate name, incomplete backend class, ...)."""
+
+
+class SamplerError(KVCoreError):
+    """A sampler raised while picking tokens (the requests of that batch fail, the others go on)."""
+
+    exit_code = 4
 
 
 class OutOfBlocksError(KVCoreError):

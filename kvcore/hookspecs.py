@@ -4,30 +4,39 @@ A plugin is a module (or object) with functions named like these hooks, decorate
 ``kvcore.hookimpl``, advertised under the ``kvcore`` entry-point group::
 
     [project.entry-points.kvcore]
-    my_backend = "my_package.plugin"
+    my_plugin = "my_package.plugin"
+
+There is one ``kvcore_register_*`` hook per pluggable kind, all with the same shape: the hook receives
+a ``register`` callback and calls it once per class it provides. The built-in backends, KV caches and
+sampler register through these same hooks.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import pluggy
 
-if TYPE_CHECKING:
-    from kvcore.attention import AttentionBackend
-
-__all__ = ["hookspec", "hookimpl", "RegisterBackend", "kvcore_register_backends"]
+__all__ = [
+    "hookspec",
+    "hookimpl",
+    "Register",
+    "kvcore_register_backends",
+    "kvcore_register_kv_caches",
+    "kvcore_register_samplers",
+    "kvcore_configure",
+]
 
 hookspec = pluggy.HookspecMarker("kvcore")
 hookimpl = pluggy.HookimplMarker("kvcore")
 
 
-class RegisterBackend(Protocol):
-    def __call__(self, backend_cls: type[AttentionBackend], *, name: str | None = None) -> None: ...
+class Register(Protocol):
+    def __call__(self, cls: type, *, name: str | None = None) -> None: ...
 
 
 @hookspec
-def kvcore_register_backends(register: RegisterBackend) -> None:
+def kvcore_register_backends(register: Register) -> None:
     """Register attention backends.
 
     Call ``register(BackendClass)`` once per backend; ``name`` defaults to ``BackendClass.name``.
@@ -36,7 +45,32 @@ def kvcore_register_backends(register: RegisterBackend) -> None:
     names both. Import heavy or optional packages (flash-attn, xformers) inside the backend's methods,
     not at module import, so listing backends stays cheap and never fails.
 
-    :param register: callback that records one backend class.
+    :param register: callback that records one :class:`~kvcore.attention.AttentionBackend` class.
+    """
+
+
+@hookspec
+def kvcore_register_kv_caches(register: Register) -> None:
+    """Register KV-cache layouts.
+
+    Call ``register(CacheClass)`` once per cache; ``name`` defaults to ``CacheClass.name``. The class
+    must subclass :class:`kvcore.KVCache`, implement every abstract method and declare ``layout``
+    (the contract backends read, e.g. "contiguous" or "paged") and ``capabilities``. Users select it
+    with ``kv_cache = "name"`` / ``--kv-cache name``; its options come from ``[kv_caches.<name>]``.
+
+    :param register: callback that records one :class:`~kvcore.kv_cache.KVCache` class.
+    """
+
+
+@hookspec
+def kvcore_register_samplers(register: Register) -> None:
+    """Register samplers.
+
+    Call ``register(SamplerClass)`` once per sampler; ``name`` defaults to ``SamplerClass.name``. The
+    class must subclass :class:`kvcore.Sampler` and implement :meth:`~kvcore.Sampler.sample`. Users
+    select it with ``sampler = "name"`` / ``--sampler name``; its options come from ``[samplers.<name>]``.
+
+    :param register: callback that records one :class:`~kvcore.sampling.Sampler` class.
     """
 
 
@@ -45,8 +79,10 @@ def kvcore_configure(options: dict[str, Any]) -> None:
     """Receive this plugin's options from the config file.
 
     Called once after loading, with the ``[plugins.<plugin name>]`` table of the config file
-    (an empty dict when there is none). Per-backend options go in ``[backends.<backend name>]``
-    instead and reach the backend's constructor as keyword arguments.
+    (an empty dict when there is none). Options of one backend, cache or sampler go in
+    ``[backends.<name>]``, ``[kv_caches.<name>]`` or ``[samplers.<name>]`` instead and reach that
+    class's constructor as keyword arguments.
 
     :param options: the plugin's own config table.
     """
+

@@ -1,319 +1,147 @@
-"""The KV-cache interface and the contiguous (preallocated, per-slot) cache.
+"""The KV-cache interface: where K and V rows are stored, in one *layout* that backends declare they read.
 
-A cache holds, for every decoder layer, the K and V rows of every live sequence. It is allocated once
+A cache is storage only. Which sequence owns which block, reference counts, copy-on-write and prefix
+hashes belong to the core's :class:`~kvcore.block_manager.BlockManager`; a cache is told where to write
+(``meta.slot_mapping``) and which blocks to copy (:meth:`KVCache.copy_blocks`). Storage is allocated once
 and written in place at each token's position; it is never grown with ``torch.cat``.
 
-Memory: ``2 × layers × kv_heads × head_dim × seq_len × bytes_per_element`` per sequence.
+Every cache is addressed in blocks of ``block_size`` tokens. A *paged* layout lets the user choose the
+block size (blocks are taken as a sequence grows); a per-sequence layout (``paged = False``) uses one
+block of ``max_seq_len`` tokens per sequence: a slot reserved for the sequence's whole life.
+
+Memory: ``2 × layers × kv_heads × head_dim × seq_len × bytes_per_element`` per sequence for a
+full-precision cache; a quantized cache states its own :attr:`KVCache.bytes_per_token`.
 """
 
 from __future__ import annotations
 
 import abc
+import math
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from kvcore.attention import AttentionMetadata
-from kvcore.errors import ConfigError, ContextLengthError, KVCoreError, OutOfBlocksError
+from kvcore.errors import ConfigError
 
-__all__ = [
-    "CacheSpec",
-    "KVCache",
-    "SlotKVCache",
-    "SlotCacheMeta",
-    "ContiguousKVCache",
-    "create_cache",
-    "register_cache_kind",
-    "cache_kinds",
-]
+if TYPE_CHECKING:
+    from kvcore.attention import AttentionMetadata
+
+__all__ = ["CacheSpec", "KVCache", "CacheCapabilities"]
 
 
 @dataclass(frozen=True)
 class CacheSpec:
-    """Sizes of a KV cache."""
+    """Sizes of a KV cache, from the model and the engine config."""
 
     num_layers: int
     num_kv_heads: int  # H_kv
     head_dim: int  # D
-    dtype: torch.dtype
+    dtype: torch.dtype  # the model's compute dtype (a quantized cache stores less, returns this)
     device: torch.device
     max_num_seqs: int  # sequences resident at the same time
     max_seq_len: int  # tokens per sequence (prompt + generated)
-    block_size: int = 16  # paged caches only: tokens per block
-    num_blocks: int | None = None  # paged caches only; None = enough for max_num_seqs × max_seq_len
+    block_size: int = 16  # paged layouts: tokens per block
+    num_blocks: int | None = None  # paged layouts; None = enough for max_num_seqs × max_seq_len
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "max_num_seqs", "max_seq_len", "block_size"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"cache: {name} must be positive, got {getattr(self, name)}")
-        if self.num_blocks is not None and self.num_blocks <= 0:
-            raise ConfigError(f"cache: num_blocks must be positive, got {self.num_blocks}")
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"cache: {name} must be a positive integer, got {value!r}")
+        if self.num_blocks is not None and (not isinstance(self.num_blocks, int) or self.num_blocks <= 0):
+            raise ConfigError(f"cache: num_blocks must be a positive integer, got {self.num_blocks!r}")
 
     @property
-    def bytes_per_token(self) -> int:
-        """KV bytes of one token across all layers (K and V)."""
-        element = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element
+    def element_size(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+
+@dataclass(frozen=True)
+class CacheCapabilities:
+    """What a cache layout can store. ``kvcore plugins`` renders its table from these declarations."""
+
+    devices: frozenset[str]  # torch device types
+    dtypes: frozenset[torch.dtype]  # model dtypes it can hold (and hand back to attention)
+    #: ``None`` for a lossless cache; else what is lost, e.g. "int8, one scale per token and KV head".
+    #: The conformance suite holds a lossy cache to a tolerance derived from it.
+    precision: str | None = None
+    #: bits per stored K/V element (a lossy cache's rounding), ``None`` = the model dtype's own
+    storage_bits: int | None = None
+
+    def reasons_unsupported(self, *, device: torch.device, dtype: torch.dtype) -> list[str]:
+        reasons = []
+        if device.type not in self.devices:
+            reasons.append(f"device '{device.type}' not supported (supports: {', '.join(sorted(self.devices))})")
+        if dtype not in self.dtypes:
+            names = ", ".join(sorted(str(d).removeprefix("torch.") for d in self.dtypes))
+            reasons.append(f"dtype {str(dtype).removeprefix('torch.')} not supported (supports: {names})")
+        return reasons
 
 
 class KVCache(abc.ABC):
-    """Per-layer K/V storage for a set of sequences, addressed by integer ``seq_id``.
+    """Per-layer K/V storage addressed by block id and offset.
 
-    Life of a sequence: :meth:`add_sequence` → (:meth:`prepare` → backend writes with :meth:`write`)
-    repeated → :meth:`free_sequence`. :meth:`prepare` reserves room for the new tokens *before* any
-    layer runs, so running out of space fails cleanly without touching other sequences.
+    Subclass it, declare ``name``, ``layout``, ``paged`` and ``capabilities``, implement the abstract
+    methods, and register the class through the ``kvcore_register_kv_caches`` hook. A backend reads the
+    cache only through the layout it declares (``BackendCapabilities.kv_layouts``): ``layout`` names
+    the contract between them, e.g. "contiguous" (``k``/``v`` tensors ``[L, slots, H_kv, S, D]``) or
+    "paged" (:meth:`gather_blocks`).
     """
 
-    kind: ClassVar[str]
+    name: ClassVar[str]
+    layout: ClassVar[str]
+    capabilities: ClassVar[CacheCapabilities]
+    description: ClassVar[str] = ""
+    #: True: blocks of ``spec.block_size`` tokens taken as sequences grow; False: one block of
+    #: ``spec.max_seq_len`` tokens per sequence (a slot)
+    paged: ClassVar[bool] = True
 
-    def __init__(self, spec: CacheSpec) -> None:
+    def __init__(self, spec: CacheSpec, **options: Any) -> None:
+        """``options`` come from the ``[kv_caches.<name>]`` table of the config file."""
+        if options:
+            raise ConfigError(f"KV cache '{self.name}' takes no options, got: {', '.join(sorted(options))}")
         self.spec = spec
-        self._seq_lens: dict[int, int] = {}
+        self.block_size, self.num_blocks = self.geometry(spec)
 
-    # -- sequence bookkeeping ------------------------------------------------------------------------
-    def has_sequence(self, seq_id: int) -> bool:
-        return seq_id in self._seq_lens
+    @classmethod
+    def geometry(cls, spec: CacheSpec) -> tuple[int, int]:
+        """``(block_size, num_blocks)`` this layout allocates for ``spec``."""
+        if not cls.paged:
+            return spec.max_seq_len, spec.max_num_seqs
+        num_blocks = spec.num_blocks or math.ceil(spec.max_num_seqs * spec.max_seq_len / spec.block_size)
+        return spec.block_size, num_blocks
 
-    def seq_len(self, seq_id: int) -> int:
-        """Tokens currently cached for ``seq_id``."""
-        try:
-            return self._seq_lens[seq_id]
-        except KeyError:
-            raise KVCoreError(f"sequence {seq_id} is not in the KV cache") from None
-
-    @property
-    def seq_ids(self) -> list[int]:
-        return list(self._seq_lens)
-
-    @abc.abstractmethod
-    def can_add_sequence(self) -> bool:
-        """Whether :meth:`add_sequence` would succeed now."""
-
-    @abc.abstractmethod
-    def add_sequence(self, seq_id: int) -> None:
-        """Start an empty sequence. Raises :class:`OutOfBlocksError` when the cache is full."""
-
-    @abc.abstractmethod
-    def free_sequence(self, seq_id: int) -> None:
-        """Forget ``seq_id`` and give its storage back."""
-
-    def fork_sequence(self, src_seq_id: int, dst_seq_id: int) -> None:
-        """Make ``dst`` a copy of ``src`` (same cached tokens). Paged caches share blocks copy-on-write."""
-        raise KVCoreError(f"the {self.kind} KV cache cannot fork sequences")
-
-    @abc.abstractmethod
-    def can_append(self, seq_id: int, num_tokens: int) -> bool:
-        """Whether ``num_tokens`` more tokens fit for ``seq_id``."""
-
-    def can_prepare(self, seq_ids: list[int], query_lens: list[int]) -> bool:
-        """Whether one :meth:`prepare` call for these sequences would fit (counted together)."""
-        return all(self.can_append(s, n) for s, n in zip(seq_ids, query_lens))
-
-    # -- per-call addressing -------------------------------------------------------------------------
-    def prepare(self, seq_ids: list[int], query_lens: list[int], scale: float) -> AttentionMetadata:
-        """Reserve room for ``query_lens[i]`` new tokens of each sequence and describe the call.
-
-        All-or-nothing: when any sequence does not fit, nothing is reserved and the error names it.
-        After this call :meth:`seq_len` already counts the new tokens.
-        """
-        if len(seq_ids) != len(query_lens) or not seq_ids:
-            raise KVCoreError("prepare() needs one query length per sequence and at least one sequence")
-        if len(set(seq_ids)) != len(seq_ids):
-            raise KVCoreError(f"prepare() got a sequence twice: {seq_ids}")
-        for seq_id, num_new in zip(seq_ids, query_lens):
-            if num_new <= 0:
-                raise KVCoreError(f"sequence {seq_id}: query length must be positive, got {num_new}")
-            if not self.can_append(seq_id, num_new):
-                have = self.seq_len(seq_id)
-                if have + num_new > self.spec.max_seq_len:
-                    raise ContextLengthError(
-                        f"sequence {seq_id}: {have} + {num_new} tokens exceed the cache's max_seq_len "
-                        f"{self.spec.max_seq_len}"
-                    )
-                raise OutOfBlocksError(f"sequence {seq_id}: no KV-cache room for {num_new} more tokens")
-        context_lens = [self._seq_lens[s] for s in seq_ids]
-        self._reserve(seq_ids, query_lens)
-        for seq_id, num_new in zip(seq_ids, query_lens):
-            self._seq_lens[seq_id] += num_new
-
-        device = self.spec.device
-        positions = torch.cat([torch.arange(c, c + q) for c, q in zip(context_lens, query_lens)]).to(device)
-        cu = [0]
-        for q in query_lens:
-            cu.append(cu[-1] + q)
-        seq_lens = [c + q for c, q in zip(context_lens, query_lens)]
-        meta = AttentionMetadata(
-            seq_ids=list(seq_ids),
-            query_lens=list(query_lens),
-            context_lens=context_lens,
-            positions=positions,
-            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=device),
-            seq_lens_t=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-            scale=scale,
-        )
-        meta.cache_meta = self._cache_meta(meta)
-        return meta
-
-    @abc.abstractmethod
-    def _reserve(self, seq_ids: list[int], query_lens: list[int]) -> None:
-        """Take storage for the new tokens (called only after ``can_append`` said yes for all)."""
-
-    @abc.abstractmethod
-    def _cache_meta(self, meta: AttentionMetadata) -> object:
-        """Layout-specific addressing for ``meta`` (slot indices, block tables, slot mapping)."""
+    @classmethod
+    def availability(cls) -> str | None:
+        """``None`` when the cache can be used on this machine, else a one-line reason. Must not raise."""
+        return None
 
     @abc.abstractmethod
     def write(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
-        """Store ``k``, ``v`` (``[T, H_kv, D]``, packed like ``meta``) at their positions."""
+        """Store ``k``, ``v`` (``[T, H_kv, D]``, packed like ``meta``) at ``meta.slot_mapping``
+        (``block_id * block_size + offset`` per token)."""
 
     @abc.abstractmethod
-    def read(self, layer_idx: int, seq_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copy of a sequence's cached K and V, each ``[seq_len, H_kv, D]`` (tests, debugging)."""
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy every layer's K/V of block ``src`` into block ``dst`` for each ``(src, dst)`` (copy-on-write)."""
 
-    # -- accounting ----------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def read(self, layer_idx: int, block_table: list[int], length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of the first ``length`` tokens held by ``block_table``, each ``[length, H_kv, D]`` in the
+        model dtype (a copy: tests, debugging, the conformance suite)."""
+
+    @classmethod
+    def token_bytes(cls, spec: CacheSpec) -> int:
+        """Bytes one token's K and V occupy across all layers in this layout, before allocating anything
+        (what capacity planning divides a memory budget by)."""
+        return 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * spec.element_size
+
     @property
-    def num_tokens_in_use(self) -> int:
-        """Tokens cached across all live sequences."""
-        return sum(self._seq_lens.values())
-
-    def kv_bytes_in_use(self, seq_id: int | None = None) -> int:
-        """Bytes of K/V holding live tokens (one sequence, or all)."""
-        tokens = self.num_tokens_in_use if seq_id is None else self.seq_len(seq_id)
-        return tokens * self.spec.bytes_per_token
+    def bytes_per_token(self) -> int:
+        return self.token_bytes(self.spec)
 
     @property
     @abc.abstractmethod
     def kv_bytes_allocated(self) -> int:
         """Bytes the cache's storage occupies."""
-
-
-class SlotKVCache(KVCache):
-    """Base of the per-slot caches: one preallocated row ("slot") of ``max_seq_len`` tokens per
-    sequence for its whole life. Subclasses choose the tensor layout of ``k`` / ``v``."""
-
-    def __init__(self, spec: CacheSpec) -> None:
-        super().__init__(spec)
-        self.k = torch.zeros(self._storage_shape(spec), dtype=spec.dtype, device=spec.device)
-        self.v = torch.zeros(self._storage_shape(spec), dtype=spec.dtype, device=spec.device)
-        self._free_slots = list(range(spec.max_num_seqs - 1, -1, -1))  # pop() hands out the lowest
-        self.slot_of: dict[int, int] = {}
-
-    @staticmethod
-    @abc.abstractmethod
-    def _storage_shape(spec: CacheSpec) -> tuple[int, ...]:
-        """Shape of ``k`` (and ``v``), ``num_layers`` first and ``max_num_seqs`` second."""
-
-    @abc.abstractmethod
-    def _copy_prefix(self, src_slot: int, dst_slot: int, length: int) -> None:
-        """Copy the first ``length`` tokens of every layer from one slot to another."""
-
-    def can_add_sequence(self) -> bool:
-        return bool(self._free_slots)
-
-    def add_sequence(self, seq_id: int) -> None:
-        if seq_id in self._seq_lens:
-            raise KVCoreError(f"sequence {seq_id} is already in the KV cache")
-        if not self._free_slots:
-            raise OutOfBlocksError(f"{self.kind} KV cache is full ({self.spec.max_num_seqs} sequences)")
-        self.slot_of[seq_id] = self._free_slots.pop()
-        self._free_slots.sort(reverse=True)
-        self._seq_lens[seq_id] = 0
-
-    def free_sequence(self, seq_id: int) -> None:
-        self.seq_len(seq_id)  # raises for an unknown id
-        del self._seq_lens[seq_id]
-        self._free_slots.append(self.slot_of.pop(seq_id))
-        self._free_slots.sort(reverse=True)
-
-    def fork_sequence(self, src_seq_id: int, dst_seq_id: int) -> None:
-        length = self.seq_len(src_seq_id)
-        self.add_sequence(dst_seq_id)
-        self._copy_prefix(self.slot_of[src_seq_id], self.slot_of[dst_seq_id], length)
-        self._seq_lens[dst_seq_id] = length
-
-    def can_append(self, seq_id: int, num_tokens: int) -> bool:
-        return self.seq_len(seq_id) + num_tokens <= self.spec.max_seq_len
-
-    def _reserve(self, seq_ids: list[int], query_lens: list[int]) -> None:
-        pass  # the slot already spans max_seq_len
-
-    def _cache_meta(self, meta: AttentionMetadata) -> SlotCacheMeta:
-        slots = [self.slot_of[s] for s in meta.seq_ids]
-        slots_t = torch.tensor(slots, dtype=torch.long, device=self.spec.device)
-        counts = torch.tensor(meta.query_lens, device=self.spec.device)
-        return SlotCacheMeta(
-            slots=slots,
-            slots_t=slots_t,
-            slots_i32=slots_t.to(torch.int32),
-            token_slots=slots_t.repeat_interleave(counts),
-        )
-
-    @property
-    def kv_bytes_allocated(self) -> int:
-        return self.k.numel() * self.k.element_size() * 2
-
-
-@dataclass
-class SlotCacheMeta:
-    slots: list[int]  # [B] slot of each sequence
-    slots_t: torch.Tensor  # [B] int64
-    slots_i32: torch.Tensor  # [B] int32 (e.g. flash-attn's cache_batch_idx)
-    token_slots: torch.Tensor  # [T] int64, slot of every packed token
-
-
-class ContiguousKVCache(SlotKVCache):
-    """One preallocated slab per layer: ``k[layer]`` is ``[max_num_seqs, H_kv, max_seq_len, D]``.
-
-    A sequence owns one slot (row) for its whole life; token ``p`` of it is written at
-    ``k[layer, slot, :, p]`` (gpt-fast's ``k_out[:, :, input_pos] = k_val``).
-    """
-
-    kind = "contiguous"
-
-    @staticmethod
-    def _storage_shape(spec: CacheSpec) -> tuple[int, ...]:
-        return (spec.num_layers, spec.max_num_seqs, spec.num_kv_heads, spec.max_seq_len, spec.head_dim)
-
-    def _copy_prefix(self, src_slot: int, dst_slot: int, length: int) -> None:
-        self.k[:, dst_slot, :, :length] = self.k[:, src_slot, :, :length]
-        self.v[:, dst_slot, :, :length] = self.v[:, src_slot, :, :length]
-
-    def write(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
-        cm: SlotCacheMeta = meta.cache_meta
-        # Advanced indices split by a slice: the indexed view is [T, H_kv, D], matching k and v.
-        self.k[layer_idx, cm.token_slots, :, meta.positions] = k
-        self.v[layer_idx, cm.token_slots, :, meta.positions] = v
-
-    def read(self, layer_idx: int, seq_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-        slot, length = self.slot_of[seq_id], self.seq_len(seq_id)
-        k = self.k[layer_idx, slot, :, :length].transpose(0, 1).clone()  # [L, H_kv, D]
-        v = self.v[layer_idx, slot, :, :length].transpose(0, 1).clone()
-        return k, v
-
-
-ContiguousCacheMeta = SlotCacheMeta  # the name backends written against the first release import
-
-
-_CACHE_KINDS: dict[str, type[KVCache]] = {"contiguous": ContiguousKVCache}
-
-
-def register_cache_kind(cls: type[KVCache]) -> type[KVCache]:
-    """Make a cache class creatable by its ``kind`` name (usable as a class decorator)."""
-    existing = _CACHE_KINDS.get(cls.kind)
-    if existing is not None and existing is not cls:
-        raise KVCoreError(f"cache kind '{cls.kind}' is already provided by {existing.__qualname__}")
-    _CACHE_KINDS[cls.kind] = cls
-    return cls
-
-
-def cache_kinds() -> list[str]:
-    return sorted(_CACHE_KINDS)
-
-
-def create_cache(kind: str, spec: CacheSpec) -> KVCache:
-    try:
-        cls = _CACHE_KINDS[kind]
-    except KeyError:
-        raise ConfigError(f"unknown KV cache kind '{kind}' (known: {', '.join(cache_kinds())})") from None
-    return cls(spec)

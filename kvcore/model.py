@@ -2,21 +2,25 @@
 
 Tensors are packed: a forward call carries ``T`` tokens from ``B`` sequences (see
 :class:`~kvcore.attention.AttentionMetadata`). Q/K/V and gate/up projections are fused into one
-matmul each.
+matmul each. The model knows nothing of caches or backends: it calls the ``attention`` it is handed.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvcore.attention import AttentionBackend, AttentionMetadata
 from kvcore.errors import ModelLoadError
-from kvcore.kv_cache import KVCache
 from kvcore.model_config import ModelConfig
 
-__all__ = ["LlamaModel", "RotaryEmbedding", "rms_norm"]
+__all__ = ["LlamaModel", "RotaryEmbedding", "rms_norm", "Attention"]
+
+#: ``attention(layer_idx, q [T, H, D], k [T, H_kv, D], v [T, H_kv, D]) -> [T, H, D]``: stores this call's
+#: K/V and attends (a backend bound to its cache and plan by the model runner)
+Attention = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -227,16 +231,17 @@ class LlamaModel(nn.Module):
                 put(model.post_norm[i], take(post), post)
         return model
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        meta: AttentionMetadata,
-        cache: KVCache,
-        backend: AttentionBackend,
-    ) -> torch.Tensor:
-        """Run the decoder over packed tokens; writes their K/V into ``cache``.
+    @property
+    def attention_scale(self) -> float:
+        """The softmax scale of every attention layer: ``1 / sqrt(head_dim)`` for Llama."""
+        return self.config.head_dim**-0.5
 
-        :param input_ids: ``[T]`` int64 token ids, packed as ``meta`` describes.
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: Attention) -> torch.Tensor:
+        """Run the decoder over packed tokens.
+
+        :param input_ids: ``[T]`` int64 token ids.
+        :param positions: ``[T]`` int64 absolute position of each token (RoPE).
+        :param attention: stores each layer's K/V and attends (see :data:`Attention`).
         :returns: ``[T, d]`` final hidden states (after the last RMSNorm).
         """
         c = self.config
@@ -244,7 +249,7 @@ class LlamaModel(nn.Module):
         eps = c.rms_norm_eps
         num_heads, head_dim = c.num_attention_heads, c.head_dim
         qk_size, rope_heads = self.q_size + self.kv_size, c.num_attention_heads + c.num_key_value_heads
-        cos, sin = self.rotary.tables(meta.positions, self.dtype)  # once per call, shared by all layers
+        cos, sin = self.rotary.tables(positions, self.dtype)  # once per call, shared by all layers
         packed = self._packed(num_tokens)
         parts = self._gemv_parts(num_tokens)
         no_pack = [None] * c.num_hidden_layers
@@ -257,7 +262,7 @@ class LlamaModel(nn.Module):
             qk = self.rotary.rotate(qkv[:, :qk_size].view(num_tokens, rope_heads, head_dim), cos, sin)
             q, k = qk[:, :num_heads], qk[:, num_heads:]  # (T, H, D), (T, H_kv, D) views
             v = qkv[:, qk_size:].view(num_tokens, c.num_key_value_heads, head_dim)  # (T, H_kv, D)
-            attn = backend.forward(i, q, k, v, cache, meta)  # (T, H, D)
+            attn = attention(i, q, k, v)  # (T, H, D)
             # h is this forward's own tensor: residual adds and the SwiGLU product run in place, which saves
             # the prefill a fresh multi-megabyte allocation (page faults) per op; the values are the same.
             h.add_(_linear(attn.reshape(num_tokens, self.q_size), self.o_proj[i], o_w[i], parts))

@@ -1,8 +1,8 @@
-"""Plugin discovery and the backend registry.
+"""Plugin discovery and the registry of the three pluggable kinds: backends, KV caches, samplers.
 
-Built-in backends are plugins registered through the same ``kvcore_register_backends`` hook as
-third-party ones; third-party plugins come from the ``kvcore`` entry-point group. Everything is loaded
-lazily, on the first call that needs the registry.
+Built-ins are plugins registered through the same ``kvcore_register_*`` hooks as third-party ones;
+third-party plugins come from the ``kvcore`` entry-point group. Everything is loaded lazily, on the
+first call that needs the registry.
 
 ``KVCORE_LOAD_PLUGINS`` (comma-separated entry-point names) limits which third-party plugins load;
 set to an empty string to load none. Built-ins always load.
@@ -24,24 +24,51 @@ import pluggy
 from kvcore import hookspecs
 from kvcore.attention import AttentionBackend
 from kvcore.errors import BackendUnavailableError, ConfigError, PluginError, UnknownBackendError
+from kvcore.kv_cache import CacheSpec, KVCache
+from kvcore.sampling import Sampler
 
-__all__ = ["BackendEntry", "BackendRegistry", "get_registry", "reset_registry", "BUILTIN_PLUGINS"]
+__all__ = ["Kind", "KINDS", "PluginEntry", "PluginRegistry", "get_registry", "reset_registry", "BUILTIN_PLUGINS"]
 
 ENTRY_POINT_GROUP = "kvcore"
 BUILTIN_PLUGINS = (
+    "kvcore.backends.contiguous",
     "kvcore.backends.naive",
     "kvcore.backends.sdpa",
     "kvcore.backends.paged",
+    "kvcore.backends.quantized",
     "kvcore.backends.flash_attn2",
     "kvcore.backends.xformers",
+    "kvcore.sampling",
 )
 
 
 @dataclass(frozen=True)
-class BackendEntry:
+class Kind:
+    """One pluggable kind: its hook, base class and the words used in messages and config tables."""
+
+    key: str  # "backend", "kv_cache", "sampler"
+    hook: str  # the pluggy hook that registers it
+    base: type
+    table: str  # config-file table of per-name options: [backends.<name>] ...
+    required: tuple[str, ...]  # class attributes a registration must declare
+
+
+BACKEND = Kind("backend", "kvcore_register_backends", AttentionBackend, "backends", ("name", "capabilities"))
+KV_CACHE = Kind("kv_cache", "kvcore_register_kv_caches", KVCache, "kv_caches", ("name", "layout", "capabilities"))
+SAMPLER = Kind("sampler", "kvcore_register_samplers", Sampler, "samplers", ("name",))
+KINDS = (BACKEND, KV_CACHE, SAMPLER)
+
+
+def _label(kind: Kind) -> str:
+    return kind.key.replace("_", " ").replace("kv", "KV")
+
+
+@dataclass(frozen=True)
+class PluginEntry:
     name: str
-    cls: type[AttentionBackend]
+    cls: type
     plugin: str  # name of the plugin that registered it
+    kind: Kind
 
     def availability(self) -> str | None:
         try:
@@ -50,17 +77,17 @@ class BackendEntry:
             return f"availability check raised {type(exc).__name__}: {exc}"
 
 
-class BackendRegistry:
-    """Loads plugins into a pluggy manager and collects the backends they register."""
+class PluginRegistry:
+    """Loads plugins into a pluggy manager and collects the backends, KV caches and samplers they register."""
 
     def __init__(self, load_entrypoints: bool = True, builtins: tuple[str, ...] = BUILTIN_PLUGINS) -> None:
         self.pm = pluggy.PluginManager("kvcore")
         self.pm.add_hookspecs(hookspecs)
         self._builtins = builtins
         self._load_entrypoints = load_entrypoints
-        self._backends: dict[str, BackendEntry] | None = None
+        self._entries: dict[str, dict[str, PluginEntry]] | None = None
         self.load_warnings: list[str] = []
-        self.conflicts: dict[str, str] = {}  # backend name -> why it is ambiguous
+        self.conflicts: dict[tuple[str, str], str] = {}  # (kind, name) -> why it is ambiguous
 
     # -- loading -------------------------------------------------------------------------------------
     def _warn(self, message: str) -> None:
@@ -93,56 +120,68 @@ class BackendRegistry:
 
     def register_plugin(self, plugin: object, name: str | None = None) -> str:
         """Register a plugin object at run time (tests, notebooks); returns its name."""
+        if not self.pm.get_plugins():
+            self._load_plugins()
         registered = self.pm.register(plugin, name=name)
-        self._backends = None  # collect again on next use
+        self._entries = None  # collect again on next use
         return registered
 
     def unregister_plugin(self, name: str) -> None:
         self.pm.unregister(name=name)
-        self._backends = None
+        self._entries = None
 
-    def _collect(self) -> dict[str, BackendEntry]:
-        if not self.pm.get_plugins():
-            self._load_plugins()
-        backends: dict[str, BackendEntry] = {}
-        self.conflicts = {}
-        claimed: dict[str, list[str]] = {}  # backend name -> plugins that registered it
-        for impl in self.pm.hook.kvcore_register_backends.get_hookimpls():
+    def _collect(self, kind: Kind) -> dict[str, PluginEntry]:
+        entries: dict[str, PluginEntry] = {}
+        claimed: dict[str, list[str]] = {}  # name -> plugins that registered it
+        for impl in getattr(self.pm.hook, kind.hook).get_hookimpls():
             plugin_name = impl.plugin_name
 
-            def register(backend_cls: Any, *, name: str | None = None, _plugin: str = plugin_name) -> None:
+            def register(cls: Any, *, name: str | None = None, _plugin: str = plugin_name) -> None:
                 # Problems are recorded, not raised: one bad plugin must not take the others down.
                 try:
-                    entry = _validated_entry(backend_cls, name, _plugin)
+                    entry = _validated_entry(kind, cls, name, _plugin)
                 except PluginError as exc:
-                    self._warn(f"kvcore: {exc}; backend rejected")
+                    self._warn(f"kvcore: {exc}; {_label(kind)} rejected")
                     return
                 owners = claimed.setdefault(entry.name, [])
                 owners.append(_plugin)
                 if len(owners) > 1:
-                    self.conflicts[entry.name] = (
-                        f"backend name '{entry.name}' is registered twice: by plugin '{owners[0]}' and by "
+                    self.conflicts[(kind.key, entry.name)] = (
+                        f"{_label(kind)} name '{entry.name}' is registered twice: by plugin '{owners[0]}' and by "
                         f"plugin '{_plugin}'; uninstall one or limit plugins with KVCORE_LOAD_PLUGINS"
                     )
-                    backends.pop(entry.name, None)
-                    self._warn(f"kvcore: {self.conflicts[entry.name]}")
+                    entries.pop(entry.name, None)
+                    self._warn(f"kvcore: {self.conflicts[(kind.key, entry.name)]}")
                     return
-                backends[entry.name] = entry
+                entries[entry.name] = entry
 
             try:
                 impl.function(register=register)
             except Exception as exc:
                 self._warn(
-                    f"kvcore: plugin '{plugin_name}' raised in kvcore_register_backends and was skipped: "
-                    f"{type(exc).__name__}: {exc}"
+                    f"kvcore: plugin '{plugin_name}' raised in {kind.hook} and was skipped: {type(exc).__name__}: {exc}"
                 )
-        return backends
+        return entries
+
+    def entries(self, kind: Kind) -> dict[str, PluginEntry]:
+        if self._entries is None:
+            if not self.pm.get_plugins():
+                self._load_plugins()
+            self.conflicts = {}
+            self._entries = {k.key: self._collect(k) for k in KINDS}
+        return self._entries[kind.key]
 
     @property
-    def backends(self) -> dict[str, BackendEntry]:
-        if self._backends is None:
-            self._backends = self._collect()
-        return self._backends
+    def backends(self) -> dict[str, PluginEntry]:
+        return self.entries(BACKEND)
+
+    @property
+    def kv_caches(self) -> dict[str, PluginEntry]:
+        return self.entries(KV_CACHE)
+
+    @property
+    def samplers(self) -> dict[str, PluginEntry]:
+        return self.entries(SAMPLER)
 
     def configure(self, plugin_options: dict[str, dict[str, Any]]) -> None:
         """Hand each plugin its ``[plugins.<name>]`` table through ``kvcore_configure``."""
@@ -156,52 +195,69 @@ class BackendRegistry:
             impl.function(options=dict(plugin_options.get(impl.plugin_name, {})))
 
     # -- lookup --------------------------------------------------------------------------------------
-    def get(self, name: str) -> BackendEntry:
-        backends = self.backends
-        if name in self.conflicts:
-            raise PluginError(self.conflicts[name])
+    def get(self, name: str, kind: Kind = BACKEND) -> PluginEntry:
+        entries = self.entries(kind)
+        if (kind.key, name) in self.conflicts:
+            raise PluginError(self.conflicts[(kind.key, name)])
         try:
-            return backends[name]
+            return entries[name]
         except KeyError:
-            close = difflib.get_close_matches(name, list(backends), n=3, cutoff=0.5)
+            close = difflib.get_close_matches(name, list(entries), n=3, cutoff=0.5)
             hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
-            known = ", ".join(sorted(self.backends))
-            raise UnknownBackendError(f"unknown backend '{name}' (registered: {known}){hint}") from None
+            known = ", ".join(sorted(entries))
+            error = UnknownBackendError if kind is BACKEND else ConfigError
+            raise error(f"unknown {_label(kind)} '{name}' (registered: {known}){hint}") from None
+
+    def _available(self, name: str, kind: Kind) -> PluginEntry:
+        entry = self.get(name, kind)
+        reason = entry.availability()
+        if reason:
+            raise BackendUnavailableError(f"{_label(kind)} '{name}' is unavailable: {reason}")
+        return entry
 
     def create(self, name: str, options: dict[str, Any] | None = None) -> AttentionBackend:
         """Instantiate an available backend; raises with the reason when it cannot run here."""
-        entry = self.get(name)
-        reason = entry.availability()
-        if reason:
-            raise BackendUnavailableError(f"backend '{name}' is unavailable: {reason}")
-        return entry.cls(**(options or {}))
+        return self._available(name, BACKEND).cls(**(options or {}))
 
-    def available(self) -> list[BackendEntry]:
+    def create_cache(self, name: str, spec: CacheSpec, options: dict[str, Any] | None = None) -> KVCache:
+        """Allocate an available KV cache for ``spec``; raises with the reason when it cannot be used."""
+        cls = self._available(name, KV_CACHE).cls
+        reasons = cls.capabilities.reasons_unsupported(device=spec.device, dtype=spec.dtype)
+        if reasons:
+            raise BackendUnavailableError(f"KV cache '{name}' cannot hold this model here: {'; '.join(reasons)}")
+        return cls(spec, **(options or {}))
+
+    def create_sampler(self, name: str, options: dict[str, Any] | None = None) -> Sampler:
+        return self._available(name, SAMPLER).cls(**(options or {}))
+
+    def available(self) -> list[PluginEntry]:
         return [e for e in self.backends.values() if e.availability() is None]
 
 
-def _validated_entry(backend_cls: Any, name: str | None, plugin: str) -> BackendEntry:
-    if not (inspect.isclass(backend_cls) and issubclass(backend_cls, AttentionBackend)):
-        raise PluginError(f"plugin '{plugin}' registered {backend_cls!r}, which is not an AttentionBackend subclass")
-    if inspect.isabstract(backend_cls):
-        missing = ", ".join(sorted(backend_cls.__abstractmethods__))
-        raise PluginError(f"plugin '{plugin}': backend class {backend_cls.__qualname__} does not implement: {missing}")
-    name = name or getattr(backend_cls, "name", None)
+def _validated_entry(kind: Kind, cls: Any, name: str | None, plugin: str) -> PluginEntry:
+    label = _label(kind)
+    if not (inspect.isclass(cls) and issubclass(cls, kind.base)):
+        raise PluginError(f"plugin '{plugin}' registered {cls!r}, which is not a {kind.base.__name__} subclass")
+    if inspect.isabstract(cls):
+        missing = ", ".join(sorted(cls.__abstractmethods__))
+        raise PluginError(f"plugin '{plugin}': {label} class {cls.__qualname__} does not implement: {missing}")
+    name = name or getattr(cls, "name", None)
     if not name or not isinstance(name, str):
-        raise PluginError(f"plugin '{plugin}': backend class {backend_cls.__qualname__} has no 'name'")
-    if not hasattr(backend_cls, "capabilities"):
-        raise PluginError(f"plugin '{plugin}': backend '{name}' declares no 'capabilities'")
-    return BackendEntry(name=name, cls=backend_cls, plugin=plugin)
+        raise PluginError(f"plugin '{plugin}': {label} class {cls.__qualname__} has no 'name'")
+    for attr in kind.required[1:]:
+        if not hasattr(cls, attr):
+            raise PluginError(f"plugin '{plugin}': {label} '{name}' declares no '{attr}'")
+    return PluginEntry(name=name, cls=cls, plugin=plugin, kind=kind)
 
 
-_REGISTRY: BackendRegistry | None = None
+_REGISTRY: PluginRegistry | None = None
 
 
-def get_registry() -> BackendRegistry:
+def get_registry() -> PluginRegistry:
     """The process-wide registry (created, and plugins loaded, on first use)."""
     global _REGISTRY
     if _REGISTRY is None:
-        _REGISTRY = BackendRegistry()
+        _REGISTRY = PluginRegistry()
     return _REGISTRY
 
 

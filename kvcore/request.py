@@ -7,8 +7,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from kvcore.errors import KVCoreError
 from kvcore.sampling import SamplingParams
 
@@ -35,6 +33,7 @@ class RequestMetrics:
     num_generated_tokens: int = 0
     kv_bytes: int = 0  # KV-cache bytes the request's tokens occupied at their peak
     num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt tokens reused from the prefix cache instead of computed
 
     @property
     def ttft_s(self) -> float | None:
@@ -63,19 +62,20 @@ class RequestMetrics:
             "tokens_per_s": self.tokens_per_s,
             "kv_bytes": self.kv_bytes,
             "preemptions": self.num_preemptions,
+            "cached_prompt_tokens": self.num_cached_tokens,
         }
 
 
 @dataclass
 class Request:
-    """Mutable engine-side state of one generation request."""
+    """Mutable engine-side state of one generation request (what a sampler sees as a ``SamplingRow``)."""
 
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
     eos_token_ids: frozenset[int]
+    seed: int = 0  # RNG seed of a sampled request: params.seed, or drawn when it was added
     output_ids: list[int] = field(default_factory=list)
-    generator: torch.Generator | None = None
     finish_reason: FinishReason | None = None
     error: KVCoreError | None = None
     metrics: RequestMetrics = field(default_factory=RequestMetrics)

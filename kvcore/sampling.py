@@ -1,4 +1,4 @@
-"""Sampling parameters and the sampler interface."""
+"""Sampling parameters, the sampler interface and the default sampler (a built-in plugin)."""
 
 from __future__ import annotations
 
@@ -6,12 +6,14 @@ import abc
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any, ClassVar, Protocol
 
 import torch
 
-from kvcore.errors import InvalidRequestError
+from kvcore.errors import ConfigError, InvalidRequestError
+from kvcore.hookspecs import hookimpl
 
-__all__ = ["SamplingParams", "Sampler", "DefaultSampler"]
+__all__ = ["SamplingParams", "SamplingRow", "Sampler", "DefaultSampler", "uniform_noise"]
 
 
 @dataclass(frozen=True)
@@ -35,6 +37,8 @@ class SamplingParams:
             raise InvalidRequestError(f"top_k must be an integer >= 0 (0 = disabled), got {self.top_k!r}")
         if not (isinstance(self.top_p, (int, float)) and 0.0 < self.top_p <= 1.0):
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+            raise InvalidRequestError(f"seed must be an integer, got {self.seed!r}")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
 
     @property
@@ -42,50 +46,112 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
+class SamplingRow(Protocol):
+    """What a sampler sees of each row's request (the engine's request state; read only)."""
+
+    request_id: str
+    prompt_ids: list[int]  # the prompt's token ids
+    output_ids: list[int]  # tokens generated so far (the row's history, e.g. for repetition penalties)
+    params: SamplingParams
+    seed: int  # the request's RNG seed: params.seed, or one drawn when the request was added
+
+
 class Sampler(abc.ABC):
-    """Turns the last position's logits of each sequence into the next token."""
+    """Turns the last position's logits of each sequence into the next token.
+
+    Subclass it, declare ``name`` (and ``description``), implement :meth:`sample`, and register the class
+    through the ``kvcore_register_samplers`` hook. Constructor keywords come from the config file's
+    ``[samplers.<name>]`` table.
+    """
+
+    name: ClassVar[str]
+    description: ClassVar[str] = ""
+
+    def __init__(self, **options: Any) -> None:
+        if options:
+            raise ConfigError(f"sampler '{self.name}' takes no options, got: {', '.join(sorted(options))}")
+
+    @classmethod
+    def availability(cls) -> str | None:
+        """``None`` when the sampler can run here, else a one-line reason. Must not raise."""
+        return None
 
     @abc.abstractmethod
-    def sample(
-        self,
-        logits: torch.Tensor,
-        params: Sequence[SamplingParams],
-        generators: Sequence[torch.Generator | None],
-    ) -> torch.Tensor:
+    def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         """Pick one token per row.
 
-        :param logits: ``[B, V]`` float32 logits of each sequence's last position.
-        :param params: one :class:`SamplingParams` per row.
-        :param generators: one RNG per row (``None`` for greedy rows).
-        :returns: ``[B]`` int64 token ids.
+        :param logits: ``[B, V]`` float32 logits of each sequence's last position (any device; EOS
+            already masked for ``ignore_eos`` rows). The sampler may modify them in place.
+        :param rows: one :class:`SamplingRow` per logits row: request id, prompt and generated ids,
+            :class:`SamplingParams`, seed.
+        :returns: ``[B]`` int64 token ids on ``logits.device``.
         """
 
 
-class DefaultSampler(Sampler):
-    """Greedy, or temperature → top-k → top-p → multinomial draw from the row's own generator.
+_MASK32 = 0xFFFFFFFF
 
-    Each row draws from its own generator, so a request's stream depends only on its seed and its
-    logits, not on what else shares the batch.
+
+def _mix32(x: torch.Tensor | int) -> torch.Tensor | int:
+    """A 32-bit integer hash (lowbias32 by C. Wellons) of values in ``[0, 2^32)``, on int64 tensors or ints:
+    products wrap in int64 but their low 32 bits, all that is kept, are exact."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _MASK32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & _MASK32
+    return x ^ (x >> 16)
+
+
+def uniform_noise(seeds: Sequence[int], steps: Sequence[int], vocab_size: int, device: torch.device) -> torch.Tensor:
+    """``[B, V]`` float64 uniforms in (0, 1), a pure function of (row seed, row step, token id).
+
+    Counter-based rather than a stateful generator: a row's draws depend only on its own seed and how many
+    tokens it has generated, not on the batch it shares or the device, and the whole batch is one kernel.
+    """
+    keys = []
+    for seed, step in zip(seeds, steps):
+        seed %= 1 << 64
+        k = _mix32(_mix32(seed & _MASK32) ^ _mix32(((seed >> 32) + 0x9E3779B9) & _MASK32))
+        keys.append(_mix32(k ^ _mix32(step & _MASK32)))
+    ids = _mix32(torch.arange(vocab_size, dtype=torch.int64, device=device))  # [V]
+    h = _mix32(torch.tensor(keys, dtype=torch.int64, device=device)[:, None] ^ ids[None, :])  # [B, V]
+    return (_mix32(h ^ 0x5BD1E995).double() + 0.5) / 2.0**32
+
+
+class DefaultSampler(Sampler):
+    """Greedy, or temperature → top-k → top-p → a draw, vectorised over the batch on the logits' device.
+
+    The draw is the Gumbel-max trick (``argmax(logits / T + Gumbel noise)`` samples ``softmax(logits / T)``)
+    with :func:`uniform_noise`, so each row's stream depends only on its seed and its logits.
     """
 
-    def sample(self, logits, params, generators):
+    name = "default"
+    description = "greedy, or temperature / top-k / top-p with per-request seeds; vectorised, on-device"
+
+    def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         next_ids = logits.argmax(dim=-1)  # [B]
-        sampled_rows = [i for i, p in enumerate(params) if not p.is_greedy]
-        for i in sampled_rows:  # per request (not per token): each row has its own generator
-            next_ids[i] = self._sample_row(logits[i], params[i], generators[i])
+        sampled = [i for i, r in enumerate(rows) if not r.params.is_greedy]
+        if not sampled:
+            return next_ids
+        device = logits.device
+        picked = [rows[i] for i in sampled]
+        idx = torch.tensor(sampled, device=device)
+        temperature = torch.tensor([r.params.temperature for r in picked], device=device)[:, None]
+        scores = logits[idx].float() / temperature  # [S, V]
+        vocab = scores.shape[-1]
+        sorted_scores, order = scores.sort(dim=-1, descending=True)  # [S, V]
+        top_k = torch.tensor([r.params.top_k or vocab for r in picked], device=device)[:, None]
+        sorted_scores = sorted_scores.masked_fill(torch.arange(vocab, device=device)[None, :] >= top_k, -math.inf)
+        top_p = torch.tensor([r.params.top_p for r in picked], dtype=torch.float64, device=device)[:, None]
+        probs = sorted_scores.double().softmax(-1)
+        # drop a token when the tokens before it already reach top_p (the top token always stays)
+        sorted_scores = sorted_scores.masked_fill((probs.cumsum(-1) - probs) >= top_p, -math.inf)
+        u = uniform_noise([r.seed for r in picked], [len(r.output_ids) for r in picked], vocab, device)
+        gumbel = -torch.log(-torch.log(u.gather(1, order)))  # noise keyed by token id, laid out sorted
+        choice = (sorted_scores.double() + gumbel).argmax(-1, keepdim=True)  # [S, 1] in sorted order
+        next_ids[idx] = order.gather(1, choice)[:, 0]
         return next_ids
 
-    @staticmethod
-    def _sample_row(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
-        scores = logits.float() / p.temperature  # [V]
-        if p.top_k and p.top_k < scores.shape[-1]:
-            kth = torch.topk(scores, p.top_k).values[-1]
-            scores = scores.masked_fill(scores < kth, float("-inf"))
-        if p.top_p < 1.0:
-            sorted_scores, order = torch.sort(scores, descending=True)
-            cumulative = sorted_scores.softmax(-1).cumsum(-1)
-            # drop a token when the tokens before it already reach top_p (the top token always stays)
-            drop_sorted = (cumulative - sorted_scores.softmax(-1)) >= p.top_p
-            scores = scores.masked_fill(drop_sorted.scatter(0, order, drop_sorted), float("-inf"))
-        probs = scores.softmax(-1)
-        return torch.multinomial(probs, 1, generator=generator)[0]
+
+@hookimpl
+def kvcore_register_samplers(register):
+    register(DefaultSampler)

@@ -1,0 +1,66 @@
+"""``contiguous``: the preallocated per-sequence KV cache (one slot of ``max_seq_len`` tokens per sequence).
+
+Layout "contiguous": ``k`` and ``v`` are ``[L, max_num_seqs, H_kv, max_seq_len, D]``; the core gives
+each sequence one block, which here is a whole slot, for its life. Token ``p`` of the sequence in slot
+``s`` is written at ``k[layer, s, :, p]`` (gpt-fast's ``k_out[:, :, input_pos] = k_val``), so a backend
+reads a sequence's keys as the view ``k[layer, s, :, :seq_len]`` without copying.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kvcore.attention import AttentionMetadata
+from kvcore.hookspecs import hookimpl
+from kvcore.kv_cache import CacheCapabilities, CacheSpec, KVCache
+
+__all__ = ["ContiguousKVCache", "ALL_DTYPES"]
+
+ALL_DTYPES = frozenset({torch.float32, torch.bfloat16, torch.float16})
+
+
+class ContiguousKVCache(KVCache):
+    name = "contiguous"
+    layout = "contiguous"
+    paged = False
+    description = "one preallocated slot of max_seq_len tokens per sequence, [L, slots, H_kv, S, D]"
+    capabilities = CacheCapabilities(devices=frozenset({"cpu", "cuda"}), dtypes=ALL_DTYPES)
+
+    def __init__(self, spec: CacheSpec, **options: Any) -> None:
+        super().__init__(spec, **options)
+        self.k = torch.zeros(self.storage_shape(), dtype=spec.dtype, device=spec.device)
+        self.v = torch.zeros(self.storage_shape(), dtype=spec.dtype, device=spec.device)
+
+    def storage_shape(self) -> tuple[int, ...]:
+        """Shape of ``k`` (and ``v``): layers first, slots second."""
+        s = self.spec
+        return (s.num_layers, self.num_blocks, s.num_kv_heads, self.block_size, s.head_dim)
+
+    def write(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
+        slots = meta.slot_mapping // self.block_size  # [T]; the offset in a slot is the position
+        # Advanced indices split by a slice: the indexed view is [T, H_kv, D], matching k and v.
+        self.k[layer_idx, slots, :, meta.positions] = k
+        self.v[layer_idx, slots, :, meta.positions] = v
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        src = torch.tensor([s for s, _ in pairs], device=self.k.device)
+        dst = torch.tensor([d for _, d in pairs], device=self.k.device)
+        self.k[:, dst] = self.k[:, src]
+        self.v[:, dst] = self.v[:, src]
+
+    def read(self, layer_idx: int, block_table: list[int], length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        slot = block_table[0]
+        k = self.k[layer_idx, slot, :, :length].transpose(0, 1).clone()  # [L, H_kv, D]
+        v = self.v[layer_idx, slot, :, :length].transpose(0, 1).clone()
+        return k, v
+
+    @property
+    def kv_bytes_allocated(self) -> int:
+        return self.k.numel() * self.k.element_size() * 2
+
+
+@hookimpl
+def kvcore_register_kv_caches(register):
+    register(ContiguousKVCache)

@@ -1,0 +1,298 @@
+"""KV blocks, owned by the core: allocation, reference counts, copy-on-write and prefix hashes.
+
+Every cache layout is addressed in blocks (a per-sequence layout has one block per sequence). A
+sequence owns a *block table*, the physical block ids holding its tokens in order: token ``p`` lives in
+block ``table[p // block_size]`` at offset ``p % block_size``. A sequence of ``n`` tokens holds exactly
+``ceil(n / block_size)`` blocks.
+
+Sharing
+    :meth:`BlockManager.fork_sequence` gives the child every block of the parent (reference count +1).
+    Blocks are copy-on-write: before a sequence writes into a block another sequence also holds (only
+    ever its partly filled last block), :meth:`~BlockManager.reserve` takes a fresh block, swaps it
+    into the writer's table and returns the ``(src, dst)`` pair for the cache to copy.
+
+Prefix hashes
+    A full block is identified by a hash chained from the start of the sequence: ``h_i = hash(h_{i-1},
+    tokens of block i)``. With ``enable_prefix_caching`` the blocks of a new sequence whose prompt starts
+    with already computed full blocks are shared instead of recomputed. A freed block keeps its hash
+    until it is handed out again; the free list is in least-recently-freed order, so eviction is LRU.
+
+All-or-nothing
+    :meth:`~BlockManager.reserve` counts the blocks the whole batch needs (new blocks plus copy-on-write
+    copies) before taking any; when they are not all free it raises and no table changes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from kvcore.errors import ConfigError, ContextLengthError, KVCoreError, OutOfBlocksError
+
+__all__ = ["BlockAllocator", "BlockManager"]
+
+
+class BlockAllocator:
+    """A pool of ``num_blocks`` block ids with a free list and per-block reference counts.
+
+    :meth:`allocate` hands out a free block with reference count 1; :meth:`incref` adds a holder
+    (sharing, or reviving a free block that still holds a cached prefix); :meth:`free` drops one holder
+    and returns the block to the back of the free list when none is left.
+    """
+
+    def __init__(self, num_blocks: int, *, lowest_first: bool = False) -> None:
+        if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks <= 0:
+            raise ConfigError(f"block allocator: num_blocks must be a positive int, got {num_blocks!r}")
+        self.num_blocks = num_blocks
+        #: hand out the lowest free id instead of the least recently freed one: per-sequence layouts keep
+        #: a batch on consecutive slots, which lets a backend attend to them in one call
+        self.lowest_first = lowest_first
+        self._ref_counts = [0] * num_blocks
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    def can_allocate(self, n: int = 1) -> bool:
+        return n <= len(self._free)
+
+    def ref_count(self, block_id: int) -> int:
+        if not 0 <= block_id < self.num_blocks:
+            raise KVCoreError(f"block id {block_id} is outside the pool [0, {self.num_blocks})")
+        return self._ref_counts[block_id]
+
+    def is_free(self, block_id: int) -> bool:
+        return self.ref_count(block_id) == 0
+
+    def allocate(self) -> int:
+        """Take a free block (reference count 1): the least recently freed, or the lowest id with
+        ``lowest_first``. Raises :class:`OutOfBlocksError` when none is left."""
+        if not self._free:
+            raise OutOfBlocksError(f"no free KV-cache block (all {self.num_blocks} in use)")
+        if self.lowest_first:
+            block_id = min(self._free)
+            del self._free[block_id]
+        else:
+            block_id, _ = self._free.popitem(last=False)
+        self._ref_counts[block_id] = 1
+        return block_id
+
+    def incref(self, block_id: int, *, revive: bool = False) -> None:
+        """One more holder. A free block may be taken back only with ``revive`` (a prefix-cache hit)."""
+        if self.ref_count(block_id) == 0:
+            if not revive:
+                raise KVCoreError(f"block {block_id} is free; cannot share it")
+            del self._free[block_id]
+        self._ref_counts[block_id] += 1
+
+    def free(self, block_id: int) -> None:
+        """Drop one holder; the block returns to the pool when its count reaches 0."""
+        count = self.ref_count(block_id)
+        if count == 0:
+            raise KVCoreError(f"double free of KV-cache block {block_id}")
+        self._ref_counts[block_id] = count - 1
+        if count == 1:
+            self._free[block_id] = None
+
+
+class BlockManager:
+    """Block tables of the live sequences over one :class:`BlockAllocator`."""
+
+    def __init__(
+        self, num_blocks: int, block_size: int, max_seq_len: int, *, enable_prefix_caching: bool = False
+    ) -> None:
+        if block_size <= 0 or max_seq_len <= 0:
+            raise ConfigError(f"block manager: block_size {block_size} and max_seq_len {max_seq_len} must be > 0")
+        self.block_size = block_size
+        self.max_seq_len = max_seq_len
+        self.allocator = BlockAllocator(num_blocks, lowest_first=block_size >= max_seq_len)
+        self.enable_prefix_caching = enable_prefix_caching
+        self._tables: dict[int, list[int]] = {}
+        self._seq_lens: dict[int, int] = {}
+        self._hash_of: dict[int, int] = {}  # full block -> its chained content hash
+        self._block_of: dict[int, int] = {}  # chained content hash -> block holding it
+        self._committed: dict[int, tuple[int, int]] = {}  # seq -> (full blocks hashed, last chained hash)
+
+    # -- bookkeeping ---------------------------------------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        return self.allocator.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.allocator.num_free_blocks
+
+    def has_sequence(self, seq_id: int) -> bool:
+        return seq_id in self._seq_lens
+
+    @property
+    def seq_ids(self) -> list[int]:
+        return list(self._seq_lens)
+
+    def seq_len(self, seq_id: int) -> int:
+        """Tokens reserved for ``seq_id`` (those of the current call included once reserved)."""
+        try:
+            return self._seq_lens[seq_id]
+        except KeyError:
+            raise KVCoreError(f"sequence {seq_id} is not in the KV cache") from None
+
+    def block_table(self, seq_id: int) -> list[int]:
+        self.seq_len(seq_id)
+        return list(self._tables[seq_id])
+
+    def num_reserved_slots(self, seq_id: int) -> int:
+        """Slots held by ``seq_id`` but not holding a token: ``blocks * block_size - seq_len``."""
+        return len(self._tables[seq_id]) * self.block_size - self.seq_len(seq_id)
+
+    @property
+    def num_tokens_in_use(self) -> int:
+        return sum(self._seq_lens.values())
+
+    # -- sequences -----------------------------------------------------------------------------------
+    def can_add_sequence(self) -> bool:
+        return self.allocator.num_free_blocks > 0  # its first token needs a block
+
+    def add_sequence(self, seq_id: int, token_ids: Sequence[int] = ()) -> int:
+        """Start ``seq_id``. With prefix caching, share the cached full blocks ``token_ids`` starts with
+        (never the last token: its logits must be computed). Returns the number of tokens reused."""
+        if seq_id in self._seq_lens:
+            raise KVCoreError(f"sequence {seq_id} is already in the KV cache")
+        table = self._match_prefix(token_ids) if self.enable_prefix_caching else []
+        for block_id in table:
+            self.allocator.incref(block_id, revive=True)
+        self._tables[seq_id] = table
+        self._seq_lens[seq_id] = len(table) * self.block_size
+        return self._seq_lens[seq_id]
+
+    def free_sequence(self, seq_id: int) -> None:
+        self.seq_len(seq_id)
+        for block_id in self._tables.pop(seq_id):
+            self.allocator.free(block_id)
+        del self._seq_lens[seq_id]
+        self._committed.pop(seq_id, None)
+
+    def fork_sequence(self, src_seq_id: int, dst_seq_id: int) -> None:
+        """``dst`` shares all of ``src``'s blocks (copy-on-write); takes no block now."""
+        length = self.seq_len(src_seq_id)
+        if dst_seq_id in self._seq_lens:
+            raise KVCoreError(f"sequence {dst_seq_id} is already in the KV cache")
+        table = list(self._tables[src_seq_id])
+        for block_id in table:
+            self.allocator.incref(block_id)
+        self._tables[dst_seq_id] = table
+        self._seq_lens[dst_seq_id] = length
+
+    # -- reservation ---------------------------------------------------------------------------------
+    def _needs_copy(self, seq_id: int) -> bool:
+        """Whether the next write of ``seq_id`` lands in a shared, partly filled last block."""
+        table = self._tables[seq_id]
+        return (
+            bool(table)
+            and self._seq_lens[seq_id] % self.block_size != 0
+            and self.allocator.ref_count(table[-1]) > 1
+        )
+
+    def _new_blocks(self, seq_id: int, num_tokens: int) -> int:
+        return math.ceil((self._seq_lens[seq_id] + num_tokens) / self.block_size) - len(self._tables[seq_id])
+
+    def num_blocks_needed(self, seq_ids: Sequence[int], query_lens: Sequence[int]) -> int:
+        """Blocks :meth:`reserve` would take: new blocks plus copy-on-write copies. ``w`` writers of a
+        shared block with reference count ``r`` make ``min(w, r - 1)`` copies (the last holder writes in
+        place)."""
+        total = 0
+        writers: dict[int, int] = {}
+        for seq_id, num_new in zip(seq_ids, query_lens):
+            self.seq_len(seq_id)
+            total += self._new_blocks(seq_id, num_new)
+            if num_new > 0 and self._needs_copy(seq_id):
+                last = self._tables[seq_id][-1]
+                writers[last] = writers.get(last, 0) + 1
+        return total + sum(min(w, self.allocator.ref_count(b) - 1) for b, w in writers.items())
+
+    def can_append(self, seq_id: int, num_tokens: int) -> bool:
+        return self.can_reserve([seq_id], [num_tokens])
+
+    def can_reserve(self, seq_ids: Sequence[int], query_lens: Sequence[int]) -> bool:
+        """Whether :meth:`reserve` would succeed for the whole batch together."""
+        if any(self.seq_len(s) + n > self.max_seq_len for s, n in zip(seq_ids, query_lens)):
+            return False
+        return self.num_blocks_needed(seq_ids, query_lens) <= self.allocator.num_free_blocks
+
+    def reserve(self, seq_ids: Sequence[int], query_lens: Sequence[int]) -> list[tuple[int, int]]:
+        """Make room for ``query_lens[i]`` more tokens of each sequence; all or nothing.
+
+        Returns the ``(src, dst)`` block copies the cache must make first (copy-on-write).
+        """
+        if len(seq_ids) != len(query_lens) or not seq_ids:
+            raise KVCoreError("reserve() needs one query length per sequence and at least one sequence")
+        if len(set(seq_ids)) != len(seq_ids):
+            raise KVCoreError(f"reserve() got a sequence twice: {list(seq_ids)}")
+        for seq_id, num_new in zip(seq_ids, query_lens):
+            if num_new <= 0:
+                raise KVCoreError(f"sequence {seq_id}: query length must be positive, got {num_new}")
+            have = self.seq_len(seq_id)
+            if have + num_new > self.max_seq_len:
+                raise ContextLengthError(
+                    f"sequence {seq_id}: {have} + {num_new} tokens exceed the cache's max_seq_len {self.max_seq_len}"
+                )
+        needed, free = self.num_blocks_needed(seq_ids, query_lens), self.allocator.num_free_blocks
+        if needed > free:
+            raise OutOfBlocksError(
+                f"KV cache: the batch of sequences {list(seq_ids)} needs {needed} more blocks, only {free} free"
+            )
+        copies = []
+        for seq_id, num_new in zip(seq_ids, query_lens):
+            table = self._tables[seq_id]
+            if self._needs_copy(seq_id):
+                old, new = table[-1], self._allocate()
+                self.allocator.free(old)  # drops this sequence's hold; the other holders keep it
+                table[-1] = new
+                copies.append((old, new))
+            for _ in range(self._new_blocks(seq_id, num_new)):
+                table.append(self._allocate())
+            self._seq_lens[seq_id] += num_new
+        return copies
+
+    def _allocate(self) -> int:
+        block_id = self.allocator.allocate()
+        stale = self._hash_of.pop(block_id, None)  # its old content is about to be overwritten
+        if stale is not None:
+            del self._block_of[stale]
+        return block_id
+
+    # -- prefix hashes -------------------------------------------------------------------------------
+    def _chain(self, token_ids: Sequence[int], num_blocks: int) -> list[int]:
+        hashes, parent, bs = [], 0, self.block_size
+        for i in range(num_blocks):
+            parent = hash((parent, tuple(token_ids[i * bs : (i + 1) * bs])))
+            hashes.append(parent)
+        return hashes
+
+    def _match_prefix(self, token_ids: Sequence[int]) -> list[int]:
+        table = []
+        for h in self._chain(token_ids, (len(token_ids) - 1) // self.block_size):
+            block_id = self._block_of.get(h)
+            if block_id is None:
+                break
+            table.append(block_id)
+        return table
+
+    def commit(self, seq_id: int, token_ids: Sequence[int]) -> None:
+        """Record the content hashes of ``seq_id``'s newly full blocks once their K/V are written
+        (``token_ids``: the sequence's tokens so far). Incremental; a no-op without prefix caching."""
+        if not self.enable_prefix_caching:
+            return
+        table, bs = self._tables[seq_id], self.block_size
+        done, parent = self._committed.get(seq_id, (0, 0))
+        num_full = min(len(token_ids), self._seq_lens[seq_id]) // bs
+        for i in range(done, num_full):
+            parent = hash((parent, tuple(token_ids[i * bs : (i + 1) * bs])))
+            if table[i] not in self._hash_of and parent not in self._block_of:
+                self._hash_of[table[i]], self._block_of[parent] = parent, table[i]
+        self._committed[seq_id] = (max(done, num_full), parent)

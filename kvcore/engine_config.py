@@ -1,0 +1,154 @@
+"""How an engine runs, and the choice of backends, KV cache and sampler it implies."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvcore.attention import AttentionBackend
+from kvcore.errors import BackendUnavailableError, ConfigError
+from kvcore.plugins import KV_CACHE, PluginEntry, PluginRegistry
+
+__all__ = ["EngineConfig", "Components", "parse_dtype", "select_components", "DTYPES"]
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    aliases = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
+    key = aliases.get(str(name), str(name))
+    if key not in DTYPES:
+        raise ConfigError(f"unknown dtype '{name}' (choose from: {', '.join(DTYPES)})")
+    return DTYPES[key]
+
+
+@dataclass
+class EngineConfig:
+    """How the engine runs. Names left ``None`` mean "pick the best available"."""
+
+    backend: str | None = None  # attention backend for both phases
+    prefill_backend: str | None = None  # overrides ``backend`` for prefill
+    decode_backend: str | None = None  # overrides ``backend`` for decode
+    kv_cache: str | None = None  # KV-cache layout; None = the canonical cache of the backends' layout
+    sampler: str = "default"
+    dtype: str = "float32"
+    device: str = "cpu"
+    max_num_seqs: int = 8  # requests resident in the KV cache at once
+    max_model_len: int | None = None  # tokens per request; None = the model's context window, capped
+    max_num_batched_tokens: int = 8192  # prompt tokens one prefill step may compute (a lone prompt may exceed)
+    block_size: int = 16  # paged caches: tokens per block
+    num_blocks: int | None = None  # paged caches: pool size; None = from kv_cache_bytes, else max_num_seqs × len
+    kv_cache_bytes: int | None = None  # paged caches: a memory budget the pool is sized to
+    enable_prefix_caching: bool = False  # share computed full prompt blocks across requests
+    backend_options: dict[str, dict[str, Any]] = field(default_factory=dict)  # [backends.<name>] tables
+    kv_cache_options: dict[str, dict[str, Any]] = field(default_factory=dict)  # [kv_caches.<name>] tables
+    sampler_options: dict[str, dict[str, Any]] = field(default_factory=dict)  # [samplers.<name>] tables
+
+    #: default cap on max_model_len so a contiguous cache does not reserve the full 8K window per slot
+    DEFAULT_MAX_MODEL_LEN = 4096
+
+    def __post_init__(self) -> None:
+        parse_dtype(self.dtype)
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        for name in ("num_blocks", "kv_cache_bytes"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len <= 1):
+            raise ConfigError(f"max_model_len must be an integer > 1, got {self.max_model_len!r}")
+        try:
+            device = torch.device(self.device)
+        except RuntimeError:
+            raise ConfigError(f"unknown device '{self.device}' (examples: cpu, cuda, cuda:1)") from None
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError(f"device '{self.device}' is not available: torch.cuda.is_available() is False")
+
+
+@dataclass(frozen=True)
+class Components:
+    prefill_backend: AttentionBackend
+    decode_backend: AttentionBackend
+    kv_cache: PluginEntry  # the cache class to allocate (both backends read its layout)
+
+
+def select_components(
+    registry: PluginRegistry, config: EngineConfig, *, head_dim: int, num_heads: int, num_kv_heads: int
+) -> Components:
+    """Resolve the prefill and decode backends and the KV cache they share, or raise with the reason."""
+    device, dtype = torch.device(config.device), parse_dtype(config.dtype)
+    shape = dict(device=device, dtype=dtype, head_dim=head_dim, num_heads=num_heads, num_kv_heads=num_kv_heads)
+
+    def make(name: str) -> AttentionBackend:
+        backend = registry.create(name, config.backend_options.get(name))
+        reasons = backend.validate(**shape)
+        if reasons:
+            raise BackendUnavailableError(f"backend '{name}' cannot run this model here: {'; '.join(reasons)}")
+        return backend
+
+    def auto() -> str:
+        usable = [
+            e for e in registry.backends.values()
+            if e.availability() is None and not e.cls.capabilities.reasons_unsupported(**shape)
+        ]
+        if config.kv_cache is not None:
+            layout = registry.get(config.kv_cache, KV_CACHE).cls.layout
+            usable = [e for e in usable if layout in e.cls.capabilities.kv_layouts]
+        if not usable:
+            cache = f" that reads the '{config.kv_cache}' KV cache" if config.kv_cache else ""
+            raise BackendUnavailableError(f"no registered backend{cache} supports {dtype} on {device.type}")
+        return max(usable, key=lambda e: (e.cls.priority, e.name)).name
+
+    prefill_name = config.prefill_backend or config.backend or auto()
+    decode_name = config.decode_backend or config.backend or prefill_name
+    prefill = make(prefill_name)
+    decode = prefill if decode_name == prefill_name else make(decode_name)
+    if not prefill.capabilities.supports_prefill:
+        raise ConfigError(f"backend '{prefill_name}' cannot run prefill")
+    if not decode.capabilities.supports_decode:
+        raise ConfigError(f"backend '{decode_name}' cannot run decode")
+    return Components(prefill, decode, _select_cache(registry, config, prefill, decode, device, dtype))
+
+
+def _select_cache(
+    registry: PluginRegistry,
+    config: EngineConfig,
+    prefill: AttentionBackend,
+    decode: AttentionBackend,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> PluginEntry:
+    layouts = [k for k in decode.capabilities.kv_layouts if k in prefill.capabilities.kv_layouts]
+    pair = f"backend '{prefill.name}'" if prefill is decode else f"backends '{prefill.name}' and '{decode.name}'"
+    if not layouts:
+        raise ConfigError(
+            f"prefill backend '{prefill.name}' (reads {'/'.join(prefill.capabilities.kv_layouts)} caches) and "
+            f"decode backend '{decode.name}' (reads {'/'.join(decode.capabilities.kv_layouts)} caches) "
+            "share no KV-cache layout; pick a compatible pair"
+        )
+    if config.kv_cache is not None:
+        entry = registry.get(config.kv_cache, KV_CACHE)
+        if entry.cls.layout not in layouts:
+            raise ConfigError(
+                f"KV cache '{entry.name}' has layout '{entry.cls.layout}', which {pair} cannot read "
+                f"(reads: {', '.join(layouts)}); pick another --kv-cache or backend"
+            )
+        candidates = [entry]
+    else:  # the canonical cache of each layout (named like it) first, in the backends' order of preference
+        caches = registry.kv_caches.values()
+        candidates = [e for lay in layouts for e in sorted(caches, key=lambda e: e.name != lay) if e.cls.layout == lay]
+    reasons = []
+    for entry in candidates:
+        why = entry.availability() or "; ".join(entry.cls.capabilities.reasons_unsupported(device=device, dtype=dtype))
+        if not why:
+            return entry
+        reasons.append(f"'{entry.name}': {why}")
+    if not candidates:
+        raise ConfigError(f"no registered KV cache has a layout {pair} reads ({', '.join(layouts)})")
+    raise BackendUnavailableError(f"no KV cache {pair} can read is usable here: {'; '.join(reasons)}")

@@ -1,0 +1,46 @@
+"""One forward call: bind a backend to its cache and plan, run the model, compute the last rows' logits."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from kvcore.attention import AttentionBackend, AttentionMetadata
+from kvcore.kv_cache import KVCache
+from kvcore.model import LlamaModel
+
+__all__ = ["run_model", "last_token_logits"]
+
+
+def run_model(
+    model: LlamaModel,
+    backend: AttentionBackend,
+    cache: KVCache,
+    meta: AttentionMetadata,
+    input_ids: Sequence[int] | torch.Tensor,
+) -> torch.Tensor:
+    """``[T, d]`` hidden states of the packed tokens ``input_ids``; their K/V land in ``cache``.
+
+    The backend's plan is made once here, before the first layer, and shared by every layer.
+    """
+    plan = backend.plan(meta, cache)
+
+    def attention(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return backend.forward(layer_idx, q, k, v, cache, plan)
+
+    ids = torch.as_tensor(input_ids, dtype=torch.long).to(meta.positions.device)
+    return model(ids, meta.positions, attention)
+
+
+def last_token_logits(
+    model: LlamaModel,
+    backend: AttentionBackend,
+    cache: KVCache,
+    meta: AttentionMetadata,
+    input_ids: Sequence[int] | torch.Tensor,
+) -> torch.Tensor:
+    """``[B, V]`` float32 logits of each sequence's last packed token (what the sampler picks from)."""
+    hidden = run_model(model, backend, cache, meta, input_ids)
+    last_rows = (meta.cu_seqlens_q[1:] - 1).long()
+    return model.compute_logits(hidden[last_rows])
