@@ -37,7 +37,7 @@ class Int8KVCache(PagedKVCache):
         devices=frozenset({"cpu", "cuda"}),
         dtypes=ALL_DTYPES,
         precision="int8 K/V, symmetric, one float32 scale per token and KV head (max|x| / 127)",
-        storage_bits=8,
+        unit_roundoff=1 / (2 * QMAX),
     )
 
     def __init__(self, spec: CacheSpec, block_size: int | None = None, **options: Any) -> None:

@@ -101,21 +101,35 @@ class _ConformanceBase:
         torch.set_num_threads(before)
 
     @pytest.fixture
-    def backend(self, request):
-        """The backend under test: a registered name, ``module:Class``, or an AttentionBackend subclass.
-        Override this fixture; the default reads ``--kvcore-backend``."""
+    def backend(self, request, kv_cache, sampler):
+        """The backend under test: a registered name, ``module:Class``, or an AttentionBackend subclass
+        (``None`` with a ``kv_cache``: a backend that reads its layout). Override this fixture; the default
+        reads ``--kvcore-backend``."""
         name = _option(request.config, "kvcore_backend")
-        if not name:
-            pytest.skip("no backend under test: override the `backend` fixture or pass --kvcore-backend NAME")
+        if not name and not kv_cache and not sampler:
+            pytest.skip("nothing under test: override the `backend` (or `kv_cache`, `sampler`) fixture or pass "
+                        "--kvcore-backend / --kvcore-kv-cache / --kvcore-sampler NAME")
         return name
+
+    @pytest.fixture
+    def kv_cache(self, request) -> str | None:
+        """The KV cache under test (a registered name), or None. Override it; the default reads
+        ``--kvcore-kv-cache``."""
+        return _option(request.config, "kvcore_kv_cache")
+
+    @pytest.fixture
+    def sampler(self, request) -> str | None:
+        """The sampler under test (a registered name), or None. Override it; the default reads
+        ``--kvcore-sampler``."""
+        return _option(request.config, "kvcore_sampler")
 
     @pytest.fixture
     def conformance_config(self, request) -> SuiteConfig:
         return suite_config(request.config, self)
 
     @pytest.fixture
-    def conformance_target(self, backend) -> Target:
-        target = backend if isinstance(backend, Target) else resolve_target(backend)
+    def conformance_target(self, backend, kv_cache, sampler) -> Target:
+        target = backend if isinstance(backend, Target) else resolve_target(backend, kv_cache=kv_cache, sampler=sampler)
         reason = target.availability()
         if reason:
             pytest.skip(f"backend '{target.name}' is unavailable: {reason}")
@@ -140,7 +154,11 @@ class _NoTarget:
     """Stands in for the backend at collection time (case lists do not depend on it there)."""
 
     class capabilities:  # noqa: N801 - mimics BackendCapabilities
-        cache_kinds: tuple[str, ...] = ()
+        kv_layouts: tuple[str, ...] = ()
+
+    @staticmethod
+    def cache_names() -> tuple[str, ...]:
+        return ()
 
 
 _NO_TARGET: Any = _NoTarget()
@@ -152,8 +170,8 @@ class BaseAttentionOpTests(_ConformanceBase):
     def test_op(self, conformance_target: Target, conformance_config: SuiteConfig, op_case) -> None:
         import dataclasses
 
-        kinds = tuple(conformance_target.capabilities.cache_kinds)
-        variants = [op_case] if len(kinds) < 2 else [dataclasses.replace(op_case, cache_kind=k) for k in kinds]
+        names = conformance_target.cache_names()
+        variants = [op_case] if len(names) < 2 else [dataclasses.replace(op_case, kv_cache=n) for n in names]
         results = [run_case(conformance_target, "op", case, conformance_config) for case in variants]
         failed = [r for r in results if r.status == FAIL]
         if failed:

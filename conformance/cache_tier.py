@@ -21,6 +21,7 @@ from kvcore.conformance.results import FAIL, PASS, SKIP, CaseResult
 from kvcore.conformance.settings import SuiteConfig
 from kvcore.conformance.target import Target
 from kvcore.conformance.tolerances import cache_tolerance, tie_rule
+from kvcore.kv_manager import KVCacheManager
 
 __all__ = ["NAME", "cases", "run_case"]
 
@@ -73,7 +74,9 @@ def _run(target: Target, cm, case: ModelCase, cfg: SuiteConfig, result: CaseResu
     result.info.update(model=case.model, variant=case.variant, prompt_lens=[len(p) for p in prompts],
                        steps=case.steps)
 
-    cache = backend.create_cache(cache_spec(cm, cfg, B, max_len))
+    name = target.cache_names()[0]
+    cache = KVCacheManager(target.make_cache(name, cache_spec(cm, cfg, B, max_len)))
+    result.info["kv_cache"] = name
     ids = list(range(B))
     for i in ids:
         cache.add_sequence(i)
@@ -95,7 +98,7 @@ def _run(target: Target, cm, case: ModelCase, cfg: SuiteConfig, result: CaseResu
     worst = 0.0
     for step in range(case.steps + 1):
         result.info["where"] = f"recomputation of step {step}"
-        fresh = backend.create_cache(cache_spec(cm, cfg, B, max_len))
+        fresh = KVCacheManager(target.make_cache(name, cache_spec(cm, cfg, B, max_len)))
         for i in ids:
             fresh.add_sequence(i)
         full = forward_logits(cm, backend, fresh, ids, [s[: len(p) + step] for s, p in zip(seqs, prompts)])

@@ -70,7 +70,7 @@ class OpCase:
     layout: str
     head_dim: int
     scenario: str
-    cache_kind: str | None = None  # None: the backend's preferred kind (backend.create_cache)
+    kv_cache: str | None = None  # None: the target's first cache (Target.cache_names)
 
     @property
     def num_heads(self) -> int:
@@ -104,7 +104,7 @@ class OpCase:
     def id(self) -> str:
         h, hkv = HEAD_LAYOUTS[self.layout]
         base = f"{self.layout}{h}x{hkv}-d{self.head_dim}-{self.scenario}"
-        return base if self.cache_kind is None else f"{base}-{self.cache_kind}"
+        return base if self.kv_cache is None else f"{base}-{self.kv_cache}"
 
     @property
     def seed(self) -> int:
@@ -116,7 +116,7 @@ class OpCase:
             "num_kv_heads": self.num_kv_heads,
             "head_dim": self.head_dim,
             "seq_lens": self.final_lens,
-            "cache_kind": self.cache_kind,
+            "kv_cache": self.kv_cache,
         }
 
 
@@ -129,13 +129,13 @@ QUICK = tuple(("ragged", layout, d) for layout in HEAD_LAYOUTS for d in HEAD_DIM
 )
 
 
-def op_cases(quick: bool = False, cache_kinds: tuple[str, ...] | None = None) -> list[OpCase]:
-    """The case list. ``cache_kinds`` (a backend's declared kinds): with more than one, every case runs
-    once per kind; with one (or None) the backend's preferred cache is used."""
+def op_cases(quick: bool = False, kv_caches: tuple[str, ...] | None = None) -> list[OpCase]:
+    """The case list. ``kv_caches`` (the caches under test): with more than one, every case runs once per
+    cache; with one (or None) the target's first cache is used."""
     if quick:
         base = [OpCase(layout, d, s) for s, layout, d in QUICK]
     else:
         base = [OpCase(layout, d, s) for s in SCENARIOS for layout in HEAD_LAYOUTS for d in HEAD_DIMS]
-    if not cache_kinds or len(cache_kinds) < 2:
+    if not kv_caches or len(kv_caches) < 2:
         return base
-    return [OpCase(c.layout, c.head_dim, c.scenario, kind) for kind in cache_kinds for c in base]
+    return [OpCase(c.layout, c.head_dim, c.scenario, name) for name in kv_caches for c in base]

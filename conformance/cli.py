@@ -24,11 +24,21 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "cache consistency, greedy token streams and seeded sampling. Exit 0 pass, 1 fail, 2 usage error, "
         "3 backend unavailable.",
     )
-    p.add_argument("--backend", required=True, metavar="NAME",
-                   help="registered backend name (see `kvcore backends`) or package.module:ClassName")
+    p.add_argument("--backend", default=None, metavar="NAME",
+                   help="registered backend name (see `kvcore backends`) or package.module:ClassName; optional "
+                   "with --kv-cache (a backend that reads the cache's layout is chosen)")
     p.add_argument("--backend-option", action="append", default=None, metavar="KEY=VALUE",
                    help="constructor option for the backend (as in [backends.NAME]); VALUE is parsed as JSON "
                    "when it can be, e.g. --backend-option block_size=8; repeatable")
+    p.add_argument("--kv-cache", default=None, metavar="NAME",
+                   help="certify this KV cache (see `kvcore plugins`): every tier runs over it; a lossy cache is "
+                   "held to the tolerances its declared precision implies")
+    p.add_argument("--kv-cache-option", action="append", default=None, metavar="KEY=VALUE",
+                   help="constructor option for the KV cache (as in [kv_caches.NAME]); repeatable")
+    p.add_argument("--sampler", default=None, metavar="NAME",
+                   help="certify this sampler: the sampling tier (and the streams) run through it")
+    p.add_argument("--sampler-option", action="append", default=None, metavar="KEY=VALUE",
+                   help="constructor option for the sampler (as in [samplers.NAME]); repeatable")
     p.add_argument("--quick", action="store_true", help="CI-sized case set (under 2 minutes on 2 CPU cores)")
     p.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
     p.add_argument("--report", metavar="FILE.md", default=None, help="also write a Markdown report to FILE.md")
@@ -54,7 +64,7 @@ def _split(values: list[str] | None) -> tuple[str, ...] | None:
     return tuple(v.strip() for item in values for v in item.split(",") if v.strip())
 
 
-def _options(values: list[str] | None) -> dict:
+def _options(values: list[str] | None, flag: str = "--backend-option") -> dict:
     import json
 
     from kvcore.errors import ConfigError
@@ -63,7 +73,7 @@ def _options(values: list[str] | None) -> dict:
     for item in values or ():
         key, sep, raw = item.partition("=")
         if not sep or not key.strip():
-            raise ConfigError(f"--backend-option expects KEY=VALUE, got '{item}'")
+            raise ConfigError(f"{flag} expects KEY=VALUE, got '{item}'")
         try:
             options[key.strip()] = json.loads(raw)
         except ValueError:
@@ -100,11 +110,25 @@ def run(args: argparse.Namespace) -> int:
         )
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            target = resolve_target(args.backend, options=_options(args.backend_option))
-            if target.options and target.availability() is None:
-                target.make()  # bad options fail here, as a usage error
+            if args.backend is None and args.kv_cache is None and args.sampler is None:
+                return _error("give --backend, --kv-cache or --sampler: what to certify")
+            target = resolve_target(
+                args.backend,
+                options=_options(args.backend_option),
+                kv_cache=args.kv_cache,
+                kv_cache_options=_options(args.kv_cache_option, "--kv-cache-option"),
+                sampler=args.sampler,
+                sampler_options=_options(args.sampler_option, "--sampler-option"),
+            )
+            if target.availability() is None:
+                # bad options fail here, as a usage error
+                if target.options:
+                    target.make()
+                if target.sampler:
+                    target.make_sampler()
+        named = [n for n in (args.backend, args.kv_cache, args.sampler) if n]
         for w in caught:
-            if "kvcore:" in str(w.message) and args.backend in str(w.message):
+            if "kvcore:" in str(w.message) and any(n in str(w.message) for n in named):
                 print(f"warning: {w.message}", file=sys.stderr)
     except KVCoreError as exc:
         return _error(str(exc))

@@ -12,10 +12,12 @@ import torch
 from kvcore.attention import AttentionBackend
 from kvcore.conformance.models import ConformanceModel
 from kvcore.conformance.settings import SuiteConfig
+from kvcore.conformance.target import Target
 from kvcore.engine import Engine, EngineConfig
-from kvcore.kv_cache import CacheSpec, KVCache
-from kvcore.plugins import BackendRegistry
-from kvcore.sampling import DefaultSampler, SamplingParams
+from kvcore.kv_cache import CacheSpec
+from kvcore.kv_manager import KVCacheManager
+from kvcore.model_runner import last_token_logits
+from kvcore.sampling import Sampler, SamplingParams, SamplingRow
 
 __all__ = ["Stream", "RecordingSampler", "run_engine", "cache_spec", "forward_logits"]
 
@@ -26,55 +28,59 @@ class Stream:
     logits: torch.Tensor  # [steps, V] float32 on CPU: the logits each token was picked from
 
 
-class RecordingSampler(DefaultSampler):
-    """The default sampler, keeping every row's logits. Rows are told apart by ``params.seed``, which the
-    suite sets to a distinct tag per request (greedy requests ignore it)."""
+class RecordingSampler(Sampler):
+    """Wraps the sampler under test and keeps every row's logits, per request id."""
 
-    def __init__(self) -> None:
-        self.rows: dict[int | None, list[torch.Tensor]] = defaultdict(list)
+    name = "conformance-recorder"
 
-    def sample(self, logits, params, generators):
-        ids = super().sample(logits, params, generators)
-        for row, p in enumerate(params):
-            self.rows[p.seed].append(logits[row].detach().float().cpu())
-        return ids
+    def __init__(self, inner: Sampler) -> None:
+        self.inner = inner
+        self.rows: dict[str, list[torch.Tensor]] = defaultdict(list)
+
+    def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        for i, row in enumerate(rows):
+            self.rows[row.request_id].append(logits[i].detach().float().cpu())
+        return self.inner.sample(logits, rows)
 
 
 def run_engine(
-    registry: BackendRegistry,
-    backend_name: str,
+    target: Target,
     cm: ConformanceModel,
     prompts: Sequence[Sequence[int]],
     params: Sequence[SamplingParams],
     cfg: SuiteConfig,
-    options: dict | None = None,
+    *,
+    sampler: Sampler | None = None,
+    max_num_seqs: int | None = None,
 ) -> list[Stream]:
-    """Generate ``prompts`` together (one ragged batch) with ``backend_name`` for both phases."""
-    tags = [p.seed for p in params]
-    assert len(set(tags)) == len(tags), "each request needs a distinct seed tag"
+    """Generate ``prompts`` with ``target``'s backend for both phases over its (first) cache; together in
+    one ragged batch unless ``max_num_seqs`` limits how many run at once (requests then join and leave)."""
     longest = max(len(p) + sp.max_new_tokens for p, sp in zip(prompts, params))
+    cache = target.cache_names()[0]
     config = EngineConfig(
-        backend=backend_name,
+        backend=target.name,
+        kv_cache=cache,
         dtype=cfg.dtype_name,
         device=cfg.device,
-        max_num_seqs=len(prompts),
+        max_num_seqs=max_num_seqs or len(prompts),
         max_model_len=min(longest + 16, cm.config.max_position_embeddings),
-        backend_options={backend_name: dict(options)} if options else {},
+        backend_options={target.name: dict(target.options)} if target.options else {},
+        kv_cache_options={cache: dict(target.kv_cache_options)} if cache == target.kv_cache else {},
     )
-    sampler = RecordingSampler()
-    engine = Engine(cm.model, None, config, registry=registry, sampler=sampler)
+    recorder = RecordingSampler(sampler or target.make_sampler())
+    engine = Engine(cm.model, None, config, registry=target.registry, sampler=recorder)
     results = engine.generate([list(p) for p in prompts], list(params))
     streams = []
-    for res, tag in zip(results, tags):
+    for res in results:
         if res.error is not None:
             raise res.error
-        rows = sampler.rows[tag]
+        rows = recorder.rows[res.request_id]
         logits = torch.stack(rows) if rows else torch.empty(0, cm.config.vocab_size)
         streams.append(Stream(list(res.token_ids), logits))
     return streams
 
 
-def cache_spec(cm: ConformanceModel, cfg: SuiteConfig, num_seqs: int, max_len: int) -> CacheSpec:
+def cache_spec(cm: ConformanceModel, cfg: SuiteConfig, num_seqs: int, max_len: int, block_size: int = 16) -> CacheSpec:
     c = cm.config
     return CacheSpec(
         num_layers=c.num_hidden_layers,
@@ -84,7 +90,7 @@ def cache_spec(cm: ConformanceModel, cfg: SuiteConfig, num_seqs: int, max_len: i
         device=cfg.torch_device,
         max_num_seqs=num_seqs,
         max_seq_len=max_len,
-        block_size=16,
+        block_size=block_size,
     )
 
 
@@ -92,15 +98,12 @@ def cache_spec(cm: ConformanceModel, cfg: SuiteConfig, num_seqs: int, max_len: i
 def forward_logits(
     cm: ConformanceModel,
     backend: AttentionBackend,
-    cache: KVCache,
+    kv: KVCacheManager,
     seq_ids: Sequence[int],
     chunks: Sequence[Sequence[int]],
 ) -> torch.Tensor:
     """One packed forward of ``chunks[i]`` appended to sequence ``seq_ids[i]``; ``[B, V]`` float32 logits of
     each chunk's last token."""
-    meta = cache.prepare(list(seq_ids), [len(c) for c in chunks], cm.config.head_dim**-0.5)
-    device = cache.spec.device
-    input_ids = torch.tensor([t for c in chunks for t in c], dtype=torch.long, device=device)
-    hidden = cm.model(input_ids, meta, cache, backend)
-    last = (meta.cu_seqlens_q[1:] - 1).long()
-    return cm.model.compute_logits(hidden[last]).float().cpu()
+    meta = kv.prepare(list(seq_ids), [len(c) for c in chunks], cm.model.attention_scale)
+    input_ids = [t for c in chunks for t in c]
+    return last_token_logits(cm.model, backend, kv.cache, meta, input_ids).float().cpu()

@@ -1,9 +1,9 @@
 """Op tier: one backend's attention output vs the reference, call by call, on the case matrix.
 
-The backend under test writes into its own cache (``backend.create_cache(spec)``, or each declared
-cache kind); the reference (``naive``) writes into a float32 :class:`ContiguousKVCache` and is fed the
-same q/k/v (rounded to the test dtype, then upcast). After the script, every sequence's cached K/V
-(``cache.read``) must equal what was written.
+The backend under test writes into the cache under test (each cache of ``Target.cache_names``); the
+reference (``naive``) writes into a float32 ``ContiguousKVCache`` and is fed the same q/k/v (rounded to
+the test dtype, then upcast). The backend's plan is made once per call, as the engine does. After the
+script, every sequence's cached K/V (``cache.read``) must equal what was written.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import traceback
 
 import torch
 
+from kvcore.backends.contiguous import ContiguousKVCache
 from kvcore.backends.naive import NaiveBackend
 from kvcore.conformance.cases import BLOCK_SIZE, NUM_LAYERS, OpCase, op_cases
 from kvcore.conformance.compare import compare
@@ -20,7 +21,8 @@ from kvcore.conformance.results import FAIL, PASS, SKIP, CaseResult
 from kvcore.conformance.settings import SuiteConfig
 from kvcore.conformance.target import Target
 from kvcore.conformance.tolerances import op_tolerance
-from kvcore.kv_cache import CacheSpec, ContiguousKVCache, KVCache, create_cache
+from kvcore.kv_cache import CacheSpec
+from kvcore.kv_manager import KVCacheManager
 
 __all__ = ["NAME", "cases", "run_case"]
 
@@ -32,7 +34,7 @@ _GARBAGE = 50.0  # magnitude of the K/V the fragmenting sequences leave behind
 
 
 def cases(target: Target, cfg: SuiteConfig) -> list[OpCase]:
-    return op_cases(cfg.quick, tuple(target.capabilities.cache_kinds))
+    return op_cases(cfg.quick, target.cache_names())
 
 
 def _skip_reasons(target: Target, case: OpCase, cfg: SuiteConfig) -> list[str]:
@@ -51,29 +53,29 @@ def _skip_reasons(target: Target, case: OpCase, cfg: SuiteConfig) -> list[str]:
     return reasons
 
 
-def _fragment(cache: KVCache, gen: torch.Generator, scale: float) -> list[int]:
+def _fragment(kv: KVCacheManager, gen: torch.Generator, scale: float) -> list[int]:
     """Fill the cache with one-block sequences holding garbage, then free a random 3/4 of them in random
     order. Returns the ids still live (they stay, interleaved with the holes the case will use)."""
-    spec = cache.spec
+    spec, block_size = kv.cache.spec, kv.blocks.block_size
     dummies = []
-    while len(dummies) < 4096 and cache.can_add_sequence():
+    while len(dummies) < 4096 and kv.can_add_sequence():
         seq_id = _DUMMY_ID_BASE + len(dummies)
-        cache.add_sequence(seq_id)
-        if not cache.can_append(seq_id, spec.block_size):
-            cache.free_sequence(seq_id)
+        kv.add_sequence(seq_id)
+        if not kv.can_reserve([seq_id], [block_size]):
+            kv.free_sequence(seq_id)
             break
         dummies.append(seq_id)
-        meta = cache.prepare([seq_id], [spec.block_size], scale)
-        shape = (spec.block_size, spec.num_kv_heads, spec.head_dim)
+        meta = kv.prepare([seq_id], [block_size], scale)
+        shape = (block_size, spec.num_kv_heads, spec.head_dim)
         for layer in range(spec.num_layers):
             k = (torch.randn(shape, generator=gen) * _GARBAGE).to(spec.dtype).to(spec.device)
             v = (torch.randn(shape, generator=gen) * _GARBAGE).to(spec.dtype).to(spec.device)
-            cache.write(layer, k, v, meta)
+            kv.cache.write(layer, k, v, meta)
     order = torch.randperm(len(dummies), generator=gen).tolist()
     keep = set(order[: len(dummies) // 4])
     for i in order:
         if i not in keep:
-            cache.free_sequence(dummies[i])
+            kv.free_sequence(dummies[i])
     return [dummies[i] for i in sorted(keep)]
 
 
@@ -90,16 +92,17 @@ def _describe_call(call_idx: int, num_calls: int, seq_idx, query_lens, context_l
     )
 
 
-def _make_cache(target: Target, backend, case: OpCase, spec: CacheSpec) -> KVCache:
-    kinds = target.capabilities.cache_kinds
-    if case.cache_kind is None or case.cache_kind == kinds[0]:
-        return backend.create_cache(spec)
-    return create_cache(case.cache_kind, spec)
+def _cache_name(target: Target, case: OpCase) -> str:
+    return case.kv_cache or target.cache_names()[0]
+
+
+def _roundoff(target: Target, case: OpCase) -> float:
+    return target.cache_class(_cache_name(target, case)).capabilities.unit_roundoff or 0.0
 
 
 def run_case(target: Target, case: OpCase, cfg: SuiteConfig) -> CaseResult:
     start = time.perf_counter()
-    tol = op_tolerance(cfg.dtype)
+    tol = op_tolerance(cfg.dtype, _roundoff(target, case))
     result = CaseResult(tier=NAME, case=case.id, status=PASS, tolerance=str(tol), info={"shapes": case.shapes()})
     reasons = _skip_reasons(target, case, cfg)
     if reasons:
@@ -135,19 +138,19 @@ def _run(target: Target, case: OpCase, cfg: SuiteConfig, result: CaseResult) -> 
         block_size=BLOCK_SIZE,
     )
     backend = target.make()
-    cache = _make_cache(target, backend, case, spec)
-    result.info["cache_kind"] = cache.kind
+    cache = KVCacheManager(target.make_cache(_cache_name(target, case), spec))
+    result.info["kv_cache"] = cache.cache.name
     ref_spec = CacheSpec(
         num_layers=NUM_LAYERS, num_kv_heads=H_kv, head_dim=D, dtype=torch.float32, device=device,
         max_num_seqs=n, max_seq_len=max_len, block_size=BLOCK_SIZE,
     )
-    ref_cache, ref = ContiguousKVCache(ref_spec), NaiveBackend()
+    ref_cache, ref = KVCacheManager(ContiguousKVCache(ref_spec)), NaiveBackend()
     gen = torch.Generator().manual_seed(case.seed)
     if case.fragment:
         result.info["where"] = "fragmenting the cache"
         result.info["live_dummies"] = len(_fragment(cache, gen, scale))
 
-    tol = op_tolerance(dtype)
+    tol = op_tolerance(dtype, _roundoff(target, case))
     calls = case.calls
     started: set[int] = set()
     worst = 0.0
@@ -163,6 +166,7 @@ def _run(target: Target, case: OpCase, cfg: SuiteConfig, result: CaseResult) -> 
         where = _describe_call(call_idx, len(calls), seq_idx, query_lens, context_lens)
         result.info["where"] = where
         meta = cache.prepare([_SEQ_ID_BASE + i for i in seq_idx], query_lens, scale)
+        plan = backend.plan(meta, cache.cache)
         ref_meta = ref_cache.prepare(seq_idx, query_lens, scale)
         T = sum(query_lens)
         for layer in range(NUM_LAYERS):
@@ -170,9 +174,9 @@ def _run(target: Target, case: OpCase, cfg: SuiteConfig, result: CaseResult) -> 
             q = torch.randn((T, H, D), generator=gen).to(dtype)
             k = torch.randn((T, H_kv, D), generator=gen).to(dtype)
             v = torch.randn((T, H_kv, D), generator=gen).to(dtype)
-            ref_out = ref.forward(layer, q.float().to(device), k.float().to(device), v.float().to(device), ref_cache,
-                                  ref_meta)
-            out = backend.forward(layer, q.to(device), k.to(device), v.to(device), cache, meta)
+            ref_out = ref.forward(layer, q.float().to(device), k.float().to(device), v.float().to(device),
+                                  ref_cache.cache, ref_meta)
+            out = backend.forward(layer, q.to(device), k.to(device), v.to(device), cache.cache, plan)
             if tuple(out.shape) != (T, H, D) or out.dtype != dtype:
                 result.status = FAIL
                 result.detail = (
@@ -197,7 +201,7 @@ def _run(target: Target, case: OpCase, cfg: SuiteConfig, result: CaseResult) -> 
                     f"{m.max_err:.3g} ({tol}); {m.num_bad}/{m.numel} elements off; worst at seq {seq_idx[b]} "
                     f"(query row {row - cu[b]}, position {pos}) head {head} (KV head "
                     f"{head // (H // H_kv)}) dim {dim}: got {m.out_value:.5g}, expected {m.ref_value:.5g}. "
-                    f"Shapes: H={H} H_kv={H_kv} D={D} dtype={cfg.dtype_name} cache={cache.kind}"
+                    f"Shapes: H={H} H_kv={H_kv} D={D} dtype={cfg.dtype_name} cache={cache.cache.name}"
                 )
                 result.info.update(call=call_idx, layer=layer, seq=seq_idx[b], position=pos, head=head,
                                    num_bad=m.num_bad)
@@ -224,7 +228,7 @@ def _run(target: Target, case: OpCase, cfg: SuiteConfig, result: CaseResult) -> 
                     result.detail = (
                         f"after the last call: cached {what} of seq {i} layer {layer} differs from what was "
                         f"written: {m.num_bad}/{m.numel} elements off, first bad at position {pos} KV head {head}: "
-                        f"got {m.out_value:.5g}, expected {m.ref_value:.5g} (cache={cache.kind})"
+                        f"got {m.out_value:.5g}, expected {m.ref_value:.5g} (cache={cache.cache.name})"
                     )
                     result.info.update(layer=layer, seq=i, position=pos)
                     return

@@ -25,6 +25,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("kvcore", "kvcore conformance suite")
     group.addoption("--kvcore-backend", metavar="NAME", default=None,
                     help="attention backend to run the kvcore conformance suite against (name or module:Class)")
+    group.addoption("--kvcore-kv-cache", metavar="NAME", default=None,
+                    help="KV cache to certify (alone: a backend that reads its layout is chosen)")
+    group.addoption("--kvcore-sampler", metavar="NAME", default=None, help="sampler to certify")
     group.addoption("--kvcore-quick", action="store_true", default=None, help="CI-sized conformance case set")
     group.addoption("--kvcore-dtype", metavar="DTYPE", default=None, help="float32 (default), bfloat16, float16")
     group.addoption("--kvcore-device", metavar="DEVICE", default=None, help="torch device (default cpu)")
@@ -36,7 +39,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "kvcore_conformance: a kvcore backend conformance test")
-    if not config.getoption("kvcore_backend"):
+    if not any(config.getoption(o) for o in ("kvcore_backend", "kvcore_kv_cache", "kvcore_sampler")):
         return
     # No explicit test paths: run the bundled suite instead of the project's own tests.
     if getattr(config, "args_source", None) != pytest.Config.ArgsSource.ARGS:
@@ -44,8 +47,10 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_report_header(config: pytest.Config) -> str | None:
-    name = config.getoption("kvcore_backend")
-    if not name:
+    named = [(what, config.getoption(o)) for what, o in
+             (("backend", "kvcore_backend"), ("KV cache", "kvcore_kv_cache"), ("sampler", "kvcore_sampler"))]
+    named = [f"{what} {name}" for what, name in named if name]
+    if not named:
         return None
     quick = " (quick)" if config.getoption("kvcore_quick") else ""
-    return f"kvcore conformance: backend {name}{quick}"
+    return f"kvcore conformance: {', '.join(named)}{quick}"

@@ -23,6 +23,7 @@ def _headline(r: SuiteReport) -> str:
     mode = "quick" if s.get("quick") else "full"
     return (
         f"kvcore conformance: backend '{r.backend}' ({r.environment.get('backend_class', '?')}), "
+        f"KV cache {', '.join(s.get('kv_caches', []))}, sampler {s.get('sampler')}, "
         f"{s.get('dtype')} on {s.get('device')}, {mode}, models {', '.join(s.get('models', []))}"
     )
 

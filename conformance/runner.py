@@ -15,7 +15,7 @@ from kvcore.conformance import cache_tier, op_tier, sampling_tier, stream_tier
 from kvcore.conformance.results import CaseResult, SuiteReport
 from kvcore.conformance.settings import SuiteConfig
 from kvcore.conformance.target import Target, resolve_target
-from kvcore.plugins import BackendRegistry
+from kvcore.plugins import PluginRegistry
 
 __all__ = ["TIER_MODULES", "run_suite", "tier_cases", "run_case", "stderr_progress"]
 
@@ -67,7 +67,7 @@ def run_suite(
     backend: str | type[AttentionBackend] | Target,
     cfg: SuiteConfig | None = None,
     *,
-    registry: BackendRegistry | None = None,
+    registry: PluginRegistry | None = None,
     progress: Progress | None = None,
 ) -> SuiteReport:
     """Run every tier of ``cfg`` against ``backend`` (a name, ``module:Class``, a class, or a Target).
@@ -77,7 +77,8 @@ def run_suite(
     """
     cfg = cfg or SuiteConfig()
     target = backend if isinstance(backend, Target) else resolve_target(backend, registry)
-    report = SuiteReport(backend=target.name, settings=cfg.as_dict(), tiers=list(cfg.tiers))
+    settings = {**cfg.as_dict(), "kv_caches": list(target.cache_names()), "sampler": target.sampler or "default"}
+    report = SuiteReport(backend=target.name, settings=settings, tiers=list(cfg.tiers))
     report.environment = environment(target)
     start = time.perf_counter()
     reason = target.availability()

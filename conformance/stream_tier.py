@@ -18,7 +18,7 @@ from kvcore.conformance.driver import Stream, run_engine
 from kvcore.conformance.model_cases import ModelCase, skip_reasons, tier_models
 from kvcore.conformance.results import FAIL, PASS, SKIP, CaseResult
 from kvcore.conformance.settings import SuiteConfig
-from kvcore.conformance.target import REFERENCE_BACKEND, Target, reference_registry
+from kvcore.conformance.target import Target, reference_target
 from kvcore.conformance.tolerances import TieRule, tie_rule
 from kvcore.sampling import SamplingParams
 
@@ -53,21 +53,21 @@ def _prompts(cm, case: ModelCase) -> list[list[int]]:
 
 
 def greedy_params(n: int, count: int) -> list[SamplingParams]:
-    # seed is only a tag here (greedy ignores it): the recording sampler tells rows apart by it
-    return [SamplingParams(max_new_tokens=n, ignore_eos=True, seed=1000 + i) for i in range(count)]
+    return [SamplingParams(max_new_tokens=n, ignore_eos=True) for _ in range(count)]
 
 
-def reference_streams(cm, case_key: tuple, prompts, params, cfg: SuiteConfig) -> list[Stream]:
-    """The reference backend's streams, computed once per process for each (model, dtype, case)."""
-    key = (cm.name, cfg.dtype, cfg.device, case_key)
+def reference_streams(cm, case_key: tuple, prompts, params, cfg: SuiteConfig, target: Target) -> list[Stream]:
+    """The reference backend's streams with ``target``'s sampler, computed once per process for each
+    (model, dtype, sampler, case)."""
+    key = (cm.name, cfg.dtype, cfg.device, target.sampler, tuple(sorted(target.sampler_options.items())), case_key)
     if key not in _REFERENCE_CACHE:
-        _REFERENCE_CACHE[key] = run_engine(reference_registry(), REFERENCE_BACKEND, cm, prompts, params, cfg)
+        _REFERENCE_CACHE[key] = run_engine(reference_target(), cm, prompts, params, cfg, sampler=target.make_sampler())
     return _REFERENCE_CACHE[key]
 
 
 def run_case(target: Target, case: ModelCase, cfg: SuiteConfig) -> CaseResult:
     start = time.perf_counter()
-    rule = tie_rule(cfg.dtype)
+    rule = tie_rule(cfg.dtype, target.unit_roundoff)
     result = CaseResult(tier=NAME, case=case.id, status=PASS, tolerance=str(rule))
     cm, reasons = skip_reasons(target, case, cfg)
     if reasons:
@@ -77,8 +77,8 @@ def run_case(target: Target, case: ModelCase, cfg: SuiteConfig) -> CaseResult:
         prompts = _prompts(cm, case)
         params = greedy_params(case.steps, len(prompts))
         result.info.update(model=case.model, prompt_lens=[len(p) for p in prompts], new_tokens=case.steps)
-        ref = reference_streams(cm, ("greedy", case.variant, case.steps), prompts, params, cfg)
-        got = run_engine(target.registry, target.name, cm, prompts, params, cfg, target.options)
+        ref = reference_streams(cm, ("greedy", case.variant, case.steps), prompts, params, cfg, target)
+        got = run_engine(target, cm, prompts, params, cfg)
         _judge(result, case, prompts, ref, got, rule)
     except Exception as exc:
         result.status = FAIL

@@ -1,4 +1,5 @@
-"""The backend under test, however it was named: a registered name, ``module:Class``, or a class."""
+"""What is under test: an attention backend (a registered name, ``module:Class``, or a class), optionally
+paired with a KV cache and a sampler by name; the conformance suite certifies all three kinds."""
 
 from __future__ import annotations
 
@@ -11,32 +12,31 @@ from typing import Any
 from kvcore.attention import AttentionBackend
 from kvcore.errors import ConfigError, UnknownBackendError
 from kvcore.hookspecs import hookimpl
-from kvcore.plugins import BackendRegistry, get_registry
+from kvcore.kv_cache import CacheSpec, KVCache
+from kvcore.plugins import KV_CACHE, SAMPLER, PluginRegistry, get_registry
+from kvcore.sampling import Sampler
 
-__all__ = ["Target", "resolve_target", "reference_registry", "REFERENCE_BACKEND"]
+__all__ = ["Target", "resolve_target", "reference_target", "REFERENCE_BACKEND", "backend_for_cache"]
 
-#: the oracle every backend is compared with
+#: the oracle every backend is compared with (over the lossless "contiguous" cache, default sampler)
 REFERENCE_BACKEND = "naive"
-
-_REFERENCE_REGISTRY: BackendRegistry | None = None
-
-
-def reference_registry() -> BackendRegistry:
-    """A private registry holding only the built-in reference backend (no third-party plugins)."""
-    global _REFERENCE_REGISTRY
-    if _REFERENCE_REGISTRY is None:
-        _REFERENCE_REGISTRY = BackendRegistry(load_entrypoints=False, builtins=("kvcore.backends.naive",))
-    return _REFERENCE_REGISTRY
+_REFERENCE_PLUGINS = ("kvcore.backends.contiguous", "kvcore.backends.naive", "kvcore.sampling")
 
 
 @dataclass
 class Target:
-    """A backend class plus the registry an :class:`~kvcore.engine.Engine` can find it in by ``name``."""
+    """A backend class plus the registry an :class:`~kvcore.engine.Engine` can find it (and the caches and
+    samplers) in by name. ``kv_cache`` / ``sampler`` name the cache and sampler under test (``None``: every
+    canonical cache of the backend's layouts; the default sampler)."""
 
     name: str
     cls: type[AttentionBackend]
-    registry: BackendRegistry
+    registry: PluginRegistry
     options: dict[str, Any] = field(default_factory=dict)
+    kv_cache: str | None = None
+    kv_cache_options: dict[str, Any] = field(default_factory=dict)
+    sampler: str | None = None
+    sampler_options: dict[str, Any] = field(default_factory=dict)
 
     def availability(self) -> str | None:
         try:
@@ -51,45 +51,126 @@ class Target:
     def capabilities(self):
         return self.cls.capabilities
 
+    def cache_names(self) -> tuple[str, ...]:
+        """The caches the backend is tested over: the one named, else the canonical cache of each layout it
+        reads (the registered cache named like the layout, else the first registered with that layout)."""
+        if self.kv_cache is not None:
+            return (self.kv_cache,)
+        names = []
+        caches = self.registry.kv_caches
+        for layout in self.capabilities.kv_layouts:
+            same = sorted((n for n, e in caches.items() if e.cls.layout == layout), key=lambda n: n != layout)
+            if same:
+                names.append(same[0])
+        return tuple(names)
 
-def _import_builtin_plugins() -> None:
-    """Import the built-in backend modules: they register the built-in cache kinds (``paged``...) that a
-    third-party backend may read, even when it is tested without the process-wide registry."""
-    from kvcore.plugins import BUILTIN_PLUGINS
+    def cache_class(self, name: str) -> type[KVCache]:
+        return self.registry.get(name, KV_CACHE).cls
 
-    for module_name in BUILTIN_PLUGINS:
-        try:
-            importlib.import_module(module_name)
-        except Exception:  # an optional built-in that cannot load is reported by `kvcore backends`
-            pass
+    def make_cache(self, name: str, spec: CacheSpec) -> KVCache:
+        options = self.kv_cache_options if name == self.kv_cache else None
+        return self.registry.create_cache(name, spec, options)
+
+    def make_sampler(self) -> Sampler:
+        return self.registry.create_sampler(self.sampler or "default", self.sampler_options)
+
+    @property
+    def unit_roundoff(self) -> float:
+        """Largest relative rounding error the caches under test add to stored K/V (0 = lossless)."""
+        return max((self.cache_class(n).capabilities.unit_roundoff or 0.0 for n in self.cache_names()), default=0.0)
+
+    def describe(self) -> str:
+        parts = [f"backend '{self.name}'"]
+        if self.kv_cache:
+            parts.append(f"KV cache '{self.kv_cache}'")
+        if self.sampler:
+            parts.append(f"sampler '{self.sampler}'")
+        return ", ".join(parts)
 
 
-def _private_registry(cls: type[AttentionBackend], name: str) -> BackendRegistry:
-    """A registry holding just ``cls`` (registered as a throwaway plugin), for unregistered classes."""
-    registry = BackendRegistry(load_entrypoints=False, builtins=())
+def reference_target() -> Target:
+    """The oracle: ``naive`` over the float32-capable ``contiguous`` cache, from a private registry."""
+    global _REFERENCE
+    if _REFERENCE is None:
+        registry = PluginRegistry(load_entrypoints=False, builtins=_REFERENCE_PLUGINS)
+        _REFERENCE = Target(REFERENCE_BACKEND, registry.get(REFERENCE_BACKEND).cls, registry, kv_cache="contiguous")
+    return _REFERENCE
+
+
+_REFERENCE: Target | None = None
+
+
+def _private_registry(cls: type[AttentionBackend], name: str) -> PluginRegistry:
+    """A registry holding just ``cls`` (registered as a throwaway plugin) beside every registered cache and
+    sampler (built-in and third-party), for backend classes that are not registered."""
+    shared = get_registry()
+    registry = PluginRegistry(load_entrypoints=False, builtins=())
     plugin = types.ModuleType(f"kvcore_conformance_target_{name}")
 
     @hookimpl
     def kvcore_register_backends(register):
         register(cls, name=name)
 
+    @hookimpl
+    def kvcore_register_kv_caches(register):
+        for entry in shared.kv_caches.values():
+            register(entry.cls, name=entry.name)
+
+    @hookimpl
+    def kvcore_register_samplers(register):
+        for entry in shared.samplers.values():
+            register(entry.cls, name=entry.name)
+
     plugin.kvcore_register_backends = kvcore_register_backends
+    plugin.kvcore_register_kv_caches = kvcore_register_kv_caches
+    plugin.kvcore_register_samplers = kvcore_register_samplers
     registry.register_plugin(plugin, name=f"conformance-target-{name}")
     return registry
 
 
+def backend_for_cache(registry: PluginRegistry, kv_cache: str) -> str:
+    """The backend that certifies a cache given alone: the highest-priority available backend that reads
+    its layout (built-ins first, so a third-party cache is judged with a trusted reader)."""
+    layout = registry.get(kv_cache, KV_CACHE).cls.layout
+    readers = [
+        e for e in registry.backends.values()
+        if layout in e.cls.capabilities.kv_layouts and e.availability() is None
+    ]
+    if not readers:
+        raise ConfigError(f"no available backend reads the '{layout}' layout of KV cache '{kv_cache}'; pass --backend")
+    return max(readers, key=lambda e: (e.plugin.startswith("kvcore."), e.cls.priority, e.name)).name
+
+
 def resolve_target(
-    spec: str | type[AttentionBackend],
-    registry: BackendRegistry | None = None,
+    spec: str | type[AttentionBackend] | None,
+    registry: PluginRegistry | None = None,
     options: dict[str, Any] | None = None,
+    *,
+    kv_cache: str | None = None,
+    kv_cache_options: dict[str, Any] | None = None,
+    sampler: str | None = None,
+    sampler_options: dict[str, Any] | None = None,
 ) -> Target:
-    """Find the backend to test.
+    """Find what to test.
 
     ``spec`` is a registered backend name (looked up in ``registry``, default the process-wide one), a
-    ``"package.module:ClassName"`` import path, or an :class:`AttentionBackend` subclass. Raises
-    :class:`~kvcore.errors.UnknownBackendError` / :class:`~kvcore.errors.ConfigError` when it names nothing.
+    ``"package.module:ClassName"`` import path, an :class:`AttentionBackend` subclass, or ``None`` with
+    ``kv_cache`` given (the cache is certified with a backend that reads its layout). Raises
+    :class:`~kvcore.errors.UnknownBackendError` / :class:`~kvcore.errors.ConfigError` when a name names nothing.
     """
+    extra = dict(
+        kv_cache=kv_cache,
+        kv_cache_options=dict(kv_cache_options or {}),
+        sampler=sampler,
+        sampler_options=dict(sampler_options or {}),
+    )
     options = dict(options or {})
+    if spec is None:
+        registry = registry or get_registry()
+        if kv_cache is None:
+            spec = max(registry.available(), key=lambda e: (e.cls.priority, e.name)).name
+        else:
+            spec = backend_for_cache(registry, kv_cache)
     if isinstance(spec, str) and ":" in spec:
         module_name, _, attr = spec.partition(":")
         try:
@@ -100,13 +181,19 @@ def resolve_target(
     if isinstance(spec, str):
         registry = registry or get_registry()
         entry = registry.get(spec)  # UnknownBackendError / PluginError name the problem
-        return Target(name=entry.name, cls=entry.cls, registry=registry, options=options)
-    if isinstance(spec, AttentionBackend):
+        target = Target(name=entry.name, cls=entry.cls, registry=registry, options=options, **extra)
+    elif isinstance(spec, AttentionBackend):
         raise ConfigError("pass the backend class (or its registered name), not an instance")
-    if not (inspect.isclass(spec) and issubclass(spec, AttentionBackend)):
+    elif not (inspect.isclass(spec) and issubclass(spec, AttentionBackend)):
         raise UnknownBackendError(f"{spec!r} is not an AttentionBackend subclass")
-    name = getattr(spec, "name", None) or spec.__name__
-    _import_builtin_plugins()
-    if registry is not None and name in registry.backends and registry.backends[name].cls is spec:
-        return Target(name=name, cls=spec, registry=registry, options=options)
-    return Target(name=name, cls=spec, registry=_private_registry(spec, name), options=options)
+    else:
+        name = getattr(spec, "name", None) or spec.__name__
+        if registry is not None and name in registry.backends and registry.backends[name].cls is spec:
+            target = Target(name=name, cls=spec, registry=registry, options=options, **extra)
+        else:
+            target = Target(name=name, cls=spec, registry=_private_registry(spec, name), options=options, **extra)
+    if kv_cache is not None:
+        target.cache_class(kv_cache)  # an unknown cache name is an error naming the registered ones
+    if sampler is not None:
+        target.registry.get(sampler, SAMPLER)
+    return target

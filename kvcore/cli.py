@@ -28,6 +28,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default=None, help="attention backend for both phases (see `kvcore backends`)")
     p.add_argument("--prefill-backend", default=None, help="backend for prefill (overrides --backend)")
     p.add_argument("--decode-backend", default=None, help="backend for decode (overrides --backend)")
+    p.add_argument("--kv-cache", default=None, help="KV cache (see `kvcore plugins`; default: the backend's own layout)")
+    p.add_argument("--sampler", default=None, help="sampler (see `kvcore plugins`; default 'default')")
     p.add_argument("--dtype", default=None, help="float32 (default), bfloat16 or float16")
     p.add_argument("--device", default=None, help="torch device (default cpu)")
     p.add_argument("--config", default=None, metavar="FILE.toml", help="read settings from a TOML file")
@@ -47,6 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
         _sampling_args(p)
         p.add_argument("--json", action="store_true", help="print a JSON result object as the last stdout line")
         p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+
+    p = sub.add_parser("plugins", help="list registered backends, KV caches and samplers, with availability")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
 
     p = sub.add_parser("backends", help="list registered backends and their capabilities")
     p.add_argument("--json", action="store_true", help="machine-readable output")
@@ -68,45 +74,38 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: settings an environment variable may give (between flag and config file)
+ENVIRONMENT = {"backend": "KVCORE_BACKEND", "model": "KVCORE_MODEL"}
+#: defaults of the settings that have no default in EngineConfig / SamplingParams
+DEFAULTS = {"model": "smollm2", "max_num_seqs": 1}
+
+
 def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
-    """Merge flag > environment (KVCORE_BACKEND, KVCORE_MODEL) > config file > defaults."""
-    from kvcore.config import FileConfig, load_config
+    """Merge flag > environment (KVCORE_BACKEND, KVCORE_MODEL) > config file > defaults, for every key of the
+    config file (``None`` where nothing is given: EngineConfig / SamplingParams then apply their defaults)."""
+    from dataclasses import fields
+
+    from kvcore.config import OPTION_TABLES, FileConfig, load_config
 
     file_cfg = load_config(args.config) if getattr(args, "config", None) else FileConfig()
-
-    def pick(name: str, default: Any = None, env: str | None = None) -> Any:
-        flag = getattr(args, name, None)
-        if flag is not None:
-            return flag
-        if env and os.environ.get(env):
-            return os.environ[env]
-        value = getattr(file_cfg, name, None)
-        return default if value is None else value
-
-    settings = {
-        "backend": pick("backend", env="KVCORE_BACKEND"),
-        "prefill_backend": pick("prefill_backend"),
-        "decode_backend": pick("decode_backend"),
-        "model": pick("model", "smollm2", env="KVCORE_MODEL"),
-        "dtype": pick("dtype", "float32"),
-        "device": pick("device", "cpu"),
-        "max_new_tokens": pick("max_new_tokens", 128),
-        "temperature": pick("temperature", 0.0),
-        "top_k": pick("top_k", 0),
-        "top_p": pick("top_p", 1.0),
-        "seed": pick("seed"),
-        "ignore_eos": bool(pick("ignore_eos", False)),
-        "max_num_seqs": file_cfg.max_num_seqs,
-        "max_model_len": file_cfg.max_model_len,
-        "block_size": file_cfg.block_size,
-        "num_blocks": file_cfg.num_blocks,
-        "backend_options": file_cfg.backends,
-        "plugin_options": file_cfg.plugins,
-    }
+    settings: dict[str, Any] = {}
+    for f in fields(FileConfig):
+        name = f.name
+        value = getattr(args, name, None)
+        if value is None and name in ENVIRONMENT:
+            value = os.environ.get(ENVIRONMENT[name]) or None
+        if value is None:
+            value = getattr(file_cfg, name)
+        settings[name] = DEFAULTS.get(name) if value is None else value
+    for table, option in OPTION_TABLES.items():
+        settings[option] = settings.pop(table)
+    settings["plugin_options"] = settings.pop("plugins")
     return settings
 
 
 def _run_generation(args: argparse.Namespace, chat: bool) -> int:
+    from dataclasses import fields
+
     from kvcore.engine import Engine, EngineConfig
     from kvcore.errors import InvalidRequestError
     from kvcore.plugins import get_registry
@@ -115,28 +114,12 @@ def _run_generation(args: argparse.Namespace, chat: bool) -> int:
     s = resolve_settings(args)
     if not args.prompt:
         raise InvalidRequestError("prompt is empty")
-    params = SamplingParams(
-        max_new_tokens=s["max_new_tokens"],
-        temperature=s["temperature"],
-        top_k=s["top_k"],
-        top_p=s["top_p"],
-        seed=s["seed"],
-        ignore_eos=s["ignore_eos"],
-    )
+    sampling_keys = {f.name for f in fields(SamplingParams)}
+    params = SamplingParams(**{k: v for k, v in s.items() if k in sampling_keys and v is not None})
     registry = get_registry()
     if s["plugin_options"]:
         registry.configure(s["plugin_options"])
-    engine_kwargs = {k: s[k] for k in ("max_num_seqs", "max_model_len", "block_size", "num_blocks") if s[k] is not None}
-    engine_kwargs.setdefault("max_num_seqs", 1)
-    config = EngineConfig(
-        backend=s["backend"],
-        prefill_backend=s["prefill_backend"],
-        decode_backend=s["decode_backend"],
-        dtype=s["dtype"],
-        device=s["device"],
-        backend_options=s["backend_options"],
-        **engine_kwargs,
-    )
+    config = EngineConfig(**{f.name: s[f.name] for f in fields(EngineConfig) if s.get(f.name) is not None})
     # Validate the backend choice before the (slower) model load, so a typo fails fast.
     for name in {s["backend"], s["prefill_backend"], s["decode_backend"]} - {None}:
         registry.create(name, s["backend_options"].get(name))
@@ -169,11 +152,28 @@ def _run_generation(args: argparse.Namespace, chat: bool) -> int:
             "backend": engine.prefill_backend.name,
             "prefill_backend": engine.prefill_backend.name,
             "decode_backend": engine.decode_backend.name,
+            "kv_cache": engine.cache.name,
+            "sampler": engine.sampler.name,
             "model": s["model"],
-            "dtype": s["dtype"],
+            "dtype": config.dtype,
             "metrics": result.metrics.as_dict(),
         }
         out.write(json.dumps(payload) + "\n")
+    return 0
+
+
+def _run_plugins(args: argparse.Namespace) -> int:
+    from kvcore.plugins import get_registry
+    from kvcore.support import format_table, plugin_rows
+
+    rows = plugin_rows(get_registry())
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    for kind, kind_rows in rows.items():
+        print(f"{kind}:")
+        print(format_table(kind_rows))
+        print()
     return 0
 
 
@@ -208,6 +208,8 @@ def main(argv: list[str] | None = None) -> int:
             return _run_generation(args, chat=args.command == "chat")
         if args.command == "backends":
             return _run_backends(args)
+        if args.command == "plugins":
+            return _run_plugins(args)
         return args.func(args)
     except KVCoreError as exc:
         if debug:

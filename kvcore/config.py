@@ -1,30 +1,39 @@
-"""The TOML config file: run settings plus per-backend and per-plugin option tables.
+"""The TOML config file: run settings plus per-backend, per-cache, per-sampler and per-plugin option tables.
 
 Example ``kvcore.toml``::
 
-    backend = "sdpa"            # or prefill_backend / decode_backend
+    backend = "paged"           # or prefill_backend / decode_backend
+    kv_cache = "int8"           # a KV-cache layout the backend reads (default: the backend's own)
+    sampler = "default"
     model = "smollm2"
     dtype = "float32"
     max_new_tokens = 64
     temperature = 0.0
 
-    [backends.paged]
+    [kv_caches.int8]            # keyword arguments for that cache's constructor
     block_size = 32
 
-    [plugins.my_plugin]
+    [plugins.my_plugin]         # handed to that plugin's kvcore_configure hook
     some_option = true
+
+Every scalar key is a field of :class:`FileConfig`; its annotation is the type the file must give.
 """
 
 from __future__ import annotations
 
 import tomllib
+import types
+import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from kvcore.errors import ConfigError
 
-__all__ = ["FileConfig", "load_config"]
+__all__ = ["FileConfig", "load_config", "OPTION_TABLES"]
+
+#: config tables of per-name constructor options, and the EngineConfig field each one fills
+OPTION_TABLES = {"backends": "backend_options", "kv_caches": "kv_cache_options", "samplers": "sampler_options"}
 
 
 @dataclass
@@ -32,6 +41,8 @@ class FileConfig:
     backend: str | None = None
     prefill_backend: str | None = None
     decode_backend: str | None = None
+    kv_cache: str | None = None
+    sampler: str | None = None
     model: str | None = None
     dtype: str | None = None
     device: str | None = None
@@ -43,30 +54,26 @@ class FileConfig:
     ignore_eos: bool | None = None
     max_num_seqs: int | None = None
     max_model_len: int | None = None
+    max_num_batched_tokens: int | None = None
     block_size: int | None = None
     num_blocks: int | None = None
+    kv_cache_bytes: int | None = None
+    enable_prefix_caching: bool | None = None
     backends: dict[str, dict[str, Any]] = field(default_factory=dict)  # [backends.<name>] → constructor kwargs
+    kv_caches: dict[str, dict[str, Any]] = field(default_factory=dict)  # [kv_caches.<name>] → constructor kwargs
+    samplers: dict[str, dict[str, Any]] = field(default_factory=dict)  # [samplers.<name>] → constructor kwargs
     plugins: dict[str, dict[str, Any]] = field(default_factory=dict)  # [plugins.<name>] → kvcore_configure
 
 
-_TYPES: dict[str, tuple[type, ...]] = {
-    "backend": (str,),
-    "prefill_backend": (str,),
-    "decode_backend": (str,),
-    "model": (str,),
-    "dtype": (str,),
-    "device": (str,),
-    "max_new_tokens": (int,),
-    "temperature": (int, float),
-    "top_k": (int,),
-    "top_p": (int, float),
-    "seed": (int,),
-    "ignore_eos": (bool,),
-    "max_num_seqs": (int,),
-    "max_model_len": (int,),
-    "block_size": (int,),
-    "num_blocks": (int,),
-}
+def _scalar_types(annotation: Any) -> tuple[type, ...]:
+    """``int | None`` → ``(int,)``; a float key also takes an int."""
+    args = [a for a in typing.get_args(annotation) if a is not types.NoneType]
+    return (int, float) if args == [float] else tuple(args)
+
+
+_HINTS = typing.get_type_hints(FileConfig)
+_TABLES = (*OPTION_TABLES, "plugins")
+_TYPES = {f.name: _scalar_types(_HINTS[f.name]) for f in fields(FileConfig) if f.name not in _TABLES}
 
 
 def load_config(path: str | Path) -> FileConfig:
@@ -83,13 +90,12 @@ def load_config(path: str | Path) -> FileConfig:
     for key, value in data.items():
         if key not in known:
             raise ConfigError(f"config file '{path}': unknown key '{key}' (known: {', '.join(sorted(known))})")
-        if key in ("backends", "plugins"):
-            if not isinstance(value, dict) or not all(isinstance(v, dict) for v in value.values()):
-                raise ConfigError(f"config file '{path}': '{key}' must hold tables like [{key}.<name>]")
-        else:
-            types = _TYPES[key]
-            if isinstance(value, bool) and bool not in types or not isinstance(value, types):
-                expected = " or ".join(t.__name__ for t in types)
+        if key in _TYPES:
+            types_ = _TYPES[key]
+            if isinstance(value, bool) and bool not in types_ or not isinstance(value, types_):
+                expected = " or ".join(t.__name__ for t in types_)
                 raise ConfigError(f"config file '{path}': key '{key}' must be {expected}, got {value!r}")
+        elif not isinstance(value, dict) or not all(isinstance(v, dict) for v in value.values()):
+            raise ConfigError(f"config file '{path}': '{key}' must hold tables like [{key}.<name>]")
         values[key] = value
     return FileConfig(**values)

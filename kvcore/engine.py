@@ -70,9 +70,8 @@ class Engine:
         self.dtype, self.device = parse_dtype(config.dtype), torch.device(config.device)
         if model.dtype != self.dtype:
             raise ConfigError(f"model weights are {model.dtype} but the engine was configured for {self.dtype}")
-        chosen = select_components(
-            registry, config, head_dim=mc.head_dim, num_heads=mc.num_attention_heads, num_kv_heads=mc.num_key_value_heads
-        )
+        heads = dict(num_heads=mc.num_attention_heads, num_kv_heads=mc.num_key_value_heads)
+        chosen = select_components(registry, config, head_dim=mc.head_dim, **heads)
         self.prefill_backend, self.decode_backend = chosen.prefill_backend, chosen.decode_backend
         self.sampler = sampler or registry.create_sampler(config.sampler, config.sampler_options.get(config.sampler))
         window = mc.max_position_embeddings

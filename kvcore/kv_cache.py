@@ -66,8 +66,10 @@ class CacheCapabilities:
     #: ``None`` for a lossless cache; else what is lost, e.g. "int8, one scale per token and KV head".
     #: The conformance suite holds a lossy cache to a tolerance derived from it.
     precision: str | None = None
-    #: bits per stored K/V element (a lossy cache's rounding), ``None`` = the model dtype's own
-    storage_bits: int | None = None
+    #: a lossy cache's largest relative rounding error of a stored element (int8 with a per-row absmax
+    #: scale: 1/254 of the row's max; float16 storage: 2^-11), ``None`` = lossless. The conformance suite
+    #: derives its tolerances from it.
+    unit_roundoff: float | None = None
 
     def reasons_unsupported(self, *, device: torch.device, dtype: torch.dtype) -> list[str]:
         reasons = []

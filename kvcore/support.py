@@ -1,12 +1,12 @@
-"""The backend support matrix, generated from each backend's declared capabilities (never by hand)."""
+"""Support tables of the registered plugins, generated from their declared capabilities (never by hand)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from kvcore.plugins import BackendRegistry
+from kvcore.plugins import PluginEntry, PluginRegistry
 
-__all__ = ["backend_rows", "format_table", "markdown_table"]
+__all__ = ["backend_rows", "plugin_rows", "format_table", "markdown_table"]
 
 COLUMNS = ("backend", "plugin", "available", "devices", "dtypes", "head_dims", "gqa", "cache", "phases")
 
@@ -17,12 +17,16 @@ def _dtype_names(dtypes) -> str:
     return ",".join(sorted(names, key=lambda n: order.get(n, 9)))
 
 
-def backend_rows(registry: BackendRegistry) -> list[dict[str, Any]]:
+def _availability(entry: PluginEntry) -> str:
+    reason = entry.availability()
+    return "yes" if reason is None else f"no: {reason}"
+
+
+def backend_rows(registry: PluginRegistry) -> list[dict[str, Any]]:
     rows = []
     for name in sorted(registry.backends):
         entry = registry.backends[name]
         caps = entry.cls.capabilities
-        reason = entry.availability()
         if caps.head_dims is not None:
             head_dims = ",".join(str(d) for d in sorted(caps.head_dims))
         elif caps.max_head_dim is not None:
@@ -36,12 +40,12 @@ def backend_rows(registry: BackendRegistry) -> list[dict[str, Any]]:
             {
                 "backend": name,
                 "plugin": entry.plugin,
-                "available": "yes" if reason is None else f"no: {reason}",
+                "available": _availability(entry),
                 "devices": ",".join(sorted(caps.devices)),
                 "dtypes": _dtype_names(caps.dtypes),
                 "head_dims": head_dims,
                 "gqa": "yes" if caps.supports_gqa else "no",
-                "cache": ",".join(caps.cache_kinds),
+                "cache": ",".join(caps.kv_layouts),
                 "phases": ",".join(phases),
                 "description": entry.cls.description,
             }
@@ -49,9 +53,36 @@ def backend_rows(registry: BackendRegistry) -> list[dict[str, Any]]:
     return rows
 
 
+def plugin_rows(registry: PluginRegistry) -> dict[str, list[dict[str, Any]]]:
+    """Rows of every pluggable kind: ``{"backends": [...], "kv_caches": [...], "samplers": [...]}``."""
+    caches = []
+    for name in sorted(registry.kv_caches):
+        entry = registry.kv_caches[name]
+        caps = entry.cls.capabilities
+        caches.append({
+            "kv_cache": name,
+            "plugin": entry.plugin,
+            "layout": entry.cls.layout,
+            "paged": "yes" if entry.cls.paged else "no (slot per sequence)",
+            "devices": ",".join(sorted(caps.devices)),
+            "dtypes": _dtype_names(caps.dtypes),
+            "precision": caps.precision or "lossless",
+            "available": _availability(entry),
+            "description": entry.cls.description,
+        })
+    samplers = [
+        {"sampler": name, "plugin": e.plugin, "available": _availability(e), "description": e.cls.description}
+        for name, e in sorted(registry.samplers.items())
+    ]
+    return {"backends": backend_rows(registry), "kv_caches": caches, "samplers": samplers}
+
+
 def format_table(rows: list[dict[str, Any]]) -> str:
-    """Fixed-width text table; the availability reason goes on its own line under its backend."""
-    cols = [c for c in COLUMNS if c != "available"] + ["available"]
+    """Fixed-width text table; the availability reason goes on its own line under its row."""
+    if not rows:
+        return "(none registered)"
+    keys = [c for c in rows[0] if c != "description"]
+    cols = [c for c in keys if c != "available"] + ["available"]
     shown = [{c: (r[c] if c != "available" else r[c].split(":")[0]) for c in cols} for r in rows]
     widths = {c: max(len(c), *(len(str(r[c])) for r in shown)) for c in cols}
     lines = ["  ".join(c.ljust(widths[c]) for c in cols).rstrip()]

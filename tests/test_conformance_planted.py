@@ -62,12 +62,8 @@ class WrongWritePosition(ChunkedAttentionBackend):
     name = "planted_wrong_write_position"
 
     def write_kv(self, layer_idx, k, v, cache, meta):
-        if meta.is_decode:
-            if cache.kind == "paged":
-                cm = dataclasses.replace(meta.cache_meta, slot_mapping=meta.cache_meta.slot_mapping + 1)
-                meta = dataclasses.replace(meta, cache_meta=cm)
-            else:
-                meta = dataclasses.replace(meta, positions=meta.positions + 1)
+        if meta.is_decode:  # one token further in every layout's addressing
+            meta = dataclasses.replace(meta, slot_mapping=meta.slot_mapping + 1, positions=meta.positions + 1)
         super().write_kv(layer_idx, k, v, cache, meta)
 
 
@@ -92,7 +88,7 @@ class BlockTableOffByOne(ChunkedAttentionBackend):
     """Paged reads treat block-table entries as 1-based (reads physical block id - 1)."""
 
     name = "planted_block_table_off_by_one"
-    capabilities = dataclasses.replace(ChunkedAttentionBackend.capabilities, cache_kinds=("paged",))
+    capabilities = dataclasses.replace(ChunkedAttentionBackend.capabilities, kv_layouts=("paged",))
 
     def physical_blocks(self, table):
         return [b - 1 for b in table]

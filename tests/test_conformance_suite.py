@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from kvcore import AttentionBackend, BackendCapabilities, hookimpl
+from kvcore.backends.sdpa import SDPABackend
 from kvcore.conformance import tolerances
 from kvcore.conformance.cases import HEAD_DIMS, HEAD_LAYOUTS, SCENARIOS, op_cases
 from kvcore.conformance.driver import Stream
@@ -20,7 +21,7 @@ from kvcore.conformance.settings import SuiteConfig
 from kvcore.conformance.stream_tier import compare_streams
 from kvcore.conformance.target import resolve_target
 from kvcore.errors import ConfigError, UnknownBackendError
-from kvcore.plugins import BackendRegistry
+from kvcore.plugins import PluginRegistry
 
 QUICK_TINY = SuiteConfig(quick=True, models=("tiny",))
 
@@ -35,7 +36,7 @@ def _one_thread():
 
 @pytest.fixture(scope="module")
 def registry():
-    reg = BackendRegistry(load_entrypoints=False)
+    reg = PluginRegistry(load_entrypoints=False)
     reg.backends  # noqa: B018 - load the built-ins
     return reg
 
@@ -54,9 +55,9 @@ def test_full_matrix_covers_layouts_head_dims_and_scenarios():
     assert {c.scenario for c in quick} == set(SCENARIOS) and len(quick) < len(cases)
 
 
-def test_multi_kind_backends_run_every_case_per_cache_kind():
-    cases = op_cases(quick=True, cache_kinds=("contiguous", "paged"))
-    assert {c.cache_kind for c in cases} == {"contiguous", "paged"}
+def test_multi_cache_backends_run_every_case_per_cache():
+    cases = op_cases(quick=True, kv_caches=("contiguous", "paged"))
+    assert {c.kv_cache for c in cases} == {"contiguous", "paged"}
     assert len(cases) == 2 * len(op_cases(quick=True))
 
 
@@ -87,15 +88,16 @@ def test_fragmented_paged_cache_gets_shuffled_block_tables(registry):
     from kvcore.backends.paged import PagedKVCache
     from kvcore.conformance.op_tier import _fragment
     from kvcore.kv_cache import CacheSpec
+    from kvcore.kv_manager import KVCacheManager
 
     spec = CacheSpec(num_layers=1, num_kv_heads=1, head_dim=8, dtype=torch.float32, device=torch.device("cpu"),
                      max_num_seqs=6, max_seq_len=80, block_size=16)
-    cache = PagedKVCache(spec)
+    cache = KVCacheManager(PagedKVCache(spec))
     live = _fragment(cache, torch.Generator().manual_seed(0), 1.0)
     assert live
     cache.add_sequence(1)
     cache.prepare([1], [64], 1.0)
-    table = cache.block_table(1)
+    table = cache.blocks.block_table(1)
     assert table != sorted(table) and table != list(range(table[0], table[0] + len(table)))
 
 
@@ -103,7 +105,7 @@ def test_fragmented_paged_cache_gets_shuffled_block_tables(registry):
 class _Unavailable(AttentionBackend):
     name = "conformance_unavailable"
     capabilities = BackendCapabilities(devices=frozenset({"cuda"}), dtypes=frozenset({torch.float16}),
-                                       cache_kinds=("contiguous",))
+                                       kv_layouts=("contiguous",))
 
     @classmethod
     def availability(cls):
@@ -122,7 +124,7 @@ def test_unavailable_backend_is_reported_not_failed():
 
 
 def test_gpu_builtins_on_cpu_are_unavailable_with_reason():
-    reg = BackendRegistry(load_entrypoints=False)
+    reg = PluginRegistry(load_entrypoints=False)
     gpu = [n for n in ("flash_attn2", "xformers") if n in reg.backends]
     if not gpu:
         pytest.skip("GPU built-ins not present in this checkout")
@@ -133,17 +135,12 @@ def test_gpu_builtins_on_cpu_are_unavailable_with_reason():
         assert report.exit_code == EXIT_UNAVAILABLE and report.unavailable
 
 
-class _Limited(AttentionBackend):
+class _Limited(SDPABackend):
     """sdpa, but declaring MHA only, head_dim 64 only, float32 only."""
 
     name = "conformance_limited"
     capabilities = BackendCapabilities(devices=frozenset({"cpu"}), dtypes=frozenset({torch.float32}),
-                                       cache_kinds=("contiguous",), head_dims=frozenset({64}), supports_gqa=False)
-
-    def forward(self, layer_idx, q, k, v, cache, meta):
-        from kvcore.backends.sdpa import SDPABackend
-
-        return SDPABackend().forward(layer_idx, q, k, v, cache, meta)
+                                       kv_layouts=("contiguous",), head_dims=frozenset({64}), supports_gqa=False)
 
 
 def test_undeclared_capabilities_are_skipped_with_reason():
