@@ -2,9 +2,9 @@
 
 Per head: ``S = Q Kᵀ · scale`` (the model's softmax scale, ``1 / √d_h`` for Llama); in prefill the
 causal mask sets ``S[i, j] = -∞`` where key ``j`` lies in query ``i``'s future; ``P = softmax(S)``;
-``O = P V``. Query head ``h`` reads KV head ``h // (H / H_kv)`` (GQA). K/V rows are written into the preallocated contiguous cache at their
-positions, never concatenated. Computed in float32 whatever the model dtype: this is the oracle every
-other backend is tested against, so clarity beats speed here.
+``O = P V``. Query head ``h`` reads KV head ``h // (H / H_kv)`` (GQA). K/V rows are written into the
+preallocated contiguous cache at their positions, never concatenated. Computed in float32 whatever the
+model dtype: this is the oracle every other backend is tested against, so clarity beats speed here.
 """
 
 from __future__ import annotations

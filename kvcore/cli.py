@@ -28,7 +28,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default=None, help="attention backend for both phases (see `kvcore backends`)")
     p.add_argument("--prefill-backend", default=None, help="backend for prefill (overrides --backend)")
     p.add_argument("--decode-backend", default=None, help="backend for decode (overrides --backend)")
-    p.add_argument("--kv-cache", default=None, help="KV cache (see `kvcore plugins`; default: the backend's own layout)")
+    p.add_argument("--kv-cache", default=None, help="KV cache (`kvcore plugins`; default: the backend's layout)")
     p.add_argument("--sampler", default=None, help="sampler (see `kvcore plugins`; default 'default')")
     p.add_argument("--dtype", default=None, help="float32 (default), bfloat16 or float16")
     p.add_argument("--device", default=None, help="torch device (default cpu)")
