@@ -51,7 +51,7 @@ class ContiguousKVCache(KVCache):
         self.v[:, dst] = self.v[:, src]
 
     def read(self, layer_idx: int, block_table: list[int], length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        slot = block_table[0]
+        slot = block_table[0] if block_table else 0  # an empty sequence holds no block yet: length is 0
         k = self.k[layer_idx, slot, :, :length].transpose(0, 1).clone()  # [L, H_kv, D]
         v = self.v[layer_idx, slot, :, :length].transpose(0, 1).clone()
         return k, v

@@ -104,7 +104,7 @@ class FlashKVCache(ContiguousKVCache):
         self.v[layer_idx, slots, meta.positions] = v
 
     def read(self, layer_idx: int, block_table: list[int], length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        slot = block_table[0]
+        slot = block_table[0] if block_table else 0  # an empty sequence holds no block yet: length is 0
         return self.k[layer_idx, slot, :length].clone(), self.v[layer_idx, slot, :length].clone()
 
 

@@ -184,7 +184,7 @@ class AttentionBackend(abc.ABC, Generic[PlanT]):
         if options:
             from kvcore.errors import ConfigError
 
-            raise ConfigError(f"backend '{self.name}' takes no options, got: {', '.join(sorted(options))}")
+            raise ConfigError(f"backend '{self.name}' got unknown options: {', '.join(sorted(options))}")
 
     @classmethod
     def availability(cls) -> str | None:

@@ -163,6 +163,8 @@ class BlockManager:
         (never the last token: its logits must be computed). Returns the number of tokens reused."""
         if seq_id in self._seq_lens:
             raise KVCoreError(f"sequence {seq_id} is already in the KV cache")
+        if not self.can_add_sequence():
+            raise OutOfBlocksError(f"KV cache is full: no free block for sequence {seq_id}")
         table = self._match_prefix(token_ids) if self.enable_prefix_caching else []
         for block_id in table:
             self.allocator.incref(block_id, revive=True)
@@ -172,7 +174,8 @@ class BlockManager:
 
     def free_sequence(self, seq_id: int) -> None:
         self.seq_len(seq_id)
-        for block_id in self._tables.pop(seq_id):
+        # Last block first: LRU then evicts a prefix's tail before its head, which keeps the head reusable.
+        for block_id in reversed(self._tables.pop(seq_id)):
             self.allocator.free(block_id)
         del self._seq_lens[seq_id]
         self._committed.pop(seq_id, None)

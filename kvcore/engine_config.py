@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from kvcore.attention import AttentionBackend
-from kvcore.errors import BackendUnavailableError, ConfigError
+from kvcore.errors import BackendUnavailableError, ConfigError, PluginError
 from kvcore.plugins import KV_CACHE, PluginEntry, PluginRegistry
 
 __all__ = ["EngineConfig", "Components", "parse_dtype", "select_components", "DTYPES"]
@@ -141,6 +141,9 @@ def _select_cache(
             )
         candidates = [entry]
     else:  # the canonical cache of each layout (named like it) first, in the backends' order of preference
+        for layout in layouts:
+            if (KV_CACHE.key, layout) in registry.conflicts:
+                raise PluginError(registry.conflicts[(KV_CACHE.key, layout)])
         caches = registry.kv_caches.values()
         candidates = [e for lay in layouts for e in sorted(caches, key=lambda e: e.name != lay) if e.cls.layout == lay]
     reasons = []

@@ -102,7 +102,7 @@ class KVCache(abc.ABC):
     def __init__(self, spec: CacheSpec, **options: Any) -> None:
         """``options`` come from the ``[kv_caches.<name>]`` table of the config file."""
         if options:
-            raise ConfigError(f"KV cache '{self.name}' takes no options, got: {', '.join(sorted(options))}")
+            raise ConfigError(f"KV cache '{self.name}' got unknown options: {', '.join(sorted(options))}")
         self.spec = spec
         self.block_size, self.num_blocks = self.geometry(spec)
 

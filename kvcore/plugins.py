@@ -217,7 +217,7 @@ class PluginRegistry:
 
     def create(self, name: str, options: dict[str, Any] | None = None) -> AttentionBackend:
         """Instantiate an available backend; raises with the reason when it cannot run here."""
-        return self._available(name, BACKEND).cls(**(options or {}))
+        return _construct(self._available(name, BACKEND), (), options)
 
     def create_cache(self, name: str, spec: CacheSpec, options: dict[str, Any] | None = None) -> KVCache:
         """Allocate an available KV cache for ``spec``; raises with the reason when it cannot be used."""
@@ -225,19 +225,30 @@ class PluginRegistry:
         reasons = cls.capabilities.reasons_unsupported(device=spec.device, dtype=spec.dtype)
         if reasons:
             raise BackendUnavailableError(f"KV cache '{name}' cannot hold this model here: {'; '.join(reasons)}")
-        return cls(spec, **(options or {}))
+        return _construct(self.get(name, KV_CACHE), (spec,), options)
 
     def create_sampler(self, name: str, options: dict[str, Any] | None = None) -> Sampler:
-        return self._available(name, SAMPLER).cls(**(options or {}))
+        return _construct(self._available(name, SAMPLER), (), options)
 
     def available(self) -> list[PluginEntry]:
         return [e for e in self.backends.values() if e.availability() is None]
 
 
+def _construct(entry: PluginEntry, args: tuple, options: dict[str, Any] | None) -> Any:
+    """``entry.cls(*args, **options)``; a constructor that rejects the options' names is a ConfigError."""
+    try:
+        return entry.cls(*args, **(options or {}))
+    except TypeError as exc:
+        if not options or "argument" not in str(exc):
+            raise
+        table = f"[{entry.kind.table}.{entry.name}]"
+        raise ConfigError(f"{_label(entry.kind)} '{entry.name}' rejected its options {table}: {exc}") from None
+
+
 def _validated_entry(kind: Kind, cls: Any, name: str | None, plugin: str) -> PluginEntry:
     label = _label(kind)
     if not (inspect.isclass(cls) and issubclass(cls, kind.base)):
-        raise PluginError(f"plugin '{plugin}' registered {cls!r}, which is not a {kind.base.__name__} subclass")
+        raise PluginError(f"plugin '{plugin}' registered {cls!r}, which is not a subclass of {kind.base.__name__}")
     if inspect.isabstract(cls):
         missing = ", ".join(sorted(cls.__abstractmethods__))
         raise PluginError(f"plugin '{plugin}': {label} class {cls.__qualname__} does not implement: {missing}")

@@ -21,7 +21,7 @@ class SamplingParams:
     """How to pick tokens and when to stop, for one request."""
 
     max_new_tokens: int = 128
-    temperature: float = 0.0  # 0 = greedy (argmax)
+    temperature: float = 0.0  # 0 (or below 1e-5) = greedy (argmax)
     top_k: int = 0  # 0 = no top-k filter
     top_p: float = 1.0  # 1 = no nucleus filter; must be in (0, 1]
     seed: int | None = None  # per-request RNG seed; same seed → same stream
@@ -41,9 +41,13 @@ class SamplingParams:
             raise InvalidRequestError(f"seed must be an integer, got {self.seed!r}")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
 
+    #: temperatures below this are greedy (vLLM's rule): dividing logits by them overflows float32 and the
+    #: distribution they describe is the argmax anyway
+    GREEDY_BELOW = 1e-5
+
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < self.GREEDY_BELOW
 
 
 class SamplingRow(Protocol):
@@ -69,7 +73,7 @@ class Sampler(abc.ABC):
 
     def __init__(self, **options: Any) -> None:
         if options:
-            raise ConfigError(f"sampler '{self.name}' takes no options, got: {', '.join(sorted(options))}")
+            raise ConfigError(f"sampler '{self.name}' got unknown options: {', '.join(sorted(options))}")
 
     @classmethod
     def availability(cls) -> str | None:

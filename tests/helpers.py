@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import types
+from collections.abc import Iterable, Iterator
+
 import torch
 
-from kvcore import LlamaModel, ModelConfig
+from kvcore import LlamaModel, ModelConfig, hookimpl
+from kvcore.plugins import PluginRegistry
 
 
 def make_random_model(
@@ -41,3 +46,42 @@ def make_random_model(
             else:
                 p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
     return model.to(dtype) if dtype != torch.float32 else model
+
+
+def make_plugin(
+    *,
+    backends: Iterable[type] = (),
+    kv_caches: Iterable[type] = (),
+    samplers: Iterable[type] = (),
+    raises: Exception | None = None,
+    raise_in: str = "kvcore_register_backends",
+) -> types.ModuleType:
+    """A throwaway plugin module registering the given classes through the three ``kvcore_register_*``
+    hooks; with ``raises``, the hook named ``raise_in`` raises it instead of registering."""
+    module = types.ModuleType("throwaway_plugin")
+    for hook, classes in (
+        ("kvcore_register_backends", tuple(backends)),
+        ("kvcore_register_kv_caches", tuple(kv_caches)),
+        ("kvcore_register_samplers", tuple(samplers)),
+    ):
+
+        def impl(register, _classes=classes, _hook=hook):
+            if raises is not None and _hook == raise_in:
+                raise raises
+            for cls in _classes:
+                register(cls)
+
+        impl.__name__ = hook
+        setattr(module, hook, hookimpl(impl))
+    return module
+
+
+@contextlib.contextmanager
+def registered(registry: PluginRegistry, plugin: object, name: str) -> Iterator[PluginRegistry]:
+    """``plugin`` registered in ``registry`` as ``name`` for the block, always unregistered after
+    (datasette style)."""
+    registry.register_plugin(plugin, name=name)
+    try:
+        yield registry
+    finally:
+        registry.unregister_plugin(name)

@@ -34,13 +34,15 @@ from kvcore.backends._emulation import (
     emulated_flash_attn_with_kvcache,
     emulated_memory_efficient_attention,
 )
-from kvcore.backends.flash_attn2 import FlashAttn2Backend, FlashKVCache
+from kvcore.backends.contiguous import ContiguousKVCache
+from kvcore.backends.flash_attn2 import FlashAttn2Backend, FlashKVCache, SlotPlan
 from kvcore.backends.naive import NaiveBackend
 from kvcore.backends.xformers import XFormersBackend
 from kvcore.errors import BackendUnavailableError, ConfigError
 from kvcore.hookspecs import hookimpl
-from kvcore.kv_cache import CacheSpec, ContiguousKVCache, cache_kinds, create_cache
-from kvcore.plugins import BackendRegistry
+from kvcore.kv_cache import CacheSpec
+from kvcore.kv_manager import KVCacheManager
+from kvcore.plugins import KV_CACHE, PluginRegistry, get_registry
 
 CPU = torch.device("cpu")
 LAYERS = 2
@@ -63,51 +65,64 @@ def cache_spec(num_kv_heads: int, head_dim: int, dtype=torch.float32, max_num_se
 
 class Pair:
     """Drives the same calls through ``naive`` (the oracle, own contiguous cache) and a backend under test
-    (own cache of ``kind``), with identical random q/k/v, and compares every output."""
+    (own cache of ``kind``, made by the plugin registry), with identical random q/k/v, and compares every
+    output. Both caches are addressed by their own :class:`KVCacheManager`, as the engine does."""
 
     def __init__(self, backend, kind, num_heads, num_kv_heads, head_dim, *, dtype=torch.float32, seed=0, **spec_kw):
         spec = cache_spec(num_kv_heads, head_dim, dtype, **spec_kw)
-        self.ref, self.ref_cache = NaiveBackend(), ContiguousKVCache(spec)
-        self.backend, self.cache = backend, create_cache(kind, spec)
+        self.ref, self.ref_kv = NaiveBackend(), KVCacheManager(ContiguousKVCache(spec))
+        self.backend, self.kv = backend, KVCacheManager(get_registry().create_cache(kind, spec))
+        assert self.cache.layout == kind and self.cache.layout in backend.capabilities.kv_layouts
         self.shape = (num_heads, num_kv_heads, head_dim)
         self.dtype = dtype
         self.tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
         self.gen = torch.Generator().manual_seed(seed)
 
+    @property
+    def cache(self):
+        return self.kv.cache
+
     def add(self, *seq_ids):
         for s in seq_ids:
-            self.ref_cache.add_sequence(s)
-            self.cache.add_sequence(s)
+            self.ref_kv.add_sequence(s)
+            self.kv.add_sequence(s)
 
     def free(self, *seq_ids):
         for s in seq_ids:
-            self.ref_cache.free_sequence(s)
-            self.cache.free_sequence(s)
+            self.ref_kv.free_sequence(s)
+            self.kv.free_sequence(s)
 
     def rand(self, *shape):
         return torch.randn(*shape, generator=self.gen).to(self.dtype)
 
     def step(self, seq_ids, query_lens):
+        """One forward call of every layer; returns the call's metadata."""
         num_heads, num_kv_heads, head_dim = self.shape
         scale = head_dim**-0.5
-        meta_ref = self.ref_cache.prepare(seq_ids, query_lens, scale)
-        meta = self.cache.prepare(seq_ids, query_lens, scale)
+        meta_ref = self.ref_kv.prepare(seq_ids, query_lens, scale)
+        meta = self.kv.prepare(seq_ids, query_lens, scale)
+        assert meta.block_tables == meta_ref.block_tables  # both caches put each sequence in the same slot
+        plan_ref = self.ref.plan(meta_ref, self.ref_kv.cache)  # once per call, as the model runner does
+        plan = self.backend.plan(meta, self.cache)
         tokens = sum(query_lens)
         for layer in range(LAYERS):
             q = self.rand(tokens, num_heads, head_dim)
             k, v = self.rand(tokens, num_kv_heads, head_dim), self.rand(tokens, num_kv_heads, head_dim)
-            want = self.ref.forward(layer, q, k, v, self.ref_cache, meta_ref)
-            got = self.backend.forward(layer, q.clone(), k.clone(), v.clone(), self.cache, meta)
+            want = self.ref.forward(layer, q, k, v, self.ref_kv.cache, plan_ref)
+            got = self.backend.forward(layer, q.clone(), k.clone(), v.clone(), self.cache, plan)
             assert got.shape == want.shape and got.dtype == want.dtype
             torch.testing.assert_close(
                 got, want, **self.tol, msg=lambda m, layer=layer: f"layer {layer}, {seq_ids} {query_lens}: {m}"
             )
+        return meta
 
     def check_cache(self):
-        for seq_id in self.ref_cache.seq_ids:
+        assert self.ref_kv.blocks.seq_ids
+        for seq_id in self.ref_kv.blocks.seq_ids:
+            assert self.kv.seq_len(seq_id) == self.ref_kv.seq_len(seq_id)
             for layer in range(LAYERS):
-                want_k, want_v = self.ref_cache.read(layer, seq_id)
-                got_k, got_v = self.cache.read(layer, seq_id)
+                want_k, want_v = self.ref_kv.read(layer, seq_id)
+                got_k, got_v = self.kv.read(layer, seq_id)
                 torch.testing.assert_close(got_k, want_k, rtol=0, atol=0)
                 torch.testing.assert_close(got_v, want_v, rtol=0, atol=0)
 
@@ -115,18 +130,22 @@ class Pair:
 def mixed_scenario(p: Pair) -> None:
     """Ragged prefill, continuing prefill, decode in permuted slot order, slot reuse, mixed batches,
     consecutive and non-consecutive slots, multi-step decode."""
-    p.add(0, 1, 2, 3)  # slots 0..3
-    p.step([0, 1, 2, 3], [5, 1, 17, 3])  # fresh ragged prefill (one 1-token prompt)
-    p.step([0, 2], [4, 6])  # prefill continuing a cache (context 5 and 17)
-    p.step([3, 2, 1, 0], [1, 1, 1, 1])  # decode, slots in reverse order
+    p.add(0, 1, 2, 3)
+    # fresh ragged prefill (one 1-token prompt); a per-sequence layout hands out the lowest free slot
+    assert p.step([0, 1, 2, 3], [5, 1, 17, 3]).slots == [0, 1, 2, 3]
+    assert not p.step([0, 2], [4, 6]).is_decode  # prefill continuing a cache (context 5 and 17)
+    assert p.step([3, 2, 1, 0], [1, 1, 1, 1]).slots == [3, 2, 1, 0]  # decode, slots in reverse order
     p.free(1)
-    p.add(4)  # reuses slot 1
-    p.step([4, 0], [7, 1])  # mixed: a fresh prompt next to a one-token continuation (not a decode step)
-    p.step([0, 4], [1, 1])  # decode over consecutive slots 0, 1
-    p.step([2, 3], [1, 1])  # decode over consecutive slots 2, 3
-    p.step([3, 0], [3, 2])  # continuing prefill, slots 3, 0
+    p.add(4)
+    # mixed: a fresh prompt (reusing slot 1) next to a one-token continuation (not a decode step)
+    meta = p.step([4, 0], [7, 1])
+    assert meta.slots == [1, 0] and not meta.is_decode
+    assert p.step([0, 4], [1, 1]).slots == [0, 1]  # decode over consecutive slots 0, 1
+    assert p.step([2, 3], [1, 1]).slots == [2, 3]  # decode over consecutive slots 2, 3
+    assert p.step([3, 0], [3, 2]).slots == [3, 0]  # continuing prefill, slots 3, 0
     for _ in range(3):
-        p.step([0, 2, 3, 4], [1, 1, 1, 1])  # multi-step decode, non-consecutive slots 0, 2, 3, 1
+        meta = p.step([0, 2, 3, 4], [1, 1, 1, 1])  # multi-step decode, non-consecutive slots 0, 2, 3, 1
+        assert meta.is_decode and meta.slots == [0, 2, 3, 1]
     p.check_cache()
 
 
@@ -173,27 +192,35 @@ def test_flash_decode_appends_in_place_without_cache_write():
 
 def test_xformers_zero_copy_keys_for_consecutive_slots():
     backend = make_backend("xformers")
-    cache = FlashKVCache(cache_spec(2, 64))
+    kv = KVCacheManager(FlashKVCache(cache_spec(2, 64)))
     for s in range(3):
-        cache.add_sequence(s)
-    meta = cache.prepare([1, 2], [4, 2], 0.125)
-    keys, _, pad = XFormersBackend._padded_keys(cache, 0, meta)
-    assert pad == cache.spec.max_seq_len and keys.data_ptr() == cache.k[0, 1].data_ptr()  # a view
-    meta = cache.prepare([2, 0], [1, 1], 0.125)
-    keys, _, pad = XFormersBackend._padded_keys(cache, 0, meta)
+        kv.add_sequence(s)
+    assert kv.prepare([0, 1, 2], [3, 1, 2], 0.125).slots == [0, 1, 2]
+    meta = kv.prepare([1, 2], [4, 2], 0.125)  # continuing prefill over consecutive slots 1, 2
+    assert meta.slots == [1, 2]
+    keys, _, pad = XFormersBackend._padded_keys(kv.cache, 0, backend.plan(meta, kv.cache))
+    assert pad == kv.cache.spec.max_seq_len and keys.data_ptr() == kv.cache.k[0, 1].data_ptr()  # a view
+    meta = kv.prepare([2, 0], [1, 1], 0.125)
+    assert meta.slots == [2, 0]
+    keys, _, pad = XFormersBackend._padded_keys(kv.cache, 0, backend.plan(meta, kv.cache))
     assert pad == meta.max_seq_len and keys.shape[1] == 2 * pad
-    assert backend.capabilities.cache_kinds[0] == "flash_contiguous"
+    assert backend.capabilities.kv_layouts[0] == "flash_contiguous"
 
 
 # -- the emulations vs naive, with hand-built kernel inputs ---------------------------------------------
-def _naive_step(cache, seq_ids, query_lens, num_heads, head_dim, gen):
-    """Run naive on ``cache`` (layer 0); returns (meta, q, k, v, out)."""
-    meta = cache.prepare(seq_ids, query_lens, head_dim**-0.5)
-    t, num_kv_heads = sum(query_lens), cache.spec.num_kv_heads
+def _contiguous_kv(*args, **kwargs) -> KVCacheManager:
+    return KVCacheManager(ContiguousKVCache(cache_spec(*args, **kwargs)))
+
+
+def _naive_step(kv, seq_ids, query_lens, num_heads, head_dim, gen):
+    """Run naive on ``kv``'s cache (layer 0); returns (meta, q, k, v, out)."""
+    meta = kv.prepare(seq_ids, query_lens, head_dim**-0.5)
+    t, num_kv_heads = sum(query_lens), kv.cache.spec.num_kv_heads
     q = torch.randn(t, num_heads, head_dim, generator=gen)
     k = torch.randn(t, num_kv_heads, head_dim, generator=gen)
     v = torch.randn(t, num_kv_heads, head_dim, generator=gen)
-    return meta, q, k, v, NaiveBackend().forward(0, q, k, v, cache, meta)
+    backend = NaiveBackend()
+    return meta, q, k, v, backend.forward(0, q, k, v, kv.cache, backend.plan(meta, kv.cache))
 
 
 def _prefix(lengths):
@@ -204,12 +231,12 @@ def _prefix(lengths):
 def test_emulated_varlen_matches_naive(heads):
     num_heads, num_kv_heads = heads
     gen = torch.Generator().manual_seed(1)
-    cache = ContiguousKVCache(cache_spec(num_kv_heads, 64))
+    kv = _contiguous_kv(num_kv_heads, 64)
     for s in range(3):
-        cache.add_sequence(s)
-    _naive_step(cache, [0, 1], [6, 2], num_heads, 64, gen)
-    meta, q, _, _, want = _naive_step(cache, [2, 0, 1], [5, 3, 1], num_heads, 64, gen)  # fresh + 2 continuing
-    keys = [cache.read(0, s) for s in [2, 0, 1]]  # full per-sequence K/V after naive's write
+        kv.add_sequence(s)
+    _naive_step(kv, [0, 1], [6, 2], num_heads, 64, gen)
+    meta, q, _, _, want = _naive_step(kv, [2, 0, 1], [5, 3, 1], num_heads, 64, gen)  # fresh + 2 continuing
+    keys = [kv.read(0, s) for s in [2, 0, 1]]  # full per-sequence K/V after naive's write
     got = emulated_flash_attn_varlen_func(
         q,
         torch.cat([k for k, _ in keys]),
@@ -229,13 +256,13 @@ def test_emulated_varlen_matches_naive(heads):
 def test_emulated_kvcache_matches_naive(heads, paged):
     num_heads, num_kv_heads = heads
     gen = torch.Generator().manual_seed(2)
-    cache = ContiguousKVCache(cache_spec(num_kv_heads, 64, max_seq_len=300))
+    kv = _contiguous_kv(num_kv_heads, 64, max_seq_len=300)
     for s in range(3):
-        cache.add_sequence(s)
-    _naive_step(cache, [0, 1, 2], [260, 7, 40], num_heads, 64, gen)
-    before = {s: cache.read(0, s) for s in range(3)}
+        kv.add_sequence(s)
+    _naive_step(kv, [0, 1, 2], [260, 7, 40], num_heads, 64, gen)
+    before = {s: kv.read(0, s) for s in range(3)}
     order = [2, 0, 1]
-    meta, q, k, v, want = _naive_step(cache, order, [1, 1, 1], num_heads, 64, gen)
+    meta, q, k, v, want = _naive_step(kv, order, [1, 1, 1], num_heads, 64, gen)
     lens = torch.tensor([before[s][0].shape[0] for s in order], dtype=torch.int32)
     if not paged:  # cache rows in seq-id order, batch rows permuted through cache_batch_idx
         k_cache = torch.zeros(3, 300, num_kv_heads, 64)
@@ -277,10 +304,10 @@ def test_emulated_xformers_matches_naive(heads):
     num_heads, num_kv_heads = heads
     group = num_heads // num_kv_heads
     gen = torch.Generator().manual_seed(3)
-    cache = ContiguousKVCache(cache_spec(num_kv_heads, 64))
+    kv = _contiguous_kv(num_kv_heads, 64)
     for s in range(3):
-        cache.add_sequence(s)
-    _, q0, k0, v0, want0 = _naive_step(cache, [0, 1], [6, 2], num_heads, 64, gen)
+        kv.add_sequence(s)
+    _, q0, k0, v0, want0 = _naive_step(kv, [0, 1], [6, 2], num_heads, 64, gen)
     fresh = EmulatedBlockDiagonalCausalMask.from_seqlens([6, 2])
     got0 = emulated_memory_efficient_attention(
         q0.reshape(1, 8, num_kv_heads, group, 64),
@@ -290,12 +317,12 @@ def test_emulated_xformers_matches_naive(heads):
         scale=64**-0.5,
     )
     torch.testing.assert_close(got0.reshape(8, num_heads, 64), want0, rtol=1e-5, atol=1e-5)
-    _, q, _, _, want = _naive_step(cache, [2, 0, 1], [5, 3, 1], num_heads, 64, gen)
+    _, q, _, _, want = _naive_step(kv, [2, 0, 1], [5, 3, 1], num_heads, 64, gen)
     pad = 12
     keys = torch.zeros(1, 3 * pad, num_kv_heads, 64)
     values = torch.zeros_like(keys)
     for b, s in enumerate([2, 0, 1]):
-        kk, vv = cache.read(0, s)
+        kk, vv = kv.read(0, s)
         keys[0, b * pad : b * pad + kk.shape[0]], values[0, b * pad : b * pad + vv.shape[0]] = kk, vv
     bias = EmulatedBlockDiagonalCausalWithOffsetPaddedKeysMask.from_seqlens([5, 3, 1], pad, [5, 9, 3])
     got = emulated_memory_efficient_attention(
@@ -529,17 +556,21 @@ def test_availability_never_raises(monkeypatch):
         assert reason == "availability check failed: RuntimeError: driver exploded"
 
 
-def test_registered_as_builtins_with_their_cache_kind():
-    registry = BackendRegistry(load_entrypoints=False)
+def test_registered_as_builtins_with_their_cache_layout():
+    registry = PluginRegistry(load_entrypoints=False)
     assert registry.get("flash_attn2").cls is FlashAttn2Backend
     assert registry.get("xformers").cls is XFormersBackend
-    assert "flash_contiguous" in cache_kinds()
+    flash_cache = registry.get("flash_contiguous", KV_CACHE)
+    assert flash_cache.cls is FlashKVCache and flash_cache.plugin == "kvcore.backends.flash_attn2"
+    assert FlashKVCache.layout == "flash_contiguous" and not FlashKVCache.paged
+    for cls in (FlashAttn2Backend, XFormersBackend):  # their own layout first, and the shared one
+        assert cls.capabilities.kv_layouts == ("flash_contiguous", "contiguous")
     if FlashAttn2Backend.availability() is not None:
         with pytest.raises(BackendUnavailableError, match="backend 'flash_attn2' is unavailable: "):
             registry.create("flash_attn2")
     with pytest.raises(ConfigError, match="testing hook"):
         FlashAttn2Backend(kernels="emulated")
-    with pytest.raises(ConfigError, match="takes no options"):
+    with pytest.raises(ConfigError, match="got unknown options"):
         XFormersBackend(block_size=16)
 
 
@@ -561,17 +592,30 @@ def test_validate_reports_shape_limits():
 
 
 def test_flash_kvcache_bookkeeping():
-    cache = FlashKVCache(cache_spec(2, 16, max_num_seqs=2, max_seq_len=8))
-    cache.add_sequence(7)
-    meta = cache.prepare([7], [3], 0.25)
+    """The flash layout under the core's block manager: one slot per sequence, a fork shares the slot
+    until the child writes (copy-on-write through ``copy_blocks``), capacity and context limits."""
+    kv = KVCacheManager(FlashKVCache(cache_spec(2, 16, max_num_seqs=2, max_seq_len=8)))
+    assert kv.cache.storage_shape() == (2, 2, 8, 2, 16) and kv.cache.k.shape == (2, 2, 8, 2, 16)
+    kv.add_sequence(7)
+    meta = kv.prepare([7], [3], 0.25)
     k = torch.randn(3, 2, 16)
-    cache.write(0, k, -k, meta)
-    cache.fork_sequence(7, 8)
-    assert torch.equal(cache.read(0, 8)[0], k) and torch.equal(cache.read(0, 8)[1], -k)
-    assert not cache.can_add_sequence() and not cache.can_append(7, 6)
-    assert meta.cache_meta.slots_i32.dtype == torch.int32
-    cache.free_sequence(7)
-    assert cache.can_add_sequence() and cache.kv_bytes_allocated == 2 * 2 * 2 * 8 * 2 * 16 * 4
+    kv.cache.write(0, k, -k, meta)
+    kv.fork_sequence(7, 8)
+    assert kv.blocks.block_table(8) == kv.blocks.block_table(7)  # shared, nothing copied yet
+    assert torch.equal(kv.read(0, 8)[0], k) and torch.equal(kv.read(0, 8)[1], -k)
+    child = kv.prepare([8], [1], 0.25)  # the child's first write lands in the shared slot: copied first
+    assert kv.blocks.block_table(8) != kv.blocks.block_table(7)
+    new = torch.randn(1, 2, 16)
+    kv.cache.write(0, new, -new, child)
+    assert torch.equal(kv.read(0, 8)[0], torch.cat([k, new])) and torch.equal(kv.read(0, 8)[1], -torch.cat([k, new]))
+    assert torch.equal(kv.read(0, 7)[0], k) and torch.equal(kv.read(0, 7)[1], -k)  # the parent is untouched
+    assert not kv.can_add_sequence() and not kv.can_reserve([7], [6])  # no free slot; 3 + 6 > max_seq_len 8
+    assert kv.can_reserve([7], [5])
+    plan = make_backend("flash_attn2").plan(meta, kv.cache)
+    assert isinstance(plan, SlotPlan) and plan.slots_i32.dtype == torch.int32 and plan.slots_i32.tolist() == [0]
+    assert plan.context_lens_i32.dtype == torch.int32
+    kv.free_sequence(7)
+    assert kv.can_add_sequence() and kv.cache.kv_bytes_allocated == 2 * 2 * 2 * 8 * 2 * 16 * 4
 
 
 # -- end to end through the engine ----------------------------------------------------------------------
@@ -598,31 +642,52 @@ class _EmulatedPlugin:
 
 @pytest.fixture(scope="module")
 def registry():
-    reg = BackendRegistry(load_entrypoints=False)
+    reg = PluginRegistry(load_entrypoints=False)
     reg.backends  # noqa: B018 - load the built-ins first (they load only into an empty registry)
     reg.register_plugin(_EmulatedPlugin(), name="emulated")
-    return reg
+    try:
+        yield reg
+    finally:
+        reg.unregister_plugin("emulated")
 
 
 PROMPTS = [[1, 5, 9, 13, 17], [7, 8], list(range(10, 50)), [9]]
 GREEDY = SamplingParams(max_new_tokens=10, ignore_eos=True)
 
 
-def _generate(model, registry, **cfg):
+def _generate(model, registry, layout, **cfg):
     engine = Engine(model, None, EngineConfig(max_model_len=96, **cfg), registry=registry)
+    assert engine.cache.layout == layout
     return [r.token_ids for r in engine.generate(PROMPTS, GREEDY)]
 
 
+@pytest.fixture(scope="module")
+def model():
+    return make_random_model(num_heads=4, num_kv_heads=2, head_dim=16)
+
+
+@pytest.fixture(scope="module")
+def naive_streams(model, registry):
+    return _generate(model, registry, "contiguous", backend="naive")
+
+
 @pytest.mark.parametrize(
-    "cfg",
+    "layout, cfg",
     [
-        dict(backend="flash_attn2_emulated"),
-        dict(backend="xformers_emulated"),
-        dict(prefill_backend="flash_attn2_emulated", decode_backend="naive"),  # shares a 'contiguous' cache
-        dict(prefill_backend="xformers_emulated", decode_backend="flash_attn2_emulated"),
+        ("flash_contiguous", dict(backend="flash_attn2_emulated")),
+        ("flash_contiguous", dict(backend="xformers_emulated")),
+        ("contiguous", dict(backend="flash_attn2_emulated", kv_cache="contiguous")),
+        ("contiguous", dict(backend="xformers_emulated", kv_cache="contiguous")),
+        ("contiguous", dict(prefill_backend="flash_attn2_emulated", decode_backend="naive")),  # the shared layout
+        ("flash_contiguous", dict(prefill_backend="xformers_emulated", decode_backend="flash_attn2_emulated")),
     ],
-    ids=["flash", "xformers", "flash+naive", "xformers+flash"],
+    ids=["flash", "xformers", "flash-contiguous", "xformers-contiguous", "flash+naive", "xformers+flash"],
 )
-def test_engine_greedy_matches_naive(registry, cfg):
-    model = make_random_model(num_heads=4, num_kv_heads=2, head_dim=16)
-    assert _generate(model, registry, **cfg) == _generate(model, registry, backend="naive")
+def test_engine_greedy_matches_naive(model, registry, naive_streams, layout, cfg):
+    assert _generate(model, registry, layout, **cfg) == naive_streams
+
+
+def test_engine_refuses_a_paged_cache_for_the_slot_backends(model, registry):
+    for backend in ("flash_attn2_emulated", "xformers_emulated"):
+        with pytest.raises(ConfigError, match=rf"layout 'paged', which backend '{backend}' cannot read"):
+            Engine(model, None, EngineConfig(backend=backend, kv_cache="paged"), registry=registry)

@@ -1,18 +1,37 @@
-"""Plugin registry: built-ins through the hook, third-party plugins, and every registration rule."""
+"""Plugin registry: built-ins through the hooks, third-party plugins, and every registration rule, for each
+pluggable kind (backends, KV caches, samplers)."""
 
 from __future__ import annotations
 
 import importlib.metadata
-import types
+import inspect
 
 import pytest
 import torch
+from helpers import make_plugin, registered
 
-from kvcore import AttentionBackend, BackendCapabilities, hookimpl
+from kvcore import (
+    AttentionBackend,
+    BackendCapabilities,
+    CacheCapabilities,
+    CacheSpec,
+    Engine,
+    EngineConfig,
+    KVCache,
+    Sampler,
+    SamplingParams,
+    hookimpl,
+)
+from kvcore.backends.contiguous import ContiguousKVCache
+from kvcore.backends.paged import PagedKVCache
+from kvcore.backends.quantized import Int8KVCache
 from kvcore.errors import BackendUnavailableError, ConfigError, PluginError, UnknownBackendError
-from kvcore.plugins import BUILTIN_PLUGINS, BackendRegistry
+from kvcore.plugins import BACKEND, BUILTIN_PLUGINS, KINDS, KV_CACHE, SAMPLER, PluginRegistry
+from kvcore.sampling import DefaultSampler
 
-CAPS = BackendCapabilities(devices=frozenset({"cpu"}), dtypes=frozenset({torch.float32}), cache_kinds=("contiguous",))
+CAPS = BackendCapabilities(devices=frozenset({"cpu"}), dtypes=frozenset({torch.float32}), kv_layouts=("contiguous",))
+CACHE_CAPS = CacheCapabilities(devices=frozenset({"cpu"}), dtypes=frozenset({torch.float32}))
+SPEC = CacheSpec(1, 2, 8, torch.float32, torch.device("cpu"), 2, 16)
 
 
 def make_backend(name: str, **attrs):
@@ -21,23 +40,50 @@ def make_backend(name: str, **attrs):
     return type(f"B_{name}", (SDPABackend,), {"name": name, **attrs})
 
 
-def plugin_registering(*classes, raises: Exception | None = None):
-    module = types.ModuleType("throwaway_plugin")
+def make_cache(name: str, base: type[KVCache] = ContiguousKVCache, **attrs):
+    return type(f"C_{name}", (base,), {"name": name, **attrs})
 
-    @hookimpl
-    def kvcore_register_backends(register):
-        if raises:
-            raise raises
-        for cls in classes:
-            register(cls)
 
-    module.kvcore_register_backends = kvcore_register_backends
-    return module
+def make_sampler(name: str, **attrs):
+    return type(f"S_{name}", (DefaultSampler,), {"name": name, **attrs})
+
+
+class TaggedCache(ContiguousKVCache):
+    """A third-party KV cache with an option (the built-ins' pattern: known options by name, the rest to
+    the base class, which rejects them)."""
+
+    name = "tagged"
+    description = "contiguous storage that remembers a tag"
+
+    def __init__(self, spec: CacheSpec, tag: str = "untagged", **options) -> None:
+        super().__init__(spec, **options)
+        self.tag = tag
+
+
+class RingCache(ContiguousKVCache):
+    """A cache in a layout no registered backend reads."""
+
+    name = "ring"
+    layout = "ring"
+
+
+class ConstantSampler(Sampler):
+    """Always picks ``token`` (an option)."""
+
+    name = "constant"
+    description = "always the same token"
+
+    def __init__(self, token: int = 0, **options) -> None:
+        super().__init__(**options)
+        self.token = token
+
+    def sample(self, logits, rows):
+        return torch.full((logits.shape[0],), self.token, dtype=torch.int64, device=logits.device)
 
 
 @pytest.fixture
 def registry():
-    reg = BackendRegistry(load_entrypoints=False)
+    reg = PluginRegistry(load_entrypoints=False)
     reg.backends  # noqa: B018 - load built-ins
     return reg
 
@@ -58,79 +104,313 @@ def with_plugin(registry):
             registry.unregister_plugin(name)
 
 
-def test_builtins_register_through_the_public_hook(registry):
-    for name in ("naive", "sdpa"):
-        entry = registry.get(name)
-        assert entry.plugin.startswith("kvcore.backends.")
-        assert entry.plugin in BUILTIN_PLUGINS
-    impls = {i.plugin_name for i in registry.pm.hook.kvcore_register_backends.get_hookimpls()}
-    assert {"kvcore.backends.naive", "kvcore.backends.sdpa"} <= impls
+# -- built-ins ---------------------------------------------------------------------------------------------
+def test_builtins_register_through_the_public_hooks(registry):
+    expected = {
+        BACKEND: {"naive": "kvcore.backends.naive", "sdpa": "kvcore.backends.sdpa", "paged": "kvcore.backends.paged"},
+        KV_CACHE: {
+            "contiguous": "kvcore.backends.contiguous",
+            "paged": "kvcore.backends.paged",
+            "int8": "kvcore.backends.quantized",
+            "flash_contiguous": "kvcore.backends.flash_attn2",
+        },
+        SAMPLER: {"default": "kvcore.sampling"},
+    }
+    for kind, names in expected.items():
+        for name, plugin in names.items():
+            entry = registry.get(name, kind)
+            assert (entry.plugin, entry.kind) == (plugin, kind) and entry.plugin in BUILTIN_PLUGINS
+        impls = {i.plugin_name for i in getattr(registry.pm.hook, kind.hook).get_hookimpls()}
+        assert set(names.values()) <= impls
+    assert registry.get("default", SAMPLER).cls is DefaultSampler
+    assert registry.get("int8", KV_CACHE).cls is Int8KVCache and Int8KVCache.layout == "paged"
 
 
+# -- third-party plugins -----------------------------------------------------------------------------------
 def test_third_party_backend_is_usable(with_plugin):
-    reg = with_plugin(plugin_registering(make_backend("mine")), "my-plugin")
+    reg = with_plugin(make_plugin(backends=[make_backend("mine")]), "my-plugin")
     assert reg.get("mine").plugin == "my-plugin"
     assert reg.create("mine").name == "mine"
 
 
-def test_duplicate_name_names_both_plugins(with_plugin):
-    reg = with_plugin(plugin_registering(make_backend("sdpa")), "evil-plugin")
-    with pytest.raises(PluginError) as err, pytest.warns(RuntimeWarning):
-        reg.get("sdpa")
-    assert "'kvcore.backends.sdpa'" in str(err.value) and "'evil-plugin'" in str(err.value)
-    assert reg.get("naive")  # others keep working
+def test_third_party_kv_cache_and_sampler_are_selected_by_the_engine(with_plugin, random_model):
+    reg = with_plugin(make_plugin(kv_caches=[TaggedCache], samplers=[ConstantSampler]), "my-plugin")
+    assert reg.get("tagged", KV_CACHE).plugin == reg.get("constant", SAMPLER).plugin == "my-plugin"
+    config = EngineConfig(
+        backend="sdpa",
+        kv_cache="tagged",
+        sampler="constant",
+        max_model_len=64,
+        kv_cache_options={"tagged": {"tag": "blue"}, "paged": {"block_size": 4}},  # only the chosen table is used
+        sampler_options={"constant": {"token": 7}},
+    )
+    engine = Engine(random_model, None, config, registry=reg)
+    assert type(engine.cache) is TaggedCache and engine.cache.tag == "blue"  # the options reached __init__
+    assert type(engine.sampler) is ConstantSampler and engine.sampler.token == 7
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    assert engine.generate([[1, 2, 3], [4, 5]], params)[0].token_ids == [7, 7, 7, 7]
+    # the third-party cache is real storage: with the default sampler it gives the reference stream
+    reference = Engine(random_model, None, EngineConfig(backend="naive", max_model_len=64), registry=reg)
+    tagged = Engine(random_model, None, EngineConfig(backend="sdpa", kv_cache="tagged", max_model_len=64), registry=reg)
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    want = [r.token_ids for r in reference.generate([[1, 5, 9], list(range(10, 30))], params)]
+    assert [r.token_ids for r in tagged.generate([[1, 5, 9], list(range(10, 30))], params)] == want
+    assert tagged.cache.tag == "untagged"
 
 
-def test_incomplete_backend_class_rejected_with_missing_names(with_plugin):
-    incomplete = type("Half", (AttentionBackend,), {"name": "half", "capabilities": CAPS})
-    with pytest.warns(RuntimeWarning, match=r"does not implement: forward; backend rejected"):
-        reg = with_plugin(plugin_registering(incomplete), "half-plugin")
-        reg.backends  # noqa: B018
-    with pytest.raises(UnknownBackendError):
-        reg.get("half")
+def test_throwaway_plugin_is_gone_after_unregistering(registry):
+    plugin = make_plugin(backends=[make_backend("mine")], kv_caches=[TaggedCache], samplers=[ConstantSampler])
+    with registered(registry, plugin, "my-plugin") as reg:
+        assert "mine" in reg.backends and "tagged" in reg.kv_caches and "constant" in reg.samplers
+    assert not {"mine", "tagged", "constant"} & {*registry.backends, *registry.kv_caches, *registry.samplers}
+    with pytest.raises(ConfigError, match="unknown KV cache 'tagged'"):
+        registry.get("tagged", KV_CACHE)
+    with pytest.raises(ConfigError, match="unknown sampler 'constant'"):
+        registry.get("constant", SAMPLER)
 
 
-def test_not_a_backend_class_rejected(with_plugin):
-    with pytest.warns(RuntimeWarning, match="not an AttentionBackend subclass"):
-        reg = with_plugin(plugin_registering(dict), "dict-plugin")
-        reg.backends  # noqa: B018
-    assert "naive" in reg.backends
+# -- registration rules, for every kind ------------------------------------------------------------------
+DUPLICATES = {  # kind: (a class claiming a built-in's name, the built-in's plugin, another built-in of that kind)
+    "backend": (BACKEND, lambda: make_backend("sdpa"), "kvcore.backends.sdpa", "naive"),
+    "kv_cache": (KV_CACHE, lambda: make_cache("paged", PagedKVCache), "kvcore.backends.paged", "contiguous"),
+    "sampler": (SAMPLER, lambda: make_sampler("default"), "kvcore.sampling", None),
+}
 
 
-def test_raising_hook_is_named_and_others_survive(with_plugin):
-    with pytest.warns(RuntimeWarning, match="plugin 'broken' raised in kvcore_register_backends"):
-        reg = with_plugin(plugin_registering(raises=RuntimeError("boom")), "broken")
-        reg.backends  # noqa: B018
+def _plugin_of(kind, *classes, **kw):
+    key = {BACKEND: "backends", KV_CACHE: "kv_caches", SAMPLER: "samplers"}[kind]
+    return make_plugin(**{key: classes}, **kw)
+
+
+@pytest.mark.parametrize("kind_key", list(DUPLICATES))
+def test_duplicate_builtin_name_names_both_plugins(with_plugin, kind_key):
+    kind, make, builtin_plugin, other = DUPLICATES[kind_key]
+    duplicate = make()
+    reg = with_plugin(_plugin_of(kind, duplicate), "evil-plugin")
+    with pytest.raises(PluginError) as err, pytest.warns(RuntimeWarning, match="registered twice"):
+        reg.get(duplicate.name, kind)
+    assert f"'{builtin_plugin}'" in str(err.value) and "'evil-plugin'" in str(err.value)
+    if other is not None:
+        assert reg.get(other, kind)  # the others keep working
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=[k.key for k in KINDS])
+def test_duplicate_name_across_third_party_plugins_names_both(with_plugin, random_model, kind):
+    twin = {BACKEND: make_backend, KV_CACHE: make_cache, SAMPLER: make_sampler}[kind]("twin")
+    with_plugin(_plugin_of(kind, twin), "plugin-a")
+    reg = with_plugin(_plugin_of(kind, twin), "plugin-b")
+    with pytest.warns(RuntimeWarning, match="'twin' is registered twice"):
+        reg.entries(kind)
+    with pytest.raises(PluginError, match=r"by plugin 'plugin-a' and by plugin 'plugin-b'"):
+        reg.get("twin", kind)
+    # choosing it for an engine is the same error, never a silent pick of one of them
+    field = {BACKEND: "backend", KV_CACHE: "kv_cache", SAMPLER: "sampler"}[kind]
+    with pytest.raises(PluginError, match=r"by plugin 'plugin-a' and by plugin 'plugin-b'"):
+        Engine(random_model, None, EngineConfig(**{field: "twin"}), registry=reg)
+
+
+@pytest.mark.parametrize("backend, cache_base", [("paged", PagedKVCache), ("sdpa", ContiguousKVCache)])
+def test_conflict_on_the_canonical_cache_of_a_layout_is_an_error(with_plugin, random_model, backend, cache_base):
+    duplicate = make_cache(cache_base.name, cache_base)
+    reg = with_plugin(make_plugin(kv_caches=[duplicate]), "evil-plugin")
+    with pytest.warns(RuntimeWarning, match="registered twice"):
+        reg.kv_caches  # noqa: B018
+    with pytest.raises(PluginError, match=rf"'{cache_base.name}' is registered twice.*'evil-plugin'"):
+        Engine(random_model, None, EngineConfig(backend=backend), registry=reg)
+
+
+INCOMPLETE = {
+    "backend": (
+        BACKEND,
+        lambda: type("Half", (AttentionBackend,), {"name": "half", "capabilities": CAPS}),
+        "forward; backend rejected",
+        UnknownBackendError,
+    ),
+    "kv_cache": (
+        KV_CACHE,
+        lambda: type("Half", (KVCache,), {"name": "half", "layout": "contiguous", "capabilities": CACHE_CAPS}),
+        "copy_blocks, kv_bytes_allocated, read, write; KV cache rejected",
+        ConfigError,
+    ),
+    "sampler": (SAMPLER, lambda: type("Half", (Sampler,), {"name": "half"}), "sample; sampler rejected", ConfigError),
+}
+
+
+@pytest.mark.parametrize("kind_key", list(INCOMPLETE))
+def test_incomplete_class_rejected_with_missing_names(with_plugin, kind_key):
+    kind, make, missing, unknown_error = INCOMPLETE[kind_key]
+    with pytest.warns(RuntimeWarning, match=rf"plugin 'half-plugin': .* class Half does not implement: {missing}"):
+        reg = with_plugin(_plugin_of(kind, make()), "half-plugin")
+        reg.entries(kind)
+    with pytest.raises(unknown_error, match="unknown .* 'half'"):
+        reg.get("half", kind)
+
+
+def _complete_cache(name: str, **attrs) -> type[KVCache]:
+    """A KVCache subclass implementing every abstract method (as no-ops), plus ``attrs``."""
+    body = dict.fromkeys(("write", "copy_blocks", "read"), lambda *args: None)
+    return type(f"C_{name}", (KVCache,), {"name": name, **body, "kv_bytes_allocated": property(lambda s: 0), **attrs})
+
+
+def test_kv_cache_must_declare_its_layout_and_capabilities(with_plugin):
+    no_layout = _complete_cache("nolayout", capabilities=CACHE_CAPS)
+    no_caps = _complete_cache("nocaps", layout="contiguous")
+    complete = _complete_cache("complete", layout="contiguous", capabilities=CACHE_CAPS)
+    with pytest.warns(RuntimeWarning) as warned:
+        reg = with_plugin(make_plugin(kv_caches=[no_layout, no_caps, complete]), "sloppy-plugin")
+        reg.kv_caches  # noqa: B018
+    messages = "\n".join(str(w.message) for w in warned)
+    assert "plugin 'sloppy-plugin': KV cache 'nolayout' declares no 'layout'; KV cache rejected" in messages
+    assert "plugin 'sloppy-plugin': KV cache 'nocaps' declares no 'capabilities'; KV cache rejected" in messages
+    assert "complete" in reg.kv_caches and not {"nolayout", "nocaps"} & set(reg.kv_caches)
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=[k.key for k in KINDS])
+def test_not_a_subclass_rejected(with_plugin, kind):
+    with pytest.warns(RuntimeWarning, match=rf"which is not a subclass of {kind.base.__name__}"):
+        reg = with_plugin(_plugin_of(kind, dict), "dict-plugin")
+        reg.entries(kind)
+    assert "naive" in reg.backends and "contiguous" in reg.kv_caches and "default" in reg.samplers
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=[k.key for k in KINDS])
+def test_raising_hook_is_named_and_others_survive(with_plugin, kind):
+    with pytest.warns(RuntimeWarning, match=f"plugin 'broken' raised in {kind.hook}"):
+        reg = with_plugin(make_plugin(raises=RuntimeError("boom"), raise_in=kind.hook), "broken")
+        reg.entries(kind)
     assert {"naive", "sdpa"} <= set(reg.backends)
+    assert {"contiguous", "paged"} <= set(reg.kv_caches) and "default" in reg.samplers
 
 
-def test_unknown_backend_suggests_close_names(registry):
+def test_unknown_names_suggest_close_ones(registry):
     with pytest.raises(UnknownBackendError, match=r"unknown backend 'sdap'.*did you mean 'sdpa'"):
         registry.get("sdap")
+    with pytest.raises(ConfigError, match=r"unknown KV cache 'pagd'.*did you mean 'paged'"):
+        registry.get("pagd", KV_CACHE)
+    with pytest.raises(ConfigError, match=r"unknown sampler 'defualt'.*did you mean 'default'"):
+        registry.get("defualt", SAMPLER)
 
 
 def test_unavailable_backend_reports_reason(with_plugin):
     cls = make_backend("never", availability=classmethod(lambda cls: "needs a quantum computer"))
-    reg = with_plugin(plugin_registering(cls), "never-plugin")
+    reg = with_plugin(make_plugin(backends=[cls]), "never-plugin")
     with pytest.raises(BackendUnavailableError, match="backend 'never' is unavailable: needs a quantum computer"):
         reg.create("never")
     assert reg.get("never") not in reg.available()
 
 
+def test_unavailable_kv_cache_and_sampler_report_reasons(with_plugin, random_model):
+    never = classmethod(lambda cls: "needs a quantum computer")
+    plugin = make_plugin(
+        kv_caches=[make_cache("qcache", availability=never), make_cache("fp64only", capabilities=CacheCapabilities(
+            devices=frozenset({"cpu"}), dtypes=frozenset({torch.float64})))],
+        samplers=[make_sampler("qsampler", availability=never)],
+    )
+    reg = with_plugin(plugin, "never-plugin")
+    with pytest.raises(BackendUnavailableError, match="KV cache 'qcache' is unavailable: needs a quantum computer"):
+        reg.create_cache("qcache", SPEC)
+    with pytest.raises(BackendUnavailableError, match=r"KV cache 'fp64only' cannot hold .*dtype float32 not supp"):
+        reg.create_cache("fp64only", SPEC)
+    with pytest.raises(BackendUnavailableError, match="sampler 'qsampler' is unavailable: needs a quantum computer"):
+        reg.create_sampler("qsampler")
+    for name in ("qcache", "fp64only"):  # the engine says why too
+        with pytest.raises(BackendUnavailableError, match=f"'{name}': (needs a quantum computer|dtype float32)"):
+            Engine(random_model, None, EngineConfig(backend="sdpa", kv_cache=name), registry=reg)
+
+
+# -- selection by the engine -----------------------------------------------------------------------------
+def test_cache_layout_the_backend_cannot_read_is_refused(with_plugin, random_model):
+    reg = with_plugin(make_plugin(kv_caches=[RingCache]), "ring-plugin")
+    for backend in ("sdpa", "naive", "paged"):
+        with pytest.raises(ConfigError, match=rf"KV cache 'ring' has layout 'ring', which backend '{backend}' cannot"):
+            Engine(random_model, None, EngineConfig(backend=backend, kv_cache="ring"), registry=reg)
+    with pytest.raises(ConfigError, match=r"KV cache 'int8' has layout 'paged', which backend 'sdpa' cannot read"):
+        Engine(random_model, None, EngineConfig(backend="sdpa", kv_cache="int8"), registry=reg)
+    split = EngineConfig(prefill_backend="naive", decode_backend="sdpa", kv_cache="paged")
+    with pytest.raises(ConfigError, match=r"layout 'paged', which backends 'naive' and 'sdpa' cannot read"):
+        Engine(random_model, None, split, registry=reg)
+    # with no backend named, none reads it: the error names the cache
+    with pytest.raises(BackendUnavailableError, match="no registered backend that reads the 'ring' KV cache"):
+        Engine(random_model, None, EngineConfig(kv_cache="ring"), registry=reg)
+
+
+def test_auto_selection_for_the_int8_cache_picks_a_paged_reader(registry, random_model):
+    engine = Engine(random_model, None, EngineConfig(kv_cache="int8", max_model_len=64), registry=registry)
+    for backend in (engine.prefill_backend, engine.decode_backend):
+        assert "paged" in backend.capabilities.kv_layouts and backend.availability() is None
+    assert type(engine.cache) is Int8KVCache
+    res = engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=4, ignore_eos=True))[0]
+    assert len(res.token_ids) == 4 and engine.cache.k_pool.dtype == torch.int8
+
+
 def test_backend_options_reach_constructor_and_unknown_ones_fail(with_plugin):
     class WithOpts(make_backend("opts")):
-        def __init__(self, window: int = 4):
+        def __init__(self, window: int = 4, **options):
+            super().__init__(**options)
             self.window = window
 
-    reg = with_plugin(plugin_registering(WithOpts), "opts-plugin")
+    reg = with_plugin(make_plugin(backends=[WithOpts]), "opts-plugin")
     assert reg.create("opts", {"window": 9}).window == 9
-    with pytest.raises(ConfigError, match="takes no options"):
+    with pytest.raises(ConfigError, match="got unknown options"):
         reg.create("sdpa", {"window": 9})
+    with pytest.raises(ConfigError, match="got: size"):
+        reg.create("opts", {"window": 9, "size": 1})
+
+
+def test_kv_cache_and_sampler_options_reach_constructors_and_unknown_ones_fail(with_plugin, random_model):
+    reg = with_plugin(make_plugin(kv_caches=[TaggedCache], samplers=[ConstantSampler]), "opts-plugin")
+    assert reg.create_cache("tagged", SPEC, {"tag": "red"}).tag == "red"
+    assert reg.create_sampler("constant", {"token": 3}).token == 3
+    engine = Engine(
+        random_model, None, EngineConfig(kv_cache="paged", kv_cache_options={"paged": {"block_size": 8}}), registry=reg
+    )
+    assert engine.cache.block_size == 8 and engine.kv.blocks.block_size == 8  # a built-in cache's option
+    bad = [
+        ("KV cache 'tagged'.*colour", dict(kv_cache="tagged", kv_cache_options={"tagged": {"colour": 1}})),
+        ("KV cache 'paged'.*blocksize", dict(kv_cache="paged", kv_cache_options={"paged": {"blocksize": 8}})),
+        ("sampler 'constant'.*tokn", dict(sampler="constant", sampler_options={"constant": {"tokn": 3}})),
+        ("sampler 'default'.*colour", dict(sampler_options={"default": {"colour": "red"}})),
+    ]
+    for match, cfg in bad:
+        with pytest.raises(ConfigError, match=match):
+            Engine(random_model, None, EngineConfig(**cfg), registry=reg)
+
+
+class _StrictBackend(make_backend("strict")):
+    def __init__(self, window: int = 4):
+        self.window = window
+
+
+class _StrictCache(ContiguousKVCache):
+    name = "strict"
+
+    def __init__(self, spec, tag: str = ""):
+        super().__init__(spec)
+
+
+class _StrictSampler(ConstantSampler):
+    name = "strict"
+
+    def __init__(self, token: int = 0):
+        self.token = token
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=[k.key for k in KINDS])
+def test_unknown_option_of_a_class_with_named_keywords_is_a_config_error(with_plugin, kind):
+    cls = {BACKEND: _StrictBackend, KV_CACHE: _StrictCache, SAMPLER: _StrictSampler}[kind]
+    reg = with_plugin(_plugin_of(kind, cls), "strict-plugin")
+    create = {
+        BACKEND: lambda opts: reg.create("strict", opts),
+        KV_CACHE: lambda opts: reg.create_cache("strict", SPEC, opts),
+        SAMPLER: lambda opts: reg.create_sampler("strict", opts),
+    }[kind]
+    with pytest.raises(ConfigError, match="'strict'.*wrong_name"):
+        create({"wrong_name": 1})
 
 
 def test_plugin_receives_its_own_config_table(with_plugin):
     received = {}
-    plugin = plugin_registering(make_backend("cfg"))
+    plugin = make_plugin(backends=[make_backend("cfg")])
 
     @hookimpl
     def kvcore_configure(options):
@@ -144,6 +424,7 @@ def test_plugin_receives_its_own_config_table(with_plugin):
         reg.configure({"nope": {}})
 
 
+# -- discovery ---------------------------------------------------------------------------------------------
 class FakeEntryPoint:
     def __init__(self, name, obj=None, error=None):
         self.name, self._obj, self._error = name, obj, error
@@ -155,8 +436,8 @@ class FakeEntryPoint:
 
 
 def test_entry_points_allowlist_and_import_failure(monkeypatch):
-    good = plugin_registering(make_backend("good"))
-    other = plugin_registering(make_backend("other"))
+    good = make_plugin(backends=[make_backend("good")], kv_caches=[TaggedCache], samplers=[ConstantSampler])
+    other = make_plugin(backends=[make_backend("other")])
     eps = [
         FakeEntryPoint("good-plugin", good),
         FakeEntryPoint("other-plugin", other),
@@ -166,48 +447,59 @@ def test_entry_points_allowlist_and_import_failure(monkeypatch):
 
     monkeypatch.delenv("KVCORE_LOAD_PLUGINS", raising=False)
     with pytest.warns(RuntimeWarning, match="plugin 'bad-plugin' failed to load"):
-        reg = BackendRegistry()
+        reg = PluginRegistry()
         names = set(reg.backends)
     assert {"good", "other", "naive"} <= names
+    assert reg.get("tagged", KV_CACHE).plugin == reg.get("constant", SAMPLER).plugin == "good-plugin"
 
     monkeypatch.setenv("KVCORE_LOAD_PLUGINS", "good-plugin")
-    assert {"good", "naive"} <= set(BackendRegistry().backends)
-    assert "other" not in BackendRegistry().backends
+    assert {"good", "naive"} <= set(PluginRegistry().backends)
+    assert "other" not in PluginRegistry().backends
 
     monkeypatch.setenv("KVCORE_LOAD_PLUGINS", "")
-    assert not {"good", "other"} & set(BackendRegistry().backends)
+    empty = PluginRegistry()
+    assert not {"good", "other"} & set(empty.backends)
+    assert "tagged" not in empty.kv_caches and "constant" not in empty.samplers
 
 
 def test_plugins_load_lazily():
-    reg = BackendRegistry(load_entrypoints=False)
+    reg = PluginRegistry(load_entrypoints=False)
     assert reg.pm.get_plugins() == set()
     reg.get("naive")
     assert reg.pm.get_plugins()
 
 
 def test_hooks_are_documented_in_readme():
+    """Every hookspec appears in README.md with its signature, e.g. `kvcore_register_backends(register)`."""
     from pathlib import Path
 
     from kvcore import hookspecs
 
     readme = (Path(__file__).parents[1] / "README.md").read_text()
-    hooks = [n for n in dir(hookspecs) if n.startswith("kvcore_")]
-    assert hooks
-    for hook in hooks:
-        assert hook in readme, f"hook {hook} is not documented in README.md"
+    # what HookspecMarker("kvcore") marks, and so what the plugin manager knows
+    specs = {name: fn for name, fn in vars(hookspecs).items() if callable(fn) and hasattr(fn, "kvcore_spec")}
+    known = {name for name in dir(PluginRegistry(load_entrypoints=False).pm.hook) if name.startswith("kvcore_")}
+    assert set(specs) == known
+    assert {"kvcore_register_backends", "kvcore_register_kv_caches", "kvcore_register_samplers"} <= set(specs)
+    assert {kind.hook for kind in KINDS} <= set(specs)
+    missing = []
+    for name, fn in sorted(specs.items()):
+        assert name in hookspecs.__all__ and inspect.getdoc(fn), f"hook {name} is not exported or has no docstring"
+        signature = f"{name}({', '.join(inspect.signature(fn).parameters)})"
+        if f"`{signature}`" not in readme:
+            missing.append(signature)
+    assert not missing, f"hooks not documented in README.md (as `name(args)`): {', '.join(missing)}"
 
 
 def test_backend_refuses_unsupported_dtype_and_head_size(with_plugin, random_model):
-    from kvcore import Engine, EngineConfig
-
     narrow = make_backend(
         "narrow",
         capabilities=BackendCapabilities(
-            devices=frozenset({"cpu"}), dtypes=frozenset({torch.float32}), cache_kinds=("contiguous",),
+            devices=frozenset({"cpu"}), dtypes=frozenset({torch.float32}), kv_layouts=("contiguous",),
             head_dims=frozenset({64, 128}),
         ),
     )
-    reg = with_plugin(plugin_registering(narrow), "narrow-plugin")
+    reg = with_plugin(make_plugin(backends=[narrow]), "narrow-plugin")
     with pytest.raises(BackendUnavailableError, match=r"cannot run this model here: head_dim 16 not supported"):
         Engine(random_model, None, EngineConfig(backend="narrow"), registry=reg)
     bf16 = random_model.to(torch.bfloat16)
