@@ -80,9 +80,10 @@ class PagedKVCache(KVCache):
         self.v_pool[layer_idx].view(-1, h_kv, d).index_copy_(0, meta.slot_mapping, v.to(self.v_pool.dtype))
 
     def gather_blocks(self, layer_idx: int, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of blocks ``block_ids`` (``[n]`` int64), each ``[n, block_size, H_kv, D]`` in the model
-        dtype (a copy). ``index_select`` over rows of ``block_size·H_kv·D``: on CPU several times faster
-        than advanced indexing of the 5-D pool."""
+        """K and V of blocks ``block_ids`` (``[n]`` int64), each ``[n, block_size, H_kv, D]`` (a copy): the
+        layout-"paged" contract. Here the pool's own rows (the model dtype); a cache storing a narrower type
+        overrides it to return floating values the backend casts to its compute dtype. ``index_select``
+        over rows of ``block_size·H_kv·D``: on CPU several times faster than advanced indexing of the pool."""
         shape = (-1, self.block_size, self.spec.num_kv_heads, self.spec.head_dim)
         k = self.k_pool[layer_idx].view(self.num_blocks, -1).index_select(0, block_ids).view(shape)
         v = self.v_pool[layer_idx].view(self.num_blocks, -1).index_select(0, block_ids).view(shape)

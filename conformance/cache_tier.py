@@ -9,21 +9,19 @@ prefilled in two chunks, the second continuing the cache, then batched decode).
 
 from __future__ import annotations
 
-import time
-import traceback
-
 import torch
 
 from kvcore.conformance.compare import compare
 from kvcore.conformance.driver import cache_spec, forward_logits
 from kvcore.conformance.model_cases import ModelCase, skip_reasons, tier_models
-from kvcore.conformance.results import FAIL, PASS, SKIP, CaseResult
+from kvcore.conformance.models import get_model
+from kvcore.conformance.results import FAIL, CaseResult
 from kvcore.conformance.settings import SuiteConfig
 from kvcore.conformance.target import Target
 from kvcore.conformance.tolerances import cache_tolerance, tie_rule
 from kvcore.kv_manager import KVCacheManager
 
-__all__ = ["NAME", "cases", "run_case"]
+__all__ = ["NAME", "cases", "tolerance", "skip_reasons", "check"]
 
 NAME = "cache"
 TITLE = "Cache consistency: cached decode vs full recomputation"
@@ -44,23 +42,12 @@ def cases(target: Target, cfg: SuiteConfig) -> list[ModelCase]:
     return out
 
 
-def run_case(target: Target, case: ModelCase, cfg: SuiteConfig) -> CaseResult:
-    start = time.perf_counter()
-    tol = cache_tolerance(cfg.dtype)
-    result = CaseResult(tier=NAME, case=case.id, status=PASS, tolerance=str(tol))
-    cm, reasons = skip_reasons(target, case, cfg)
-    if reasons:
-        result.status, result.detail = SKIP, "; ".join(reasons)
-        return result
-    try:
-        _run(target, cm, case, cfg, result)
-    except Exception as exc:
-        result.status = FAIL
-        tb = traceback.format_exception(type(exc), exc, exc.__traceback__)
-        result.detail = f"{result.info.get('where', 'setup')}: raised {type(exc).__name__}: {exc}"
-        result.info["traceback"] = "".join(tb[-6:])
-    result.seconds = time.perf_counter() - start
-    return result
+def tolerance(target: Target, case: ModelCase, cfg: SuiteConfig) -> str:
+    return str(cache_tolerance(cfg.dtype))
+
+
+def check(target: Target, case: ModelCase, cfg: SuiteConfig, result: CaseResult) -> None:
+    _run(target, get_model(case.model, cfg.dtype, cfg.device), case, cfg, result)
 
 
 def _run(target: Target, cm, case: ModelCase, cfg: SuiteConfig, result: CaseResult) -> None:
@@ -124,10 +111,8 @@ def _run(target: Target, cm, case: ModelCase, cfg: SuiteConfig, result: CaseResu
                 f"{top_c} vs recomputed {top_f} (recomputed top-2 gap {gap:.3g})"
             )
             result.info.update(step=step, seq=b, position=pos, top1_cached=top_c, top1_recomputed=top_f)
-            result.info.pop("where", None)
             return
     result.max_err = worst
-    result.info.pop("where", None)
     result.detail = (
         f"model {case.model}: {B} seq(s), prefill + {case.steps} decode steps, every step matches "
         f"recomputation: max |err| {worst:.3g} ({tol})"

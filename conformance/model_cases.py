@@ -33,16 +33,16 @@ def tier_models(cfg: SuiteConfig, first_only_when_quick: bool) -> tuple[str, ...
     return cfg.models[:1] if (cfg.quick and first_only_when_quick) else cfg.models
 
 
-def skip_reasons(target: Target, case: ModelCase, cfg: SuiteConfig):
-    """``(model or None, reasons)``: reasons the case cannot run (model missing, capability not declared)."""
+def skip_reasons(target: Target, case: ModelCase, cfg: SuiteConfig) -> list[str]:
+    """Reasons the case cannot run (model missing, capability not declared)."""
     try:
         cm = get_model(case.model, cfg.dtype, cfg.device)
     except KVCoreError as exc:
-        return None, [f"model '{case.model}' unavailable: {exc}"]
+        return [f"model '{case.model}' unavailable: {exc}"]
     caps = target.capabilities
     reasons = caps.reasons_unsupported(device=cfg.torch_device, dtype=cfg.dtype, **cm.shape_kwargs())
     if not caps.supports_prefill:
         reasons.append("backend declares no prefill support")
     if not caps.supports_decode:
         reasons.append("backend declares no decode support")
-    return cm, reasons
+    return reasons

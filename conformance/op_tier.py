@@ -8,23 +8,20 @@ script, every sequence's cached K/V (``cache.read``) must equal what was written
 
 from __future__ import annotations
 
-import time
-import traceback
-
 import torch
 
 from kvcore.backends.contiguous import ContiguousKVCache
 from kvcore.backends.naive import NaiveBackend
 from kvcore.conformance.cases import BLOCK_SIZE, NUM_LAYERS, OpCase, op_cases
 from kvcore.conformance.compare import compare
-from kvcore.conformance.results import FAIL, PASS, SKIP, CaseResult
+from kvcore.conformance.results import FAIL, CaseResult
 from kvcore.conformance.settings import SuiteConfig
 from kvcore.conformance.target import Target
 from kvcore.conformance.tolerances import op_tolerance
 from kvcore.kv_cache import CacheSpec
 from kvcore.kv_manager import KVCacheManager
 
-__all__ = ["NAME", "cases", "run_case"]
+__all__ = ["NAME", "cases", "tolerance", "skip_reasons", "check"]
 
 NAME = "op"
 TITLE = "Op level: attention output vs the reference"
@@ -37,7 +34,7 @@ def cases(target: Target, cfg: SuiteConfig) -> list[OpCase]:
     return op_cases(cfg.quick, target.cache_names())
 
 
-def _skip_reasons(target: Target, case: OpCase, cfg: SuiteConfig) -> list[str]:
+def skip_reasons(target: Target, case: OpCase, cfg: SuiteConfig) -> list[str]:
     caps = target.capabilities
     reasons = caps.reasons_unsupported(
         device=cfg.torch_device,
@@ -100,24 +97,13 @@ def _roundoff(target: Target, case: OpCase) -> float:
     return target.cache_class(_cache_name(target, case)).capabilities.unit_roundoff or 0.0
 
 
-def run_case(target: Target, case: OpCase, cfg: SuiteConfig) -> CaseResult:
-    start = time.perf_counter()
-    tol = op_tolerance(cfg.dtype, _roundoff(target, case))
-    result = CaseResult(tier=NAME, case=case.id, status=PASS, tolerance=str(tol), info={"shapes": case.shapes()})
-    reasons = _skip_reasons(target, case, cfg)
-    if reasons:
-        result.status, result.detail = SKIP, "; ".join(reasons)
-        return result
-    try:
-        _run(target, case, cfg, result)
-    except Exception as exc:  # a backend crash is a failure with its location, not a suite crash
-        result.status = FAIL
-        where = result.info.get("where", "setup")
-        tb = traceback.format_exception(type(exc), exc, exc.__traceback__)
-        result.detail = f"{where}: raised {type(exc).__name__}: {exc}"
-        result.info["traceback"] = "".join(tb[-6:])
-    result.seconds = time.perf_counter() - start
-    return result
+def tolerance(target: Target, case: OpCase, cfg: SuiteConfig) -> str:
+    return str(op_tolerance(cfg.dtype, _roundoff(target, case)))
+
+
+def check(target: Target, case: OpCase, cfg: SuiteConfig, result: CaseResult) -> None:
+    result.info["shapes"] = case.shapes()
+    _run(target, case, cfg, result)
 
 
 @torch.inference_mode()
@@ -232,5 +218,4 @@ def _run(target: Target, case: OpCase, cfg: SuiteConfig, result: CaseResult) -> 
                     )
                     result.info.update(layer=layer, seq=i, position=pos)
                     return
-    result.info.pop("where", None)
     result.detail = f"{len(calls)} calls x {NUM_LAYERS} layers, max |err| {worst:.3g} ({tol})"

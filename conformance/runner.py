@@ -5,6 +5,7 @@ from __future__ import annotations
 import platform
 import sys
 import time
+import traceback
 from collections.abc import Callable
 from types import ModuleType
 
@@ -12,7 +13,7 @@ import torch
 
 from kvcore.attention import AttentionBackend
 from kvcore.conformance import cache_tier, op_tier, sampling_tier, stream_tier
-from kvcore.conformance.results import CaseResult, SuiteReport
+from kvcore.conformance.results import FAIL, PASS, SKIP, CaseResult, SuiteReport
 from kvcore.conformance.settings import SuiteConfig
 from kvcore.conformance.target import Target, resolve_target
 from kvcore.plugins import PluginRegistry
@@ -34,7 +35,28 @@ def tier_cases(target: Target, tier: str, cfg: SuiteConfig) -> list:
 
 
 def run_case(target: Target, tier: str, case, cfg: SuiteConfig) -> CaseResult:
-    return TIER_MODULES[tier].run_case(target, case, cfg)
+    """Run one case of ``tier``: the one runner every tier shares. A tier module provides
+    ``tolerance(target, case, cfg) -> str``, ``skip_reasons(target, case, cfg) -> list[str]`` (a case
+    outside the declared capabilities is skipped with the reasons) and ``check(target, case, cfg, result)``,
+    which sets ``result`` (``info["where"]`` says what it was doing). An exception is a failure with its
+    location and traceback, never a suite crash."""
+    module = TIER_MODULES[tier]
+    start = time.perf_counter()
+    result = CaseResult(tier=tier, case=case.id, status=PASS, tolerance=module.tolerance(target, case, cfg))
+    try:
+        reasons = module.skip_reasons(target, case, cfg)
+        if reasons:
+            result.status, result.detail = SKIP, "; ".join(reasons)
+        else:
+            module.check(target, case, cfg, result)
+    except Exception as exc:
+        result.status = FAIL
+        tb = traceback.format_exception(type(exc), exc, exc.__traceback__)
+        result.detail = f"{result.info.get('where', 'setup')}: raised {type(exc).__name__}: {exc}"
+        result.info["traceback"] = "".join(tb[-6:])
+    result.info.pop("where", None)
+    result.seconds = time.perf_counter() - start
+    return result
 
 
 def stderr_progress(tier: str, index: int, total: int, case, result: CaseResult | None) -> None:

@@ -7,19 +7,18 @@ the same streams. Sampling: temperature 0.8, top-k 50, top-p 0.95.
 
 from __future__ import annotations
 
-import time
-import traceback
-
 from kvcore.conformance.driver import run_engine
-from kvcore.conformance.model_cases import ModelCase, skip_reasons, tier_models
-from kvcore.conformance.results import FAIL, PASS, SKIP, CaseResult
+from kvcore.conformance.model_cases import ModelCase, tier_models
+from kvcore.conformance.model_cases import skip_reasons as model_skip_reasons
+from kvcore.conformance.models import get_model
+from kvcore.conformance.results import FAIL, CaseResult
 from kvcore.conformance.settings import SuiteConfig
 from kvcore.conformance.stream_tier import compare_streams, reference_streams
 from kvcore.conformance.target import Target
 from kvcore.conformance.tolerances import TieRule
 from kvcore.sampling import SamplingParams
 
-__all__ = ["NAME", "cases", "run_case"]
+__all__ = ["NAME", "cases", "tolerance", "skip_reasons", "check"]
 
 NAME = "sampling"
 TITLE = "Sampling: seeded streams reproducible and equal across backends"
@@ -48,52 +47,45 @@ def sampled_params(n: int) -> list[SamplingParams]:
     ]
 
 
-def run_case(target: Target, case: ModelCase, cfg: SuiteConfig) -> CaseResult:
-    start = time.perf_counter()
-    result = CaseResult(tier=NAME, case=case.id, status=PASS, tolerance="exact")
-    cm, reasons = skip_reasons(target, case, cfg)
+def tolerance(target: Target, case: ModelCase, cfg: SuiteConfig) -> str:
+    return "exact"
+
+
+def skip_reasons(target: Target, case: ModelCase, cfg: SuiteConfig) -> list[str]:
+    reasons = model_skip_reasons(target, case, cfg)
     if case.variant == "vs-reference" and cfg.dtype_name != "float32":
-        reasons = reasons + [f"sampled streams are compared across backends in float32 only (got {cfg.dtype_name})"]
+        reasons.append(f"sampled streams are compared across backends in float32 only (got {cfg.dtype_name})")
     if case.variant == "vs-reference" and target.unit_roundoff:
-        reasons = reasons + ["sampled streams over a lossy KV cache are not compared with the lossless reference "
-                             "(the stream tier compares its greedy streams tie-aware)"]
-    if reasons:
-        result.status, result.detail = SKIP, "; ".join(reasons)
-        return result
-    try:
-        prompts = list(cm.prompts[:2])
-        params = sampled_params(case.steps)
-        result.info.update(model=case.model, seeds=list(SEEDS), new_tokens=case.steps)
-        first = run_engine(target, cm, prompts, params, cfg)
-        if case.variant == "repeat":
-            second = run_engine(target, cm, prompts, params, cfg)
-            other, what = second, "a second run with the same seeds"
-        else:
-            other = reference_streams(cm, ("sampled", case.steps), prompts, params, cfg, target)
-            what = "the reference backend with the same seeds"
-        for i, (a, b) in enumerate(zip(other, first)):
-            c = compare_streams(a, b, _EXACT)
-            if c["equal"]:
-                continue
-            result.status = FAIL
-            if "ref_token" not in c:
-                result.detail = f"model {case.model}, seed {SEEDS[i]}: {c['why']}"
-                break
-            result.detail = (
-                f"model {case.model}, seed {SEEDS[i]}: the sampled stream differs from {what} at step {c['step']}: "
-                f"expected token {c['ref_token']}, got {c['got_token']} (logit gap {c['ref_margin']:.4g} vs "
-                f"{c['got_margin']:.4g}); expected {a.tokens[: c['step'] + 1]}, got {b.tokens[: c['step'] + 1]}"
-            )
-            result.info.update(seed=SEEDS[i], **{k: v for k, v in c.items() if k != "equal"})
-            break
-        else:
-            result.detail = (
-                f"model {case.model}: {len(SEEDS)} seeded streams of {case.steps} tokens identical to {what}"
-            )
-    except Exception as exc:
+        reasons.append("sampled streams over a lossy KV cache are not compared with the lossless reference "
+                       "(the stream tier compares its greedy streams tie-aware)")
+    return reasons
+
+
+def check(target: Target, case: ModelCase, cfg: SuiteConfig, result: CaseResult) -> None:
+    cm = get_model(case.model, cfg.dtype, cfg.device)
+    prompts = list(cm.prompts[:2])
+    params = sampled_params(case.steps)
+    result.info.update(model=case.model, seeds=list(SEEDS), new_tokens=case.steps)
+    result.info["where"] = f"model {case.model}: generation"
+    first = run_engine(target, cm, prompts, params, cfg)
+    if case.variant == "repeat":
+        other, what = run_engine(target, cm, prompts, params, cfg), "a second run with the same seeds"
+    else:
+        other = reference_streams(cm, ("sampled", case.steps), prompts, params, cfg, target)
+        what = "the reference backend with the same seeds"
+    for i, (a, b) in enumerate(zip(other, first)):
+        c = compare_streams(a, b, _EXACT)
+        if c["equal"]:
+            continue
         result.status = FAIL
-        tb = traceback.format_exception(type(exc), exc, exc.__traceback__)
-        result.detail = f"model {case.model}: generation raised {type(exc).__name__}: {exc}"
-        result.info["traceback"] = "".join(tb[-6:])
-    result.seconds = time.perf_counter() - start
-    return result
+        if "ref_token" not in c:
+            result.detail = f"model {case.model}, seed {SEEDS[i]}: {c['why']}"
+            return
+        result.detail = (
+            f"model {case.model}, seed {SEEDS[i]}: the sampled stream differs from {what} at step {c['step']}: "
+            f"expected token {c['ref_token']}, got {c['got_token']} (logit gap {c['ref_margin']:.4g} vs "
+            f"{c['got_margin']:.4g}); expected {a.tokens[: c['step'] + 1]}, got {b.tokens[: c['step'] + 1]}"
+        )
+        result.info.update(seed=SEEDS[i], **{k: v for k, v in c.items() if k != "equal"})
+        return
+    result.detail = f"model {case.model}: {len(SEEDS)} seeded streams of {case.steps} tokens identical to {what}"

@@ -9,20 +9,18 @@ there. Variants: ``single-<i>`` (prompt ``i`` alone) and ``batch`` (all prompts,
 
 from __future__ import annotations
 
-import time
-import traceback
-
 import torch
 
 from kvcore.conformance.driver import Stream, run_engine
 from kvcore.conformance.model_cases import ModelCase, skip_reasons, tier_models
-from kvcore.conformance.results import FAIL, PASS, SKIP, CaseResult
+from kvcore.conformance.models import get_model
+from kvcore.conformance.results import FAIL, CaseResult
 from kvcore.conformance.settings import SuiteConfig
 from kvcore.conformance.target import Target, reference_target
 from kvcore.conformance.tolerances import TieRule, tie_rule
 from kvcore.sampling import SamplingParams
 
-__all__ = ["NAME", "cases", "run_case", "compare_streams", "reference_streams"]
+__all__ = ["NAME", "cases", "tolerance", "skip_reasons", "check", "compare_streams", "reference_streams"]
 
 NAME = "stream"
 TITLE = "Token streams: greedy generation vs the reference backend"
@@ -65,28 +63,19 @@ def reference_streams(cm, case_key: tuple, prompts, params, cfg: SuiteConfig, ta
     return _REFERENCE_CACHE[key]
 
 
-def run_case(target: Target, case: ModelCase, cfg: SuiteConfig) -> CaseResult:
-    start = time.perf_counter()
-    rule = tie_rule(cfg.dtype, target.unit_roundoff)
-    result = CaseResult(tier=NAME, case=case.id, status=PASS, tolerance=str(rule))
-    cm, reasons = skip_reasons(target, case, cfg)
-    if reasons:
-        result.status, result.detail = SKIP, "; ".join(reasons)
-        return result
-    try:
-        prompts = _prompts(cm, case)
-        params = greedy_params(case.steps, len(prompts))
-        result.info.update(model=case.model, prompt_lens=[len(p) for p in prompts], new_tokens=case.steps)
-        ref = reference_streams(cm, ("greedy", case.variant, case.steps), prompts, params, cfg, target)
-        got = run_engine(target, cm, prompts, params, cfg)
-        _judge(result, case, prompts, ref, got, rule)
-    except Exception as exc:
-        result.status = FAIL
-        tb = traceback.format_exception(type(exc), exc, exc.__traceback__)
-        result.detail = f"model {case.model}: generation raised {type(exc).__name__}: {exc}"
-        result.info["traceback"] = "".join(tb[-6:])
-    result.seconds = time.perf_counter() - start
-    return result
+def tolerance(target: Target, case: ModelCase, cfg: SuiteConfig) -> str:
+    return str(tie_rule(cfg.dtype, target.unit_roundoff))
+
+
+def check(target: Target, case: ModelCase, cfg: SuiteConfig, result: CaseResult) -> None:
+    cm = get_model(case.model, cfg.dtype, cfg.device)
+    prompts = _prompts(cm, case)
+    params = greedy_params(case.steps, len(prompts))
+    result.info.update(model=case.model, prompt_lens=[len(p) for p in prompts], new_tokens=case.steps)
+    result.info["where"] = f"model {case.model}: generation"
+    ref = reference_streams(cm, ("greedy", case.variant, case.steps), prompts, params, cfg, target)
+    got = run_engine(target, cm, prompts, params, cfg)
+    _judge(result, case, prompts, ref, got, tie_rule(cfg.dtype, target.unit_roundoff))
 
 
 def _top(logits: torch.Tensor, k: int = 5) -> list[tuple[int, float]]:
