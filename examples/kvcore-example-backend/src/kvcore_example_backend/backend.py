@@ -15,9 +15,16 @@ Chunks that lie wholly in every query's future are never read. GQA: query head `
 ``h // (H / H_kv)``; the group's query heads are stacked as rows of one matmul per KV head, so K/V
 are never repeated.
 
-It reads two cache layouts, both built into kvcore: ``contiguous`` (preferred) and ``paged``
-(through the sequence's block table). The small methods below are the seams a subclass (or a
-test planting a bug) can override.
+It reads two KV-cache layouts (``BackendCapabilities.kv_layouts``), preferring the first:
+
+* ``contiguous``: ``cache.k[layer, slot, :, :seq_len]``, a view (no copy) of the sequence's slot, the
+  slot being the first (only) entry of its block table;
+* ``paged``: only through ``cache.gather_blocks(layer, block_ids)``, so every layout-"paged" cache
+  serves it unchanged, whatever it stores (``paged``, ``int8``, this package's ``example_fp16``).
+
+The backend keeps no per-call plan of its own: :meth:`~kvcore.AttentionBackend.plan` returns the
+:class:`~kvcore.AttentionMetadata` itself. The small methods below are the seams a subclass (or a test
+planting a bug) can override.
 """
 
 from __future__ import annotations
@@ -29,15 +36,17 @@ import torch
 from kvcore import AttentionBackend, AttentionMetadata, BackendCapabilities, KVCache
 from kvcore.errors import ConfigError
 
+__all__ = ["ChunkedAttentionBackend"]
 
-class ChunkedAttentionBackend(AttentionBackend):
+
+class ChunkedAttentionBackend(AttentionBackend[AttentionMetadata]):
     name = "example_chunked"
     description = "example plugin: chunked-KV online-softmax attention (plain PyTorch)"
     priority = -10  # never picked automatically over the built-ins
     capabilities = BackendCapabilities(
         devices=frozenset({"cpu", "cuda"}),
         dtypes=frozenset({torch.float32, torch.bfloat16, torch.float16}),
-        cache_kinds=("contiguous", "paged"),
+        kv_layouts=("contiguous", "paged"),
         max_head_dim=256,
     )
 
@@ -52,22 +61,29 @@ class ChunkedAttentionBackend(AttentionBackend):
         return meta.scale
 
     def write_kv(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, cache: KVCache, meta: AttentionMetadata):
-        """Append this call's K/V (the cache knows where: positions, slots, slot mapping)."""
+        """Store this call's K/V; the cache knows where (``meta.slot_mapping``)."""
         cache.write(layer_idx, k, v, meta)
 
-    def sequence_kv(self, layer_idx: int, cache: KVCache, meta: AttentionMetadata, i: int, seq_len: int):
+    def sequence_kv(
+        self, layer_idx: int, cache: KVCache, meta: AttentionMetadata, i: int, seq_len: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of the ``i``-th sequence of the call, ``[H_kv, seq_len, D]`` each."""
-        if cache.kind == "contiguous":
-            slot = meta.cache_meta.slots[i]
+        table = self.physical_blocks(meta.block_tables[i])
+        if cache.layout == "contiguous":
+            slot = table[0]  # a per-sequence layout: the one block is the sequence's slot
             return cache.k[layer_idx, slot, :, :seq_len], cache.v[layer_idx, slot, :, :seq_len]
-        if cache.kind == "paged":
-            table = self.physical_blocks(meta.cache_meta.tables[i])
-            idx = torch.as_tensor(table, dtype=torch.long, device=cache.k_pool.device)
-            h_kv, d = cache.spec.num_kv_heads, cache.spec.head_dim
-            k = cache.k_pool[layer_idx][idx].reshape(-1, h_kv, d)[:seq_len].transpose(0, 1)
-            v = cache.v_pool[layer_idx][idx].reshape(-1, h_kv, d)[:seq_len].transpose(0, 1)
+        if cache.layout == "paged":
+            num_blocks = math.ceil(seq_len / cache.block_size)
+            ids = torch.tensor(table[:num_blocks], dtype=torch.long, device=meta.positions.device)
+            k, v = cache.gather_blocks(layer_idx, ids)  # [n, block_size, H_kv, D], in the model dtype
+            h_kv, d = k.shape[2], k.shape[3]
+            k = k.reshape(-1, h_kv, d)[:seq_len].transpose(0, 1)  # [H_kv, seq_len, D]
+            v = v.reshape(-1, h_kv, d)[:seq_len].transpose(0, 1)
             return k, v
-        raise ConfigError(f"backend 'example_chunked' cannot read a '{cache.kind}' KV cache")
+        raise ConfigError(
+            f"backend 'example_chunked' cannot read KV cache '{cache.name}' (layout '{cache.layout}'; "
+            f"reads: {', '.join(self.capabilities.kv_layouts)})"
+        )
 
     def physical_blocks(self, table: list[int]) -> list[int]:
         """Block-table entries → physical block ids (the identity here)."""
@@ -89,7 +105,15 @@ class ChunkedAttentionBackend(AttentionBackend):
         return o.reshape(num_heads, rows // (num_heads // h_kv), d).transpose(0, 1)
 
     # -- the algorithm -------------------------------------------------------------------------------
-    def forward(self, layer_idx, q, k, v, cache, meta):
+    def forward(
+        self,
+        layer_idx: int,
+        q: torch.Tensor,  # [T, H, D]
+        k: torch.Tensor,  # [T, H_kv, D]
+        v: torch.Tensor,  # [T, H_kv, D]
+        cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
         self.write_kv(layer_idx, k, v, cache, meta)
         num_heads, head_dim = q.shape[1], q.shape[2]
         scale = self.softmax_scale(meta, head_dim)
@@ -104,6 +128,7 @@ class ChunkedAttentionBackend(AttentionBackend):
         return out
 
     def _attend(self, qg, keys, values, ctx: int, n: int, scale: float) -> torch.Tensor:
+        """``qg`` ``[H_kv, G·n, D]`` float32 over ``keys``/``values`` ``[H_kv, S, D]`` → ``[H_kv, G·n, D]``."""
         h_kv, rows, d = qg.shape
         device = qg.device
         group = rows // n
