@@ -65,7 +65,29 @@ def build_parser() -> argparse.ArgumentParser:
         add_bench = None
     if add_bench is not None:
         add_bench(sub)
+    _add_plugin_commands(sub)
     return parser
+
+
+def _add_plugin_commands(sub: argparse._SubParsersAction) -> None:
+    """Commands that plugins add through ``kvcore_register_commands`` (``kvcore bench`` from kvcore-bench)."""
+    from kvcore.plugins import get_registry
+
+    registry = get_registry()
+    registry.backends  # noqa: B018 - the registry loads its plugins on first use
+    for impl in registry.pm.hook.kvcore_register_commands.get_hookimpls():
+        names, helps = dict(sub.choices), list(sub._choices_actions)
+        try:
+            impl.function(subparsers=sub)
+        except Exception as exc:  # one broken plugin must not take the command line down
+            sub.choices.clear()  # drop what it added before raising: no half-made command
+            sub.choices.update(names)
+            sub._choices_actions[:] = helps
+            print(
+                f"kvcore: warning: plugin '{impl.plugin_name}' raised in kvcore_register_commands and was "
+                f"skipped: {type(exc).__name__}: {exc}",
+                file=sys.stderr,
+            )
 
 
 def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:

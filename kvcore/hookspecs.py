@@ -14,9 +14,18 @@ from typing import TYPE_CHECKING, Any, Protocol
 import pluggy
 
 if TYPE_CHECKING:
+    import argparse
+
     from kvcore.attention import AttentionBackend
 
-__all__ = ["hookspec", "hookimpl", "RegisterBackend", "kvcore_register_backends"]
+__all__ = [
+    "hookspec",
+    "hookimpl",
+    "RegisterBackend",
+    "kvcore_register_backends",
+    "kvcore_configure",
+    "kvcore_register_commands",
+]
 
 hookspec = pluggy.HookspecMarker("kvcore")
 hookimpl = pluggy.HookimplMarker("kvcore")
@@ -49,4 +58,21 @@ def kvcore_configure(options: dict[str, Any]) -> None:
     instead and reach the backend's constructor as keyword arguments.
 
     :param options: the plugin's own config table.
+    """
+
+
+@hookspec
+def kvcore_register_commands(subparsers: argparse._SubParsersAction) -> None:
+    """Add subcommands to the ``kvcore`` command line.
+
+    Call ``subparsers.add_parser(name, help=...)`` once per command, add its arguments, and set the
+    function that runs it with ``parser.set_defaults(func=run)``: ``run(args: argparse.Namespace) -> int``
+    gets the parsed arguments and returns the process exit code. Errors a user can trigger are
+    :class:`kvcore.errors.KVCoreError` subclasses: the CLI prints them as one line and exits with their
+    ``exit_code``. A name already taken (a built-in command or another plugin's) makes ``add_parser``
+    raise. A hook that raises is skipped with a one-line warning, the commands it added before raising
+    are removed, and the rest of the CLI keeps working. The hook runs every time ``kvcore`` starts:
+    import heavy packages inside ``run``, not at module import.
+
+    :param subparsers: the ``kvcore`` parser's subcommands, as returned by ``add_subparsers()``.
     """
