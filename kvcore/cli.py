@@ -59,12 +59,6 @@ def build_parser() -> argparse.ArgumentParser:
         add_conformance = None
     if add_conformance is not None:
         add_conformance(sub)
-    try:
-        from kvcore.bench import add_parser as add_bench
-    except ImportError:
-        add_bench = None
-    if add_bench is not None:
-        add_bench(sub)
     _add_plugin_commands(sub)
     return parser
 
