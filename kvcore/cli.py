@@ -59,12 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
         add_conformance = None
     if add_conformance is not None:
         add_conformance(sub)
-    _add_plugin_commands(sub)
-    return parser
-
-
-def _add_plugin_commands(sub: argparse._SubParsersAction) -> None:
-    """Commands that plugins add through ``kvcore_register_commands`` (``kvcore bench`` from kvcore-bench)."""
+    # Commands from plugins (kvcore_register_commands), e.g. `kvcore bench` from kvcore-bench. A hook that
+    # raises is skipped with one warning line, and what it added before raising is removed again.
     from kvcore.plugins import get_registry
 
     registry = get_registry()
@@ -73,15 +69,13 @@ def _add_plugin_commands(sub: argparse._SubParsersAction) -> None:
         names, helps = dict(sub.choices), list(sub._choices_actions)
         try:
             impl.function(subparsers=sub)
-        except Exception as exc:  # one broken plugin must not take the command line down
-            sub.choices.clear()  # drop what it added before raising: no half-made command
+        except Exception as exc:
+            sub.choices.clear()
             sub.choices.update(names)
             sub._choices_actions[:] = helps
-            print(
-                f"kvcore: warning: plugin '{impl.plugin_name}' raised in kvcore_register_commands and was "
-                f"skipped: {type(exc).__name__}: {exc}",
-                file=sys.stderr,
-            )
+            print(f"kvcore: warning: plugin '{impl.plugin_name}' raised in kvcore_register_commands and was "
+                  f"skipped: {type(exc).__name__}: {exc}", file=sys.stderr)
+    return parser
 
 
 def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
