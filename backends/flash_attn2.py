@@ -26,7 +26,7 @@ Paged KV caches are not supported: flash-attn 2's paged mode needs ``page_block_
 of 256 (see docs/gpu-backends.md).
 
 The kernels are reached through ``self.kernels`` — the ``flash_attn`` module, imported on first use.
-Tests pass ``kernels=kvcore.backends._emulation.FLASH_KERNELS`` to run this exact glue on CPU against
+Tests pass ``kernels=FLASH_KERNELS`` from ``tests/kernel_emulation.py`` to run this exact glue on CPU against
 emulations of the documented kernel semantics.
 """
 

@@ -24,7 +24,7 @@ Cache kinds: ``flash_contiguous`` (shared with ``flash_attn2``; ``[slots, S, H_k
 allows the zero-copy path) and ``contiguous`` (read through a transposed view, always gathered).
 
 The kernels are reached through ``self.kernels`` (xformers' ``memory_efficient_attention`` and the two
-bias classes), imported on first use; tests pass ``kernels=kvcore.backends._emulation.XFORMERS_KERNELS``.
+bias classes), imported on first use; tests pass ``kernels=XFORMERS_KERNELS`` from ``tests/kernel_emulation.py``.
 """
 
 from __future__ import annotations

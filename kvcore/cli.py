@@ -1,4 +1,4 @@
-"""The ``kvcore`` command line: generate, chat, backends (and conformance, bench)."""
+"""The ``kvcore`` command line: generate, chat, backends, plugins, conformance, and commands from plugins."""
 
 from __future__ import annotations
 
@@ -65,12 +65,22 @@ def build_parser() -> argparse.ArgumentParser:
         add_conformance = None
     if add_conformance is not None:
         add_conformance(sub)
-    try:
-        from kvcore.bench import add_parser as add_bench
-    except ImportError:
-        add_bench = None
-    if add_bench is not None:
-        add_bench(sub)
+    # Commands from plugins (kvcore_register_commands), e.g. `kvcore bench` from kvcore-bench. A hook that
+    # raises is skipped with one warning line, and what it added before raising is removed again.
+    from kvcore.plugins import get_registry
+
+    registry = get_registry()
+    registry.backends  # noqa: B018 - the registry loads its plugins on first use
+    for impl in registry.pm.hook.kvcore_register_commands.get_hookimpls():
+        names, helps = dict(sub.choices), list(sub._choices_actions)
+        try:
+            impl.function(subparsers=sub)
+        except Exception as exc:
+            sub.choices.clear()
+            sub.choices.update(names)
+            sub._choices_actions[:] = helps
+            print(f"kvcore: warning: plugin '{impl.plugin_name}' raised in kvcore_register_commands and was "
+                  f"skipped: {type(exc).__name__}: {exc}", file=sys.stderr)
     return parser
 
 
@@ -197,12 +207,13 @@ def _one_line_warning(message, category, filename, lineno, file=None, line=None)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    debug = args.debug or os.environ.get("KVCORE_DEBUG") == "1"
+    argv = sys.argv[1:] if argv is None else argv
+    # Known before parsing: building the parser loads plugins, whose load warnings are one line each.
+    debug = "--debug" in argv or os.environ.get("KVCORE_DEBUG") == "1"
     if not debug:
         warnings.simplefilter("ignore", UserWarning)  # third-party library chatter
         warnings.showwarning = _one_line_warning
+    args = build_parser().parse_args(argv)
     try:
         if args.command in ("generate", "chat"):
             return _run_generation(args, chat=args.command == "chat")

@@ -13,9 +13,12 @@ sampler register through these same hooks.
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import pluggy
+
+if TYPE_CHECKING:
+    import argparse
 
 __all__ = [
     "hookspec",
@@ -25,6 +28,7 @@ __all__ = [
     "kvcore_register_kv_caches",
     "kvcore_register_samplers",
     "kvcore_configure",
+    "kvcore_register_commands",
 ]
 
 hookspec = pluggy.HookspecMarker("kvcore")
@@ -86,3 +90,19 @@ def kvcore_configure(options: dict[str, Any]) -> None:
     :param options: the plugin's own config table.
     """
 
+
+@hookspec
+def kvcore_register_commands(subparsers: argparse._SubParsersAction) -> None:
+    """Add subcommands to the ``kvcore`` command line.
+
+    Call ``subparsers.add_parser(name, help=...)`` once per command, add its arguments, and set the
+    function that runs it with ``parser.set_defaults(func=run)``: ``run(args: argparse.Namespace) -> int``
+    gets the parsed arguments and returns the process exit code. Errors a user can trigger are
+    :class:`kvcore.errors.KVCoreError` subclasses: the CLI prints them as one line and exits with their
+    ``exit_code``. A name already taken (a built-in command or another plugin's) makes ``add_parser``
+    raise. A hook that raises is skipped with a one-line warning, the commands it added before raising
+    are removed, and the rest of the CLI keeps working. The hook runs every time ``kvcore`` starts:
+    import heavy packages inside ``run``, not at module import.
+
+    :param subparsers: the ``kvcore`` parser's subcommands, as returned by ``add_subparsers()``.
+    """

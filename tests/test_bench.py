@@ -1,16 +1,33 @@
-"""Smoke test of ``kvcore bench``'s code paths on the tiny model (no timing assertions)."""
+"""Smoke test of ``kvcore bench``'s code paths on the tiny model (no timing assertions).
+
+The harness ships as the separate kvcore-bench package (benchmarks/, installed by ``make setup``) and adds
+the command through its ``bench`` entry point in the ``kvcore`` group.
+"""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
-from kvcore.bench import CASES, Bench, BenchSettings, render_markdown, write_outputs
 from kvcore.cli import main
+from kvcore.plugins import reset_registry
+from kvcore_bench.bench import CASES, Bench, BenchSettings, render_markdown, write_outputs
 
 TINY = str(Path(__file__).parent / "data" / "tiny-llama")
+
+
+@pytest.fixture
+def bench_plugin(monkeypatch):
+    """Allow the kvcore-bench entry point (tests/conftest.py loads no third-party plugin by default)."""
+    monkeypatch.setenv("KVCORE_LOAD_PLUGINS", "bench")
+    reset_registry()
+    try:
+        yield
+    finally:
+        reset_registry()  # the next test's registry is built without it again
 
 
 def tiny_settings(tmp_path, **kw) -> BenchSettings:
@@ -56,7 +73,7 @@ def test_greedy_tokens_match_transformers_on_the_same_weights(tmp_path):
     assert "transformers" in md and "×" in md
 
 
-def test_cli_bench_quick(tmp_path, capsys):
+def test_cli_bench_quick(tmp_path, capsys, bench_plugin):
     rc = main(["bench", "--quick", "--model", TINY, "--no-transformers", "--backends", "sdpa", "--cases",
                "decode,capacity", "--reps", "1", "--out", str(tmp_path), "--no-progress"])
     assert rc == 0
@@ -72,7 +89,7 @@ def test_cli_bench_quick(tmp_path, capsys):
         (["--reps", "0"], "--reps"),
     ],
 )
-def test_cli_bench_usage_errors_are_one_line(tmp_path, capsys, argv, message):
+def test_cli_bench_usage_errors_are_one_line(tmp_path, capsys, bench_plugin, argv, message):
     rc = main(["bench", "--model", TINY, "--no-transformers", "--out", str(tmp_path), *argv])
     err = capsys.readouterr().err
     assert rc != 0 and message in err and len(err.strip().splitlines()) == 1
@@ -80,3 +97,12 @@ def test_cli_bench_usage_errors_are_one_line(tmp_path, capsys, argv, message):
 
 def test_cases_constant_is_what_the_cli_accepts():
     assert CASES == ("decode", "long", "bf16", "batch", "capacity", "scaling")
+
+
+def test_bench_is_not_part_of_the_runtime_package(capsys, monkeypatch):
+    assert importlib.util.find_spec("kvcore.bench") is None
+    monkeypatch.setenv("KVCORE_LOAD_PLUGINS", "")
+    reset_registry()
+    with pytest.raises(SystemExit):  # without the plugin, the runtime has no bench command
+        main(["bench", "--help"])
+    assert "invalid choice: 'bench'" in capsys.readouterr().err

@@ -146,3 +146,69 @@ def test_debug_shows_traceback(capsys):
 
     with pytest.raises(UnknownBackendError):
         main(["--debug", "generate", "--model", str(TINY), "--backend", "nope", "hi"])
+
+
+# -- commands added by plugins (kvcore_register_commands) ------------------------------------------------
+def command_plugin(name: str, *, raises_after_adding: bool = False):
+    """A throwaway plugin adding ``kvcore NAME [--code N]``, which exits with N."""
+    import types
+
+    from kvcore import hookimpl
+
+    module = types.ModuleType(f"{name}_plugin")
+
+    @hookimpl
+    def kvcore_register_commands(subparsers):
+        p = subparsers.add_parser(name, help=f"the {name} command")
+        if raises_after_adding:
+            raise RuntimeError("boom")
+        p.add_argument("--code", type=int, default=0)
+        p.set_defaults(func=lambda args: print(f"{name} ran") or args.code)
+
+    module.kvcore_register_commands = kvcore_register_commands
+    return module
+
+
+@pytest.fixture
+def with_command_plugins():
+    """Register throwaway plugins in the process-wide registry; always unregistered afterwards."""
+    from kvcore.plugins import get_registry
+
+    registry = get_registry()
+    registry.backends  # noqa: B018 - load the built-ins first (registering first would skip them)
+    names = []
+    try:
+        yield lambda plugin, name: names.append(registry.register_plugin(plugin, name=name))
+    finally:
+        for name in names:
+            registry.unregister_plugin(name)
+
+
+def test_plugin_adds_a_command_with_its_exit_code(capsys, with_command_plugins):
+    with_command_plugins(command_plugin("hello"), "hello-plugin")
+    rc, out, err = run_cli(capsys, "hello", "--code", "5")
+    assert (rc, out, err) == (5, "hello ran\n", "")
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert "the hello command" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("broken", [command_plugin("half", raises_after_adding=True), command_plugin("generate")])
+def test_raising_command_hook_is_one_warning_line_and_the_cli_works(capsys, with_command_plugins, broken):
+    with_command_plugins(broken, "broken")
+    with_command_plugins(command_plugin("hello"), "hello-plugin")
+    rc, out, err = run_cli(capsys, "hello")
+    assert rc == 0 and out == "hello ran\n"
+    lines = err.strip().splitlines()
+    assert len(lines) == 1
+    assert lines[0].startswith("kvcore: warning: plugin 'broken' raised in kvcore_register_commands and was skipped")
+    # what the broken hook added before raising is gone: no half-made command, no help line
+    with pytest.raises(SystemExit):
+        main(["half"])
+    assert "invalid choice: 'half'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert "the half command" not in capsys.readouterr().out
+    with pytest.raises(SystemExit):  # a plugin taking a built-in's name did not replace it
+        main(["generate", "--help"])
+    assert "--max-new-tokens" in capsys.readouterr().out

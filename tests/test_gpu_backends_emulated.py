@@ -4,7 +4,7 @@ flash-attn and xformers cannot run here, but everything around their kernel call
 ``cu_seqlens``, ``cache_seqlens`` (lengths *before* the in-place append), ``cache_batch_idx``, the
 attention-bias objects, the 5-D GQA layout, the cache writes and reads. These tests run that production
 glue unchanged, with the kernels swapped (``kernels=`` constructor option) for
-``kvcore.backends._emulation`` — re-implementations of each kernel's documented semantics — and compare
+``tests/kernel_emulation.py`` — re-implementations of each kernel's documented semantics — and compare
 every output and the cache contents with the ``naive`` oracle, in float32.
 
 The emulations are themselves checked against ``naive`` (fed by hand-built inputs, no backend glue), and
@@ -21,11 +21,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from helpers import make_random_model
-
-import kvcore.backends.flash_attn2 as flash_mod
-import kvcore.backends.xformers as xformers_mod
-from kvcore import Engine, EngineConfig, SamplingParams
-from kvcore.backends._emulation import (
+from kernel_emulation import (
     FLASH_KERNELS,
     XFORMERS_KERNELS,
     EmulatedBlockDiagonalCausalMask,
@@ -34,6 +30,10 @@ from kvcore.backends._emulation import (
     emulated_flash_attn_with_kvcache,
     emulated_memory_efficient_attention,
 )
+
+import kvcore.backends.flash_attn2 as flash_mod
+import kvcore.backends.xformers as xformers_mod
+from kvcore import Engine, EngineConfig, SamplingParams
 from kvcore.backends.contiguous import ContiguousKVCache
 from kvcore.backends.flash_attn2 import FlashAttn2Backend, FlashKVCache, SlotPlan
 from kvcore.backends.naive import NaiveBackend

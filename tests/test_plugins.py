@@ -353,7 +353,7 @@ def test_backend_options_reach_constructor_and_unknown_ones_fail(with_plugin):
     assert reg.create("opts", {"window": 9}).window == 9
     with pytest.raises(ConfigError, match="got unknown options"):
         reg.create("sdpa", {"window": 9})
-    with pytest.raises(ConfigError, match="got: size"):
+    with pytest.raises(ConfigError, match="got unknown options: size"):
         reg.create("opts", {"window": 9, "size": 1})
 
 

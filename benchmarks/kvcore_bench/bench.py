@@ -213,7 +213,7 @@ def kv_run(engine, prompts: Sequence[Sequence[int]], new_tokens: int) -> RunStat
         events = engine.step()
         now = time.perf_counter()
         step_ends.append(now)
-        kv_peak = max(kv_peak, engine.cache.kv_bytes_in_use())
+        kv_peak = max(kv_peak, engine.kv.kv_bytes_in_use())
         for event in events:
             if event.token_id is not None:
                 times[event.request_id].append(now)
@@ -586,7 +586,7 @@ class Bench:
         while engine.has_unfinished():
             engine.step()
             concurrency.append(engine.num_running)
-            kv_peak = max(kv_peak, engine.cache.kv_bytes_in_use())
+            kv_peak = max(kv_peak, engine.kv.kv_bytes_in_use())
         wall = time.perf_counter() - start
         results = [engine.release(rid) for rid in ids]
         generated = sum(len(r.token_ids) for r in results)
@@ -664,7 +664,7 @@ class Bench:
     def _cache_kind(name: str) -> str:
         from kvcore.plugins import get_registry
 
-        return get_registry().backends[name].cls.capabilities.cache_kinds[0]
+        return get_registry().backends[name].cls.capabilities.kv_layouts[0]
 
 
 # -- targets, tables, plot -----------------------------------------------------------------------------

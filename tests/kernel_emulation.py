@@ -1,5 +1,9 @@
 """CPU emulations of the GPU attention kernels that ``flash_attn2`` and ``xformers`` call.
 
+A testing module, not part of the kvcore runtime package: ``tests/test_gpu_backends_emulated.py`` and
+``scripts/gpu_check.sh --emulate`` import it from ``tests/`` and pass ``FLASH_KERNELS`` /
+``XFORMERS_KERNELS`` to the backends as ``kernels=``.
+
 flash-attn and xformers only run on CUDA, so their backends cannot be exercised on a CPU-only machine.
 Everything *around* the kernel call is still ours, though — packing, ``cu_seqlens``, ``cache_seqlens``,
 ``cache_batch_idx``, the attention-bias objects, the 5-D GQA reshape, the cache writes — and that glue
@@ -442,7 +446,7 @@ def emulated_memory_efficient_attention(
 FLASH_KERNELS = SimpleNamespace(
     flash_attn_varlen_func=emulated_flash_attn_varlen_func,
     flash_attn_with_kvcache=emulated_flash_attn_with_kvcache,
-    __name__="kvcore.backends._emulation (flash-attn emulation)",
+    __name__="kernel_emulation (flash-attn emulation)",
 )
 
 #: stand-ins for the xformers entry points the xformers backend uses (``kernels=`` option)
@@ -450,5 +454,5 @@ XFORMERS_KERNELS = SimpleNamespace(
     memory_efficient_attention=emulated_memory_efficient_attention,
     BlockDiagonalCausalMask=EmulatedBlockDiagonalCausalMask,
     BlockDiagonalCausalWithOffsetPaddedKeysMask=EmulatedBlockDiagonalCausalWithOffsetPaddedKeysMask,
-    __name__="kvcore.backends._emulation (xformers emulation)",
+    __name__="kernel_emulation (xformers emulation)",
 )
