@@ -33,7 +33,6 @@ from kvcore.errors import (
     InvalidRequestError,
     KVCoreError,
     RequestAbortedError,
-    SamplerError,
 )
 from kvcore.kv_cache import CacheSpec
 from kvcore.kv_manager import KVCacheManager
@@ -41,7 +40,7 @@ from kvcore.model import LlamaModel
 from kvcore.model_runner import last_token_logits
 from kvcore.plugins import PluginRegistry, get_registry
 from kvcore.request import FinishReason, GenerationResult, Request, TokenEvent
-from kvcore.sampling import Sampler, SamplingParams
+from kvcore.sampling import Sampler, SamplingParams, sample_checked
 from kvcore.scheduler import ScheduledBatch, Scheduler
 
 __all__ = ["Engine", "EngineConfig", "parse_dtype"]
@@ -219,31 +218,12 @@ class Engine:
                 for req in reqs:
                     self.kv.blocks.commit(req.seq_id, req.all_ids)
             self._suppress_eos(reqs, logits)
-            next_ids = self._sample(logits, reqs)
+            next_ids = sample_checked(self.sampler, logits, reqs)
         except KVCoreError as exc:
             for req in reqs:
                 self._finish(req, FinishReason.ERROR, exc)
             return
         self._append_tokens(reqs, next_ids)
-
-    def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> list[int]:
-        """The sampler's ids for ``reqs``, checked: one int64 id per row, inside the vocabulary."""
-        name = self.sampler.name
-        try:
-            ids = self.sampler.sample(logits, reqs)
-        except KVCoreError:
-            raise
-        except Exception as exc:
-            raise SamplerError(f"sampler '{name}' failed: {type(exc).__name__}: {exc}") from exc
-        if not isinstance(ids, torch.Tensor) or tuple(ids.shape) != (len(reqs),) or ids.dtype != torch.int64:
-            got = f"{tuple(ids.shape)} {ids.dtype}" if isinstance(ids, torch.Tensor) else type(ids).__name__
-            raise SamplerError(f"sampler '{name}' returned {got}; expected ({len(reqs)},) torch.int64 token ids")
-        next_ids = ids.tolist()
-        vocab = logits.shape[-1]
-        bad = [t for t in next_ids if not 0 <= t < vocab]
-        if bad:
-            raise SamplerError(f"sampler '{name}' returned token id {bad[0]}, outside the vocabulary [0, {vocab})")
-        return next_ids
 
     def _suppress_eos(self, reqs: list[Request], logits: torch.Tensor) -> None:
         # ignore_eos suppresses EOS (llama.cpp --ignore-eos, transformers min_new_tokens): the stream then

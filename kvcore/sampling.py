@@ -10,10 +10,10 @@ from typing import Any, ClassVar, Protocol
 
 import torch
 
-from kvcore.errors import ConfigError, InvalidRequestError
+from kvcore.errors import ConfigError, InvalidRequestError, KVCoreError, SamplerError
 from kvcore.hookspecs import hookimpl
 
-__all__ = ["SamplingParams", "SamplingRow", "Sampler", "DefaultSampler", "uniform_noise"]
+__all__ = ["SamplingParams", "SamplingRow", "Sampler", "DefaultSampler", "sample_checked", "uniform_noise"]
 
 
 @dataclass(frozen=True)
@@ -90,6 +90,27 @@ class Sampler(abc.ABC):
             :class:`SamplingParams`, seed.
         :returns: ``[B]`` int64 token ids on ``logits.device``.
         """
+
+
+def sample_checked(sampler: Sampler, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[int]:
+    """``sampler``'s ids for ``rows``, checked: one int64 id per row, inside the vocabulary. Anything else,
+    or an exception, is a :class:`~kvcore.errors.SamplerError` naming the sampler."""
+    name = sampler.name
+    try:
+        ids = sampler.sample(logits, rows)
+    except KVCoreError:
+        raise
+    except Exception as exc:
+        raise SamplerError(f"sampler '{name}' failed: {type(exc).__name__}: {exc}") from exc
+    if not isinstance(ids, torch.Tensor) or tuple(ids.shape) != (len(rows),) or ids.dtype != torch.int64:
+        got = f"{tuple(ids.shape)} {ids.dtype}" if isinstance(ids, torch.Tensor) else type(ids).__name__
+        raise SamplerError(f"sampler '{name}' returned {got}; expected ({len(rows)},) torch.int64 token ids")
+    next_ids = ids.tolist()
+    vocab = logits.shape[-1]
+    bad = [t for t in next_ids if not 0 <= t < vocab]
+    if bad:
+        raise SamplerError(f"sampler '{name}' returned token id {bad[0]}, outside the vocabulary [0, {vocab})")
+    return next_ids
 
 
 _MASK32 = 0xFFFFFFFF
