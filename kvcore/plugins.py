@@ -15,16 +15,17 @@ import importlib
 import importlib.metadata
 import inspect
 import os
+import threading
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import pluggy
 
 from kvcore import hookspecs
-from kvcore.attention import AttentionBackend
+from kvcore.attention import AttentionBackend, BackendCapabilities
 from kvcore.errors import BackendUnavailableError, ConfigError, PluginError, UnknownBackendError
-from kvcore.kv_cache import CacheSpec, KVCache
+from kvcore.kv_cache import CacheCapabilities, CacheSpec, KVCache
 from kvcore.sampling import Sampler
 
 __all__ = ["Kind", "KINDS", "PluginEntry", "PluginRegistry", "get_registry", "reset_registry", "BUILTIN_PLUGINS"]
@@ -56,7 +57,11 @@ class Kind:
 BACKEND = Kind("backend", "kvcore_register_backends", AttentionBackend, "backends", ("name", "capabilities"))
 KV_CACHE = Kind("kv_cache", "kvcore_register_kv_caches", KVCache, "kv_caches", ("name", "layout", "capabilities"))
 SAMPLER = Kind("sampler", "kvcore_register_samplers", Sampler, "samplers", ("name",))
-KINDS = (BACKEND, KV_CACHE, SAMPLER)
+#: in collection order: backends are checked against the KV layouts the registered caches provide
+KINDS = (KV_CACHE, BACKEND, SAMPLER)
+#: seconds an ``availability()`` check may take before it is reported as hung (it must not block listing)
+AVAILABILITY_TIMEOUT_S = 10.0
+_HUNG: set[type] = set()  # classes whose availability() never returned: not called again
 
 
 def _label(kind: Kind) -> str:
@@ -69,12 +74,35 @@ class PluginEntry:
     cls: type
     plugin: str  # name of the plugin that registered it
     kind: Kind
+    problem: str | None = None  # why it can never be used, found at registration (e.g. an unknown KV layout)
 
     def availability(self) -> str | None:
+        """``None`` when usable here, else the reason. The class's check runs with a time limit: one that
+        raises or hangs makes the entry unavailable, never the registry."""
+        if self.problem:
+            return self.problem
+        return _availability(self.cls)
+
+
+def _availability(cls: type) -> str | None:
+    if cls in _HUNG:
+        return f"availability check did not return within {AVAILABILITY_TIMEOUT_S:g} s"
+    outcome: list[str | None] = []
+
+    def check() -> None:
         try:
-            return self.cls.availability()
+            reason = cls.availability()
+            outcome.append(None if reason is None else str(reason).splitlines()[0] if str(reason) else "unavailable")
         except Exception as exc:  # an availability check must never take the registry down
-            return f"availability check raised {type(exc).__name__}: {exc}"
+            outcome.append(f"availability check raised {type(exc).__name__}: {exc}".splitlines()[0])
+
+    worker = threading.Thread(target=check, name=f"kvcore-availability-{cls.__name__}", daemon=True)
+    worker.start()
+    worker.join(AVAILABILITY_TIMEOUT_S)
+    if not outcome:
+        _HUNG.add(cls)
+        return f"availability check did not return within {AVAILABILITY_TIMEOUT_S:g} s"
+    return outcome[0]
 
 
 class PluginRegistry:
@@ -88,6 +116,7 @@ class PluginRegistry:
         self._entries: dict[str, dict[str, PluginEntry]] | None = None
         self.load_warnings: list[str] = []
         self.conflicts: dict[tuple[str, str], str] = {}  # (kind, name) -> why it is ambiguous
+        self._ambiguous: list[PluginEntry] = []  # the entries behind those conflicts
 
     # -- loading -------------------------------------------------------------------------------------
     def _warn(self, message: str) -> None:
@@ -130,7 +159,8 @@ class PluginRegistry:
         self.pm.unregister(name=name)
         self._entries = None
 
-    def _collect(self, kind: Kind) -> dict[str, PluginEntry]:
+    def _collect(self, kind: Kind, layouts: set[str] | None = None) -> dict[str, PluginEntry]:
+        """Entries of ``kind``; ``layouts`` (the registered caches' KV layouts) checks what backends read."""
         entries: dict[str, PluginEntry] = {}
         claimed: dict[str, list[str]] = {}  # name -> plugins that registered it
         for impl in getattr(self.pm.hook, kind.hook).get_hookimpls():
@@ -140,10 +170,21 @@ class PluginRegistry:
                 # Problems are recorded, not raised: one bad plugin must not take the others down.
                 try:
                     entry = _validated_entry(kind, cls, name, _plugin)
+                    if layouts is not None and not set(cls.capabilities.kv_layouts) & layouts:
+                        problem = (f"reads KV layouts {', '.join(cls.capabilities.kv_layouts)}, which no registered KV "
+                                   f"cache provides (registered layouts: {', '.join(sorted(layouts)) or 'none'})")
+                        entry = replace(entry, problem=problem)
                 except PluginError as exc:
                     self._warn(f"kvcore: {exc}; {_label(kind)} rejected")
                     return
                 owners = claimed.setdefault(entry.name, [])
+                if owners and owners[0] in self._builtins and _plugin not in self._builtins:
+                    # A built-in name cannot be taken over: the built-in stays, the newcomer is refused.
+                    self._warn(
+                        f"kvcore: {_label(kind)} name '{entry.name}' is built in (plugin '{owners[0]}'); plugin "
+                        f"'{_plugin}' may not register it again and its {_label(kind)} was rejected: rename it"
+                    )
+                    return
                 owners.append(_plugin)
                 if len(owners) > 1:
                     self.conflicts[(kind.key, entry.name)] = (
@@ -151,6 +192,7 @@ class PluginRegistry:
                         f"plugin '{_plugin}'; uninstall one or limit plugins with KVCORE_LOAD_PLUGINS"
                     )
                     entries.pop(entry.name, None)
+                    self._ambiguous.append(entry)
                     self._warn(f"kvcore: {self.conflicts[(kind.key, entry.name)]}")
                     return
                 entries[entry.name] = entry
@@ -167,8 +209,12 @@ class PluginRegistry:
         if self._entries is None:
             if not self.pm.get_plugins():
                 self._load_plugins()
-            self.conflicts = {}
-            self._entries = {k.key: self._collect(k) for k in KINDS}
+            self.conflicts, self._ambiguous = {}, []
+            self._entries = {}
+            for k in KINDS:
+                caches = [*self._entries.get(KV_CACHE.key, {}).values(), *self._ambiguous]
+                layouts = {e.cls.layout for e in caches if e.kind is KV_CACHE} if k is BACKEND else None
+                self._entries[k.key] = self._collect(k, layouts)
         return self._entries[kind.key]
 
     @property
@@ -192,7 +238,12 @@ class PluginRegistry:
                 loaded = ", ".join(sorted(known))
                 raise ConfigError(f"config: [plugins.{name}] names no loaded plugin (loaded: {loaded})")
         for impl in self.pm.hook.kvcore_configure.get_hookimpls():
-            impl.function(options=dict(plugin_options.get(impl.plugin_name, {})))
+            try:
+                impl.function(options=dict(plugin_options.get(impl.plugin_name, {})))
+            except Exception as exc:  # a plugin that cannot take its options is skipped, the others keep working
+                self._warn(f"kvcore: plugin '{impl.plugin_name}' raised in kvcore_configure and was skipped: "
+                           f"{type(exc).__name__}: {exc}")
+                self.unregister_plugin(impl.plugin_name)
 
     # -- lookup --------------------------------------------------------------------------------------
     def get(self, name: str, kind: Kind = BACKEND) -> PluginEntry:
@@ -258,6 +309,17 @@ def _validated_entry(kind: Kind, cls: Any, name: str | None, plugin: str) -> Plu
     for attr in kind.required[1:]:
         if not hasattr(cls, attr):
             raise PluginError(f"plugin '{plugin}': {label} '{name}' declares no '{attr}'")
+    expected = {BACKEND.key: BackendCapabilities, KV_CACHE.key: CacheCapabilities}.get(kind.key)
+    if expected is not None and not isinstance(cls.capabilities, expected):
+        got = type(cls.capabilities).__name__
+        raise PluginError(f"plugin '{plugin}': {label} '{name}' capabilities must be a {expected.__name__}, got {got}")
+    if kind is BACKEND and not (
+        isinstance(cls.capabilities.kv_layouts, tuple) and cls.capabilities.kv_layouts
+        and all(isinstance(x, str) for x in cls.capabilities.kv_layouts)
+    ):
+        raise PluginError(f"plugin '{plugin}': backend '{name}' must declare kv_layouts as a non-empty tuple of names")
+    if kind is KV_CACHE and not (isinstance(cls.layout, str) and cls.layout):
+        raise PluginError(f"plugin '{plugin}': KV cache '{name}' must declare its layout as a name")
     return PluginEntry(name=name, cls=cls, plugin=plugin, kind=kind)
 
 

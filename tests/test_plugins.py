@@ -3,6 +3,7 @@ pluggable kind (backends, KV caches, samplers)."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 import inspect
 
@@ -183,13 +184,16 @@ def _plugin_of(kind, *classes, **kw):
 
 
 @pytest.mark.parametrize("kind_key", list(DUPLICATES))
-def test_duplicate_builtin_name_names_both_plugins(with_plugin, kind_key):
+def test_builtin_name_cannot_be_taken_over(with_plugin, kind_key):
+    """A third-party plugin registering a built-in's name is refused with a warning naming both plugins;
+    the built-in stays (it is never silently replaced or removed)."""
     kind, make, builtin_plugin, other = DUPLICATES[kind_key]
     duplicate = make()
     reg = with_plugin(_plugin_of(kind, duplicate), "evil-plugin")
-    with pytest.raises(PluginError) as err, pytest.warns(RuntimeWarning, match="registered twice"):
-        reg.get(duplicate.name, kind)
-    assert f"'{builtin_plugin}'" in str(err.value) and "'evil-plugin'" in str(err.value)
+    with pytest.warns(RuntimeWarning, match=rf"is built in \(plugin '{builtin_plugin}'\); plugin 'evil-plugin'") as rec:
+        entry = reg.get(duplicate.name, kind)
+    assert len(rec) == 1
+    assert entry.plugin == builtin_plugin and entry.cls is not duplicate
     if other is not None:
         assert reg.get(other, kind)  # the others keep working
 
@@ -210,13 +214,25 @@ def test_duplicate_name_across_third_party_plugins_names_both(with_plugin, rando
 
 
 @pytest.mark.parametrize("backend, cache_base", [("paged", PagedKVCache), ("sdpa", ContiguousKVCache)])
-def test_conflict_on_the_canonical_cache_of_a_layout_is_an_error(with_plugin, random_model, backend, cache_base):
+def test_canonical_cache_of_a_layout_cannot_be_taken_over(with_plugin, random_model, backend, cache_base):
     duplicate = make_cache(cache_base.name, cache_base)
     reg = with_plugin(make_plugin(kv_caches=[duplicate]), "evil-plugin")
+    with pytest.warns(RuntimeWarning, match="may not register it again"):
+        reg.kv_caches  # noqa: B018
+    engine = Engine(random_model, None, EngineConfig(backend=backend), registry=reg)
+    assert type(engine.cache) is cache_base
+
+
+def test_conflict_on_a_third_party_layouts_canonical_cache_is_an_error(with_plugin, random_model):
+    """Two third-party plugins both claiming the canonical cache of a new layout: choosing it is an error."""
+    twin = make_cache("exotic", PagedKVCache, layout="exotic")
+    reader = make_backend("exotic_reader", capabilities=dataclasses.replace(CAPS, kv_layouts=("exotic",)))
+    with_plugin(make_plugin(kv_caches=[twin], backends=[reader]), "plugin-a")
+    reg = with_plugin(make_plugin(kv_caches=[twin]), "plugin-b")
     with pytest.warns(RuntimeWarning, match="registered twice"):
         reg.kv_caches  # noqa: B018
-    with pytest.raises(PluginError, match=rf"'{cache_base.name}' is registered twice.*'evil-plugin'"):
-        Engine(random_model, None, EngineConfig(backend=backend), registry=reg)
+    with pytest.raises(PluginError, match=r"'exotic' is registered twice.*'plugin-a'.*'plugin-b'"):
+        Engine(random_model, None, EngineConfig(backend="exotic_reader"), registry=reg)
 
 
 INCOMPLETE = {
