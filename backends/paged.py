@@ -115,6 +115,9 @@ class PagedPlan:
     flat_tables: torch.Tensor  # [B * max_blocks] int64, every sequence's padded block table (decode)
     key_mask: torch.Tensor | None  # [B, 1, 1, max_blocks * block_size] bool, True = a real key (decode)
     tables: list[torch.Tensor]  # [B] int64 block tables (prefill)
+    #: a fresh prefill (context 0) over a lossless cache attends to this call's own K/V, which equal what
+    #: was just written: no gather back from the pool
+    fresh_from_input: bool = False
 
 
 class PagedBackend(AttentionBackend[PagedPlan]):
@@ -135,7 +138,8 @@ class PagedBackend(AttentionBackend[PagedPlan]):
             valid = torch.arange(keys, device=device)[None, :] < meta.seq_lens_t[:, None]  # [B, keys]
             return PagedPlan(meta, bt.flatten(), valid[:, None, None, :], [])
         tables = [torch.tensor(t, dtype=torch.long, device=device) for t in meta.block_tables]
-        return PagedPlan(meta, torch.empty(0, dtype=torch.long), None, tables)
+        lossless = cache.capabilities.unit_roundoff is None
+        return PagedPlan(meta, torch.empty(0, dtype=torch.long), None, tables, fresh_from_input=lossless)
 
     def forward(
         self,
@@ -149,7 +153,7 @@ class PagedBackend(AttentionBackend[PagedPlan]):
         cache.write(layer_idx, k, v, plan.meta)
         if plan.key_mask is not None:
             return self._decode(layer_idx, q, cache, plan)
-        return self._prefill(layer_idx, q, cache, plan)
+        return self._prefill(layer_idx, q, k, v, cache, plan)
 
     @staticmethod
     def _decode(layer_idx: int, q: torch.Tensor, cache: PagedKVCache, plan: PagedPlan) -> torch.Tensor:
@@ -165,16 +169,19 @@ class PagedBackend(AttentionBackend[PagedPlan]):
         return out.reshape(num_seqs, num_heads, d)
 
     @staticmethod
-    def _prefill(layer_idx: int, q: torch.Tensor, cache: PagedKVCache, plan: PagedPlan) -> torch.Tensor:
+    def _prefill(layer_idx: int, q, k_new, v_new, cache: PagedKVCache, plan: PagedPlan) -> torch.Tensor:
         meta = plan.meta
         out = torch.empty_like(q)
         start = 0
+        h_kv, d = k_new.shape[1], k_new.shape[2]
         for table, ctx, q_len in zip(plan.tables, meta.context_lens, meta.query_lens):
             seq_len = ctx + q_len
-            k, v = cache.gather_blocks(layer_idx, table)  # [blocks, block_size, H_kv, D]
-            h_kv, d = k.shape[2], k.shape[3]
-            ks = k.view(-1, h_kv, d)[:seq_len].transpose(0, 1).to(q.dtype)[None]  # [1, H_kv, S, D]
-            vs = v.view(-1, h_kv, d)[:seq_len].transpose(0, 1).to(q.dtype)[None]
+            if ctx == 0 and plan.fresh_from_input:
+                k, v = k_new[start : start + q_len], v_new[start : start + q_len]  # [S, H_kv, D]
+            else:
+                k, v = cache.gather_blocks(layer_idx, table)  # [blocks, block_size, H_kv, D]
+            ks = k.reshape(-1, h_kv, d)[:seq_len].transpose(0, 1).to(q.dtype)[None]  # [1, H_kv, S, D]
+            vs = v.reshape(-1, h_kv, d)[:seq_len].transpose(0, 1).to(q.dtype)[None]
             qs = q[start : start + q_len].transpose(0, 1)[None]  # [1, H, q_len, D]
             mask = None if ctx == 0 else causal_mask(ctx, q_len, q.device)  # is_causal aligns top-left
             o = F.scaled_dot_product_attention(
