@@ -66,5 +66,5 @@ class ModelConfig:
         return list(self.eos_token_id)
 
     def kv_bytes_per_token(self, bytes_per_element: int) -> int:
-        """KV bytes one token occupies: 2 × layers × kv_heads × head_dim × bytes (the seeds' formula)."""
+        """KV bytes one token occupies: 2 × layers × kv_heads × head_dim × bytes."""
         return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * bytes_per_element

@@ -8,7 +8,7 @@ from kvcore.plugins import PluginEntry, PluginRegistry
 
 __all__ = ["backend_rows", "plugin_rows", "format_table", "markdown_table"]
 
-COLUMNS = ("backend", "plugin", "available", "devices", "dtypes", "head_dims", "gqa", "cache", "phases")
+COLUMNS = ("backend", "plugin", "available", "devices", "dtypes", "head_dims", "gqa", "kv_layouts", "phases")
 
 
 def _dtype_names(dtypes) -> str:
@@ -45,7 +45,7 @@ def backend_rows(registry: PluginRegistry) -> list[dict[str, Any]]:
                 "dtypes": _dtype_names(caps.dtypes),
                 "head_dims": head_dims,
                 "gqa": "yes" if caps.supports_gqa else "no",
-                "cache": ",".join(caps.kv_layouts),
+                "kv_layouts": ",".join(caps.kv_layouts),
                 "phases": ",".join(phases),
                 "description": entry.cls.description,
             }

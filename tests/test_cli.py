@@ -40,7 +40,7 @@ def test_backends_table_lists_builtins_with_reasons(capsys):
     rows = {r["backend"]: r for r in json.loads(out)}
     assert rows["naive"]["available"] == "yes"
     assert rows["flash_attn2"]["available"].startswith("no: ")
-    assert rows["paged"]["cache"] == "paged"
+    assert rows["paged"]["kv_layouts"] == "paged"
 
 
 def test_generate_json_on_tiny_model(capsys):

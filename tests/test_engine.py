@@ -50,7 +50,7 @@ def test_streams_are_not_degenerate(random_model):
     ids=["naive-contiguous", "paged-4"],
 )
 def test_cached_decode_equals_full_recompute(random_model, backend, cache_cls, cache_options, tol):
-    """The seeds' central claim, at every step: cached decode logits == recomputation from scratch
+    """The KV cache's central claim, at every step: cached decode logits == recomputation from scratch
     (for the paged cache, with decode steps crossing block boundaries)."""
     from kvcore.plugins import get_registry
 

@@ -44,7 +44,7 @@ CASES = ("decode", "long", "bf16", "batch", "capacity", "scaling")
 DEFAULT_BACKENDS = ("naive", "sdpa", "paged")
 TARGET_BACKEND = "sdpa"  # the engine's default choice on CPU: the targets are judged on it
 
-#: the issue's targets: (key, description, comparison, threshold)
+#: the performance targets: (key, description, comparison, threshold)
 TARGETS = (
     ("decode", "decode tok/s, fp32, batch 1, 64-token context", ">=", 1.15),
     ("long", "decode tok/s, fp32, batch 1, 2048-token context", ">=", 1.5),
