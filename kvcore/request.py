@@ -15,7 +15,7 @@ __all__ = ["FinishReason", "RequestMetrics", "Request", "TokenEvent", "Generatio
 
 class FinishReason(enum.StrEnum):
     EOS = "eos"  # the model emitted an end-of-sequence / end-of-turn token
-    STOP = "stop"  # a caller-given stop token id
+    STOP = "stop"  # a caller-given stop token id or stop string
     LENGTH = "length"  # max_new_tokens reached
     CONTEXT = "context"  # the context window is full
     ABORT = "abort"  # the caller aborted it
@@ -112,6 +112,10 @@ class TokenEvent:
     text: str
     finish_reason: FinishReason | None = None
     error: KVCoreError | None = None
+    #: with ``params.logprobs`` set: natural-log probability of ``token_id``, and the ``logprobs`` most
+    #: likely ``(token_id, logprob)`` pairs, most likely first (from the sampler's final distribution)
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
 
     @property
     def finished(self) -> bool:
@@ -127,3 +131,6 @@ class GenerationResult:
     finish_reason: FinishReason
     metrics: RequestMetrics
     error: KVCoreError | None = None
+    #: with ``params.logprobs`` set: one entry per id of ``token_ids`` (as in :class:`TokenEvent`)
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
