@@ -218,7 +218,7 @@ class Engine:
                 for req in reqs:
                     self.kv.blocks.commit(req.seq_id, req.all_ids)
             self._suppress_eos(reqs, logits)
-            next_ids = sample_checked(self.sampler, logits, reqs)
+            next_ids, _ = sample_checked(self.sampler, logits, reqs)
         except KVCoreError as exc:
             for req in reqs:
                 self._finish(req, FinishReason.ERROR, exc)

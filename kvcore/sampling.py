@@ -12,8 +12,11 @@ import torch
 
 from kvcore.errors import ConfigError, InvalidRequestError, KVCoreError, SamplerError
 from kvcore.hookspecs import hookimpl
+from kvcore.logits_processors import apply_penalties, min_p_mask, token_logprobs, uniform_noise
 
-__all__ = ["MAX_LOGPROBS", "SamplingParams", "SamplingRow", "Sampler", "DefaultSampler", "sample_checked", "uniform_noise"]
+__all__ = [
+    "MAX_LOGPROBS", "SamplingParams", "SamplingRow", "Sampler", "DefaultSampler", "sample_checked", "uniform_noise"
+]
 
 
 #: most alternatives ``logprobs`` may ask for (OpenAI's and vLLM's default cap)
@@ -171,12 +174,23 @@ class Sampler(abc.ABC):
         :returns: ``[B]`` int64 token ids on ``logits.device``.
         """
 
+    def logprobs(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        """``[B, V]`` log-probabilities of the distribution :meth:`sample` draws from, for requests that ask
+        for ``logprobs`` (called on a copy of the logits, before :meth:`sample`). This default is
+        ``log_softmax`` of the logits as given; a sampler that reshapes the distribution overrides it."""
+        return logits.float().log_softmax(-1)
 
-def sample_checked(sampler: Sampler, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[int]:
+
+def sample_checked(
+    sampler: Sampler, logits: torch.Tensor, rows: Sequence[SamplingRow]
+) -> tuple[list[int], list[tuple[float, list[tuple[int, float]]] | None]]:
     """``sampler``'s ids for ``rows``, checked: one int64 id per row, inside the vocabulary. Anything else,
-    or an exception, is a :class:`~kvcore.errors.SamplerError` naming the sampler."""
+    or an exception, is a :class:`~kvcore.errors.SamplerError` naming the sampler. Second: per row, None,
+    or with ``params.logprobs`` set ``(logprob of the id, top (id, logprob) pairs)``."""
     name = sampler.name
+    num_top = [r.params.logprobs for r in rows]
     try:
+        logprobs = sampler.logprobs(logits.clone(), rows) if any(k is not None for k in num_top) else None
         ids = sampler.sample(logits, rows)
     except KVCoreError:
         raise
@@ -190,71 +204,76 @@ def sample_checked(sampler: Sampler, logits: torch.Tensor, rows: Sequence[Sampli
     bad = [t for t in next_ids if not 0 <= t < vocab]
     if bad:
         raise SamplerError(f"sampler '{name}' returned token id {bad[0]}, outside the vocabulary [0, {vocab})")
-    return next_ids
-
-
-_MASK32 = 0xFFFFFFFF
-
-
-def _mix32(x: torch.Tensor | int) -> torch.Tensor | int:
-    """A 32-bit integer hash (lowbias32 by C. Wellons) of values in ``[0, 2^32)``, on int64 tensors or ints:
-    products wrap in int64 but their low 32 bits, all that is kept, are exact."""
-    x = x ^ (x >> 16)
-    x = (x * 0x7FEB352D) & _MASK32
-    x = x ^ (x >> 15)
-    x = (x * 0x846CA68B) & _MASK32
-    return x ^ (x >> 16)
-
-
-def uniform_noise(seeds: Sequence[int], steps: Sequence[int], vocab_size: int, device: torch.device) -> torch.Tensor:
-    """``[B, V]`` float64 uniforms in (0, 1), a pure function of (row seed, row step, token id).
-
-    Counter-based rather than a stateful generator: a row's draws depend only on its own seed and how many
-    tokens it has generated, not on the batch it shares or the device, and the whole batch is one kernel.
-    """
-    keys = []
-    for seed, step in zip(seeds, steps):
-        seed %= 1 << 64
-        k = _mix32(_mix32(seed & _MASK32) ^ _mix32(((seed >> 32) + 0x9E3779B9) & _MASK32))
-        keys.append(_mix32(k ^ _mix32(step & _MASK32)))
-    ids = _mix32(torch.arange(vocab_size, dtype=torch.int64, device=device))  # [V]
-    h = _mix32(torch.tensor(keys, dtype=torch.int64, device=device)[:, None] ^ ids[None, :])  # [B, V]
-    return (_mix32(h ^ 0x5BD1E995).double() + 0.5) / 2.0**32
+    if logprobs is None:
+        return next_ids, [None] * len(rows)
+    if not isinstance(logprobs, torch.Tensor) or tuple(logprobs.shape) != tuple(logits.shape):
+        raise SamplerError(f"sampler '{name}' returned logprobs that are not a {tuple(logits.shape)} tensor")
+    return next_ids, token_logprobs(logprobs, ids, num_top)
 
 
 class DefaultSampler(Sampler):
-    """Greedy, or temperature → top-k → top-p → a draw, vectorised over the batch on the logits' device.
+    """Bias and penalties, then greedy, or temperature → top-k → top-p → min-p → a draw; vectorised over the
+    batch on the logits' device.
 
     The draw is the Gumbel-max trick (``argmax(logits / T + Gumbel noise)`` samples ``softmax(logits / T)``)
-    with :func:`uniform_noise`, so each row's stream depends only on its seed and its logits.
+    with :func:`uniform_noise`, so each row's stream depends only on its seed, its step and its logits.
+    Log-probabilities (:meth:`logprobs`) are those of the final processed distribution the token is drawn
+    from (vLLM's ``processed_logprobs``): after bias, penalties, temperature and the top-k / top-p / min-p
+    filters (removed tokens: -inf). A greedy row's are ``log_softmax`` of its biased, penalised logits.
     """
 
     name = "default"
-    description = "greedy, or temperature / top-k / top-p with per-request seeds; vectorised, on-device"
+    description = (
+        "greedy, or temperature / top-k / top-p / min-p with per-request seeds; penalties, logit bias, "
+        "logprobs; vectorised, on-device"
+    )
 
     def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        apply_penalties(logits, rows)
         next_ids = logits.argmax(dim=-1)  # [B]
         sampled = [i for i, r in enumerate(rows) if not r.params.is_greedy]
         if not sampled:
             return next_ids
-        device = logits.device
+        idx = torch.tensor(sampled, device=logits.device)
         picked = [rows[i] for i in sampled]
-        idx = torch.tensor(sampled, device=device)
-        temperature = torch.tensor([r.params.temperature for r in picked], device=device)[:, None]
-        scores = logits[idx].float() / temperature  # [S, V]
-        vocab = scores.shape[-1]
-        sorted_scores, order = scores.sort(dim=-1, descending=True)  # [S, V]
-        top_k = torch.tensor([r.params.top_k or vocab for r in picked], device=device)[:, None]
-        sorted_scores = sorted_scores.masked_fill(torch.arange(vocab, device=device)[None, :] >= top_k, -math.inf)
-        top_p = torch.tensor([r.params.top_p for r in picked], dtype=torch.float64, device=device)[:, None]
-        probs = sorted_scores.double().softmax(-1)
-        # drop a token when the tokens before it already reach top_p (the top token always stays)
-        sorted_scores = sorted_scores.masked_fill((probs.cumsum(-1) - probs) >= top_p, -math.inf)
-        u = uniform_noise([r.seed for r in picked], [len(r.output_ids) for r in picked], vocab, device)
+        sorted_scores, order = self._filtered(logits[idx], picked)  # [S, V] each
+        steps = [len(r.output_ids) for r in picked]
+        u = uniform_noise([r.seed for r in picked], steps, logits.shape[-1], logits.device)  # [S, V]
         gumbel = -torch.log(-torch.log(u.gather(1, order)))  # noise keyed by token id, laid out sorted
-        choice = (sorted_scores.double() + gumbel).argmax(-1, keepdim=True)  # [S, 1] in sorted order
+        choice = (sorted_scores + gumbel).argmax(-1, keepdim=True)  # [S, 1] in sorted order
         next_ids[idx] = order.gather(1, choice)[:, 0]
         return next_ids
+
+    def logprobs(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        apply_penalties(logits, rows)
+        out = logits.float().log_softmax(-1)  # [B, V]
+        sampled = [i for i, r in enumerate(rows) if not r.params.is_greedy]
+        if sampled:
+            idx = torch.tensor(sampled, device=logits.device)
+            sorted_scores, order = self._filtered(logits[idx], [rows[i] for i in sampled])
+            out[idx] = torch.empty_like(out[idx]).scatter_(1, order, sorted_scores.log_softmax(-1).float())
+        return out
+
+    @staticmethod
+    def _filtered(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Temperature, then top-k, top-p and min-p of sampled rows: float64 scores sorted in descending
+        order, removed tokens -inf, and the token id of each sorted position (both ``[S, V]``)."""
+        device, vocab = logits.device, logits.shape[-1]
+        temperature = torch.tensor([r.params.temperature for r in rows], device=device)[:, None]
+        scores = logits.float() / temperature  # [S, V]
+        sorted_scores, order = scores.sort(dim=-1, descending=True)  # [S, V]
+        sorted_scores = sorted_scores.double()
+        top_k = torch.tensor([r.params.top_k or vocab for r in rows], device=device)[:, None]
+        sorted_scores = sorted_scores.masked_fill(torch.arange(vocab, device=device)[None, :] >= top_k, -math.inf)
+        # float64 thresholds: a top_p far below float32's range (1e-46) must still keep the top token
+        top_p = torch.tensor([r.params.top_p for r in rows], dtype=torch.float64, device=device)[:, None]
+        probs = sorted_scores.softmax(-1)
+        # drop a token when the tokens before it already reach top_p (the top token always stays)
+        sorted_scores = sorted_scores.masked_fill((probs.cumsum(-1) - probs) >= top_p, -math.inf)
+        if any(r.params.min_p > 0 for r in rows):  # decided on the host: no device sync
+            min_p = torch.tensor([r.params.min_p for r in rows], dtype=torch.float64, device=device)[:, None]
+            sorted_scores = sorted_scores.masked_fill(min_p_mask(sorted_scores.softmax(-1), min_p), -math.inf)
+        return sorted_scores, order
 
 
 @hookimpl
