@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import socket
 import sys
+import threading
+import time
 from dataclasses import fields
 from typing import Any
 
 from kvcore.errors import ConfigError
 
-__all__ = ["build_engine", "run_server", "DEFAULT_MAX_NUM_SEQS"]
+__all__ = ["build_engine", "run_server", "ServerThread", "DEFAULT_MAX_NUM_SEQS"]
 
 #: requests a server runs at once unless --max-num-seqs or the config file says otherwise
 DEFAULT_MAX_NUM_SEQS = 16
@@ -81,3 +83,44 @@ def run_server(
         front.close()
         sock.close()
     return 0 if server.started else 1
+
+
+class ServerThread:
+    """Serve an ASGI ``app`` with uvicorn in a background thread (tests, notebooks, embedding)::
+
+        with ServerThread(app) as server:   # port 0: any free port on 127.0.0.1
+            requests.get(server.url + "/health")
+
+    Leaving the block stops the server (and runs the app's shutdown, which stops its engine loop).
+    """
+
+    def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0, startup_timeout_s: float = 30.0) -> None:
+        import uvicorn
+
+        self._sock = _bind(host, port)
+        self.port = self._sock.getsockname()[1]
+        self.url = f"http://{host}:{self.port}"
+        self.startup_timeout_s = startup_timeout_s
+        config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=2)
+        self.server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self._sock]}, daemon=True,
+                                        name="kvcore-http")
+
+    def __enter__(self) -> ServerThread:
+        self._thread.start()
+        deadline = time.monotonic() + self.startup_timeout_s
+        while not self.server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                self.close()
+                raise RuntimeError("the HTTP server did not start")
+            time.sleep(0.01)
+        return self
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        self.server.should_exit = True
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+        self._sock.close()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
