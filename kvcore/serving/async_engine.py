@@ -328,17 +328,17 @@ class AsyncEngine:
             self.metrics.prompt_tokens.inc(result.metrics.num_prompt_tokens)
             self.metrics.cached_prompt_tokens.inc(result.metrics.num_cached_tokens)
             entry.stream.num_cached_tokens += result.metrics.num_cached_tokens
-        self.stats = self._snapshot()  # before the stream ends, so its reader sees the blocks back
-        entry.stream._put(notify if notify is not None else _END)
         m = self.metrics
         m.request_finished.labels(status=status).inc()
-        end = time.perf_counter()
-        m.e2e_latency.observe(end - entry.submit_time)
+        m.e2e_latency.observe(time.perf_counter() - entry.submit_time)
         per_sample = entry.num_tokens / max(1, len(entry.sample_ids))
         if entry.first_token_time is not None and per_sample >= 2:
             m.time_per_output_token.observe((entry.last_token_time - entry.first_token_time) / (per_sample - 1))
         with self._cv:
             self._num_in_flight -= 1
+        # Last, so that whoever reads the end of the stream sees the blocks back and the request counted.
+        self.stats = self._snapshot()
+        entry.stream._put(notify if notify is not None else _END)
 
     def _snapshot(self) -> EngineStats:
         engine = self.engine
