@@ -29,7 +29,7 @@ from kvcore.request import TokenEvent
 from kvcore.sampling import SamplingParams
 from kvcore.serving.metrics import ServingMetrics
 
-__all__ = ["AsyncEngine", "EngineStats", "RequestStream", "QueueFullError", "EngineDeadError"]
+__all__ = ["AsyncEngine", "ServingStats", "RequestStream", "QueueFullError", "EngineDeadError"]
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ class EngineDeadError(KVCoreError):
 
 
 @dataclass(frozen=True)
-class EngineStats:
+class ServingStats:
     """A snapshot the engine loop publishes after every step (read from any thread)."""
 
     num_running: int = 0  # requests in the running batch
@@ -340,12 +340,12 @@ class AsyncEngine:
         self.stats = self._snapshot()
         entry.stream._put(notify if notify is not None else _END)
 
-    def _snapshot(self) -> EngineStats:
+    def _snapshot(self) -> ServingStats:
         engine = self.engine
         blocks = engine.kv.blocks
         with self._cv:
             queued = sum(1 for c in self._commands if c[0] == "add")
-        return EngineStats(
+        return ServingStats(
             num_running=engine.num_running,
             num_waiting=engine.num_waiting + queued,
             num_kv_blocks_total=blocks.num_blocks,

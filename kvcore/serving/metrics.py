@@ -1,7 +1,7 @@
 """Serving metrics in the Prometheus text exposition format (version 0.0.4), without a client library.
 
 Counters and histograms are updated from the engine loop and the HTTP handlers (so every update takes
-a lock); gauges are read from the engine loop's latest :class:`~kvcore.serving.async_engine.EngineStats`
+a lock); gauges are read from the engine loop's latest :class:`~kvcore.serving.async_engine.ServingStats`
 when ``/metrics`` is scraped.
 """
 
@@ -141,7 +141,7 @@ class ServingMetrics:
         self.e2e_latency = Histogram("kvcore_e2e_request_latency_seconds", "Submission to end of request", _E2E_BUCKETS)
 
     def render(self, stats) -> str:
-        """The exposition text; ``stats`` is the engine loop's latest ``EngineStats``."""
+        """The exposition text; ``stats`` is the engine loop's latest ``ServingStats``."""
         lines: list[str] = []
         for metric in (
             self.http_requests,
