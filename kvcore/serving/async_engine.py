@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvcore.errors import KVCoreError
+from kvcore.errors import ConfigError, KVCoreError
 from kvcore.request import TokenEvent
 from kvcore.sampling import SamplingParams
 from kvcore.serving.metrics import ServingMetrics
@@ -60,7 +60,7 @@ class AsyncEngine:
 
     def __init__(self, engine: Any, *, max_queue_len: int = 256, metrics: ServingMetrics | None = None) -> None:
         if max_queue_len < 0:
-            raise ValueError(f"max_queue_len must be >= 0, got {max_queue_len}")
+            raise ConfigError(f"max_queue_len must be >= 0, got {max_queue_len}")
         self.engine = engine
         self.metrics = metrics or ServingMetrics()
         self.max_in_flight = engine.config.max_num_seqs + max_queue_len

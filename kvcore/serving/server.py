@@ -75,6 +75,9 @@ def run_server(
     config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5, lifespan="on")
     server = uvicorn.Server(config)
     shown = f"[{host}]" if ":" in host else host
+    if api_key is None and host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"kvcore: warning: serving on {host} without --api-key: anyone who can reach it can use it",
+              file=sys.stderr)
     print(f"kvcore: serving {model_name} on http://{shown}:{bound_port} (OpenAI API under /v1)",
           file=sys.stderr, flush=True)
     try:
