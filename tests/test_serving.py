@@ -332,10 +332,12 @@ def test_kvcore_serve_command_end_to_end(tmp_path):
 
 
 @pytest.mark.slow
-def test_smollm2_greedy_through_the_server_equals_kvcore_generate(capsys, smollm2):
+def test_smollm2_greedy_through_the_server_equals_kvcore_generate(capsys, smollm2, monkeypatch):
+    import kvcore.loaders
     from kvcore.cli import main
     from kvcore.model import LlamaModel
 
+    monkeypatch.setattr(kvcore.loaders, "load_model", lambda name: smollm2)  # read the GGUF file once per session
     prompt = "The capital of France is"
     assert main(["generate", "--max-new-tokens", "16", "--json", prompt]) == 0
     expected = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
