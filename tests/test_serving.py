@@ -115,8 +115,11 @@ def test_completions_and_chat_through_the_openai_client(server, reference):
     deltas = [ch.choices[0].delta for ch in stream]
     assert deltas[0].role == "assistant"
     assert "".join(d.content or "" for d in deltas) == ref.text
+    assert [m.id for m in c.models.list().data] == [NAME] and c.models.retrieve(NAME).id == NAME
     # without max_tokens a chat request may use the whole context window left after its prompt
-    assert [m.id for m in c.models.list().data] == [NAME]
+    out = c.chat.completions.create(model=NAME, messages=messages, temperature=0, extra_body={"ignore_eos": True})
+    assert out.usage.prompt_tokens + out.usage.completion_tokens == reference.engine.max_model_len
+    assert out.choices[0].finish_reason == "length"
 
 
 def test_concurrent_streams_each_equal_to_the_request_alone(server, reference):

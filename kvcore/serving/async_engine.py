@@ -206,10 +206,9 @@ class AsyncEngine:
     def _step(self) -> None:
         try:
             events = self.engine.step()
-        except KVCoreError:
-            raise  # the engine reports request errors as events; a raise here means it is broken
         except Exception as exc:
-            # A bug in a step: fail the requests in flight (their blocks go back) and keep serving the rest.
+            # The engine reports a request's own failure as an event; a step that raises is a bug or a broken
+            # backend: fail the requests in flight (their blocks go back) and keep serving new ones.
             logger.exception("kvcore engine step failed; failing the requests in flight")
             failure = EngineDeadError(f"the engine step failed: {type(exc).__name__}: {exc}")
             for entry in list(self._entries.values()):
@@ -274,5 +273,5 @@ class AsyncEngine:
             num_waiting=engine.num_waiting + queued,
             num_kv_blocks_total=blocks.num_blocks,
             num_kv_blocks_used=blocks.num_blocks - blocks.num_free_blocks,
-            num_requests_tracked=len(engine._requests),
+            num_requests_tracked=len(getattr(engine, "_requests", ())),
         )

@@ -14,6 +14,7 @@ import contextlib
 import hmac
 import json
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -252,11 +253,17 @@ def build_app(
     async def chat_completions(request: Request) -> Response:
         return await generate(request, parse_chat, ChatFormat, "chatcmpl")
 
+    card = {"id": model_name, "object": "model", "created": int(time.time()), "owned_by": "kvcore",
+            "max_model_len": limits["max_model_len"]}
+
     async def models(request: Request) -> Response:
         check_auth(request)
-        card = {"id": model_name, "object": "model", "created": 0, "owned_by": "kvcore",
-                "max_model_len": limits["max_model_len"]}
-        return JSONResponse({"object": "list", "data": [card]})
+        name = request.path_params.get("model")
+        if name is None:
+            return JSONResponse({"object": "list", "data": [card]})
+        if name != model_name:
+            raise _HTTPError(404, f"the model '{name}' does not exist", "invalid_request_error", "model_not_found")
+        return JSONResponse(card)
 
     async def health(request: Request) -> Response:
         if not front.is_running:
@@ -276,6 +283,7 @@ def build_app(
         Route("/v1/completions", counted("/v1/completions", completions), methods=["POST"]),
         Route("/v1/chat/completions", counted("/v1/chat/completions", chat_completions), methods=["POST"]),
         Route("/v1/models", counted("/v1/models", models), methods=["GET"]),
+        Route("/v1/models/{model:path}", counted("/v1/models", models), methods=["GET"]),
         Route("/health", counted("/health", health), methods=["GET"]),
         Route("/metrics", prometheus, methods=["GET"]),
     ]
