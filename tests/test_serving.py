@@ -273,6 +273,19 @@ def test_logprobs_and_stop_strings(server, reference):
         assert len(entry.top_logprobs) == 3 and entry.logprob <= 0
         assert entry.top_logprobs[0].logprob >= entry.top_logprobs[-1].logprob
         assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob)  # greedy: the top token was chosen
+    legacy = c.completions.create(model=NAME, prompt="hi", max_tokens=4, temperature=0, logprobs=2,
+                                  extra_body={"ignore_eos": True}).choices[0].logprobs
+    assert len(legacy.tokens) == len(legacy.token_logprobs) == len(legacy.top_logprobs) == 4
+    assert all(2 <= len(top) <= 3 and lp <= 0 for top, lp in zip(legacy.top_logprobs, legacy.token_logprobs))
+    assert legacy.text_offset == sorted(legacy.text_offset)
+    streamed = c.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=5,
+                                         temperature=0, logprobs=True, top_logprobs=3, stream=True,
+                                         extra_body={"ignore_eos": True})
+    tokens = [e.token for ch in streamed if ch.choices and ch.choices[0].logprobs
+              for e in ch.choices[0].logprobs.content]
+    assert tokens == [e.token for e in content]
+    echoed = c.completions.create(model=NAME, prompt="echo me", max_tokens=3, temperature=0, echo=True).choices[0]
+    assert echoed.text.startswith("echo me")
     full = c.completions.create(model=NAME, prompt="stop here", max_tokens=12, temperature=0,
                                 extra_body={"ignore_eos": True}).choices[0].text
     stop = full[len(full) // 2:][:2]
