@@ -363,3 +363,17 @@ def test_smollm2_greedy_through_the_server_equals_kvcore_generate(capsys, smollm
         out = client(srv).completions.create(model="smollm2", prompt=prompt, max_tokens=16, temperature=0)
     assert out.choices[0].text == expected["text"]
     assert out.usage.completion_tokens == len(expected["token_ids"])
+
+
+def test_load_test_script_small_run(tmp_path):
+    """benchmarks/load_test.py itself, bounded small: concurrent streams, hang-ups, the alone oracle, no leaks."""
+    script = Path(__file__).parents[1] / "benchmarks" / "load_test.py"
+    out = tmp_path / "summary.json"
+    argv = ["--model", str(TINY), "--requests", "24", "--concurrency", "8", "--max-tokens", "12",
+            "--disconnect", "0.25", "--time-limit", "120", "--json", str(out)]
+    proc = subprocess.run([sys.executable, str(script), *argv], capture_output=True, text=True, timeout=180)
+    rc = proc.returncode
+    summary = json.loads(out.read_text())
+    assert rc == 0 and summary["passed"], (summary, proc.stderr[-2000:])
+    assert summary["server_errors"] == 0 and summary["greedy_mismatches"] == 0 and summary["disconnected"] > 0
+    assert summary["kv_blocks_in_use_after"] == [0]
