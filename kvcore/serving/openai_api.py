@@ -190,7 +190,8 @@ def build_app(
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         extra = {}
         if fmt_cls is CompletionFormat:
-            extra["prompt_texts"] = [tokenizer.decode(p, skip_special_tokens=False) for p in job.prompts]
+            extra["prompt_texts"] = [text if text is not None else tokenizer.decode(ids, skip_special_tokens=False)
+                                     for text, ids in zip(job.prompt_texts, job.prompts)]
         fmt = fmt_cls(job, request_id, model_name, token_text, **extra)
         streams: list[RequestStream] = []
         try:

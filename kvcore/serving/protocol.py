@@ -35,6 +35,7 @@ class GenerationJob:
     stream: bool
     include_usage: bool  # stream_options.include_usage: a last chunk with the usage
     echo: bool = False  # completions: return the prompt before the completion
+    prompt_texts: tuple[str | None, ...] = ()  # completions: each prompt as the client wrote it (None: token ids)
     want_logprobs: bool = False  # chat logprobs=true / completions logprobs set
 
 
@@ -222,6 +223,7 @@ def parse_completion(body: Mapping, tokenizer: Any, *, vocab_size: int, max_mode
         stream=stream,
         include_usage=_stream_options(body, stream),
         echo=echo,
+        prompt_texts=tuple(p if isinstance(p, str) else None for p in raw),
         want_logprobs=logprobs is not None,
     )
 
