@@ -191,6 +191,16 @@ class BlockManager:
         self._tables[dst_seq_id] = table
         self._seq_lens[dst_seq_id] = length
 
+    def truncate(self, seq_id: int, num_tokens: int) -> None:
+        """Undo a reservation: keep the first ``num_tokens`` tokens (whose K/V were written before) and give
+        back the blocks past them. A forward that failed after :meth:`reserve` is rolled back this way."""
+        if not 0 <= num_tokens <= self.seq_len(seq_id):
+            raise KVCoreError(f"sequence {seq_id}: cannot truncate {self.seq_len(seq_id)} tokens to {num_tokens}")
+        table = self._tables[seq_id]
+        while len(table) > math.ceil(num_tokens / self.block_size):
+            self.allocator.free(table.pop())
+        self._seq_lens[seq_id] = num_tokens
+
     # -- reservation ---------------------------------------------------------------------------------
     def _needs_copy(self, seq_id: int) -> bool:
         """Whether the next write of ``seq_id`` lands in a shared, partly filled last block."""

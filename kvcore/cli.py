@@ -21,6 +21,15 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass in (0, 1] (1 = off)")
     p.add_argument("--seed", type=int, default=None, help="RNG seed for sampling")
     p.add_argument("--ignore-eos", action="store_true", default=None, help="do not stop at end-of-sequence")
+    p.add_argument("--stop", action="append", default=None, metavar="TEXT",
+                   help="stop when the text contains TEXT (not printed); repeat for several")
+    p.add_argument("--min-p", type=float, default=None, help="drop tokens below min_p × the top probability (0 = off)")
+    p.add_argument("--repetition-penalty", type=float, default=None,
+                   help="divide seen tokens' positive logits by it, multiply negative ones (1 = off)")
+    p.add_argument("--presence-penalty", type=float, default=None, help="OpenAI presence penalty in [-2, 2]")
+    p.add_argument("--frequency-penalty", type=float, default=None, help="OpenAI frequency penalty in [-2, 2]")
+    p.add_argument("--logprobs", type=int, default=None, metavar="K",
+                   help="with --json: each token's logprob and its K most likely alternatives (0-20)")
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
@@ -143,6 +152,12 @@ def _run_generation(args: argparse.Namespace, chat: bool) -> int:
         raise InvalidRequestError("prompt is empty")
     sampling_keys = {f.name for f in fields(SamplingParams)}
     params = SamplingParams(**{k: v for k, v in s.items() if k in sampling_keys and v is not None})
+    # Only a draw reads these; penalties and stop strings still apply to greedy decoding.
+    defaults = SamplingParams()
+    unused = [k for k in ("top_k", "top_p", "min_p", "seed") if getattr(params, k) != getattr(defaults, k)]
+    if params.is_greedy and unused:
+        names = ", ".join("--" + k.replace("_", "-") for k in unused)
+        print(f"kvcore: warning: {names} have no effect at temperature 0 (greedy); set --temperature", file=sys.stderr)
     registry = get_registry()
     if s["plugin_options"]:
         registry.configure(s["plugin_options"])
@@ -160,14 +175,14 @@ def _run_generation(args: argparse.Namespace, chat: bool) -> int:
         prompt_ids = tok.encode(args.prompt)
 
     out = sys.stdout
-    last = None
-    for event in engine.stream(prompt_ids, params):
-        if event.text:
-            out.write(event.text)
-            out.flush()
-        last = event
+    rid = engine.add_request(prompt_ids, params)
+    while engine.has_unfinished():
+        for event in engine.step():
+            if event.text:
+                out.write(event.text)
+                out.flush()
     out.write("\n")
-    result = engine.result(last.request_id)
+    result = engine.release(rid)
     if result.error is not None:
         raise result.error
     if args.json:
@@ -185,6 +200,9 @@ def _run_generation(args: argparse.Namespace, chat: bool) -> int:
             "dtype": config.dtype,
             "metrics": result.metrics.as_dict(),
         }
+        if params.logprobs is not None:
+            payload["logprobs"] = result.logprobs
+            payload["top_logprobs"] = result.top_logprobs
         out.write(json.dumps(payload) + "\n")
     return 0
 

@@ -52,6 +52,12 @@ class FileConfig:
     top_p: float | None = None
     seed: int | None = None
     ignore_eos: bool | None = None
+    stop: list[str] | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logprobs: int | None = None
     max_num_seqs: int | None = None
     max_model_len: int | None = None
     max_num_batched_tokens: int | None = None
@@ -59,6 +65,7 @@ class FileConfig:
     num_blocks: int | None = None
     kv_cache_bytes: int | None = None
     enable_prefix_caching: bool | None = None
+    enable_chunked_prefill: bool | None = None
     backends: dict[str, dict[str, Any]] = field(default_factory=dict)  # [backends.<name>] → constructor kwargs
     kv_caches: dict[str, dict[str, Any]] = field(default_factory=dict)  # [kv_caches.<name>] → constructor kwargs
     samplers: dict[str, dict[str, Any]] = field(default_factory=dict)  # [samplers.<name>] → constructor kwargs
@@ -67,7 +74,7 @@ class FileConfig:
 
 def _scalar_types(annotation: Any) -> tuple[type, ...]:
     """``int | None`` → ``(int,)``; a float key also takes an int."""
-    args = [a for a in typing.get_args(annotation) if a is not types.NoneType]
+    args = [typing.get_origin(a) or a for a in typing.get_args(annotation) if a is not types.NoneType]
     return (int, float) if args == [float] else tuple(args)
 
 
@@ -92,7 +99,8 @@ def load_config(path: str | Path) -> FileConfig:
             raise ConfigError(f"config file '{path}': unknown key '{key}' (known: {', '.join(sorted(known))})")
         if key in _TYPES:
             types_ = _TYPES[key]
-            if isinstance(value, bool) and bool not in types_ or not isinstance(value, types_):
+            is_strings = not isinstance(value, list) or all(isinstance(v, str) for v in value)
+            if isinstance(value, bool) and bool not in types_ or not isinstance(value, types_) or not is_strings:
                 expected = " or ".join(t.__name__ for t in types_)
                 raise ConfigError(f"config file '{path}': key '{key}' must be {expected}, got {value!r}")
         elif not isinstance(value, dict) or not all(isinstance(v, dict) for v in value.values()):

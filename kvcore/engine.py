@@ -6,10 +6,22 @@ One :meth:`Engine.step` is::
     Scheduler    KVCacheManager       AttentionBackend         LlamaModel  Sampler    Engine
                  .prepare              .plan                                          (stop checks, events)
 
-The scheduler either admits waiting requests for a prefill (their whole prompts in one packed forward;
-the first token comes from each prompt's last position) or runs one decode step for every running
-request. Requests join the running batch as soon as the cache has room and leave it the step they
-finish, giving their KV blocks back.
+The scheduler fills one forward with rows (see :mod:`kvcore.scheduler`): decode rows of the running
+requests and, with chunked prefill, prompt chunks in the same call. Rows that complete their sequence
+are sampled; a partly prefilled request produces no token until its last chunk. A step with any prefill
+row runs on the prefill backend, a pure decode step on the decode backend. Requests leave the batch the
+step they finish, giving their KV blocks back.
+
+``n > 1``: :meth:`Engine.add_request` returns the group id ``rid``; its samples are requests
+``f"{rid}:{i}"`` (:meth:`Engine.sample_ids`). Sample 0 prefills the prompt once; its last position's
+logits give every sample's first token, then the others fork its KV blocks (copy-on-write). Sample
+``i`` uses seed ``seed + i``.
+
+Failures and interruptions: an error of a forward or sampler fails the requests of that forward only
+(a forward mixing decode and prefill rows is retried split by phase first, so a failing prefill cannot
+take the running streams down). An exception or KeyboardInterrupt anywhere inside :meth:`Engine.step`
+leaves every request either untouched, re-queued for recomputation (same stream), or failed, and no
+KV block leaked; events made before the interruption come with the next step.
 
 Threading: an ``Engine`` is not thread-safe. Call every method from one thread (a serving front owns
 the engine in one loop and talks to it through queues).
@@ -26,27 +38,26 @@ from typing import Any
 import torch
 
 from kvcore.engine_config import EngineConfig, parse_dtype, select_components
+from kvcore.engine_step import EngineStep
 from kvcore.errors import (
-    BackendError,
     ConfigError,
     ContextLengthError,
     InvalidRequestError,
-    KVCoreError,
     RequestAbortedError,
 )
 from kvcore.kv_cache import CacheSpec
 from kvcore.kv_manager import KVCacheManager
 from kvcore.model import LlamaModel
-from kvcore.model_runner import last_token_logits
+from kvcore.outputs import StopStrings, TextOutput
 from kvcore.plugins import PluginRegistry, get_registry
-from kvcore.request import FinishReason, GenerationResult, Request, TokenEvent
-from kvcore.sampling import Sampler, SamplingParams, sample_checked
-from kvcore.scheduler import ScheduledBatch, Scheduler
+from kvcore.request import EngineStats, FinishReason, GenerationResult, Request, TokenEvent
+from kvcore.sampling import Sampler, SamplingParams
+from kvcore.scheduler import Scheduler
 
 __all__ = ["Engine", "EngineConfig", "parse_dtype"]
 
 
-class Engine:
+class Engine(EngineStep):
     """Runs requests through a model with the configured backends, KV cache and sampler.
 
     Use :meth:`add_request` + :meth:`step` (a serving loop), or the conveniences :meth:`generate` and
@@ -95,12 +106,17 @@ class Engine:
             spec = dataclasses.replace(spec, num_blocks=max(1, config.kv_cache_bytes // per_block))
         cache = registry.create_cache(cache_name, spec, cache_options)
         self.kv = KVCacheManager(cache, enable_prefix_caching=config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        #: counters since construction (prefill / cached / decode / generated tokens, preemptions, ...)
+        self.stats = EngineStats()
+        self.scheduler = Scheduler(
+            self.kv, config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill, self.stats
+        )
         eos = set(mc.eos_token_ids) | set(getattr(tokenizer, "eos_token_ids", None) or [])
         self.eos_token_ids = frozenset(eos)
         self._requests: dict[str, Request] = {}
-        self._decoders: dict[str, Any] = {}
-        self._events: list[TokenEvent] = []  # what the current step() reports
+        self._groups: dict[str, list[str]] = {}  # n > 1: group id -> its sample ids
+        self._outputs: dict[str, TextOutput] = {}
+        self._events: list[TokenEvent] = []
         self._ids = itertools.count()
 
     @property
@@ -123,8 +139,29 @@ class Engine:
     def add_request(
         self, prompt: str | Sequence[int], params: SamplingParams | None = None, request_id: str | None = None
     ) -> str:
-        """Queue a request; returns its id. Invalid requests raise and leave the engine untouched."""
+        """Queue a request; returns its id (with ``params.n > 1`` the group id, see :meth:`sample_ids`).
+        Invalid requests raise and leave the engine untouched."""
         params = params or SamplingParams()
+        prompt_ids = self._prompt_ids(prompt, params)
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        ids = [request_id] if params.n == 1 else [f"{request_id}:{i}" for i in range(params.n)]
+        taken = [r for r in (request_id, *ids) if r in self._requests or r in self._groups]
+        if taken:
+            raise InvalidRequestError(f"request id '{taken[0]}' is already in use")
+        seed = params.seed if params.seed is not None else time.time_ns() % 2**63
+        reqs = [Request(rid, list(prompt_ids), params, self.eos_token_ids, seed=seed + i) for i, rid in enumerate(ids)]
+        for req in reqs:
+            req.metrics.num_prompt_tokens = len(prompt_ids)
+            decoder = self.tokenizer.stream_decoder() if self.tokenizer is not None else None
+            self._outputs[req.request_id] = TextOutput(decoder, StopStrings(params.stop) if params.stop else None)
+            self._requests[req.request_id] = req
+        if params.n > 1:
+            self._groups[request_id] = ids
+        reqs[0].pending_samples = reqs[1:]  # they fork sample 0's prompt blocks once it is computed
+        self.scheduler.add(reqs[0])
+        return request_id
+
+    def _prompt_ids(self, prompt: str | Sequence[int], params: SamplingParams) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise InvalidRequestError("this engine has no tokenizer: pass prompt token ids")
@@ -136,41 +173,50 @@ class Engine:
         if not prompt_ids:
             raise InvalidRequestError("prompt is empty (no tokens)")
         vocab = self.model.config.vocab_size
-        bad = [t for t in prompt_ids if not 0 <= t < vocab]
+        bad = [t for t in prompt_ids if not 0 <= t < vocab] + [t for t, _ in params.logit_bias if t >= vocab]
         if bad:
-            raise InvalidRequestError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
+            what = "prompt token id" if bad[0] in prompt_ids else "logit_bias token id"
+            raise InvalidRequestError(f"{what} {bad[0]} is outside the vocabulary [0, {vocab})")
+        if params.stop and self.tokenizer is None:
+            raise InvalidRequestError("stop strings need a tokenizer; this engine has none (use stop_token_ids)")
+        if params.n > self.config.max_num_seqs:
+            raise InvalidRequestError(
+                f"n = {params.n} samples cannot run together: max_num_seqs is {self.config.max_num_seqs}")
         total = len(prompt_ids) + params.max_new_tokens
         if total > self.max_model_len:
             raise ContextLengthError(
                 f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({params.max_new_tokens}) = {total} exceeds "
                 f"the context limit of {self.max_model_len} tokens; shorten the prompt or lower max_new_tokens"
             )
-        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        if request_id in self._requests:
-            raise InvalidRequestError(f"request id '{request_id}' is already in use")
-        seed = params.seed if params.seed is not None else time.time_ns() % 2**63
-        req = Request(request_id, prompt_ids, params, self.eos_token_ids, seed=seed)
-        req.metrics.num_prompt_tokens = len(prompt_ids)
-        self._requests[request_id] = req
-        self.scheduler.add(req)
-        if self.tokenizer is not None:
-            self._decoders[request_id] = self.tokenizer.stream_decoder()
-        return request_id
+        return prompt_ids
+
+    def sample_ids(self, request_id: str) -> list[str]:
+        """The request ids of the samples of ``request_id``: ``[f"{rid}:{i}" for i in range(n)]`` for a
+        request added with ``n > 1``, else ``[request_id]``. Each is streamed, aborted and released on its
+        own (:class:`TokenEvent`.request_id is the sample id); :meth:`abort` of the group id aborts all."""
+        return list(self._groups.get(request_id, [request_id]))
 
     def abort(self, request_id: str) -> None:
-        """Stop a request now; its KV blocks are freed and other requests are unaffected."""
-        req = self._requests.get(request_id)
-        if req is None or req.is_finished:
-            return
-        # The caller asked for it, so no event: the previous step's event list stays as it was returned.
-        self._finish(req, FinishReason.ABORT, RequestAbortedError(f"request '{request_id}' was aborted"), emit=False)
+        """Stop a request (or every sample of a group) now; its KV blocks are freed, others are unaffected."""
+        for rid in self.sample_ids(request_id):
+            req = self._requests.get(rid)
+            if req is None or req.is_finished:
+                continue
+            # The caller asked for it, so no event: the previous step's event list stays as it was returned.
+            self._finish(req, FinishReason.ABORT, RequestAbortedError(f"request '{rid}' was aborted"), emit=False)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or any(not r.is_finished for r in self._requests.values())
 
     def result(self, request_id: str) -> GenerationResult:
+        """The state of one request (a sample id for ``n > 1``); final once it finished."""
         req = self._requests[request_id]
-        text = self.tokenizer.decode(req.output_ids) if self.tokenizer is not None else ""
+        out = self._outputs[request_id]
+        if req.params.stop or self.tokenizer is None:
+            text = out.text  # what was streamed: cut before a stop string
+        else:
+            text = self.tokenizer.decode(req.output_ids)
+        with_logprobs = req.params.logprobs is not None
         return GenerationResult(
             request_id=req.request_id,
             prompt_token_ids=list(req.prompt_ids),
@@ -179,6 +225,8 @@ class Engine:
             finish_reason=req.finish_reason,
             metrics=req.metrics,
             error=req.error,
+            logprobs=list(req.logprobs) if with_logprobs else None,
+            top_logprobs=[list(t) for t in req.top_logprobs] if with_logprobs else None,
         )
 
     def release(self, request_id: str) -> GenerationResult:
@@ -186,110 +234,50 @@ class Engine:
         result = self.result(request_id)
         if self._requests[request_id].is_finished:
             del self._requests[request_id]
-            self._decoders.pop(request_id, None)
+            self._outputs.pop(request_id, None)
+            group = request_id.rpartition(":")[0]
+            if group in self._groups and not any(r in self._requests for r in self._groups[group]):
+                del self._groups[group]
         return result
-
-    # -- the loop ------------------------------------------------------------------------------------
-    @torch.inference_mode()
-    def step(self) -> list[TokenEvent]:
-        """Advance every unfinished request by one token (prefilling newcomers first)."""
-        self._events = []
-        scheduled = self.scheduler.schedule()
-        for req, error in scheduled.failed:
-            self._finish(req, FinishReason.ERROR, error)
-        if scheduled.batch is not None:
-            self._execute(scheduled.batch)
-        return self._events
-
-    def _execute(self, batch: ScheduledBatch) -> None:
-        """Run one forward and sample; if it raises, the batch's requests fail (and free their blocks)
-        while every other request, waiting or running, is untouched."""
-        reqs = batch.requests
-        backend = self.prefill_backend if batch.is_prefill else self.decode_backend
-        try:
-            try:
-                meta = self.kv.prepare([r.seq_id for r in reqs], batch.query_lens, self.model.attention_scale)
-                logits = last_token_logits(self.model, backend, self.kv.cache, meta, batch.input_ids)  # [B, V]
-            except KVCoreError:
-                raise
-            except Exception as exc:
-                raise BackendError(f"backend '{backend.name}' failed: {type(exc).__name__}: {exc}") from exc
-            if self.kv.blocks.enable_prefix_caching:
-                for req in reqs:
-                    self.kv.blocks.commit(req.seq_id, req.all_ids)
-            self._suppress_eos(reqs, logits)
-            next_ids, _ = sample_checked(self.sampler, logits, reqs)
-        except KVCoreError as exc:
-            for req in reqs:
-                self._finish(req, FinishReason.ERROR, exc)
-            return
-        self._append_tokens(reqs, next_ids)
-
-    def _suppress_eos(self, reqs: list[Request], logits: torch.Tensor) -> None:
-        # ignore_eos suppresses EOS (llama.cpp --ignore-eos, transformers min_new_tokens): the stream then
-        # holds exactly max_new_tokens real tokens instead of EOS followed by noise.
-        banned_rows = [i for i, r in enumerate(reqs) if r.params.ignore_eos]
-        if banned_rows and self.eos_token_ids:
-            rows = torch.tensor(banned_rows, device=logits.device)[:, None]
-            cols = torch.tensor(sorted(self.eos_token_ids), device=logits.device)[None, :]
-            logits[rows, cols] = float("-inf")
-
-    def _append_tokens(self, reqs: list[Request], next_ids: list[int]) -> None:
-        now = time.perf_counter()
-        for req, token_id in zip(reqs, next_ids):
-            req.output_ids.append(token_id)
-            m = req.metrics
-            m.num_generated_tokens = len(req.output_ids)
-            if m.first_token_time is None:
-                m.first_token_time = now
-            m.kv_bytes = max(m.kv_bytes, self.kv.kv_bytes_in_use(req.seq_id))
-            reason = req.stop_reason_after(token_id, self.max_model_len)
-            decoder = self._decoders.get(req.request_id)
-            text = decoder.push(token_id) if decoder is not None else ""
-            if reason is not None:
-                text += decoder.flush() if decoder is not None else ""
-                self._finish(req, reason, emit=False)
-            self._events.append(TokenEvent(req.request_id, token_id, text, reason))
-
-    def _finish(self, req: Request, reason: FinishReason, error: KVCoreError | None = None, emit: bool = True) -> None:
-        req.finish_reason, req.error = reason, error
-        req.metrics.finish_time = time.perf_counter()
-        self.scheduler.remove(req)
-        if emit:
-            self._events.append(TokenEvent(req.request_id, None, "", reason, error))
 
     # -- conveniences --------------------------------------------------------------------------------
     def generate(
         self, prompts: Iterable[str | Sequence[int]], params: SamplingParams | Sequence[SamplingParams] | None = None
     ) -> list[GenerationResult]:
-        """Run a batch of prompts (any lengths) to completion; results in prompt order."""
+        """Run a batch of prompts (any lengths) to completion; results in prompt order (with ``n > 1``,
+        a prompt's n samples in sample order). Interrupted, it aborts and forgets its requests."""
         prompts = list(prompts)
         per = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(per) != len(prompts):
             raise InvalidRequestError(f"got {len(prompts)} prompts but {len(per)} sampling params")
-        ids = []
+        ids: list[str] = []
         try:
             for prompt, p in zip(prompts, per):
-                ids.append(self.add_request(prompt, p))
-        except KVCoreError:
-            for rid in ids:  # leave the engine as we found it
-                self.abort(rid)
-                self.release(rid)
+                ids += self.sample_ids(self.add_request(prompt, p))
+            while any(not self._requests[r].is_finished for r in ids):
+                self.step()
+        except BaseException:
+            self._drop(ids)  # leave the engine as we found it
             raise
-        while any(not self._requests[r].is_finished for r in ids):
-            self.step()
         return [self.release(r) for r in ids]
 
     def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> Iterator[TokenEvent]:
-        """Yield one :class:`TokenEvent` per generated token of a single request."""
-        rid = self.add_request(prompt, params)
+        """Yield the :class:`TokenEvent` of each generated token of one request (of each sample, n > 1).
+        The request is released when the stream ends or is closed; keep the events for its text."""
+        ids = self.sample_ids(self.add_request(prompt, params))
         try:
-            while not self._requests[rid].is_finished:
+            while any(not self._requests[r].is_finished for r in ids):
                 for event in self.step():
-                    if event.request_id == rid:
+                    if event.request_id in ids:
                         yield event
         finally:
-            self.abort(rid)
+            self._drop(ids)
+
+    def _drop(self, ids: list[str]) -> None:
+        for rid in ids:
+            if rid in self._requests:
+                self.abort(rid)
+                self.release(rid)
 
     @property
     def num_running(self) -> int:

@@ -39,7 +39,12 @@ class EngineConfig:
     device: str = "cpu"
     max_num_seqs: int = 8  # requests resident in the KV cache at once
     max_model_len: int | None = None  # tokens per request; None = the model's context window, capped
-    max_num_batched_tokens: int = 8192  # prompt tokens one prefill step may compute (a lone prompt may exceed)
+    #: tokens one forward may compute. Chunked: decodes first, prompts split into chunks to fill the rest;
+    #: unchunked: prompt tokens of one prefill step (a lone prompt may exceed it)
+    max_num_batched_tokens: int = 8192
+    #: split long prompts into chunks that share steps with the running decodes (vLLM's default): a long
+    #: prompt then no longer stalls every running stream for its whole prefill
+    enable_chunked_prefill: bool = True
     block_size: int = 16  # paged caches: tokens per block
     num_blocks: int | None = None  # paged caches: pool size; None = from kv_cache_bytes, else max_num_seqs × len
     kv_cache_bytes: int | None = None  # paged caches: a memory budget the pool is sized to

@@ -39,8 +39,12 @@ def last_token_logits(
     cache: KVCache,
     meta: AttentionMetadata,
     input_ids: Sequence[int] | torch.Tensor,
+    rows: Sequence[int] | None = None,
 ) -> torch.Tensor:
-    """``[B, V]`` float32 logits of each sequence's last packed token (what the sampler picks from)."""
+    """``[B, V]`` float32 logits of each sequence's last packed token (what the sampler picks from); with
+    ``rows``, ``[len(rows), V]`` of those sequences only (a partly prefilled sequence needs none)."""
     hidden = run_model(model, backend, cache, meta, input_ids)
     last_rows = (meta.cu_seqlens_q[1:] - 1).long()
+    if rows is not None:
+        last_rows = last_rows[torch.as_tensor(rows, dtype=torch.long, device=last_rows.device)]
     return model.compute_logits(hidden[last_rows])

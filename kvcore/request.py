@@ -10,7 +10,7 @@ from typing import Any
 from kvcore.errors import KVCoreError
 from kvcore.sampling import SamplingParams
 
-__all__ = ["FinishReason", "RequestMetrics", "Request", "TokenEvent", "GenerationResult"]
+__all__ = ["FinishReason", "RequestMetrics", "Request", "TokenEvent", "GenerationResult", "EngineStats"]
 
 
 class FinishReason(enum.StrEnum):
@@ -66,7 +66,7 @@ class RequestMetrics:
         }
 
 
-@dataclass
+@dataclass(eq=False)  # identity: a request is one object, compared by who it is
 class Request:
     """Mutable engine-side state of one generation request (what a sampler sees as a ``SamplingRow``)."""
 
@@ -80,6 +80,13 @@ class Request:
     error: KVCoreError | None = None
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     seq_id: int | None = None  # KV-cache sequence while resident
+    #: leading tokens of ``all_ids`` whose K/V are in the cache (a partly prefilled request has fewer than
+    #: ``len(all_ids) - 1``; a decoding one exactly that: its last sampled token is not computed yet)
+    num_computed_tokens: int = 0
+    #: n > 1: samples 1..n-1 of this group, waiting for this one's prefill to fork its KV blocks
+    pending_samples: list[Request] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)  # with params.logprobs: one per output id
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
 
     @property
     def is_finished(self) -> bool:
@@ -88,6 +95,15 @@ class Request:
     @property
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def is_decoding(self) -> bool:
+        """Every token but the last sampled one is computed: the next forward is one decode row."""
+        return bool(self.output_ids) and self.num_computed_tokens == self.num_tokens - 1
 
     def stop_reason_after(self, token_id: int, max_model_len: int) -> FinishReason | None:
         """Why generation ends after appending ``token_id`` (already in ``output_ids``), if it does."""
@@ -134,3 +150,24 @@ class GenerationResult:
     #: with ``params.logprobs`` set: one entry per id of ``token_ids`` (as in :class:`TokenEvent`)
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
+
+
+@dataclass
+class EngineStats:
+    """Counters since the engine was made (monotonic: Prometheus counters in a serving front).
+
+    ``num_prefill_tokens`` counts prompt tokens a forward computed (recomputation after a preemption
+    included); ``num_cached_tokens`` prompt tokens that were not computed because their K/V were already
+    there: prefix-cache hits, and the shared prompt of the samples 1..n-1 of an ``n > 1`` request.
+    """
+
+    num_steps: int = 0  # forward calls
+    num_prefill_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_decode_tokens: int = 0  # decode rows computed (one token each)
+    num_generated_tokens: int = 0  # tokens sampled
+    num_preemptions: int = 0
+    num_finished_requests: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(vars(self))
