@@ -276,7 +276,9 @@ def test_logprobs_and_stop_strings(server, reference):
     legacy = c.completions.create(model=NAME, prompt="hi", max_tokens=4, temperature=0, logprobs=2,
                                   extra_body={"ignore_eos": True}).choices[0].logprobs
     assert len(legacy.tokens) == len(legacy.token_logprobs) == len(legacy.top_logprobs) == 4
-    assert all(2 <= len(top) <= 3 and lp <= 0 for top, lp in zip(legacy.top_logprobs, legacy.token_logprobs))
+    for top, lp, token in zip(legacy.top_logprobs, legacy.token_logprobs, legacy.tokens):
+        # keyed by token text: alternatives that decode alike (e.g. incomplete UTF-8 bytes, U+FFFD) share a key
+        assert 1 <= len(top) <= 3 and lp <= 0 and top[token] >= lp, legacy
     assert legacy.text_offset == sorted(legacy.text_offset)
     streamed = c.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=5,
                                          temperature=0, logprobs=True, top_logprobs=3, stream=True,
@@ -312,6 +314,7 @@ def test_metrics_is_prometheus_text(server):
     assert samples[("kvcore_time_to_first_token_seconds_bucket", (("le", "+Inf"),))] == samples[
         ("kvcore_time_to_first_token_seconds_count", ())]
     assert samples[("kvcore_kv_blocks_total", ())] == server.front.engine.kv.blocks.num_blocks
+    assert samples[("kvcore_prefill_tokens_total", ())] > 0 and samples[("kvcore_engine_steps_total", ())] > 0
     for name in ("kvcore_kv_blocks_in_use", "kvcore_num_requests_running", "kvcore_num_requests_waiting",
                  "kvcore_prefix_cache_hit_tokens_total"):
         assert (name, ()) in samples
@@ -378,3 +381,19 @@ def test_load_test_script_small_run(tmp_path):
     assert rc == 0 and summary["passed"], (summary, proc.stderr[-2000:])
     assert summary["server_errors"] == 0 and summary["greedy_mismatches"] == 0 and summary["disconnected"] > 0
     assert summary["kv_blocks_in_use_after"] == [0]
+
+
+def test_prefix_cache_hits_show_in_usage_and_metrics():
+    front = AsyncEngine(tiny_engine(max_num_seqs=2, enable_prefix_caching=True))
+    with ServerThread(build_app(front, model_name=NAME)) as srv:
+        c = client(srv)
+        prompt = list(range(3, 83))  # 80 tokens: 5 full blocks of 16
+        first = c.completions.create(model=NAME, prompt=prompt, max_tokens=2, temperature=0)
+        again = c.completions.create(model=NAME, prompt=prompt, max_tokens=2, temperature=0)
+        assert first.usage.prompt_tokens_details is None or not first.usage.prompt_tokens_details.cached_tokens
+        assert again.usage.prompt_tokens_details.cached_tokens >= 64
+        assert again.choices[0].text == first.choices[0].text
+        text = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=TIMEOUT)
+        text.request("GET", "/metrics")
+        families = {f.name: f for f in text_string_to_metric_families(text.getresponse().read().decode())}
+        assert families["kvcore_prefix_cache_hit_tokens"].samples[0].value >= 64

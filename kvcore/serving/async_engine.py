@@ -241,16 +241,16 @@ class AsyncEngine:
         rid = entry.stream.request_id
         if self._entries.pop(rid, None) is None:
             return
-        for sid in entry.sample_ids:
+        for i, sid in enumerate(entry.sample_ids):
             self._owner.pop(sid, None)
             try:
                 self.engine.abort(sid)
                 result = self.engine.release(sid)
             except KeyError:
                 continue
-            self.metrics.prompt_tokens.inc(result.metrics.num_prompt_tokens)
-            self.metrics.cached_prompt_tokens.inc(result.metrics.num_cached_tokens)
-            entry.stream.num_cached_tokens += result.metrics.num_cached_tokens
+            if i == 0:  # the prompt counts once; samples 1..n-1 share sample 0's prompt blocks
+                self.metrics.prompt_tokens.inc(result.metrics.num_prompt_tokens)
+                entry.stream.num_cached_tokens = result.metrics.num_cached_tokens
         m = self.metrics
         m.request_finished.labels(status=status).inc()
         m.e2e_latency.observe(time.perf_counter() - entry.submit_time)
@@ -274,4 +274,5 @@ class AsyncEngine:
             num_kv_blocks_total=blocks.num_blocks,
             num_kv_blocks_used=blocks.num_blocks - blocks.num_free_blocks,
             num_requests_tracked=len(getattr(engine, "_requests", ())),
+            engine_counters=tuple(engine.stats.as_dict().items()) if hasattr(engine, "stats") else (),
         )

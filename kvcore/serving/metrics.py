@@ -115,6 +115,16 @@ _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2,
 _E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
 
 
+#: the engine's own counters (``Engine.stats``) that /metrics reports: (field, metric name, help)
+_ENGINE_COUNTERS = (
+    ("num_steps", "kvcore_engine_steps_total", "Forward calls (engine steps)"),
+    ("num_prefill_tokens", "kvcore_prefill_tokens_total", "Prompt tokens computed (recomputation included)"),
+    ("num_cached_tokens", "kvcore_prefix_cache_hit_tokens_total",
+     "Prompt tokens not computed because their KV was cached (prefix cache, shared n>1 prompts)"),
+    ("num_preemptions", "kvcore_preemptions_total", "Requests preempted for KV-cache room (recomputed later)"),
+)
+
+
 class ServingMetrics:
     """Everything ``GET /metrics`` reports (names prefixed ``kvcore_``)."""
 
@@ -129,9 +139,6 @@ class ServingMetrics:
         )
         self.generation_tokens = Counter("kvcore_generation_tokens_total", "Tokens generated")
         self.prompt_tokens = Counter("kvcore_prompt_tokens_total", "Prompt tokens of finished requests")
-        self.cached_prompt_tokens = Counter(
-            "kvcore_prefix_cache_hit_tokens_total", "Prompt tokens served from the prefix cache instead of computed"
-        )
         self.time_to_first_token = Histogram(
             "kvcore_time_to_first_token_seconds", "Submission to first generated token", _TTFT_BUCKETS
         )
@@ -148,12 +155,15 @@ class ServingMetrics:
             self.request_finished,
             self.generation_tokens,
             self.prompt_tokens,
-            self.cached_prompt_tokens,
             self.time_to_first_token,
             self.time_per_output_token,
             self.e2e_latency,
         ):
             lines += metric.render()
+        counters = dict(stats.engine_counters)
+        for key, name, help_text in _ENGINE_COUNTERS:
+            if key in counters:
+                lines += [f"# HELP {name} {help_text}", f"# TYPE {name} counter", f"{name} {_number(counters[key])}"]
         lines += _gauge("kvcore_num_requests_running", "Requests in the running batch", stats.num_running)
         lines += _gauge("kvcore_num_requests_waiting", "Requests queued, not yet running", stats.num_waiting)
         lines += _gauge("kvcore_kv_blocks_total", "KV-cache blocks in the pool", stats.num_kv_blocks_total)

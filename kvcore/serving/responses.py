@@ -111,8 +111,11 @@ class CompletionFormat(_Format):
             offset += len(t)
         top = []
         for tid, lp, alts in zip(token_ids, logprobs, tops):
-            entry = {self.token_text(i): v for i, v in alts}
-            entry.setdefault(self.token_text(tid), lp)  # the chosen token is always listed (vLLM)
+            entry: dict[str, float] = {}
+            for i, v in [(tid, lp), *alts]:  # the chosen token is always listed (vLLM)
+                # keyed by text: tokens that decode alike (incomplete UTF-8 bytes) share a key; keep the likeliest
+                text = self.token_text(i)
+                entry[text] = max(v, entry.get(text, v))
             top.append(entry)
         return {
             "tokens": [self.token_text(i) for i in token_ids],

@@ -33,6 +33,7 @@ class ServingStats:
     num_kv_blocks_total: int = 0  # KV-cache blocks (slots, for a per-sequence layout)
     num_kv_blocks_used: int = 0
     num_requests_tracked: int = 0  # requests the engine still holds state for (0 when idle: nothing leaks)
+    engine_counters: tuple[tuple[str, int], ...] = ()  # the engine's monotonic counters (Engine.stats)
 
 
 END = object()  # queue item: the request is over (every sample finished, or it was aborted)
