@@ -19,7 +19,6 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-import anyio
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -78,19 +77,19 @@ class _SSEResponse(StreamingResponse):
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     async def __call__(self, scope, receive, send) -> None:
+        streaming = asyncio.ensure_future(self._send_all(send))
+        listening = asyncio.ensure_future(self.listen_for_disconnect(receive))
         try:
-            async with anyio.create_task_group() as tg:
-
-                async def stream() -> None:
-                    with contextlib.suppress(OSError):
-                        await self.stream_response(send)
-                    tg.cancel_scope.cancel()
-
-                tg.start_soon(stream)
-                await self.listen_for_disconnect(receive)
-                tg.cancel_scope.cancel()
+            await asyncio.wait({streaming, listening}, return_when=asyncio.FIRST_COMPLETED)
         finally:
+            for task in (streaming, listening):
+                task.cancel()
+            await asyncio.gather(streaming, listening, return_exceptions=True)
             await self.body_iterator.aclose()
+
+    async def _send_all(self, send) -> None:
+        with contextlib.suppress(OSError):  # the client went away while we were writing
+            await self.stream_response(send)
 
 
 async def _merge(streams: list[RequestStream], n: int) -> AsyncIterator[tuple[int, Any]]:
