@@ -397,3 +397,32 @@ def test_prefix_cache_hits_show_in_usage_and_metrics():
         text.request("GET", "/metrics")
         families = {f.name: f for f in text_string_to_metric_families(text.getresponse().read().decode())}
         assert families["kvcore_prefix_cache_hit_tokens"].samples[0].value >= 64
+
+
+def test_a_request_failing_mid_stream_ends_with_an_error_event_and_the_server_goes_on():
+    engine = tiny_engine(max_num_seqs=2)
+    real_step, calls = engine.step, {"n": 0}
+
+    def step_failing_once():
+        calls["n"] += 1
+        if calls["n"] == 4:
+            raise RuntimeError("backend exploded")
+        return real_step()
+
+    engine.step = step_failing_once
+    front = AsyncEngine(engine)
+    with ServerThread(build_app(front, model_name=NAME)) as srv:
+        conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=TIMEOUT)
+        conn.request("POST", "/v1/completions", json.dumps({"prompt": "doomed", "max_tokens": 20, "stream": True,
+                                                            "ignore_eos": True}), {"Content-Type": "application/json"})
+        events = [e for e in conn.getresponse().read().decode().split("\n\n") if e]
+        assert events[-1] == "data: [DONE]"
+        error = json.loads(events[-2].removeprefix("data: "))["error"]
+        assert "backend exploded" in error["message"] and error["code"] == "engine_error"
+        with pytest.raises(openai.InternalServerError):  # mid-request failure, not streamed: a 5xx body
+            engine.step, calls["n"] = step_failing_once, 0
+            client(srv).completions.create(model=NAME, prompt="doomed too", max_tokens=20,
+                                           extra_body={"ignore_eos": True})
+        out = client(srv).completions.create(model=NAME, prompt="fine", max_tokens=3, extra_body={"ignore_eos": True})
+        assert out.usage.completion_tokens == 3
+        wait_idle(front)

@@ -12,7 +12,7 @@ import torch
 
 from kvcore import Engine, EngineConfig, SamplingParams
 from kvcore.errors import ContextLengthError, InvalidRequestError
-from kvcore.serving import AsyncEngine, EngineDeadError, QueueFullError
+from kvcore.serving import AsyncEngine, EngineDeadError, EngineStepError, QueueFullError
 
 TINY = Path(__file__).parent / "data" / "tiny-llama"
 
@@ -154,7 +154,7 @@ def test_a_failing_step_fails_the_requests_in_flight_and_the_loop_goes_on(tiny_e
     engine.step = flaky_step
 
     async def run() -> None:
-        with pytest.raises(EngineDeadError, match="boom"):
+        with pytest.raises(EngineStepError, match="boom"):
             await tokens_of(front, "doomed", 20, ignore_eos=True)
         assert len(await tokens_of(front, "survivor", 6, ignore_eos=True)) == 6
 

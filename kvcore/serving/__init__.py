@@ -6,10 +6,19 @@
   (``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``, ``/health``, ``/metrics``).
 """
 
-from kvcore.serving.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestStream
+from kvcore.serving.async_engine import AsyncEngine
 from kvcore.serving.metrics import ServingMetrics
+from kvcore.serving.stream import EngineDeadError, EngineStepError, QueueFullError, RequestStream
 
-__all__ = ["AsyncEngine", "EngineDeadError", "QueueFullError", "RequestStream", "ServingMetrics", "build_app"]
+__all__ = [
+    "AsyncEngine",
+    "EngineDeadError",
+    "EngineStepError",
+    "QueueFullError",
+    "RequestStream",
+    "ServingMetrics",
+    "build_app",
+]
 
 
 def __getattr__(name: str):

@@ -27,7 +27,7 @@ from kvcore.errors import ConfigError, KVCoreError
 from kvcore.request import TokenEvent
 from kvcore.sampling import SamplingParams
 from kvcore.serving.metrics import ServingMetrics
-from kvcore.serving.stream import END, EngineDeadError, QueueFullError, RequestStream, ServingStats
+from kvcore.serving.stream import END, EngineDeadError, EngineStepError, QueueFullError, RequestStream, ServingStats
 
 __all__ = ["AsyncEngine", "ServingStats", "RequestStream", "QueueFullError", "EngineDeadError"]
 
@@ -198,10 +198,10 @@ class AsyncEngine:
                 self._end(entry, "abort")
 
     def _reject(self, stream: RequestStream, exc: BaseException | None) -> None:
+        with self._cv:  # first, so a caller that sees the error can submit again at once
+            self._num_in_flight -= 1
         if exc is not None:
             stream._put(exc)
-        with self._cv:
-            self._num_in_flight -= 1
 
     def _step(self) -> None:
         try:
@@ -210,7 +210,7 @@ class AsyncEngine:
             # The engine reports a request's own failure as an event; a step that raises is a bug or a broken
             # backend: fail the requests in flight (their blocks go back) and keep serving new ones.
             logger.exception("kvcore engine step failed; failing the requests in flight")
-            failure = EngineDeadError(f"the engine step failed: {type(exc).__name__}: {exc}")
+            failure = EngineStepError(f"the engine step failed: {type(exc).__name__}: {exc}")
             for entry in list(self._entries.values()):
                 self._end(entry, "error", notify=failure)
             return

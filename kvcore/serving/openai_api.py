@@ -25,10 +25,11 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from kvcore.errors import ContextLengthError, InvalidRequestError, KVCoreError, OutOfBlocksError
-from kvcore.serving.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestStream
+from kvcore.serving.async_engine import AsyncEngine
 from kvcore.serving.metrics import CONTENT_TYPE
 from kvcore.serving.protocol import GenerationJob, error_body, parse_chat, parse_completion
 from kvcore.serving.responses import ChatFormat, Choice, CompletionFormat, TokenTexts
+from kvcore.serving.stream import EngineDeadError, EngineStepError, QueueFullError, RequestStream
 
 __all__ = ["build_app", "RETRY_AFTER_S"]
 
@@ -59,6 +60,8 @@ def _error_response(exc: BaseException) -> JSONResponse:
         headers = {"Retry-After": str(RETRY_AFTER_S)}
     elif isinstance(exc, EngineDeadError):
         status, err_type, code = 503, "server_error", "engine_unavailable"
+    elif isinstance(exc, EngineStepError):
+        status, err_type, code = 500, "server_error", "engine_error"
     elif isinstance(exc, KVCoreError):
         status, err_type, code = 500, "server_error", type(exc).__name__
     else:

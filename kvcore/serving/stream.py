@@ -13,11 +13,15 @@ from kvcore.sampling import SamplingParams
 if TYPE_CHECKING:
     from kvcore.serving.async_engine import AsyncEngine
 
-__all__ = ["RequestStream", "ServingStats", "QueueFullError", "EngineDeadError", "END"]
+__all__ = ["RequestStream", "ServingStats", "QueueFullError", "EngineDeadError", "EngineStepError", "END"]
 
 
 class QueueFullError(KVCoreError):
     """The server already holds as many requests as it may queue; the client should retry later."""
+
+
+class EngineStepError(KVCoreError):
+    """An engine step raised; the requests in that step failed with it, and the engine goes on serving."""
 
 
 class EngineDeadError(KVCoreError):
