@@ -7,7 +7,7 @@ of them hang up mid-stream. Afterwards it checks:
 - no server errors (HTTP 5xx, error events in a stream, broken connections the client did not cause);
 - every completed greedy stream equals the same request run alone (one at a time, same server), and every
   disconnected one is a prefix of it;
-- the KV blocks in use return to 0 and the server's RSS returns to its level after warm-up;
+- the KV blocks in use return to 0 and the server's RSS returns to its level after a warm-up round;
 
 and reports requests/s, output tokens/s, TTFT and TPOT percentiles (client side). It stops by itself:
 the number of requests is fixed and ``--time-limit`` bounds the whole run. Exit code 0 when every check
@@ -156,18 +156,19 @@ async def run(args: argparse.Namespace, port: int, pid: int) -> dict:
         hang_up = rng.randint(1, 4) if rng.random() < args.disconnect else None
         return Outcome(prompt, rng.randint(1, args.max_tokens), hang_up)
 
-    for _ in range(4):  # warm-up: first-call allocations and lazy initialisation
-        await stream_completion(port, model, Outcome("warm up", args.max_tokens, None), args.request_timeout)
-    idle = await wait_idle(port, 30)
-    base = {"rss_mib": rss_mib(pid), "kv_blocks_in_use": gauge(idle, "kvcore_kv_blocks_in_use"),
-            "kv_blocks_total": gauge(idle, "kvcore_kv_blocks_total")}
-    rounds = []
     gate = asyncio.Semaphore(args.concurrency)
 
     async def client(o: Outcome) -> Outcome:
         async with gate:
             return await stream_completion(port, model, o, args.request_timeout)
 
+    # Warm-up at full concurrency, so the baseline includes what the first batches of each shape allocate
+    # (kernel workspaces, allocator arenas); what grows after it is what the requests leave behind.
+    await asyncio.gather(*(client(Outcome(job(i).prompt, args.max_tokens, None)) for i in range(args.warmup)))
+    idle = await wait_idle(port, 30)
+    base = {"rss_mib": rss_mib(pid), "kv_blocks_in_use": gauge(idle, "kvcore_kv_blocks_in_use"),
+            "kv_blocks_total": gauge(idle, "kvcore_kv_blocks_total")}
+    rounds = []
     for _ in range(args.rounds):
         jobs = [job(i) for i in range(args.requests)]
 
@@ -228,6 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--served-model-name", default="load-test")
     p.add_argument("--requests", type=int, default=300, help="requests per round")
     p.add_argument("--rounds", type=int, default=1, help="repeat the load (RSS after each round is reported)")
+    p.add_argument("--warmup", type=int, default=64, help="requests of the uncounted warm-up round")
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--max-prompt-words", type=int, default=60)
     p.add_argument("--max-tokens", type=int, default=64, help="output lengths are uniform in [1, this]")

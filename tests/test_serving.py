@@ -374,7 +374,7 @@ def test_load_test_script_small_run(tmp_path):
     script = Path(__file__).parents[1] / "benchmarks" / "load_test.py"
     out = tmp_path / "summary.json"
     argv = ["--model", str(TINY), "--requests", "24", "--concurrency", "8", "--max-tokens", "12",
-            "--disconnect", "0.25", "--time-limit", "120", "--json", str(out)]
+            "--disconnect", "0.25", "--warmup", "8", "--time-limit", "120", "--json", str(out)]
     proc = subprocess.run([sys.executable, str(script), *argv], capture_output=True, text=True, timeout=180)
     rc = proc.returncode
     summary = json.loads(out.read_text())
