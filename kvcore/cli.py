@@ -59,6 +59,23 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--json", action="store_true", help="print a JSON result object as the last stdout line")
         p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
 
+    p = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
+    _engine_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 = any free port)")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or env KVCORE_API_KEY)")
+    p.add_argument("--served-model-name", default=None, help="model name clients send (default: --model)")
+    p.add_argument("--max-num-seqs", type=int, default=None, help="requests run at once (default 16)")
+    p.add_argument("--max-queue-len", type=int, default=256, help="requests waiting beyond those; then 429")
+    p.add_argument("--max-model-len", type=int, default=None, help="context limit per request, in tokens")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="prompt tokens per prefill step")
+    p.add_argument("--num-blocks", type=int, default=None, help="KV-cache blocks (paged caches)")
+    p.add_argument("--kv-cache-bytes", type=int, default=None, help="size the paged KV cache to this budget")
+    p.add_argument("--enable-prefix-caching", action="store_true", default=None, help="reuse shared prompt blocks")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    p.set_defaults(func=_run_serve)
+
     p = sub.add_parser("plugins", help="list registered backends, KV caches and samplers, with availability")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
@@ -188,6 +205,25 @@ def _run_generation(args: argparse.Namespace, chat: bool) -> int:
             payload["top_logprobs"] = result.top_logprobs
         out.write(json.dumps(payload) + "\n")
     return 0
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    from kvcore.config import load_config
+    from kvcore.serving.server import DEFAULT_MAX_NUM_SEQS, build_engine, run_server
+
+    s = resolve_settings(args)
+    if args.max_num_seqs is None and (not args.config or load_config(args.config).max_num_seqs is None):
+        s["max_num_seqs"] = DEFAULT_MAX_NUM_SEQS  # a server runs many requests; `generate` runs one
+    engine = build_engine(s)
+    return run_server(
+        engine,
+        model_name=args.served_model_name or s["model"],
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key or os.environ.get("KVCORE_API_KEY") or None,
+        max_queue_len=args.max_queue_len,
+        log_level=args.log_level,
+    )
 
 
 def _run_plugins(args: argparse.Namespace) -> int:

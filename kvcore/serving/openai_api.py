@@ -1,0 +1,293 @@
+"""The OpenAI-compatible HTTP API behind ``kvcore serve``: a Starlette ASGI app over an :class:`AsyncEngine`.
+
+Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (JSON, or SSE chunks ending with
+``data: [DONE]`` when ``stream`` is true), ``GET /v1/models``, ``GET /health``, ``GET /metrics``.
+Errors are OpenAI's body ``{"error": {"message", "type", "param", "code"}}`` with the status of their
+kind (400 invalid request or context too long, 401 bad API key, 404 unknown model, 429 queue full with
+``Retry-After``, 500/503 server side). A client that disconnects aborts its requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from kvcore.errors import ContextLengthError, InvalidRequestError, KVCoreError, OutOfBlocksError
+from kvcore.serving.async_engine import AsyncEngine
+from kvcore.serving.metrics import CONTENT_TYPE
+from kvcore.serving.protocol import GenerationJob, error_body, parse_chat, parse_completion
+from kvcore.serving.responses import ChatFormat, Choice, CompletionFormat, TokenTexts
+from kvcore.serving.stream import EngineDeadError, EngineStepError, QueueFullError, RequestStream
+
+__all__ = ["build_app", "RETRY_AFTER_S"]
+
+logger = logging.getLogger(__name__)
+
+#: what a 429 tells the client to wait before retrying, in seconds
+RETRY_AFTER_S = 1
+
+
+class _HTTPError(Exception):
+    def __init__(self, status: int, message: str, err_type: str, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.err_type, self.code = status, err_type, code
+
+
+def _error_response(exc: BaseException) -> JSONResponse:
+    """The HTTP answer for an exception: its status, and OpenAI's error body."""
+    headers = None
+    param = getattr(exc, "param", None)
+    if isinstance(exc, _HTTPError):
+        status, err_type, code = exc.status, exc.err_type, exc.code
+    elif isinstance(exc, ContextLengthError):
+        status, err_type, code = 400, "invalid_request_error", "context_length_exceeded"
+    elif isinstance(exc, (InvalidRequestError, OutOfBlocksError)):
+        status, err_type, code = 400, "invalid_request_error", None
+    elif isinstance(exc, QueueFullError):
+        status, err_type, code = 429, "rate_limit_error", "queue_full"
+        headers = {"Retry-After": str(RETRY_AFTER_S)}
+    elif isinstance(exc, EngineDeadError):
+        status, err_type, code = 503, "server_error", "engine_unavailable"
+    elif isinstance(exc, EngineStepError):
+        status, err_type, code = 500, "server_error", "engine_error"
+    elif isinstance(exc, KVCoreError):
+        status, err_type, code = 500, "server_error", type(exc).__name__
+    else:
+        logger.exception("internal error while serving a request", exc_info=exc)
+        status, err_type, code = 500, "server_error", "internal_error"
+    message = str(exc) if isinstance(exc, KVCoreError | _HTTPError) else f"internal error: {type(exc).__name__}"
+    return JSONResponse(error_body(message, err_type, code, param), status_code=status, headers=headers)
+
+
+class _SSEResponse(StreamingResponse):
+    """Server-sent events that stop at once when the client goes away, whatever the ASGI version: a
+    disconnect cancels the stream, and the body iterator is always closed (its ``finally`` aborts)."""
+
+    def __init__(self, content: AsyncIterator[str]) -> None:
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def __call__(self, scope, receive, send) -> None:
+        streaming = asyncio.ensure_future(self._send_all(send))
+        listening = asyncio.ensure_future(self.listen_for_disconnect(receive))
+        try:
+            await asyncio.wait({streaming, listening}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (streaming, listening):
+                task.cancel()
+            await asyncio.gather(streaming, listening, return_exceptions=True)
+            await self.body_iterator.aclose()
+
+    async def _send_all(self, send) -> None:
+        with contextlib.suppress(OSError):  # the client went away while we were writing
+            await self.stream_response(send)
+
+
+async def _merge(streams: list[RequestStream], n: int) -> AsyncIterator[tuple[int, Any]]:
+    """``(choice index, event)`` from every prompt's stream: choice ``p * n + i`` (OpenAI's order)."""
+    if len(streams) == 1:
+        async for i, event in streams[0]:
+            yield i, event
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def forward(p: int, stream: RequestStream) -> None:
+        try:
+            async for i, event in stream:
+                await queue.put((p * n + i, event))
+            await queue.put(None)
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer, which re-raises it
+            await queue.put(exc)
+
+    tasks = [asyncio.ensure_future(forward(p, s)) for p, s in enumerate(streams)]
+    try:
+        open_streams = len(streams)
+        while open_streams:
+            item = await queue.get()
+            if item is None:
+                open_streams -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+def _event(obj: Any) -> str:
+    """One server-sent event carrying ``obj`` as compact JSON."""
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+async def _until_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def build_app(
+    front: AsyncEngine, *, model_name: str, api_key: str | None = None, close_front: bool = True
+) -> Starlette:
+    """The ASGI app serving ``front``'s engine as ``model_name``.
+
+    :param api_key: when set, ``/v1/*`` requires ``Authorization: Bearer <api_key>`` (401 otherwise);
+        ``/health`` and ``/metrics`` stay open.
+    :param close_front: stop the engine loop when the app shuts down (its lifespan ends).
+    """
+    engine = front.engine
+    tokenizer = engine.tokenizer
+    limits = dict(vocab_size=engine.model.config.vocab_size, max_model_len=engine.max_model_len)
+    metrics = front.metrics
+    token_text = TokenTexts(tokenizer)
+
+    def counted(endpoint: str, handler: Callable) -> Callable:
+        async def wrapped(request: Request) -> Response:
+            try:
+                response = await handler(request)
+            except Exception as exc:  # noqa: BLE001 - every failure becomes an OpenAI error body
+                response = _error_response(exc)
+            metrics.http_requests.labels(endpoint=endpoint, status=str(response.status_code)).inc()
+            return response
+
+        return wrapped
+
+    def check_auth(request: Request) -> None:
+        if api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+            raise _HTTPError(401, "invalid API key: send 'Authorization: Bearer <key>'", "invalid_request_error",
+                             "invalid_api_key")
+
+    async def read_body(request: Request) -> dict:
+        try:
+            body = json.loads(await request.body())
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise InvalidRequestError(f"the request body is not valid JSON: {exc}") from None
+        if not isinstance(body, dict):
+            raise InvalidRequestError("the request body must be a JSON object")
+        return body
+
+    async def generate(request: Request, parse: Callable, fmt_cls: type, prefix: str) -> Response:
+        check_auth(request)
+        body = await read_body(request)
+        if tokenizer is None:
+            raise EngineDeadError("this server's model has no tokenizer")
+        job: GenerationJob = parse(body, tokenizer, **limits)
+        if job.model is not None and job.model != model_name:
+            raise _HTTPError(404, f"the model '{job.model}' does not exist; this server serves '{model_name}'",
+                             "invalid_request_error", "model_not_found")
+        request_id = f"{prefix}-{uuid.uuid4().hex}"
+        extra = {}
+        if fmt_cls is CompletionFormat:
+            extra["prompt_texts"] = [text if text is not None else tokenizer.decode(ids, skip_special_tokens=False)
+                                     for text, ids in zip(job.prompt_texts, job.prompts)]
+        fmt = fmt_cls(job, request_id, model_name, token_text, **extra)
+        streams: list[RequestStream] = []
+        try:
+            for p, prompt in enumerate(job.prompts):
+                streams.append(await front.submit(prompt, job.params, f"{request_id}-{p}"))
+        except BaseException:
+            for s in streams:
+                s.abort()
+            raise
+        if job.stream:
+            return _SSEResponse(_sse(job, fmt, streams))
+        work = asyncio.ensure_future(_collect(job, fmt, streams))
+        watch = asyncio.ensure_future(_until_disconnect(request))
+        try:
+            await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+            if not work.done():  # the client went away: stop generating for it
+                work.cancel()
+                for s in streams:
+                    s.abort()
+        if work.cancelled():
+            return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
+        return JSONResponse(work.result())
+
+    async def _collect(job: GenerationJob, fmt, streams: list[RequestStream]) -> dict:
+        choices = [Choice(i) for i in range(len(job.prompts) * job.params.n)]
+        async for index, event in _merge(streams, job.params.n):
+            if event.error is not None:
+                raise event.error
+            choices[index].add(event)
+        return fmt.response(choices, sum(s.num_cached_tokens for s in streams))
+
+    async def _sse(job: GenerationJob, fmt, streams: list[RequestStream]) -> AsyncIterator[str]:
+        choices = [Choice(i) for i in range(len(job.prompts) * job.params.n)]
+        try:
+            for chunk in fmt.first_chunks(len(choices)):
+                yield _event(chunk)
+            async for index, event in _merge(streams, job.params.n):
+                if event.error is not None:
+                    body = json.loads(_error_response(event.error).body)
+                    yield _event(body)
+                    break
+                choices[index].add(event)
+                chunk = fmt.chunk(index, event)
+                if chunk is not None:
+                    yield _event(chunk)
+            if job.include_usage:
+                yield _event(fmt.usage_chunk(choices, sum(s.num_cached_tokens for s in streams)))
+        except KVCoreError as exc:  # the engine stopped mid-stream: tell the client in the stream
+            yield _event(json.loads(_error_response(exc).body))
+        finally:
+            for s in streams:
+                s.abort()
+        yield "data: [DONE]\n\n"
+
+    async def completions(request: Request) -> Response:
+        return await generate(request, parse_completion, CompletionFormat, "cmpl")
+
+    async def chat_completions(request: Request) -> Response:
+        return await generate(request, parse_chat, ChatFormat, "chatcmpl")
+
+    card = {"id": model_name, "object": "model", "created": int(time.time()), "owned_by": "kvcore",
+            "max_model_len": limits["max_model_len"]}
+
+    async def models(request: Request) -> Response:
+        check_auth(request)
+        name = request.path_params.get("model")
+        if name is None:
+            return JSONResponse({"object": "list", "data": [card]})
+        if name != model_name:
+            raise _HTTPError(404, f"the model '{name}' does not exist", "invalid_request_error", "model_not_found")
+        return JSONResponse(card)
+
+    async def health(request: Request) -> Response:
+        if not front.is_running:
+            raise EngineDeadError(front._dead_reason())
+        return JSONResponse({"status": "ok"})
+
+    async def prometheus(request: Request) -> Response:
+        return PlainTextResponse(metrics.render(front.stats), media_type=CONTENT_TYPE)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette):
+        yield
+        if close_front:
+            await asyncio.to_thread(front.close)
+
+    routes = [
+        Route("/v1/completions", counted("/v1/completions", completions), methods=["POST"]),
+        Route("/v1/chat/completions", counted("/v1/chat/completions", chat_completions), methods=["POST"]),
+        Route("/v1/models", counted("/v1/models", models), methods=["GET"]),
+        Route("/v1/models/{model:path}", counted("/v1/models", models), methods=["GET"]),
+        Route("/health", counted("/health", health), methods=["GET"]),
+        Route("/metrics", prometheus, methods=["GET"]),
+    ]
+    return Starlette(routes=routes, lifespan=lifespan)

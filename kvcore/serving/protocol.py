@@ -1,0 +1,289 @@
+"""OpenAI request bodies → kvcore requests, with OpenAI's validation rules and error shape.
+
+A request body is a JSON object; :func:`parse_completion` and :func:`parse_chat` check every field the
+server understands and raise :class:`~kvcore.errors.InvalidRequestError` (→ HTTP 400) naming the field.
+Fields OpenAI defines but kvcore cannot honour (``suffix``, ``tools``, JSON mode, ...) are refused rather
+than silently ignored; unknown fields are ignored (vLLM does the same), so extra client options pass.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kvcore.errors import ContextLengthError, InvalidRequestError
+from kvcore.sampling import MAX_LOGPROBS, SamplingParams
+
+__all__ = ["GenerationJob", "parse_completion", "parse_chat", "error_body", "usage", "MAX_N"]
+
+#: most choices one request may ask for (n × number of prompts)
+MAX_N = 16
+#: OpenAI's limit on stop sequences
+MAX_STOP = 4
+
+
+@dataclass(frozen=True)
+class GenerationJob:
+    """One HTTP request as engine work: each prompt (token ids) is sampled ``params.n`` times; choice
+    ``p * n + i`` is sample ``i`` of prompt ``p`` (OpenAI's order)."""
+
+    model: str | None
+    prompts: list[list[int]]
+    params: SamplingParams
+    stream: bool
+    include_usage: bool  # stream_options.include_usage: a last chunk with the usage
+    echo: bool = False  # completions: return the prompt before the completion
+    prompt_texts: tuple[str | None, ...] = ()  # completions: each prompt as the client wrote it (None: token ids)
+    want_logprobs: bool = False  # chat logprobs=true / completions logprobs set
+
+
+def error_body(message: str, err_type: str = "invalid_request_error", code: str | None = None,
+               param: str | None = None) -> dict[str, Any]:
+    """OpenAI's error object: ``{"error": {"message", "type", "param", "code"}}``."""
+    return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
+
+
+def usage(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int | None = None) -> dict:
+    out = {
+        "prompt_tokens": num_prompt_tokens,
+        "completion_tokens": num_completion_tokens,
+        "total_tokens": num_prompt_tokens + num_completion_tokens,
+    }
+    if num_cached_tokens:
+        out["prompt_tokens_details"] = {"cached_tokens": num_cached_tokens}
+    return out
+
+
+# -- field readers: each raises InvalidRequestError naming the field ------------------------------------
+def _bad(name: str, what: str, value: Any) -> InvalidRequestError:
+    exc = InvalidRequestError(f"'{name}' must be {what}, got {value!r}")
+    exc.param = name  # type: ignore[attr-defined]
+    return exc
+
+
+def _number(body: Mapping, name: str, default: float | None, lo: float = -math.inf, hi: float = math.inf):
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise _bad(name, "a number", value)
+    if not lo <= value <= hi:
+        raise _bad(name, f"in [{lo}, {hi}]", value)
+    return float(value)
+
+
+def _int(body: Mapping, name: str, default: int | None, lo: int | None = None, hi: int | None = None):
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _bad(name, "an integer", value)
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        raise _bad(name, f"an integer in [{lo}, {hi if hi is not None else '∞'}]", value)
+    return value
+
+
+def _bool(body: Mapping, name: str, default: bool) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise _bad(name, "true or false", value)
+    return value
+
+
+def _refuse(body: Mapping, name: str, why: str, allowed: Any = None) -> None:
+    value = body.get(name)
+    if value is not None and value != allowed and value != [] and value != {}:
+        exc = InvalidRequestError(f"'{name}' is not supported: {why}")
+        exc.param = name  # type: ignore[attr-defined]
+        raise exc
+
+
+def _stop(body: Mapping) -> tuple[str, ...]:
+    value = body.get("stop")
+    if value is None:
+        return ()
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops) or len(stops) > MAX_STOP:
+        raise _bad("stop", f"a non-empty string or a list of at most {MAX_STOP} of them", value)
+    return tuple(stops)
+
+
+def _logit_bias(body: Mapping, vocab_size: int) -> dict[int, float]:
+    value = body.get("logit_bias")
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise _bad("logit_bias", "an object mapping token ids to biases in [-100, 100]", value)
+    out = {}
+    for key, bias in value.items():
+        try:
+            token = int(key)
+        except (TypeError, ValueError):
+            raise _bad("logit_bias", "an object whose keys are token ids", key) from None
+        if not 0 <= token < vocab_size:
+            raise _bad("logit_bias", f"keyed by token ids in [0, {vocab_size})", token)
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
+            raise _bad("logit_bias", "an object of biases in [-100, 100]", bias)
+        out[token] = float(bias)
+    return out
+
+
+def _stream_options(body: Mapping, stream: bool) -> bool:
+    options = body.get("stream_options")
+    if options is None:
+        return False
+    if not stream:
+        raise _bad("stream_options", "given only together with stream=true", options)
+    if not isinstance(options, Mapping):
+        raise _bad("stream_options", "an object", options)
+    return _bool(options, "include_usage", False)
+
+
+def _params(body: Mapping, *, max_tokens: int, logprobs: int | None, vocab_size: int) -> SamplingParams:
+    """The sampling fields shared by both endpoints (OpenAI's defaults: temperature 1, top_p 1)."""
+    n = _int(body, "n", 1, 1, MAX_N)
+    best_of = _int(body, "best_of", None, 1, MAX_N)
+    if best_of is not None and best_of != n:
+        raise _bad("best_of", f"equal to n ({n}); ranking extra samples is not supported", best_of)
+    _refuse(body, "min_tokens", "kvcore has no minimum length; use ignore_eos", allowed=0)
+    top_k = _int(body, "top_k", 0, -1)
+    return SamplingParams(
+        max_new_tokens=max_tokens,
+        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
+        top_p=_number(body, "top_p", 1.0, 0.0, 1.0) or 1e-9,  # top_p 0 keeps only the top token (greedy)
+        top_k=0 if top_k == -1 else top_k,  # vLLM spells "off" as -1
+        min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
+        seed=_int(body, "seed", None, -(2**63), 2**64 - 1),
+        n=n,
+        stop=_stop(body),
+        stop_token_ids=tuple(_int({"id": t}, "id", 0, 0, vocab_size - 1) for t in body.get("stop_token_ids") or ()),
+        presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
+        frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
+        repetition_penalty=_number(body, "repetition_penalty", 1.0, 1e-6, math.inf),
+        logit_bias=_logit_bias(body, vocab_size),
+        logprobs=logprobs,
+        ignore_eos=_bool(body, "ignore_eos", False),
+    )
+
+
+def _max_tokens(requested: int | None, prompt_lens: list[int], max_model_len: int) -> int:
+    longest = max(prompt_lens)
+    if longest >= max_model_len:
+        raise ContextLengthError(
+            f"this model's maximum context length is {max_model_len} tokens, but the prompt has {longest} "
+            "tokens and no room is left to generate; shorten the prompt"
+        )
+    # No max_tokens: as much as the context window leaves (vLLM's rule for chat).
+    return requested if requested is not None else max_model_len - longest
+
+
+def parse_completion(body: Mapping, tokenizer: Any, *, vocab_size: int, max_model_len: int) -> GenerationJob:
+    """``POST /v1/completions``: ``prompt`` is a string, a list of strings, token ids, or a list of those."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt)):
+        raw = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        raw = prompt
+    else:
+        raise _bad("prompt", "a string, a list of strings, a list of token ids, or a list of such lists", prompt)
+    if len(raw) > MAX_N:
+        raise _bad("prompt", f"at most {MAX_N} prompts", f"{len(raw)} prompts")
+    prompts = []
+    for p in raw:
+        if isinstance(p, str):
+            if not p:
+                raise _bad("prompt", "non-empty", p)
+            prompts.append(tokenizer.encode(p))
+        elif p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+            bad = [t for t in p if not 0 <= t < vocab_size]
+            if bad:
+                raise _bad("prompt", f"made of token ids in [0, {vocab_size})", bad[0])
+            prompts.append(list(p))
+        else:
+            raise _bad("prompt", "a non-empty list of integer token ids", p)
+    _refuse(body, "suffix", "kvcore does not do fill-in-the-middle")
+    stream = _bool(body, "stream", False)
+    echo = _bool(body, "echo", False)
+    logprobs = _int(body, "logprobs", None, 0, MAX_LOGPROBS)
+    if echo and logprobs is not None:
+        raise InvalidRequestError("'echo' together with 'logprobs' is not supported (no prompt logprobs)")
+    # OpenAI's legacy default for completions is 16 tokens.
+    max_tokens = _max_tokens(_int(body, "max_tokens", 16, 1), [len(p) for p in prompts], max_model_len)
+    params = _params(body, max_tokens=max_tokens, logprobs=logprobs, vocab_size=vocab_size)
+    if len(prompts) * params.n > MAX_N:
+        raise _bad("n", f"at most {MAX_N} choices in all (prompts × n)", len(prompts) * params.n)
+    return GenerationJob(
+        model=body.get("model"),
+        prompts=prompts,
+        params=params,
+        stream=stream,
+        include_usage=_stream_options(body, stream),
+        echo=echo,
+        prompt_texts=tuple(p if isinstance(p, str) else None for p in raw),
+        want_logprobs=logprobs is not None,
+    )
+
+
+def _message_text(message: Mapping, i: int) -> dict[str, str]:
+    role = message.get("role")
+    if not isinstance(role, str) or not role:
+        raise _bad(f"messages[{i}].role", "a non-empty string", role)
+    content = message.get("content")
+    if content is None:
+        content = ""
+    elif isinstance(content, list):  # content parts: only text can be fed to a text model
+        texts = []
+        for part in content:
+            if not isinstance(part, Mapping) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise _bad(f"messages[{i}].content", "a string or a list of {'type': 'text', 'text': ...} parts", part)
+            texts.append(part["text"])
+        content = "".join(texts)
+    elif not isinstance(content, str):
+        raise _bad(f"messages[{i}].content", "a string or a list of text parts", content)
+    return {"role": role, "content": content}
+
+
+def parse_chat(body: Mapping, tokenizer: Any, *, vocab_size: int, max_model_len: int) -> GenerationJob:
+    """``POST /v1/chat/completions``: ``messages`` rendered with the model's chat template."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages or not all(isinstance(m, Mapping) for m in messages):
+        raise _bad("messages", "a non-empty list of message objects", messages)
+    for name, why in (
+        ("tools", "kvcore does not call tools"),
+        ("functions", "kvcore does not call functions"),
+        ("audio", "text only"),
+    ):
+        _refuse(body, name, why)
+    _refuse(body, "tool_choice", "kvcore does not call tools", allowed="none")
+    fmt = body.get("response_format")
+    if fmt is not None and (not isinstance(fmt, Mapping) or fmt.get("type") != "text"):
+        raise _bad("response_format", "{'type': 'text'} (JSON mode is not supported)", fmt)
+    text = tokenizer.apply_chat_template([_message_text(m, i) for i, m in enumerate(messages)],
+                                         add_generation_prompt=True)
+    prompt_ids = tokenizer.encode(text, add_bos=False)  # the template writes its own BOS
+    stream = _bool(body, "stream", False)
+    want_logprobs = _bool(body, "logprobs", False)
+    top = _int(body, "top_logprobs", None, 0, MAX_LOGPROBS)
+    if top is not None and not want_logprobs:
+        raise _bad("top_logprobs", "given only together with logprobs=true", top)
+    requested = _int(body, "max_completion_tokens", None, 1)
+    if requested is None:
+        requested = _int(body, "max_tokens", None, 1)
+    params = _params(
+        body,
+        max_tokens=_max_tokens(requested, [len(prompt_ids)], max_model_len),
+        logprobs=(top or 0) if want_logprobs else None,
+        vocab_size=vocab_size,
+    )
+    return GenerationJob(
+        model=body.get("model"),
+        prompts=[prompt_ids],
+        params=params,
+        stream=stream,
+        include_usage=_stream_options(body, stream),
+        want_logprobs=want_logprobs,
+    )

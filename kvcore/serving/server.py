@@ -1,0 +1,129 @@
+"""``kvcore serve``: build the engine the way ``kvcore generate`` does, then serve it with uvicorn."""
+
+from __future__ import annotations
+
+import socket
+import sys
+import threading
+import time
+from dataclasses import fields
+from typing import Any
+
+from kvcore.errors import ConfigError
+
+__all__ = ["build_engine", "run_server", "ServerThread", "DEFAULT_MAX_NUM_SEQS"]
+
+#: requests a server runs at once unless --max-num-seqs or the config file says otherwise
+DEFAULT_MAX_NUM_SEQS = 16
+
+
+def build_engine(settings: dict[str, Any]):
+    """An :class:`~kvcore.engine.Engine` from ``resolve_settings`` output (model, backends, cache, sampler,
+    dtype, limits, plugin options), validating backend names before the slower model load."""
+    from kvcore.engine import Engine, EngineConfig
+    from kvcore.plugins import get_registry
+
+    registry = get_registry()
+    if settings["plugin_options"]:
+        registry.configure(settings["plugin_options"])
+    given = {f.name: settings[f.name] for f in fields(EngineConfig) if settings.get(f.name) is not None}
+    config = EngineConfig(**given)
+    for name in {settings["backend"], settings["prefill_backend"], settings["decode_backend"]} - {None}:
+        registry.create(name, settings["backend_options"].get(name))
+    return Engine.from_pretrained(settings["model"], config, registry=registry)
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise ConfigError(f"cannot resolve --host {host!r}: {exc}") from None
+    family, _, _, _, address = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    sock.listen(2048)  # connections made before uvicorn accepts wait in the backlog
+    return sock
+
+
+def run_server(
+    engine: Any,
+    *,
+    model_name: str,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    api_key: str | None = None,
+    max_queue_len: int = 256,
+    log_level: str = "info",
+) -> int:
+    """Serve until interrupted (Ctrl-C / SIGTERM): in-flight streams get a few seconds to finish, then the
+    engine loop stops. Prints ``kvcore: serving <model> on http://<host>:<port>`` once bound (the real
+    port when ``port`` is 0). Returns the exit code."""
+    import uvicorn
+
+    from kvcore.serving.async_engine import AsyncEngine
+    from kvcore.serving.openai_api import build_app
+
+    sock = _bind(host, port)
+    bound_port = sock.getsockname()[1]
+    front = AsyncEngine(engine, max_queue_len=max_queue_len)
+    app = build_app(front, model_name=model_name, api_key=api_key)
+    config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5, lifespan="on")
+    server = uvicorn.Server(config)
+    shown = f"[{host}]" if ":" in host else host
+    if api_key is None and host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"kvcore: warning: serving on {host} without --api-key: anyone who can reach it can use it",
+              file=sys.stderr)
+    print(f"kvcore: serving {model_name} on http://{shown}:{bound_port} (OpenAI API under /v1)",
+          file=sys.stderr, flush=True)
+    try:
+        server.run(sockets=[sock])
+    finally:
+        front.close()
+        sock.close()
+    return 0 if server.started else 1
+
+
+class ServerThread:
+    """Serve an ASGI ``app`` with uvicorn in a background thread (tests, notebooks, embedding)::
+
+        with ServerThread(app) as server:   # port 0: any free port on 127.0.0.1
+            requests.get(server.url + "/health")
+
+    Leaving the block stops the server (and runs the app's shutdown, which stops its engine loop).
+    """
+
+    def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0, startup_timeout_s: float = 30.0) -> None:
+        import uvicorn
+
+        self._sock = _bind(host, port)
+        self.port = self._sock.getsockname()[1]
+        self.url = f"http://{host}:{self.port}"
+        self.startup_timeout_s = startup_timeout_s
+        config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=2)
+        self.server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self._sock]}, daemon=True,
+                                        name="kvcore-http")
+
+    def __enter__(self) -> ServerThread:
+        self._thread.start()
+        deadline = time.monotonic() + self.startup_timeout_s
+        while not self.server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                self.close()
+                raise RuntimeError("the HTTP server did not start")
+            time.sleep(0.01)
+        return self
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        self.server.should_exit = True
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+        self._sock.close()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
