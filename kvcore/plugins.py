@@ -22,6 +22,7 @@ from typing import Any
 import pluggy
 
 from kvcore import hookspecs
+from kvcore.architectures import Architecture
 from kvcore.attention import AttentionBackend
 from kvcore.errors import BackendUnavailableError, ConfigError, PluginError, UnknownBackendError
 from kvcore.kv_cache import CacheSpec, KVCache
@@ -39,6 +40,7 @@ BUILTIN_PLUGINS = (
     "kvcore.backends.flash_attn2",
     "kvcore.backends.xformers",
     "kvcore.sampling",
+    "kvcore.families",
 )
 
 
@@ -56,7 +58,8 @@ class Kind:
 BACKEND = Kind("backend", "kvcore_register_backends", AttentionBackend, "backends", ("name", "capabilities"))
 KV_CACHE = Kind("kv_cache", "kvcore_register_kv_caches", KVCache, "kv_caches", ("name", "layout", "capabilities"))
 SAMPLER = Kind("sampler", "kvcore_register_samplers", Sampler, "samplers", ("name",))
-KINDS = (BACKEND, KV_CACHE, SAMPLER)
+ARCHITECTURE = Kind("architecture", "kvcore_register_architectures", Architecture, "architectures", ("name",))
+KINDS = (BACKEND, KV_CACHE, SAMPLER, ARCHITECTURE)
 
 
 def _label(kind: Kind) -> str:
