@@ -332,8 +332,8 @@ def test_unsupported_architecture(tmp_path: Path) -> None:
 
 
 def test_unsupported_tokenizer_model(tmp_path: Path) -> None:
-    path = write_tiny_gguf(tmp_path / "spm.gguf", _hf_weights(TINY), tokenizer_model="llama")
-    with pytest.raises(ModelLoadError, match="unsupported tokenizer model 'llama'"):
+    path = write_tiny_gguf(tmp_path / "t5.gguf", _hf_weights(TINY), tokenizer_model="t5")
+    with pytest.raises(ModelLoadError, match="unsupported tokenizer model 't5'"):
         load_model(str(path))
 
 

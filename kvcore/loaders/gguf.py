@@ -1,13 +1,16 @@
-"""Load a Llama GGUF file (llama.cpp's format) into Hugging Face names, layout and float32.
+"""Load a GGUF file (llama.cpp's format) of any registered architecture into canonical names, layout, float32.
 
-Three things differ from a Hugging Face checkpoint and are undone here:
+What differs from a Hugging Face checkpoint is undone here:
 
-* names: ``blk.3.attn_q.weight`` is ``model.layers.3.self_attn.q_proj.weight`` (see ``_LAYER_NAMES``);
+* names: ``blk.3.attn_q.weight`` is ``model.layers.3.self_attn.q_proj.weight``
+  (:data:`kvcore.architectures.GGUF_LAYER_NAMES` and the family's own names and fused tensors);
 * quantisation: tensors may be Q4_1, Q8_0, ...; they are dequantised with the ``gguf`` package;
-* Q/K row order: llama.cpp's converter interleaves the two halves of each head's rows (its RoPE
-  rotates adjacent pairs, Hugging Face's rotates halves), so :func:`unpermute_qk` restores them.
+* Q/K row order ("llama" arch only): llama.cpp's converter interleaves the two halves of each head's rows
+  (its RoPE rotates adjacent pairs, Hugging Face's rotates halves), so :func:`unpermute_qk` restores them;
+* Gemma's norms are stored as ``1 + w``; Llama 3.1 / Phi-3 RoPE factors come as tensors.
 
-Metadata gives the :class:`~kvcore.model_config.ModelConfig` and the tokenizer (byte-level BPE only).
+Metadata gives the :class:`~kvcore.model_config.ModelConfig` (through the family's declaration) and the
+tokenizer: byte-level BPE with the declared pre-tokenizer, or SentencePiece.
 """
 
 from __future__ import annotations
@@ -161,26 +164,47 @@ def _rope_scaling(meta: dict[str, Any], arch: str, path: Path) -> RopeScaling | 
 
 
 def _tokenizer(metadata: dict[str, Any], path: Path) -> Tokenizer:
+    """The tokenizer of ``tokenizer.ggml.*``: byte-level BPE (``gpt2``) or SentencePiece (``llama``), with
+    the file's chat template; its end-of-turn tokens (``eot``/``eom``) end generation like EOS."""
     kind = metadata.get("tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise ModelLoadError(
-            f"'{path}': unsupported tokenizer model '{kind}' (supported: gpt2, i.e. byte-level BPE)"
-        )
     tokens = metadata.get("tokenizer.ggml.tokens")
+    if kind not in ("gpt2", "llama"):
+        raise ModelLoadError(
+            f"'{path}': unsupported tokenizer model '{kind}' (supported: gpt2 = byte-level BPE, llama = SentencePiece)"
+        )
+    if not tokens:
+        raise ModelLoadError(f"'{path}': GGUF has no tokenizer.ggml.tokens")
+
+    def token_id(name: str) -> int | None:
+        value = metadata.get(f"tokenizer.ggml.{name}_token_id")
+        return int(value) if value is not None else None
+
+    eos = [i for i in (token_id("eos"), token_id("eot"), token_id("eom")) if i is not None]
+    common = dict(
+        token_types=metadata.get("tokenizer.ggml.token_type"),
+        bos_token_id=token_id("bos"),
+        eos_token_ids=eos,
+        pad_token_id=token_id("padding"),
+        chat_template=metadata.get("tokenizer.chat_template"),
+    )
+    if kind == "llama":
+        return Tokenizer.from_sentencepiece_vocab(
+            tokens,
+            metadata.get("tokenizer.ggml.scores"),
+            unk_token_id=token_id("unknown"),
+            add_space_prefix=bool(metadata.get("tokenizer.ggml.add_space_prefix", True)),
+            add_bos=bool(metadata.get("tokenizer.ggml.add_bos_token", True)),  # llama.cpp's SentencePiece default
+            **common,
+        )
     merges = metadata.get("tokenizer.ggml.merges")
-    if not tokens or merges is None:
-        raise ModelLoadError(f"'{path}': GGUF has no tokenizer.ggml.tokens / tokenizer.ggml.merges")
-    bos, eos, pad = (metadata.get(f"tokenizer.ggml.{k}_token_id") for k in ("bos", "eos", "padding"))
+    if merges is None:
+        raise ModelLoadError(f"'{path}': GGUF has no tokenizer.ggml.merges for its BPE vocabulary")
     return Tokenizer.from_bpe_vocab(
         tokens,
         merges,
-        token_types=metadata.get("tokenizer.ggml.token_type"),
         pre_tokenizer=metadata.get("tokenizer.ggml.pre"),
-        bos_token_id=int(bos) if bos is not None else None,
-        eos_token_ids=[int(eos)] if eos is not None else [],
-        pad_token_id=int(pad) if pad is not None else None,
         add_bos=bool(metadata.get("tokenizer.ggml.add_bos_token", False)),
-        chat_template=metadata.get("tokenizer.chat_template"),
+        **common,
     )
 
 
