@@ -25,7 +25,8 @@ class Llama(Architecture):
 
     @classmethod
     def hf_options(cls, cfg: dict[str, Any]) -> dict[str, Any]:
-        return {"attention_bias": bool(cfg.get("attention_bias", False))}
+        bias = bool(cfg.get("attention_bias", False))  # transformers' Llama: on all four projections
+        return {"attention_bias": bias, "attention_output_bias": bias}
 
 
 class Mistral(Llama):

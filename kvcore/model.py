@@ -82,6 +82,7 @@ class DecoderModel(nn.Module):
         self.q_norm = per_layer(c.head_dim) if c.qk_norm else None
         self.k_norm = per_layer(c.head_dim) if c.qk_norm else None
         self.o_proj = per_layer(d, q_size)
+        self.o_bias = per_layer(d) if c.attention_output_bias else None
         self.post_attn_norm = per_layer(d) if c.sandwich_norms else None
         self.post_norm = per_layer(d)  # the norm before the MLP
         self.gate_up_proj = per_layer(2 * c.intermediate_size, d)  # [2 I, d]
@@ -199,6 +200,8 @@ class DecoderModel(nn.Module):
                     put_names(model.q_norm[i], [p + "self_attn.q_norm.weight"], norm=True)
                     put_names(model.k_norm[i], [p + "self_attn.k_norm.weight"], norm=True)
                 put_names(model.o_proj[i], [p + "self_attn.o_proj.weight"])
+                if model.o_bias is not None:
+                    put_names(model.o_bias[i], [p + "self_attn.o_proj.bias"])
                 put_names(model.gate_up_proj[i], [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"])
                 put_names(model.down_proj[i], [p + "mlp.down_proj.weight"])
                 put_names(model.input_norm[i], [p + "input_layernorm.weight"], norm=True)
@@ -256,6 +259,8 @@ class DecoderModel(nn.Module):
             v = qkv[:, qk_size:].view(num_tokens, num_kv, head_dim)  # (T, H_kv, D)
             attn = attention(i, q, k, v)  # (T, H, D)
             out = linear(attn.reshape(num_tokens, self.q_size), self.o_proj[i], o_w[i], parts)
+            if self.o_bias is not None:
+                out = out + self.o_bias[i]
             if self.post_attn_norm is not None:
                 out = rms_norm(out, self.post_attn_norm[i], eps)
             # h is this forward's own tensor: residual adds and the gate product run in place, which saves

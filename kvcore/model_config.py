@@ -34,7 +34,8 @@ class ModelConfig:
     eos_token_id: int | list[int] | None = None
     architecture: str = "llama"
     rope_scaling: RopeScaling | None = None
-    attention_bias: bool = False  # Q/K/V projections have biases (Qwen2)
+    attention_bias: bool = False  # Q/K/V projections have biases (Qwen2; Llama's attention_bias)
+    attention_output_bias: bool = False  # the output projection has one (Llama's attention_bias)
     qk_norm: bool = False  # per-head RMSNorm of Q and K before RoPE (Qwen3)
     norm_offset: float = 0.0  # RMSNorm multiplies by (offset + weight): Gemma stores w - 1
     embedding_multiplier: float | None = None  # embeddings scaled by this (Gemma: sqrt(hidden_size))

@@ -337,10 +337,15 @@ def test_unsupported_tokenizer_model(tmp_path: Path) -> None:
         load_model(str(path))
 
 
-def test_attention_bias_is_unsupported(tmp_path: Path) -> None:
+def test_incomplete_attention_biases(tmp_path: Path) -> None:
+    """A Q bias declares Q/K/V biases (llama.cpp has no metadata key for them): the others must be there."""
     bias = {"blk.0.attn_q.bias": np.zeros(64, dtype=np.float32)}
     path = write_tiny_gguf(tmp_path / "bias.gguf", _hf_weights(TINY), extra_tensors=bias)
-    with pytest.raises(ModelLoadError, match="unsupported: tensor 'blk.0.attn_q.bias'"):
+    with pytest.raises(ModelLoadError, match="missing tensor for 'model.layers.0.self_attn.k_proj.bias'"):
+        load_model(str(path))
+    bias = {"blk.0.ffn_down.bias": np.zeros(64, dtype=np.float32)}
+    path = write_tiny_gguf(tmp_path / "mlp_bias.gguf", _hf_weights(TINY), extra_tensors=bias)
+    with pytest.raises(ModelLoadError, match=r"unsupported: tensor 'blk.0.ffn_down.bias' \(a bias for a llama model\)"):
         load_model(str(path))
 
 

@@ -40,6 +40,7 @@ FAMILIES: dict[str, tuple[str, str, str, dict[str, Any]]] = {
         "rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}}),
     "llama-yarn": ("LlamaConfig", "LlamaForCausalLM", "llama", {"rope_parameters": {
         "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32}}),
+    "llama-bias": ("LlamaConfig", "LlamaForCausalLM", "llama", {"attention_bias": True}),
     "mistral": ("MistralConfig", "MistralForCausalLM", "llama", {"sliding_window": 4096}),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", "qwen2", {"tie_word_embeddings": True}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", "qwen3", {}),

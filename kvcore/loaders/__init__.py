@@ -47,7 +47,8 @@ class LoadedModel:
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every parameter a decoder with ``config`` has, by kvcore's canonical (Hugging Face Llama) name, with
-    its shape: Llama's, plus Q/K/V biases (``attention_bias``), ``self_attn.{q,k}_norm.weight`` [D]
+    its shape: Llama's, plus Q/K/V biases (``attention_bias``), the output projection's bias
+    (``attention_output_bias``), ``self_attn.{q,k}_norm.weight`` [D]
     (``qk_norm``) and, with ``sandwich_norms``, Gemma 2's ``pre_feedforward_layernorm`` /
     ``post_feedforward_layernorm`` (its ``post_attention_layernorm`` then follows attention)."""
     d, hd, inter = config.hidden_size, config.head_dim, config.intermediate_size
@@ -65,6 +66,8 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes[p + "self_attn.q_norm.weight"] = (hd,)
             shapes[p + "self_attn.k_norm.weight"] = (hd,)
         shapes[p + "self_attn.o_proj.weight"] = (d, q_out)
+        if config.attention_output_bias:
+            shapes[p + "self_attn.o_proj.bias"] = (d,)
         shapes[p + "post_attention_layernorm.weight"] = (d,)
         if config.sandwich_norms:
             shapes[p + "pre_feedforward_layernorm.weight"] = (d,)

@@ -256,6 +256,9 @@ def load_gguf(path: str | os.PathLike[str], name: str | None = None) -> LoadedMo
     rope = {n: _dequantize(tensors.pop(n), path).reshape(-1).tolist() for n in _ROPE_TENSORS if n in tensors}
     fields["rope_scaling"] = _tensor_rope(fields, rope, meta)
     fields["tie_word_embeddings"] = "output.weight" not in tensors
+    # llama.cpp has no metadata key for projection biases: the tensors are the declaration
+    fields["attention_bias"] = fields.get("attention_bias", False) or "blk.0.attn_q.bias" in tensors
+    fields["attention_output_bias"] = "blk.0.attn_output.bias" in tensors
     config = ModelConfig(**fields)
 
     shapes = expected_shapes(config)
