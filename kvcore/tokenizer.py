@@ -10,17 +10,16 @@ or SentencePiece (:meth:`Tokenizer.from_sentencepiece_vocab`).
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping, Sequence
-from datetime import datetime
 from typing import Any
 
 import jinja2
 import tokenizers
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from kvcore.chat_template import TemplateRaised, compile_template
 from kvcore.errors import ConfigError, InvalidRequestError, ModelLoadError
+from kvcore.stream_decoder import StreamDecoder
 from kvcore.vocab import byte_level_bpe, sentencepiece_bpe
 
 __all__ = ["Tokenizer", "StreamDecoder"]
@@ -35,9 +34,6 @@ _END_OF_TURN_TOKENS = (
     "<end_of_turn>",
     "<|end_of_turn|>",
 )
-
-_REPLACEMENT_CHAR = "\ufffd"
-
 
 def _token_content(value: Any) -> str | None:
     """A special token as tokenizer_config.json spells it: a string or an AddedToken dict."""
@@ -299,24 +295,14 @@ class Tokenizer:
                 bos_token=self.id_to_token(bos) if bos is not None else "",
                 eos_token=self.id_to_token(eos) if eos is not None else "",
             )
-        except _TemplateRaised as exc:
+        except TemplateRaised as exc:
             raise InvalidRequestError(f"chat template rejected the messages: {exc}") from None
         except jinja2.TemplateError as exc:
             raise ConfigError(f"chat template failed to render: {exc}") from None
 
     def _template(self) -> jinja2.Template:
         if self._compiled_template is None:
-            # the same environment transformers uses, so templates render identically
-            env = ImmutableSandboxedEnvironment(
-                trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
-            )
-            env.filters["tojson"] = _tojson
-            env.globals["raise_exception"] = _raise_exception
-            env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-            try:
-                self._compiled_template = env.from_string(self._chat_template or "")
-            except jinja2.TemplateError as exc:
-                raise ConfigError(f"the model's chat template is invalid Jinja: {exc}") from None
+            self._compiled_template = compile_template(self._chat_template or "")
         return self._compiled_template
 
     def _end_of_turn_ids(self) -> list[int]:
@@ -335,67 +321,3 @@ class Tokenizer:
             f"Tokenizer(vocab_size={self.vocab_size}, bos_token_id={self._bos_token_id}, "
             f"eos_token_ids={self._eos_token_ids}, add_bos={self._add_bos})"
         )
-
-
-class _TemplateRaised(Exception):
-    """``raise_exception(...)`` called from inside a chat template."""
-
-
-def _raise_exception(message: str) -> None:
-    raise _TemplateRaised(message)
-
-
-def _tojson(
-    value: Any,
-    ensure_ascii: bool = False,
-    indent: int | None = None,
-    separators: Any = None,
-    sort_keys: bool = False,
-) -> str:
-    # transformers' tojson: unlike Jinja's built-in it does not HTML-escape, which templates rely on
-    return json.dumps(
-        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-    )
-
-
-class StreamDecoder:
-    """Incremental detokeniser: feed generated ids one at a time, get text as soon as it is final.
-
-    A byte-level token can end in the middle of a multi-byte UTF-8 character (an emoji is often 2-4
-    tokens), and some decoders treat the first token specially (SentencePiece drops its leading
-    space). So each push decodes a short window of recent ids together and emits only the new part
-    that is stable: the text minus any trailing U+FFFD, which may still complete with the next token.
-    """
-
-    #: ids kept as left context once everything before them has been emitted
-    _CONTEXT = 4
-
-    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
-        self._tokenizer = tokenizer
-        self._skip = skip_special_tokens
-        self._ids: list[int] = []  # the decode window: left context + not-yet-final ids
-        self._emitted = 0  # characters of decode(self._ids) already returned
-
-    def _decode(self) -> str:
-        return self._tokenizer.decode(self._ids, skip_special_tokens=self._skip)
-
-    def push(self, token_id: int) -> str:
-        """Add one generated id; return the text it completes (often "", never a partial character)."""
-        self._ids.append(int(token_id))
-        text = self._decode()
-        stable = text.rstrip(_REPLACEMENT_CHAR)
-        new = stable[self._emitted :]
-        self._emitted = max(self._emitted, len(stable))
-        if len(stable) == len(text) and len(self._ids) > 2 * self._CONTEXT:
-            # all text is final: slide the window so each push stays O(1)
-            self._ids = self._ids[-self._CONTEXT :]
-            self._emitted = len(self._decode())
-        return new
-
-    def flush(self) -> str:
-        """Return whatever is still held back (a truly invalid byte sequence comes out as U+FFFD)."""
-        text = self._decode()
-        rest = text[self._emitted :]
-        self._ids = []
-        self._emitted = 0
-        return rest

@@ -29,6 +29,7 @@ from gguf import GGMLQuantizationType as QType
 from kvcore.architectures import Architecture, f32, for_gguf_arch
 from kvcore.errors import ModelLoadError, ModelNotFoundError
 from kvcore.loaders import LoadedModel, expected_shapes, split_rows, stored_tensors
+from kvcore.loaders.gguf_tokenizer import gguf_tokenizer
 from kvcore.model_config import ModelConfig
 from kvcore.rope import RopeScaling
 from kvcore.tokenizer import Tokenizer
@@ -163,51 +164,6 @@ def _rope_scaling(meta: dict[str, Any], arch: str, path: Path) -> RopeScaling | 
     raise ModelLoadError(f"'{path}': unsupported rope scaling '{kind}' in {arch}.rope.scaling.type")
 
 
-def _tokenizer(metadata: dict[str, Any], path: Path) -> Tokenizer:
-    """The tokenizer of ``tokenizer.ggml.*``: byte-level BPE (``gpt2``) or SentencePiece (``llama``), with
-    the file's chat template; its end-of-turn tokens (``eot``/``eom``) end generation like EOS."""
-    kind = metadata.get("tokenizer.ggml.model")
-    tokens = metadata.get("tokenizer.ggml.tokens")
-    if kind not in ("gpt2", "llama"):
-        raise ModelLoadError(
-            f"'{path}': unsupported tokenizer model '{kind}' (supported: gpt2 = byte-level BPE, llama = SentencePiece)"
-        )
-    if not tokens:
-        raise ModelLoadError(f"'{path}': GGUF has no tokenizer.ggml.tokens")
-
-    def token_id(name: str) -> int | None:
-        value = metadata.get(f"tokenizer.ggml.{name}_token_id")
-        return int(value) if value is not None else None
-
-    eos = [i for i in (token_id("eos"), token_id("eot"), token_id("eom")) if i is not None]
-    common = dict(
-        token_types=metadata.get("tokenizer.ggml.token_type"),
-        bos_token_id=token_id("bos"),
-        eos_token_ids=eos,
-        pad_token_id=token_id("padding"),
-        chat_template=metadata.get("tokenizer.chat_template"),
-    )
-    if kind == "llama":
-        return Tokenizer.from_sentencepiece_vocab(
-            tokens,
-            metadata.get("tokenizer.ggml.scores"),
-            unk_token_id=token_id("unknown"),
-            add_space_prefix=bool(metadata.get("tokenizer.ggml.add_space_prefix", True)),
-            add_bos=bool(metadata.get("tokenizer.ggml.add_bos_token", True)),  # llama.cpp's SentencePiece default
-            **common,
-        )
-    merges = metadata.get("tokenizer.ggml.merges")
-    if merges is None:
-        raise ModelLoadError(f"'{path}': GGUF has no tokenizer.ggml.merges for its BPE vocabulary")
-    return Tokenizer.from_bpe_vocab(
-        tokens,
-        merges,
-        pre_tokenizer=metadata.get("tokenizer.ggml.pre"),
-        add_bos=bool(metadata.get("tokenizer.ggml.add_bos_token", False)),
-        **common,
-    )
-
-
 def unpermute_qk(weight: np.ndarray, n_head: int) -> np.ndarray:
     """Undo llama.cpp's Q/K row permutation.
 
@@ -251,7 +207,7 @@ def load_gguf(path: str | os.PathLike[str], name: str | None = None) -> LoadedMo
     path = Path(path)
     reader, metadata = _open(path)
     arch, fields, meta = _checked(_config, metadata, path)
-    tokenizer = _checked(_tokenizer, metadata, path)
+    tokenizer = _checked(gguf_tokenizer, metadata, path)
     tensors = {t.name: t for t in reader.tensors}
     rope = {n: _dequantize(tensors.pop(n), path).reshape(-1).tolist() for n in _ROPE_TENSORS if n in tensors}
     fields["rope_scaling"] = _tensor_rope(fields, rope, meta)
@@ -331,7 +287,7 @@ def load_gguf_tokenizer(path: str | os.PathLike[str]) -> Tokenizer:
     """Only the tokenizer of a GGUF file (reads metadata, no tensor data)."""
     path = Path(path)
     _, metadata = _open(path)
-    return _checked(_tokenizer, metadata, path)
+    return _checked(gguf_tokenizer, metadata, path)
 
 
 def _checked(build: Callable[[dict[str, Any], Path], T], metadata: dict[str, Any], path: Path) -> T:
