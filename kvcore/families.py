@@ -165,16 +165,20 @@ def kvcore_register_architectures(register):
 def kvcore_register_commands(subparsers):
     p = subparsers.add_parser("models", help="list supported model architectures and the backends that serve them")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--markdown", action="store_true", help="a Markdown table (the README's)")
     p.set_defaults(func=_run_models)
 
 
 def _run_models(args) -> int:
     import json
 
-    from kvcore.model_support import architecture_rows
+    from kvcore.model_support import architecture_rows, markdown_rows
     from kvcore.plugins import get_registry
     from kvcore.support import format_table
 
     rows = architecture_rows(get_registry())
-    print(json.dumps(rows, indent=2) if args.json else format_table(rows))
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    else:
+        print(markdown_rows(rows) if args.markdown else format_table(rows))
     return 0

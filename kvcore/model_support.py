@@ -6,7 +6,7 @@ from typing import Any
 
 from kvcore.plugins import ARCHITECTURE, PluginRegistry
 
-__all__ = ["architecture_rows", "serving_backends"]
+__all__ = ["architecture_rows", "serving_backends", "markdown_rows"]
 
 
 def serving_backends(registry: PluginRegistry, arch: type) -> tuple[list[str], list[str]]:
@@ -33,8 +33,18 @@ def architecture_rows(registry: PluginRegistry) -> list[dict[str, Any]]:
             "hugging_face": ",".join(arch.hf_architectures) or "-",
             "gguf": arch.gguf_arch or "-",
             "options": options,
+            "fused_weights": ",".join(arch.hf_fused) or "-",
             "backends": ",".join(served) if served else f"none (needs: {', '.join(missing)})",
             "available": "yes",  # a declaration needs nothing installed
             "description": arch.description,
         })
     return rows
+
+
+def markdown_rows(rows: list[dict[str, Any]]) -> str:
+    """The README's table: what each architecture reads and which backends serve it."""
+    cols = ["architecture", "hugging_face", "gguf", "options", "fused_weights", "backends"]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in rows:
+        lines.append("| " + " | ".join(str(r[c]).replace("|", "\\|") for c in cols) + " |")
+    return "\n".join(lines)

@@ -109,3 +109,14 @@ def test_kvcore_models_lists_families_and_serving_backends(capsys):
     text = capsys.readouterr().out
     assert text.splitlines()[0].split()[:3] == ["architecture", "plugin", "hugging_face"]
     assert all(name in text for name in rows)
+
+
+def test_readme_models_table_is_generated():
+    from pathlib import Path
+
+    from kvcore.model_support import architecture_rows, markdown_rows
+    from kvcore.plugins import PluginRegistry
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    table = markdown_rows(architecture_rows(PluginRegistry(load_entrypoints=False)))
+    assert table in readme, "README's models table is stale: paste `KVCORE_LOAD_PLUGINS= kvcore models --markdown`"
