@@ -101,7 +101,8 @@ class Architecture:
         if rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) not in (None, 1, 1.0):
             raise ModelLoadError(f"'{where}': unsupported: partial_rotary_factor < 1 (partial RoPE)")
         scaling = hf_rope_scaling(rope, cfg, where)
-        options = {"architecture": cls.name, **cls.options, **cls.hf_options(cfg)}
+        options = {"architecture": cls.name, "hidden_act": cfg.get("hidden_act", "silu")}
+        options.update({**cls.options, **cls.hf_options(cfg)})
         return ModelConfig(
             vocab_size=need("vocab_size"),
             hidden_size=hidden,
