@@ -128,12 +128,12 @@ class Engine(EngineStep):
     @classmethod
     def from_pretrained(cls, model: str = "smollm2", config: EngineConfig | None = None, **kwargs: Any) -> Engine:
         """Load ``model`` ("smollm2", a .gguf file or a Hugging Face directory) and build an engine."""
-        from kvcore.loaders import load_model
+        from kvcore.loaders import build_model, load_model
 
         config = config or EngineConfig()
         loaded = load_model(model)
-        llama = LlamaModel.from_weights(loaded.config, loaded.weights, parse_dtype(config.dtype)).to(config.device)
-        return cls(llama, loaded.tokenizer, config, **kwargs)
+        decoder = build_model(loaded, parse_dtype(config.dtype), config.device, config.max_model_len)
+        return cls(decoder, loaded.tokenizer, config, **kwargs)
 
     # -- request API ---------------------------------------------------------------------------------
     def add_request(

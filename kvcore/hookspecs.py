@@ -27,6 +27,7 @@ __all__ = [
     "kvcore_register_backends",
     "kvcore_register_kv_caches",
     "kvcore_register_samplers",
+    "kvcore_register_architectures",
     "kvcore_configure",
     "kvcore_register_commands",
 ]
@@ -75,6 +76,20 @@ def kvcore_register_samplers(register: Register) -> None:
     select it with ``sampler = "name"`` / ``--sampler name``; its options come from ``[samplers.<name>]``.
 
     :param register: callback that records one :class:`~kvcore.sampling.Sampler` class.
+    """
+
+
+@hookspec
+def kvcore_register_architectures(register: Register) -> None:
+    """Register model architectures.
+
+    Call ``register(ArchitectureClass)`` once per family; ``name`` defaults to ``ArchitectureClass.name``.
+    The class must subclass :class:`kvcore.architectures.Architecture` and declares which checkpoints it
+    reads (Hugging Face ``architectures`` / ``model_type``, GGUF ``general.architecture``), its decoder
+    options and its weight names; the loaders pick it for a matching ``config.json`` or GGUF file and
+    ``kvcore models`` lists it.
+
+    :param register: callback that records one :class:`~kvcore.architectures.Architecture` class.
     """
 
 

@@ -1,19 +1,22 @@
-"""Architecture hyper-parameters of a Llama-family decoder."""
+"""Architecture hyper-parameters of a Llama-family decoder, and the options of the one decoder kvcore runs."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from kvcore.errors import ModelLoadError
+from kvcore.rope import RopeScaling
 
 __all__ = ["ModelConfig"]
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape of a Llama-family decoder (RMSNorm, RoPE, GQA, SwiGLU).
+    """Shape of a Llama-family decoder (RMSNorm, RoPE, GQA, gated MLP) and the options by which the
+    families differ; the defaults are plain Llama's.
 
-    Field names follow Hugging Face's ``LlamaConfig`` where one exists.
+    Field names follow Hugging Face's configs where one exists. The architecture declarations
+    (:mod:`kvcore.architectures`) fill them from ``config.json`` or GGUF metadata.
     """
 
     vocab_size: int
@@ -30,6 +33,19 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     architecture: str = "llama"
+    rope_scaling: RopeScaling | None = None
+    attention_bias: bool = False  # Q/K/V projections have biases (Qwen2; Llama's attention_bias)
+    attention_output_bias: bool = False  # the output projection has one (Llama's attention_bias)
+    qk_norm: bool = False  # per-head RMSNorm of Q and K before RoPE (Qwen3)
+    norm_offset: float = 0.0  # RMSNorm multiplies by (offset + weight): Gemma stores w - 1
+    embedding_multiplier: float | None = None  # embeddings scaled by this (Gemma: sqrt(hidden_size))
+    hidden_act: str = "silu"  # gate activation: "silu" or "gelu_pytorch_tanh"
+    sandwich_norms: bool = False  # extra RMSNorms after attention and after the MLP (Gemma 2)
+    query_pre_attn_scalar: float | None = None  # softmax scale is this ** -0.5 (Gemma 2); None: head_dim
+    final_logit_softcapping: float | None = None  # logits = c * tanh(logits / c)
+    attn_logit_softcapping: float | None = None  # the same on attention scores (needs backend support)
+    sliding_window: int | None = None  # keys a query may see on windowed layers (None: no window)
+    sliding_window_layers: tuple[int, ...] | None = None  # layers that use the window; None: all of them
 
     def __post_init__(self) -> None:
         positive = (
@@ -51,6 +67,19 @@ class ModelConfig:
                 f"model config: num_attention_heads ({self.num_attention_heads}) is not a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads})"
             )
+
+        if self.hidden_act not in ("silu", "gelu_pytorch_tanh"):
+            raise ModelLoadError(
+                f"model config: unsupported hidden_act '{self.hidden_act}' (supported: silu, gelu_pytorch_tanh)"
+            )
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of decoder layer ``layer`` (None: it attends to the whole sequence)."""
+        if self.sliding_window is None:
+            return None
+        if self.sliding_window_layers is None or layer in self.sliding_window_layers:
+            return self.sliding_window
+        return None
 
     @property
     def num_queries_per_kv(self) -> int:

@@ -23,6 +23,7 @@ from typing import Any
 import pluggy
 
 from kvcore import hookspecs
+from kvcore.architectures import Architecture
 from kvcore.attention import AttentionBackend, BackendCapabilities
 from kvcore.errors import BackendUnavailableError, ConfigError, PluginError, UnknownBackendError
 from kvcore.kv_cache import CacheCapabilities, CacheSpec, KVCache
@@ -40,6 +41,7 @@ BUILTIN_PLUGINS = (
     "kvcore.backends.flash_attn2",
     "kvcore.backends.xformers",
     "kvcore.sampling",
+    "kvcore.families",
 )
 
 
@@ -57,8 +59,9 @@ class Kind:
 BACKEND = Kind("backend", "kvcore_register_backends", AttentionBackend, "backends", ("name", "capabilities"))
 KV_CACHE = Kind("kv_cache", "kvcore_register_kv_caches", KVCache, "kv_caches", ("name", "layout", "capabilities"))
 SAMPLER = Kind("sampler", "kvcore_register_samplers", Sampler, "samplers", ("name",))
+ARCHITECTURE = Kind("architecture", "kvcore_register_architectures", Architecture, "architectures", ("name",))
 #: in collection order: backends are checked against the KV layouts the registered caches provide
-KINDS = (KV_CACHE, BACKEND, SAMPLER)
+KINDS = (KV_CACHE, BACKEND, SAMPLER, ARCHITECTURE)
 #: seconds an ``availability()`` check may take before it is reported as hung (it must not block listing)
 AVAILABILITY_TIMEOUT_S = 10.0
 _HUNG: set[type] = set()  # classes whose availability() never returned: not called again

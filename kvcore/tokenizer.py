@@ -4,32 +4,25 @@
 generation loop needs on top: the model's BOS/EOS conventions, its Jinja chat template, and a
 :class:`StreamDecoder` that turns one token id at a time into text without ever emitting half a UTF-8
 character. It is built either from a ``tokenizer.json`` (:meth:`Tokenizer.from_file`, Hugging Face
-directories) or from a byte-level BPE vocabulary (:meth:`Tokenizer.from_bpe_vocab`, GGUF metadata).
+directories) or from a GGUF vocabulary (:mod:`kvcore.vocab`): byte-level BPE (:meth:`Tokenizer.from_bpe_vocab`)
+or SentencePiece (:meth:`Tokenizer.from_sentencepiece_vocab`).
 """
 
 from __future__ import annotations
 
-import json
-import logging
 import os
 from collections.abc import Mapping, Sequence
-from datetime import datetime
 from typing import Any
 
 import jinja2
 import tokenizers
-from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, decoders, models, pre_tokenizers
 
+from kvcore.chat_template import TemplateRaised, compile_template
 from kvcore.errors import ConfigError, InvalidRequestError, ModelLoadError
+from kvcore.stream_decoder import StreamDecoder
+from kvcore.vocab import byte_level_bpe, sentencepiece_bpe
 
 __all__ = ["Tokenizer", "StreamDecoder"]
-
-logger = logging.getLogger(__name__)
-
-#: llama.cpp's ``tokenizer.ggml.token_type`` values we act on
-_TOKEN_TYPE_CONTROL = 3
-_TOKEN_TYPE_USER_DEFINED = 4
 
 #: special tokens chat templates use to close a turn; a generation loop must stop on them even when the
 #: model's EOS is a different token (e.g. Llama 3's ``<|eot_id|>`` vs ``<|end_of_text|>``)
@@ -41,50 +34,6 @@ _END_OF_TURN_TOKENS = (
     "<end_of_turn>",
     "<|end_of_turn|>",
 )
-
-#: llama.cpp's split regex for ``tokenizer.ggml.pre`` = llama3 / llama-bpe (as in Llama 3's tokenizer.json)
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-
-_REPLACEMENT_CHAR = "\ufffd"
-
-
-def _byte_level_alphabet() -> dict[int, str]:
-    """GPT-2's byte -> printable character table (the spelling byte-level BPE vocabularies use)."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
-    printable += list(range(ord("®"), ord("ÿ") + 1))
-    table = {b: chr(b) for b in printable}
-    extra = 0
-    for b in range(256):
-        if b not in table:
-            table[b] = chr(256 + extra)
-            extra += 1
-    return table
-
-
-def _byte_level_pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:
-    """The pre-tokenizer llama.cpp's ``tokenizer.ggml.pre`` names (how text is split before BPE)."""
-    if pre == "smollm":
-        # SmolLM's tokenizer.json: every digit is its own pre-token, then GPT-2's byte-level regex
-        return pre_tokenizers.Sequence(
-            [
-                pre_tokenizers.Digits(individual_digits=True),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-            ]
-        )
-    if pre in ("llama3", "llama-bpe", "llama-v3"):
-        return pre_tokenizers.Sequence(
-            [
-                pre_tokenizers.Split(tokenizers.Regex(_LLAMA3_SPLIT), behavior="isolated"),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-            ]
-        )
-    if pre not in (None, "default", "gpt2", "gpt-2"):
-        logger.warning("unknown GGUF pre-tokenizer %r: using GPT-2's byte-level split", pre)
-    return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-
 
 def _token_content(value: Any) -> str | None:
     """A special token as tokenizer_config.json spells it: a string or an AddedToken dict."""
@@ -204,52 +153,42 @@ class Tokenizer:
             pre_tokenizer: llama.cpp's ``tokenizer.ggml.pre`` name (``"smollm"``, ``"llama-bpe"``, ...).
             Other arguments: as for :class:`Tokenizer`.
         """
-        spelling = _byte_level_alphabet()
-        alphabet = set(spelling.values())
-        # llama.cpp sometimes stores added tokens as raw text; BPE looks tokens up in the byte
-        # alphabet, so respell those (what transformers does too, keeping ids identical)
-        vocab = {
-            tok if set(tok) <= alphabet else "".join(spelling[b] for b in tok.encode("utf-8")): i
-            for i, tok in enumerate(tokens)
-        }
-        pairs = []
-        for merge in merges:
-            parts = merge.split(" ")
-            if len(parts) != 2:
-                raise ModelLoadError(
-                    f"malformed BPE merge {merge!r}: expected two tokens separated by a space"
-                )
-            pairs.append((parts[0], parts[1]))
-        try:
-            model = models.BPE(
-                vocab=vocab,
-                merges=pairs,
-                dropout=None,
-                continuing_subword_prefix="",
-                end_of_word_suffix="",
-                fuse_unk=False,
-            )
-        except Exception as exc:  # the Rust side raises a bare Exception, e.g. a merge of unknown tokens
-            raise ModelLoadError(f"invalid BPE vocabulary: {exc}") from None
-        backend = tokenizers.Tokenizer(model)
-        backend.pre_tokenizer = _byte_level_pre_tokenizer(pre_tokenizer)
-        backend.decoder = decoders.ByteLevel()
-        if token_types is not None:
-            types = list(token_types)
-            control = [
-                AddedToken(tok, special=True, normalized=False)
-                for tok, kind in zip(tokens, types)
-                # a control token outside the byte alphabet is a llama.cpp mislabel: adding it would
-                # grow the vocabulary past the embedding matrix
-                if kind == _TOKEN_TYPE_CONTROL and set(tok) <= alphabet
-            ]
-            backend.add_special_tokens(control)
-            user = [
-                AddedToken(tok, special=False, normalized=False)
-                for tok, kind in zip(tokens, types)
-                if kind == _TOKEN_TYPE_USER_DEFINED and tok in vocab
-            ]
-            backend.add_tokens(user)
+        backend = byte_level_bpe(tokens, merges, token_types, pre_tokenizer)
+        return cls(
+            backend,
+            bos_token_id=bos_token_id,
+            eos_token_ids=eos_token_ids,
+            pad_token_id=pad_token_id,
+            add_bos=add_bos,
+            chat_template=chat_template,
+        )
+
+    @classmethod
+    def from_sentencepiece_vocab(
+        cls,
+        tokens: Sequence[str],
+        scores: Sequence[float] | None,
+        *,
+        token_types: Sequence[int] | None = None,
+        unk_token_id: int | None = None,
+        add_space_prefix: bool = True,
+        bos_token_id: int | None = None,
+        eos_token_ids: Sequence[int] = (),
+        pad_token_id: int | None = None,
+        add_bos: bool = True,
+        chat_template: str | None = None,
+    ) -> Tokenizer:
+        """Build a SentencePiece BPE tokenizer (Llama 2, Mistral, Phi-3, Gemma) from a GGUF-style vocabulary.
+
+        Args:
+            tokens: the pieces; ``tokens[i]`` is token id ``i`` (``▁`` for a space, ``<0x0A>`` byte pieces).
+            scores: per piece, higher merges first (SentencePiece's scores); None ranks by id.
+            token_types: llama.cpp token types (2 unknown, 3 control, 6 byte...).
+            unk_token_id: the unknown piece (used when a byte piece is missing).
+            add_space_prefix: SentencePiece's ``add_dummy_prefix`` (a ``▁`` before the text).
+            Other arguments: as for :class:`Tokenizer`.
+        """
+        backend = sentencepiece_bpe(tokens, scores, token_types, unk_token_id, add_space_prefix)
         return cls(
             backend,
             bos_token_id=bos_token_id,
@@ -356,24 +295,14 @@ class Tokenizer:
                 bos_token=self.id_to_token(bos) if bos is not None else "",
                 eos_token=self.id_to_token(eos) if eos is not None else "",
             )
-        except _TemplateRaised as exc:
+        except TemplateRaised as exc:
             raise InvalidRequestError(f"chat template rejected the messages: {exc}") from None
         except jinja2.TemplateError as exc:
             raise ConfigError(f"chat template failed to render: {exc}") from None
 
     def _template(self) -> jinja2.Template:
         if self._compiled_template is None:
-            # the same environment transformers uses, so templates render identically
-            env = ImmutableSandboxedEnvironment(
-                trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
-            )
-            env.filters["tojson"] = _tojson
-            env.globals["raise_exception"] = _raise_exception
-            env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-            try:
-                self._compiled_template = env.from_string(self._chat_template or "")
-            except jinja2.TemplateError as exc:
-                raise ConfigError(f"the model's chat template is invalid Jinja: {exc}") from None
+            self._compiled_template = compile_template(self._chat_template or "")
         return self._compiled_template
 
     def _end_of_turn_ids(self) -> list[int]:
@@ -392,67 +321,3 @@ class Tokenizer:
             f"Tokenizer(vocab_size={self.vocab_size}, bos_token_id={self._bos_token_id}, "
             f"eos_token_ids={self._eos_token_ids}, add_bos={self._add_bos})"
         )
-
-
-class _TemplateRaised(Exception):
-    """``raise_exception(...)`` called from inside a chat template."""
-
-
-def _raise_exception(message: str) -> None:
-    raise _TemplateRaised(message)
-
-
-def _tojson(
-    value: Any,
-    ensure_ascii: bool = False,
-    indent: int | None = None,
-    separators: Any = None,
-    sort_keys: bool = False,
-) -> str:
-    # transformers' tojson: unlike Jinja's built-in it does not HTML-escape, which templates rely on
-    return json.dumps(
-        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-    )
-
-
-class StreamDecoder:
-    """Incremental detokeniser: feed generated ids one at a time, get text as soon as it is final.
-
-    A byte-level token can end in the middle of a multi-byte UTF-8 character (an emoji is often 2-4
-    tokens), and some decoders treat the first token specially (SentencePiece drops its leading
-    space). So each push decodes a short window of recent ids together and emits only the new part
-    that is stable: the text minus any trailing U+FFFD, which may still complete with the next token.
-    """
-
-    #: ids kept as left context once everything before them has been emitted
-    _CONTEXT = 4
-
-    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
-        self._tokenizer = tokenizer
-        self._skip = skip_special_tokens
-        self._ids: list[int] = []  # the decode window: left context + not-yet-final ids
-        self._emitted = 0  # characters of decode(self._ids) already returned
-
-    def _decode(self) -> str:
-        return self._tokenizer.decode(self._ids, skip_special_tokens=self._skip)
-
-    def push(self, token_id: int) -> str:
-        """Add one generated id; return the text it completes (often "", never a partial character)."""
-        self._ids.append(int(token_id))
-        text = self._decode()
-        stable = text.rstrip(_REPLACEMENT_CHAR)
-        new = stable[self._emitted :]
-        self._emitted = max(self._emitted, len(stable))
-        if len(stable) == len(text) and len(self._ids) > 2 * self._CONTEXT:
-            # all text is final: slide the window so each push stays O(1)
-            self._ids = self._ids[-self._CONTEXT :]
-            self._emitted = len(self._decode())
-        return new
-
-    def flush(self) -> str:
-        """Return whatever is still held back (a truly invalid byte sequence comes out as U+FFFD)."""
-        text = self._decode()
-        rest = text[self._emitted :]
-        self._ids = []
-        self._emitted = 0
-        return rest

@@ -53,16 +53,18 @@ def make_plugin(
     backends: Iterable[type] = (),
     kv_caches: Iterable[type] = (),
     samplers: Iterable[type] = (),
+    architectures: Iterable[type] = (),
     raises: Exception | None = None,
     raise_in: str = "kvcore_register_backends",
 ) -> types.ModuleType:
-    """A throwaway plugin module registering the given classes through the three ``kvcore_register_*``
-    hooks; with ``raises``, the hook named ``raise_in`` raises it instead of registering."""
+    """A throwaway plugin module registering the given classes through the ``kvcore_register_*`` hooks;
+    with ``raises``, the hook named ``raise_in`` raises it instead of registering."""
     module = types.ModuleType("throwaway_plugin")
     for hook, classes in (
         ("kvcore_register_backends", tuple(backends)),
         ("kvcore_register_kv_caches", tuple(kv_caches)),
         ("kvcore_register_samplers", tuple(samplers)),
+        ("kvcore_register_architectures", tuple(architectures)),
     ):
 
         def impl(register, _classes=classes, _hook=hook):

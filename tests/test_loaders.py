@@ -326,20 +326,26 @@ def test_text_file_named_gguf(tmp_path: Path) -> None:
 
 def test_unsupported_architecture(tmp_path: Path) -> None:
     path = write_tiny_gguf(tmp_path / "gpt2.gguf", _hf_weights(TINY), arch="gpt2")
-    with pytest.raises(ModelLoadError, match=r"unsupported architecture 'gpt2' \(supported: llama\)"):
+    supported = r"\(supported: gemma2, llama, phi3, qwen2, qwen3\)"
+    with pytest.raises(ModelLoadError, match=rf"unsupported architecture 'gpt2' {supported}"):
         load_model(str(path))
 
 
 def test_unsupported_tokenizer_model(tmp_path: Path) -> None:
-    path = write_tiny_gguf(tmp_path / "spm.gguf", _hf_weights(TINY), tokenizer_model="llama")
-    with pytest.raises(ModelLoadError, match="unsupported tokenizer model 'llama'"):
+    path = write_tiny_gguf(tmp_path / "t5.gguf", _hf_weights(TINY), tokenizer_model="t5")
+    with pytest.raises(ModelLoadError, match="unsupported tokenizer model 't5'"):
         load_model(str(path))
 
 
-def test_attention_bias_is_unsupported(tmp_path: Path) -> None:
+def test_incomplete_attention_biases(tmp_path: Path) -> None:
+    """A Q bias declares Q/K/V biases (llama.cpp has no metadata key for them): the others must be there."""
     bias = {"blk.0.attn_q.bias": np.zeros(64, dtype=np.float32)}
     path = write_tiny_gguf(tmp_path / "bias.gguf", _hf_weights(TINY), extra_tensors=bias)
-    with pytest.raises(ModelLoadError, match="unsupported: tensor 'blk.0.attn_q.bias'"):
+    with pytest.raises(ModelLoadError, match="missing tensor for 'model.layers.0.self_attn.k_proj.bias'"):
+        load_model(str(path))
+    bias = {"blk.0.ffn_down.bias": np.zeros(64, dtype=np.float32)}
+    path = write_tiny_gguf(tmp_path / "mlp_bias.gguf", _hf_weights(TINY), extra_tensors=bias)
+    with pytest.raises(ModelLoadError, match=r"unsupported: tensor 'blk.0.ffn_down.bias' \(a bias for a llama model\)"):
         load_model(str(path))
 
 
@@ -519,17 +525,17 @@ def test_hf_shape_mismatch(tmp_path: Path) -> None:
 
 
 def test_hf_rope_scaling_unsupported(tmp_path: Path) -> None:
-    path = write_tiny_hf_dir(tmp_path / "rope", rope_scaling={"rope_type": "llama3", "factor": 8.0})
-    with pytest.raises(ModelLoadError, match="unsupported rope_scaling"):
+    path = write_tiny_hf_dir(tmp_path / "rope", rope_scaling={"rope_type": "mrope", "factor": 8.0})
+    with pytest.raises(ModelLoadError, match=r"unsupported RoPE scaling 'mrope' \(supported: default, linear"):
         load_model(str(path))
-    path = write_tiny_hf_dir(tmp_path / "rope5", rope_parameters={"rope_type": "yarn", "rope_theta": 1e4})
-    with pytest.raises(ModelLoadError, match="unsupported rope_scaling"):
+    path = write_tiny_hf_dir(tmp_path / "rope5", rope_parameters={"rope_type": "llama3", "factor": 8.0})
+    with pytest.raises(ModelLoadError, match="RoPE scaling 'llama3' needs original_max_position_embeddings"):
         load_model(str(path))
 
 
 def test_hf_unsupported_architecture_and_bias(tmp_path: Path) -> None:
-    path = write_tiny_hf_dir(tmp_path / "mistral", architectures=["MistralForCausalLM"], model_type="mistral")
-    with pytest.raises(ModelLoadError, match="unsupported architecture 'MistralForCausalLM'"):
+    path = write_tiny_hf_dir(tmp_path / "gpt2", architectures=["GPT2LMHeadModel"], model_type="gpt2")
+    with pytest.raises(ModelLoadError, match="unsupported architecture 'GPT2LMHeadModel' \\(supported: gemma2, llama"):
         load_model(str(path))
     weights = {**_hf_weights(TINY), "model.layers.0.self_attn.q_proj.bias": np.zeros(64, dtype=np.float32)}
     path = write_tiny_hf_dir(tmp_path / "bias", weights=weights)

@@ -23,11 +23,13 @@ from kvcore import (
     SamplingParams,
     hookimpl,
 )
+from kvcore.architectures import for_hf_config
 from kvcore.backends.contiguous import ContiguousKVCache
 from kvcore.backends.paged import PagedKVCache
 from kvcore.backends.quantized import Int8KVCache
 from kvcore.errors import BackendUnavailableError, ConfigError, PluginError, UnknownBackendError
-from kvcore.plugins import BACKEND, BUILTIN_PLUGINS, KINDS, KV_CACHE, SAMPLER, PluginRegistry
+from kvcore.families import Llama
+from kvcore.plugins import ARCHITECTURE, BACKEND, BUILTIN_PLUGINS, KINDS, KV_CACHE, SAMPLER, PluginRegistry
 from kvcore.sampling import DefaultSampler
 
 CAPS = BackendCapabilities(devices=frozenset({"cpu"}), dtypes=frozenset({torch.float32}), kv_layouts=("contiguous",))
@@ -47,6 +49,11 @@ def make_cache(name: str, base: type[KVCache] = ContiguousKVCache, **attrs):
 
 def make_sampler(name: str, **attrs):
     return type(f"S_{name}", (DefaultSampler,), {"name": name, **attrs})
+
+
+def make_architecture(name: str, **attrs):
+    hf = (f"{name.capitalize()}ForCausalLM",)
+    return type(f"A_{name}", (Llama,), {"name": name, "hf_architectures": hf, "gguf_arch": None, **attrs})
 
 
 class TaggedCache(ContiguousKVCache):
@@ -179,7 +186,7 @@ DUPLICATES = {  # kind: (a class claiming a built-in's name, the built-in's plug
 
 
 def _plugin_of(kind, *classes, **kw):
-    key = {BACKEND: "backends", KV_CACHE: "kv_caches", SAMPLER: "samplers"}[kind]
+    key = {BACKEND: "backends", KV_CACHE: "kv_caches", SAMPLER: "samplers", ARCHITECTURE: "architectures"}[kind]
     return make_plugin(**{key: classes}, **kw)
 
 
@@ -200,14 +207,19 @@ def test_builtin_name_cannot_be_taken_over(with_plugin, kind_key):
 
 @pytest.mark.parametrize("kind", KINDS, ids=[k.key for k in KINDS])
 def test_duplicate_name_across_third_party_plugins_names_both(with_plugin, random_model, kind):
-    twin = {BACKEND: make_backend, KV_CACHE: make_cache, SAMPLER: make_sampler}[kind]("twin")
+    makers = {BACKEND: make_backend, KV_CACHE: make_cache, SAMPLER: make_sampler, ARCHITECTURE: make_architecture}
+    twin = makers[kind]("twin")
     with_plugin(_plugin_of(kind, twin), "plugin-a")
     reg = with_plugin(_plugin_of(kind, twin), "plugin-b")
     with pytest.warns(RuntimeWarning, match="'twin' is registered twice"):
         reg.entries(kind)
     with pytest.raises(PluginError, match=r"by plugin 'plugin-a' and by plugin 'plugin-b'"):
         reg.get("twin", kind)
-    # choosing it for an engine is the same error, never a silent pick of one of them
+    # choosing it for an engine (a model) is the same error, never a silent pick of one of them
+    if kind is ARCHITECTURE:
+        with pytest.raises(PluginError, match=r"by plugin 'plugin-a' and by plugin 'plugin-b'"):
+            for_hf_config({"architectures": ["TwinForCausalLM"]}, "m", registry=reg)
+        return
     field = {BACKEND: "backend", KV_CACHE: "kv_cache", SAMPLER: "sampler"}[kind]
     with pytest.raises(PluginError, match=r"by plugin 'plugin-a' and by plugin 'plugin-b'"):
         Engine(random_model, None, EngineConfig(**{field: "twin"}), registry=reg)
@@ -411,7 +423,10 @@ class _StrictSampler(ConstantSampler):
         self.token = token
 
 
-@pytest.mark.parametrize("kind", KINDS, ids=[k.key for k in KINDS])
+CONSTRUCTED = [k for k in KINDS if k is not ARCHITECTURE]  # architectures are declarations: no instances
+
+
+@pytest.mark.parametrize("kind", CONSTRUCTED, ids=[k.key for k in CONSTRUCTED])
 def test_unknown_option_of_a_class_with_named_keywords_is_a_config_error(with_plugin, kind):
     cls = {BACKEND: _StrictBackend, KV_CACHE: _StrictCache, SAMPLER: _StrictSampler}[kind]
     reg = with_plugin(_plugin_of(kind, cls), "strict-plugin")

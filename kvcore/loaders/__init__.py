@@ -1,9 +1,10 @@
 """Model loading: turn a model spec into a config, float32 weights and a tokenizer.
 
 A spec is ``"smollm2"`` (the embedded default, SmolLM2-135M-Instruct), a ``.gguf`` file, or a
-Hugging Face model directory. Every loader produces the same :class:`LoadedModel`: weights under
-Hugging Face ``LlamaForCausalLM`` parameter names, in Hugging Face's layout, as float32 CPU tensors,
-so the rest of kvcore never needs to know where a model came from.
+Hugging Face model directory, of any registered architecture (:mod:`kvcore.architectures`). Every loader
+produces the same :class:`LoadedModel`: weights under kvcore's canonical (Hugging Face ``LlamaForCausalLM``)
+parameter names, in Hugging Face's layout, as float32 CPU tensors, so the rest of kvcore never needs to
+know where a model came from. :func:`build_model` turns it into a :class:`~kvcore.model.DecoderModel`.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ from kvcore.errors import ModelLoadError, ModelNotFoundError
 from kvcore.model_config import ModelConfig
 from kvcore.tokenizer import Tokenizer
 
-__all__ = ["LoadedModel", "load_model", "expected_shapes", "DEFAULT_MODEL"]
+__all__ = [
+    "LoadedModel", "load_model", "build_model", "expected_shapes", "stored_tensors", "split_rows", "DEFAULT_MODEL"
+]
 
 #: the spec :func:`load_model` uses when given none
 DEFAULT_MODEL = "smollm2"
@@ -27,7 +30,8 @@ DEFAULT_MODEL = "smollm2"
 class LoadedModel:
     """A model ready for a backend to run.
 
-    ``weights`` holds Hugging Face ``LlamaForCausalLM`` names; linear weights are ``[out, in]``:
+    ``weights`` holds kvcore's canonical names (:func:`expected_shapes`: Hugging Face ``LlamaForCausalLM``'s
+    plus the optional biases and norms other families have); linear weights are ``[out, in]``:
     ``model.embed_tokens.weight`` [V, d], ``model.layers.{i}.self_attn.q_proj.weight`` [H*d_h, d],
     ``k_proj``/``v_proj`` [H_kv*d_h, d], ``o_proj`` [d, H*d_h], ``mlp.gate_proj``/``up_proj`` [I, d],
     ``down_proj`` [d, I], the norms [d], and ``lm_head.weight`` [V, d] only when the embeddings are not
@@ -42,7 +46,11 @@ class LoadedModel:
 
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every parameter a Llama model with ``config`` has, by Hugging Face name, with its shape."""
+    """Every parameter a decoder with ``config`` has, by kvcore's canonical (Hugging Face Llama) name, with
+    its shape: Llama's, plus Q/K/V biases (``attention_bias``), the output projection's bias
+    (``attention_output_bias``), ``self_attn.{q,k}_norm.weight`` [D]
+    (``qk_norm``) and, with ``sandwich_norms``, Gemma 2's ``pre_feedforward_layernorm`` /
+    ``post_feedforward_layernorm`` (its ``post_attention_layernorm`` then follows attention)."""
     d, hd, inter = config.hidden_size, config.head_dim, config.intermediate_size
     q_out = config.num_attention_heads * hd
     kv_out = config.num_key_value_heads * hd
@@ -50,11 +58,20 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     for i in range(config.num_hidden_layers):
         p = f"model.layers.{i}."
         shapes[p + "input_layernorm.weight"] = (d,)
-        shapes[p + "self_attn.q_proj.weight"] = (q_out, d)
-        shapes[p + "self_attn.k_proj.weight"] = (kv_out, d)
-        shapes[p + "self_attn.v_proj.weight"] = (kv_out, d)
+        for name, rows in (("q", q_out), ("k", kv_out), ("v", kv_out)):
+            shapes[p + f"self_attn.{name}_proj.weight"] = (rows, d)
+            if config.attention_bias:
+                shapes[p + f"self_attn.{name}_proj.bias"] = (rows,)
+        if config.qk_norm:
+            shapes[p + "self_attn.q_norm.weight"] = (hd,)
+            shapes[p + "self_attn.k_norm.weight"] = (hd,)
         shapes[p + "self_attn.o_proj.weight"] = (d, q_out)
+        if config.attention_output_bias:
+            shapes[p + "self_attn.o_proj.bias"] = (d,)
         shapes[p + "post_attention_layernorm.weight"] = (d,)
+        if config.sandwich_norms:
+            shapes[p + "pre_feedforward_layernorm.weight"] = (d,)
+            shapes[p + "post_feedforward_layernorm.weight"] = (d,)
         shapes[p + "mlp.gate_proj.weight"] = (inter, d)
         shapes[p + "mlp.up_proj.weight"] = (inter, d)
         shapes[p + "mlp.down_proj.weight"] = (d, inter)
@@ -62,6 +79,49 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     if not config.tie_word_embeddings:
         shapes["lm_head.weight"] = (config.vocab_size, d)
     return shapes
+
+
+def stored_tensors(
+    shapes: dict[str, tuple[int, ...]],
+    num_layers: int,
+    layer_names: dict[str, tuple[str, ...]],
+    layer_prefix: str = "model.layers.{i}.",
+    global_names: dict[str, str] | None = None,
+) -> dict[str, list[str]]:
+    """Tensor names a file stores -> the canonical names each holds (stacked along dim 0).
+
+    :param layer_names: the family's per-layer file names (no ``.weight``/``.bias``) -> canonical names
+        (relative to ``model.layers.{i}.``); :meth:`kvcore.architectures.Architecture.layer_names`.
+    :param layer_prefix: how the file prefixes layer ``i``'s tensors (``blk.{i}.`` in GGUF).
+    :param global_names: canonical -> file name of the tensors outside the layers.
+    A canonical tensor nothing covers is stored under its own name.
+    """
+    stored: dict[str, list[str]] = {}
+    covered: set[str] = set()
+    for canonical, file_name in (global_names or {}).items():
+        if canonical in shapes:
+            stored[file_name] = [canonical]
+            covered.add(canonical)
+    for i in range(num_layers):
+        prefix = f"model.layers.{i}."
+        for file_name, parts in layer_names.items():
+            for suffix in (".weight", ".bias"):
+                names = [prefix + part + suffix for part in parts]
+                if all(n in shapes for n in names):
+                    stored[layer_prefix.format(i=i) + file_name + suffix] = names
+                    covered.update(names)
+    for name in shapes:
+        if name not in covered:
+            stored[name] = [name]
+    return stored
+
+
+def split_rows(tensor, names: list[str], shapes: dict[str, tuple[int, ...]]) -> dict:
+    """A stored (possibly fused) tensor cut along dim 0 into its canonical tensors."""
+    if len(names) == 1:
+        return {names[0]: tensor}
+    parts = tensor.split([shapes[n][0] for n in names], 0)
+    return {n: part for n, part in zip(names, parts)}
 
 
 def load_model(spec: str = DEFAULT_MODEL) -> LoadedModel:
@@ -94,6 +154,22 @@ def load_model(spec: str = DEFAULT_MODEL) -> LoadedModel:
             return load_gguf(path)
         raise ModelNotFoundError(f"model '{spec}' is neither a .gguf file nor a model directory: {hint}")
     raise ModelNotFoundError(f"model '{spec}' not found: {hint}")
+
+
+def build_model(
+    loaded: LoadedModel,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    max_model_len: int | None = None,
+):
+    """The decoder of ``loaded``, its RoPE tables sized to ``max_model_len`` (the engine's rule: None means
+    the model's window capped at EngineConfig.DEFAULT_MAX_MODEL_LEN), on ``device`` in ``dtype``."""
+    from kvcore.engine_config import EngineConfig
+    from kvcore.model import DecoderModel
+
+    window = loaded.config.max_position_embeddings
+    positions = min(max_model_len or min(window, EngineConfig.DEFAULT_MAX_MODEL_LEN), window)
+    return DecoderModel.from_weights(loaded.config, loaded.weights, dtype, max_positions=positions).to(device)
 
 
 def _has_gguf_magic(path: Path) -> bool:

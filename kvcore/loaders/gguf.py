@@ -1,20 +1,22 @@
-"""Load a Llama GGUF file (llama.cpp's format) into Hugging Face names, layout and float32.
+"""Load a GGUF file (llama.cpp's format) of any registered architecture into canonical names, layout, float32.
 
-Three things differ from a Hugging Face checkpoint and are undone here:
+What differs from a Hugging Face checkpoint is undone here:
 
-* names: ``blk.3.attn_q.weight`` is ``model.layers.3.self_attn.q_proj.weight`` (see ``_LAYER_NAMES``);
+* names: ``blk.3.attn_q.weight`` is ``model.layers.3.self_attn.q_proj.weight``
+  (:data:`kvcore.architectures.GGUF_LAYER_NAMES` and the family's own names and fused tensors);
 * quantisation: tensors may be Q4_1, Q8_0, ...; they are dequantised with the ``gguf`` package;
-* Q/K row order: llama.cpp's converter interleaves the two halves of each head's rows (its RoPE
-  rotates adjacent pairs, Hugging Face's rotates halves), so :func:`unpermute_qk` restores them.
+* Q/K row order ("llama" arch only): llama.cpp's converter interleaves the two halves of each head's rows
+  (its RoPE rotates adjacent pairs, Hugging Face's rotates halves), so :func:`unpermute_qk` restores them;
+* Gemma's norms are stored as ``1 + w``; Llama 3.1 / Phi-3 RoPE factors come as tensors.
 
-Metadata gives the :class:`~kvcore.model_config.ModelConfig` and the tokenizer (byte-level BPE only).
+Metadata gives the :class:`~kvcore.model_config.ModelConfig` (through the family's declaration) and the
+tokenizer: byte-level BPE with the declared pre-tokenizer, or SentencePiece.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -24,9 +26,12 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as QType
 
+from kvcore.architectures import Architecture, f32, for_gguf_arch
 from kvcore.errors import ModelLoadError, ModelNotFoundError
-from kvcore.loaders import LoadedModel, expected_shapes
+from kvcore.loaders import LoadedModel, expected_shapes, split_rows, stored_tensors
+from kvcore.loaders.gguf_tokenizer import gguf_tokenizer
 from kvcore.model_config import ModelConfig
+from kvcore.rope import RopeScaling
 from kvcore.tokenizer import Tokenizer
 
 __all__ = ["SUPPORTED_TYPES", "load_gguf", "load_gguf_tokenizer", "unpermute_qk"]
@@ -50,23 +55,14 @@ SUPPORTED_TYPES = (
     QType.Q6_K,
 )
 
+#: canonical -> llama.cpp names of the tensors outside the layers
 _GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
 }
-_LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+#: tensors that carry RoPE frequency factors, not weights
+_ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 
 # what a damaged or foreign file makes the gguf reader raise (it has no exception type of its own)
 _READER_ERRORS = (ValueError, IndexError, KeyError, TypeError, OverflowError, OSError)
@@ -103,42 +99,36 @@ def _open(path: Path) -> tuple[_Reader, dict[str, Any]]:
     return reader, metadata
 
 
-def _f32(value: float) -> float:
-    # GGUF stores floats as float32, so 1e-5 comes back as 9.99999974e-06; the shortest decimal that
-    # rounds to the same float32 is the value the model was configured with
-    return float(str(np.float32(value)))
-
-
-def _config(metadata: dict[str, Any], path: Path) -> ModelConfig:
-    arch = metadata.get("general.architecture")
-    if arch != "llama":
-        raise ModelLoadError(f"'{path}': unsupported architecture '{arch}' (supported: llama)")
+def _config(metadata: dict[str, Any], path: Path) -> tuple[type[Architecture], dict[str, Any], dict[str, Any]]:
+    """The architecture, the ModelConfig fields of the metadata (tie_word_embeddings and RoPE factors
+    stored as tensors are settled by the caller, from the tensors) and the ``{arch}.`` keys unprefixed."""
+    arch = for_gguf_arch(metadata.get("general.architecture"), str(path))
+    name = arch.gguf_arch
+    meta = {k.removeprefix(f"{name}."): v for k, v in metadata.items() if k.startswith(f"{name}.")}
 
     def get(key: str, default: Any = None) -> Any:
-        value = metadata.get(f"llama.{key}", default)
+        value = meta.get(key, default)
         if value is None:
-            raise ModelLoadError(f"'{path}': GGUF metadata key 'llama.{key}' is missing")
+            raise ModelLoadError(f"'{path}': GGUF metadata key '{name}.{key}' is missing")
         return value
 
-    scaling = metadata.get("llama.rope.scaling.type")
-    if scaling not in (None, "none"):
-        raise ModelLoadError(f"'{path}': unsupported rope scaling '{scaling}' (only plain RoPE is supported)")
-    if metadata.get("llama.expert_count"):
-        raise ModelLoadError(f"'{path}': unsupported: mixture-of-experts llama models")
+    if meta.get("expert_count"):
+        raise ModelLoadError(f"'{path}': unsupported: mixture-of-experts {name} models")
     hidden = int(get("embedding_length"))
     heads = int(get("attention.head_count"))
-    head_dim = int(metadata.get("llama.attention.key_length") or hidden // heads)
-    value_dim = int(metadata.get("llama.attention.value_length") or head_dim)
-    rope_dim = int(metadata.get("llama.rope.dimension_count") or head_dim)
+    head_dim = int(meta.get("attention.key_length") or hidden // heads)
+    value_dim = int(meta.get("attention.value_length") or head_dim)
+    rope_dim = int(meta.get("rope.dimension_count") or head_dim)
     if value_dim != head_dim or rope_dim != head_dim:
         raise ModelLoadError(
             f"'{path}': unsupported attention shape (key {head_dim}, value {value_dim}, rotary {rope_dim}"
             " dims); kvcore needs them equal"
         )
-    vocab = metadata.get("llama.vocab_size") or len(metadata.get("tokenizer.ggml.tokens") or ())
+    vocab = meta.get("vocab_size") or len(metadata.get("tokenizer.ggml.tokens") or ())
     bos = metadata.get("tokenizer.ggml.bos_token_id")
     eos = metadata.get("tokenizer.ggml.eos_token_id")
-    return ModelConfig(
+    fields: dict[str, Any] = dict(
+        architecture=arch.name,
         vocab_size=int(vocab),
         hidden_size=hidden,
         intermediate_size=int(get("feed_forward_length")),
@@ -147,52 +137,31 @@ def _config(metadata: dict[str, Any], path: Path) -> ModelConfig:
         num_key_value_heads=int(get("attention.head_count_kv", heads)),
         head_dim=head_dim,
         max_position_embeddings=int(get("context_length")),
-        rms_norm_eps=_f32(get("attention.layer_norm_rms_epsilon", 1e-5)),
-        rope_theta=_f32(get("rope.freq_base", 10000.0)),
-        tie_word_embeddings=False,  # set by the caller, from whether output.weight exists
+        rms_norm_eps=f32(get("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=f32(get("rope.freq_base", 10000.0)),
         bos_token_id=int(bos) if bos is not None else None,
         eos_token_id=int(eos) if eos is not None else None,
+        **arch.options,
     )
+    fields["rope_scaling"] = _rope_scaling(meta, name, path)
+    fields.update(arch.gguf_options(meta, fields))
+    return arch, fields, meta
 
 
-def _tokenizer(metadata: dict[str, Any], path: Path) -> Tokenizer:
-    kind = metadata.get("tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise ModelLoadError(
-            f"'{path}': unsupported tokenizer model '{kind}' (supported: gpt2, i.e. byte-level BPE)"
-        )
-    tokens = metadata.get("tokenizer.ggml.tokens")
-    merges = metadata.get("tokenizer.ggml.merges")
-    if not tokens or merges is None:
-        raise ModelLoadError(f"'{path}': GGUF has no tokenizer.ggml.tokens / tokenizer.ggml.merges")
-    bos, eos, pad = (metadata.get(f"tokenizer.ggml.{k}_token_id") for k in ("bos", "eos", "padding"))
-    return Tokenizer.from_bpe_vocab(
-        tokens,
-        merges,
-        token_types=metadata.get("tokenizer.ggml.token_type"),
-        pre_tokenizer=metadata.get("tokenizer.ggml.pre"),
-        bos_token_id=int(bos) if bos is not None else None,
-        eos_token_ids=[int(eos)] if eos is not None else [],
-        pad_token_id=int(pad) if pad is not None else None,
-        add_bos=bool(metadata.get("tokenizer.ggml.add_bos_token", False)),
-        chat_template=metadata.get("tokenizer.chat_template"),
-    )
-
-
-def _hf_name(name: str, path: Path) -> str:
-    """Hugging Face name of GGUF tensor ``name``; ModelLoadError for tensors Llama does not have."""
-    if name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[name]
-    m = _LAYER_TENSOR.fullmatch(name)
-    if m and m.group(2) in _LAYER_NAMES:
-        if m.group(3) == "bias":
-            raise ModelLoadError(
-                f"'{path}': unsupported: tensor '{name}' is a bias (kvcore runs bias-free Llama)"
-            )
-        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.weight"
-    if name == "rope_freqs.weight":
-        raise ModelLoadError(f"'{path}': unsupported: rope_freqs (Llama 3.1-style rope scaling)")
-    raise ModelLoadError(f"'{path}': unexpected tensor '{name}' for a llama model")
+def _rope_scaling(meta: dict[str, Any], arch: str, path: Path) -> RopeScaling | None:
+    """RoPE scaling from ``{arch}.rope.scaling.*`` (linear and YaRN; llama3 and longrope come as tensors)."""
+    kind = meta.get("rope.scaling.type")
+    if kind in (None, "none"):
+        return None
+    factor = f32(meta.get("rope.scaling.factor") or 0.0)
+    original = meta.get("rope.scaling.original_context_length")
+    if kind == "linear" and factor:
+        return RopeScaling("linear", factor=factor)
+    if kind == "yarn" and original:
+        keys = {k: f"rope.scaling.yarn_{k}" for k in ("beta_fast", "beta_slow")}
+        extra = {k: f32(meta[key]) for k, key in keys.items() if key in meta}
+        return RopeScaling("yarn", factor=factor, original_max_position_embeddings=int(original), **extra)
+    raise ModelLoadError(f"'{path}': unsupported rope scaling '{kind}' in {arch}.rope.scaling.type")
 
 
 def unpermute_qk(weight: np.ndarray, n_head: int) -> np.ndarray:
@@ -207,6 +176,8 @@ def unpermute_qk(weight: np.ndarray, n_head: int) -> np.ndarray:
     Returns:
         [n_head * d_h, in] in Hugging Face order.
     """
+    if weight.ndim == 1:  # a bias: the same row order
+        return unpermute_qk(weight[:, None], n_head)[:, 0]
     out, inp = weight.shape
     return weight.reshape(n_head, out // n_head // 2, 2, inp).swapaxes(1, 2).reshape(out, inp)
 
@@ -227,7 +198,7 @@ def _dequantize(tensor: Any, path: Path) -> np.ndarray:
 
 
 def load_gguf(path: str | os.PathLike[str], name: str | None = None) -> LoadedModel:
-    """Load a llama-architecture GGUF file: config, float32 weights (HF names/layout), tokenizer.
+    """Load a GGUF file of any registered architecture: config, float32 weights (canonical names), tokenizer.
 
     Args:
         path: the ``.gguf`` file.
@@ -235,55 +206,88 @@ def load_gguf(path: str | os.PathLike[str], name: str | None = None) -> LoadedMo
     """
     path = Path(path)
     reader, metadata = _open(path)
-    config = _checked(_config, metadata, path)
-    tokenizer = _checked(_tokenizer, metadata, path)
-
-    by_name = {}
-    for tensor in reader.tensors:
-        by_name[_hf_name(tensor.name, path)] = tensor
-    tied = "lm_head.weight" not in by_name
-    config = dataclasses.replace(config, tie_word_embeddings=tied)
+    arch, fields, meta = _checked(_config, metadata, path)
+    tokenizer = _checked(gguf_tokenizer, metadata, path)
+    tensors = {t.name: t for t in reader.tensors}
+    rope = {n: _dequantize(tensors.pop(n), path).reshape(-1).tolist() for n in _ROPE_TENSORS if n in tensors}
+    fields["rope_scaling"] = _tensor_rope(fields, rope, meta)
+    fields["tie_word_embeddings"] = "output.weight" not in tensors
+    # llama.cpp has no metadata key for projection biases: the tensors are the declaration
+    fields["attention_bias"] = fields.get("attention_bias", False) or "blk.0.attn_q.bias" in tensors
+    fields["attention_output_bias"] = "blk.0.attn_output.bias" in tensors
+    config = ModelConfig(**fields)
 
     shapes = expected_shapes(config)
-    missing = [n for n in shapes if n not in by_name]
+    stored = stored_tensors(shapes, config.num_hidden_layers, arch.layer_names("gguf"), "blk.{i}.", _GLOBAL_NAMES)
+    for gguf_name in tensors:
+        if gguf_name not in stored:
+            what = "a bias" if gguf_name.endswith(".bias") else "unexpected"
+            raise ModelLoadError(f"'{path}': unsupported: tensor '{gguf_name}' ({what} for a {arch.name} model)")
+    missing = [parts[0] for n, parts in stored.items() if n not in tensors]
     if missing:
         raise ModelLoadError(f"'{path}': missing tensor for '{missing[0]}' ({len(missing)} missing in all)")
-    for hf_name, tensor in by_name.items():
-        shape = tuple(int(n) for n in reversed(tensor.shape))
-        if hf_name not in shapes:
-            raise ModelLoadError(f"'{path}': unexpected tensor '{tensor.name}'")
-        if shape != shapes[hf_name]:
-            raise ModelLoadError(
-                f"'{path}': tensor '{tensor.name}' ({hf_name}) has shape {list(shape)}, "
-                f"expected {list(shapes[hf_name])} from the metadata"
-            )
-
     weights: dict[str, torch.Tensor] = {}
-    for hf_name in shapes:  # Hugging Face order: embeddings, layer by layer, norm, head
-        tensor = by_name[hf_name]
-        values = _dequantize(tensor, path)
-        if hf_name.endswith("q_proj.weight"):
-            values = unpermute_qk(values, config.num_attention_heads)
-        elif hf_name.endswith("k_proj.weight"):
-            values = unpermute_qk(values, config.num_key_value_heads)
-        values = np.ascontiguousarray(values, dtype=np.float32)
+    for gguf_name, parts in stored.items():
+        tensor = tensors[gguf_name]
+        shape = tuple(int(n) for n in reversed(tensor.shape))
+        expected = (sum(shapes[n][0] for n in parts), *shapes[parts[0]][1:])
+        if shape != expected:
+            raise ModelLoadError(
+                f"'{path}': tensor '{gguf_name}' ({', '.join(parts)}) has shape {list(shape)}, "
+                f"expected {list(expected)} from the metadata"
+            )
+        values = np.ascontiguousarray(_dequantize(tensor, path), dtype=np.float32)
         if not values.flags.writeable:  # F32 tensors are views of the read-only file mapping: copy them out
             values = values.copy()
-        weights[hf_name] = torch.from_numpy(values)
+        values = torch.from_numpy(values)
+        for canonical, value in split_rows(values, parts, shapes).items():
+            weights[canonical] = _from_llama_cpp(canonical, value, arch, config)
     return LoadedModel(
         config=config,
-        weights=weights,
+        weights={n: weights[n] for n in shapes},  # canonical order: embeddings, layer by layer, norm, head
         tokenizer=tokenizer,
         source=str(path),
         name=name or path.name.removesuffix(".gguf"),
     )
 
 
+def _from_llama_cpp(name: str, value: torch.Tensor, arch: type[Architecture], config: ModelConfig) -> torch.Tensor:
+    """Undo what llama.cpp's converter did to a tensor: Q/K row interleaving, norm offsets added."""
+    if arch.gguf_permute_qk and ".q_proj." in name:
+        value = torch.from_numpy(unpermute_qk(value.numpy(), config.num_attention_heads))
+    elif arch.gguf_permute_qk and ".k_proj." in name:
+        value = torch.from_numpy(unpermute_qk(value.numpy(), config.num_key_value_heads))
+    elif arch.gguf_norm_offset_baked and name.endswith("norm.weight"):
+        value = value - config.norm_offset
+    return value.contiguous()
+
+
+def _tensor_rope(fields: dict[str, Any], rope: dict[str, list[float]], meta: dict[str, Any]) -> RopeScaling | None:
+    """RoPE factors stored as tensors: Llama 3.1's ``rope_freqs`` (frequency divisors) and Phi-3's
+    ``rope_factors_long`` / ``rope_factors_short`` (longrope)."""
+    scaling = fields["rope_scaling"]
+    if "rope_freqs.weight" in rope:
+        base = scaling or RopeScaling()
+        return dataclasses.replace(base, freq_factors=tuple(rope["rope_freqs.weight"]))
+    if "rope_factors_long.weight" in rope:
+        short = rope.get("rope_factors_short.weight", rope["rope_factors_long.weight"])
+        original = meta.get("rope.scaling.original_context_length") or fields["max_position_embeddings"]
+        factor = meta.get("rope.scaling.attn_factor")
+        return RopeScaling(
+            "longrope",
+            original_max_position_embeddings=int(original),
+            attention_factor=f32(factor) if factor is not None else None,
+            short_factor=tuple(short),
+            long_factor=tuple(rope["rope_factors_long.weight"]),
+        )
+    return scaling
+
+
 def load_gguf_tokenizer(path: str | os.PathLike[str]) -> Tokenizer:
     """Only the tokenizer of a GGUF file (reads metadata, no tensor data)."""
     path = Path(path)
     _, metadata = _open(path)
-    return _checked(_tokenizer, metadata, path)
+    return _checked(gguf_tokenizer, metadata, path)
 
 
 def _checked(build: Callable[[dict[str, Any], Path], T], metadata: dict[str, Any], path: Path) -> T:

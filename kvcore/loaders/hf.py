@@ -1,8 +1,9 @@
-"""Load a Hugging Face Llama model directory (config.json + safetensors + tokenizer.json).
+"""Load a Hugging Face model directory (config.json + safetensors + tokenizer.json) of any registered
+architecture (:mod:`kvcore.architectures`).
 
 Expected files::
 
-    config.json                    LlamaForCausalLM / model_type "llama"
+    config.json                    e.g. LlamaForCausalLM / model_type "llama", Qwen2ForCausalLM...
     model.safetensors              or model-0000x-of-0000n.safetensors + model.safetensors.index.json
     tokenizer.json                 the fast tokenizer
     tokenizer_config.json          optional: bos/eos/pad tokens, add_bos_token, chat_template
@@ -22,8 +23,9 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
+from kvcore.architectures import Architecture, for_hf_config
 from kvcore.errors import ModelLoadError, ModelNotFoundError
-from kvcore.loaders import LoadedModel, expected_shapes
+from kvcore.loaders import LoadedModel, expected_shapes, split_rows, stored_tensors
 from kvcore.model_config import ModelConfig
 from kvcore.tokenizer import Tokenizer
 
@@ -55,54 +57,15 @@ def _eos_ids(value: Any) -> list[int]:
     return [int(v) for v in value] if isinstance(value, list) else [int(value)]
 
 
-def _config(cfg: dict[str, Any], generation: dict[str, Any] | None, path: Path) -> ModelConfig:
-    archs = cfg.get("architectures") or []
-    model_type = cfg.get("model_type")
-    if model_type != "llama" and "LlamaForCausalLM" not in archs:
-        what = archs[0] if archs else model_type
-        raise ModelLoadError(f"'{path}': unsupported architecture '{what}' (supported: llama)")
-    if cfg.get("rope_scaling") is not None:
-        raise ModelLoadError(
-            f"'{path}': unsupported rope_scaling {cfg['rope_scaling']!r} in config.json "
-            "(kvcore implements plain RoPE only)"
-        )
-    # transformers >= 5 writes rope settings as rope_parameters = {"rope_type": ..., "rope_theta": ...}
-    rope = cfg.get("rope_parameters") or {}
-    if rope.get("rope_type", "default") != "default":
-        raise ModelLoadError(f"'{path}': unsupported rope_scaling (rope_type '{rope['rope_type']}')")
-    for flag in ("attention_bias", "mlp_bias"):
-        if cfg.get(flag):
-            raise ModelLoadError(f"'{path}': unsupported: {flag} is true (kvcore runs bias-free Llama)")
-    if cfg.get("hidden_act", "silu") != "silu":
-        raise ModelLoadError(f"'{path}': unsupported hidden_act '{cfg['hidden_act']}' (supported: silu)")
-
-    def need(key: str) -> Any:
-        if key not in cfg:
-            raise ModelLoadError(f"'{path}': config.json has no '{key}'")
-        return cfg[key]
-
-    hidden = need("hidden_size")
-    heads = need("num_attention_heads")
-    if not isinstance(hidden, int) or not isinstance(heads, int) or heads <= 0:
-        raise ModelLoadError(f"'{path}': config.json hidden_size / num_attention_heads must be integers")
+def _config(
+    cfg: dict[str, Any], generation: dict[str, Any] | None, path: Path
+) -> tuple[type[Architecture], ModelConfig]:
+    arch = for_hf_config(cfg, str(path))
     eos = generation.get("eos_token_id") if generation else None
-    if eos is None:
-        eos = cfg.get("eos_token_id")
-    return ModelConfig(
-        vocab_size=need("vocab_size"),
-        hidden_size=hidden,
-        intermediate_size=need("intermediate_size"),
-        num_hidden_layers=need("num_hidden_layers"),
-        num_attention_heads=heads,
-        num_key_value_heads=cfg.get("num_key_value_heads") or heads,
-        head_dim=cfg.get("head_dim") or hidden // heads,
-        max_position_embeddings=need("max_position_embeddings"),
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        bos_token_id=cfg.get("bos_token_id"),
-        eos_token_id=eos,
-    )
+    try:
+        return arch, arch.config_from_hf(cfg, eos, str(path))
+    except (TypeError, ValueError, KeyError) as exc:
+        raise ModelLoadError(f"'{path}': malformed config.json: {exc}") from None
 
 
 def _shard_files(path: Path) -> list[Path]:
@@ -127,8 +90,11 @@ def _shard_files(path: Path) -> list[Path]:
     return files
 
 
-def _read_tensors(files: list[Path], shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
-    """Read every expected tensor as float32, checking names, dtypes and shapes."""
+def _read_tensors(
+    files: list[Path], shapes: dict[str, tuple[int, ...]], stored: dict[str, list[str]], arch: str
+) -> dict[str, torch.Tensor]:
+    """Read every expected tensor as float32 (fused ones cut into their canonical parts), checking names,
+    dtypes and shapes."""
     weights: dict[str, torch.Tensor] = {}
     for file in files:
         try:
@@ -136,24 +102,27 @@ def _read_tensors(files: list[Path], shapes: dict[str, tuple[int, ...]]) -> dict
                 for key in f.keys():
                     if key.endswith(_IGNORED_SUFFIXES):
                         continue
-                    if key == "lm_head.weight" and key not in shapes:
+                    if key == "lm_head.weight" and key not in stored:
                         continue  # tied: some checkpoints store the head anyway
-                    if key not in shapes:
+                    if key not in stored:
                         if key.endswith(".bias"):
                             raise ModelLoadError(f"'{file}': unsupported: bias tensor '{key}'")
-                        raise ModelLoadError(f"'{file}': unexpected tensor '{key}' for a llama model")
+                        raise ModelLoadError(f"'{file}': unexpected tensor '{key}' for a {arch} model")
                     tensor = f.get_tensor(key)
-                    if tuple(tensor.shape) != shapes[key]:
+                    parts = stored[key]
+                    expected = (sum(shapes[n][0] for n in parts), *shapes[parts[0]][1:])
+                    if tuple(tensor.shape) != expected:
                         raise ModelLoadError(
                             f"'{file}': tensor '{key}' has shape {list(tensor.shape)}, "
-                            f"expected {list(shapes[key])} from config.json"
+                            f"expected {list(expected)} from config.json"
                         )
                     if tensor.dtype not in _FLOAT_DTYPES:
                         raise ModelLoadError(
                             f"'{file}': tensor '{key}' has unsupported dtype {tensor.dtype} "
                             "(supported: float32, float16, bfloat16)"
                         )
-                    weights[key] = tensor.to(torch.float32).contiguous()
+                    for name, part in split_rows(tensor.to(torch.float32), parts, shapes).items():
+                        weights[name] = part.contiguous()
         except (SafetensorError, OSError, RuntimeError, ValueError) as exc:
             raise ModelLoadError(
                 f"'{file}' is not a valid safetensors file (truncated or corrupt?): {exc}"
@@ -178,7 +147,7 @@ def _tokenizer(path: Path, generation: dict[str, Any] | None, config: ModelConfi
 
 
 def load_hf_dir(path: str | os.PathLike[str], name: str | None = None) -> LoadedModel:
-    """Load a Hugging Face Llama directory: config, float32 weights, tokenizer.
+    """Load a Hugging Face model directory: config, float32 weights (canonical names), tokenizer.
 
     Args:
         path: the directory.
@@ -189,9 +158,11 @@ def load_hf_dir(path: str | os.PathLike[str], name: str | None = None) -> Loaded
         raise ModelNotFoundError(f"model directory '{path}' not found")
     cfg = _read_json(path / "config.json") or {}  # required: raises when the file is missing
     generation = _read_json(path / "generation_config.json", required=False)
-    config = _config(cfg, generation, path)
+    arch, config = _config(cfg, generation, path)
     tokenizer = _tokenizer(path, generation, config)
-    weights = _read_tensors(_shard_files(path), expected_shapes(config))
+    shapes = expected_shapes(config)
+    stored = stored_tensors(shapes, config.num_hidden_layers, arch.layer_names("hf"))
+    weights = _read_tensors(_shard_files(path), shapes, stored, arch.name)
     return LoadedModel(
         config=config,
         weights=weights,

@@ -1,0 +1,236 @@
+"""Model architectures: small declarations of how a family maps onto kvcore's one decoder.
+
+An architecture is a subclass of :class:`Architecture` registered through the
+``kvcore_register_architectures`` hook (the built-ins live in :mod:`kvcore.families`). It declares
+
+* which checkpoints it reads: Hugging Face ``architectures`` / ``model_type`` names, GGUF ``general.architecture``;
+* its decoder options (:attr:`Architecture.options`, fields of :class:`~kvcore.model_config.ModelConfig`) and
+  how the variable ones are read from ``config.json`` (:meth:`Architecture.hf_options`) or GGUF metadata
+  (:meth:`Architecture.gguf_options`);
+* its weight names where they differ from kvcore's canonical (Hugging Face Llama) names: fused tensors
+  (:attr:`Architecture.hf_fused`, :attr:`Architecture.gguf_fused`) and llama.cpp's names
+  (:attr:`Architecture.gguf_names`).
+
+Everything common (sizes, RoPE, special tokens) is read here, once, for every architecture.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import numpy as np
+
+from kvcore.errors import ModelLoadError, PluginError
+from kvcore.model_config import ModelConfig
+from kvcore.rope import RopeScaling
+
+if TYPE_CHECKING:
+    from kvcore.plugins import PluginRegistry
+
+__all__ = ["Architecture", "architectures", "for_hf_config", "for_gguf_arch", "GGUF_LAYER_NAMES"]
+
+#: llama.cpp's per-layer tensor names -> kvcore's canonical names (``model.layers.{i}.`` + this)
+GGUF_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+class Architecture:
+    """Declaration of one model family (see the module docstring). Class attributes only; never instantiated."""
+
+    name: ClassVar[str]  # registry key, e.g. "qwen2"
+    description: ClassVar[str] = ""
+    hf_architectures: ClassVar[tuple[str, ...]] = ()  # config.json "architectures", e.g. "Qwen2ForCausalLM"
+    hf_model_types: ClassVar[tuple[str, ...]] = ()  # config.json "model_type"
+    gguf_arch: ClassVar[str | None] = None  # GGUF general.architecture
+    #: ModelConfig fields every checkpoint of the family has (e.g. {"qk_norm": True})
+    options: ClassVar[dict[str, Any]] = {}
+    #: config.json defaults of the family's transformers config class, for keys a checkpoint may omit
+    hf_defaults: ClassVar[dict[str, Any]] = {"tie_word_embeddings": False, "rms_norm_eps": 1e-6}
+    #: fused checkpoint tensors: layer-relative name -> the canonical names stacked along dim 0
+    hf_fused: ClassVar[dict[str, tuple[str, ...]]] = {}
+    gguf_fused: ClassVar[dict[str, tuple[str, ...]]] = {}
+    #: llama.cpp per-layer names that differ from :data:`GGUF_LAYER_NAMES` for this family
+    gguf_names: ClassVar[dict[str, str]] = {}
+    #: llama.cpp's converter interleaves each head's Q/K rows for its non-NeoX RoPE (the "llama" arch only)
+    gguf_permute_qk: ClassVar[bool] = False
+    #: llama.cpp's converter stores RMSNorm weights with the family's offset added (Gemma: 1 + w)
+    gguf_norm_offset_baked: ClassVar[bool] = False
+    #: attention features the family's checkpoints need from a backend, named as BackendCapabilities
+    #: flags (a backend serves the family when every flag is true on its capabilities)
+    attention_features: ClassVar[tuple[str, ...]] = ()
+
+    @classmethod
+    def availability(cls) -> str | None:
+        """None: declarations need nothing installed (the registry asks every plugin kind)."""
+        return None
+
+    # -- config.json -----------------------------------------------------------------------------------
+    @classmethod
+    def hf_options(cls, cfg: dict[str, Any]) -> dict[str, Any]:
+        """Family-specific ModelConfig fields read from ``config.json`` (the common ones are read for all)."""
+        return {}
+
+    @classmethod
+    def config_from_hf(cls, cfg: dict[str, Any], eos: Any, where: str) -> ModelConfig:
+        """The ModelConfig of a ``config.json`` dict; ``eos`` from generation_config.json when it has one."""
+        cfg = {**cls.hf_defaults, **{k: v for k, v in cfg.items() if v is not None}}
+
+        def need(key: str) -> Any:
+            if key not in cfg:
+                raise ModelLoadError(f"'{where}': config.json has no '{key}'")
+            return cfg[key]
+
+        hidden, heads = need("hidden_size"), need("num_attention_heads")
+        if not isinstance(hidden, int) or not isinstance(heads, int) or heads <= 0:
+            raise ModelLoadError(f"'{where}': config.json hidden_size / num_attention_heads must be integers")
+        if cfg.get("mlp_bias"):
+            raise ModelLoadError(f"'{where}': unsupported: mlp_bias is true (MLP biases)")
+        rope = dict(cfg.get("rope_parameters") or {})  # transformers >= 5; older files: rope_scaling + rope_theta
+        rope.update(cfg.get("rope_scaling") or {})
+        if rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) not in (None, 1, 1.0):
+            raise ModelLoadError(f"'{where}': unsupported: partial_rotary_factor < 1 (partial RoPE)")
+        scaling = hf_rope_scaling(rope, cfg, where)
+        options = {"architecture": cls.name, "hidden_act": cfg.get("hidden_act", "silu")}
+        options.update({**cls.options, **cls.hf_options(cfg)})
+        return ModelConfig(
+            vocab_size=need("vocab_size"),
+            hidden_size=hidden,
+            intermediate_size=need("intermediate_size"),
+            num_hidden_layers=need("num_hidden_layers"),
+            num_attention_heads=heads,
+            num_key_value_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or hidden // heads,
+            max_position_embeddings=need("max_position_embeddings"),
+            rms_norm_eps=float(cfg["rms_norm_eps"]),
+            rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
+            rope_scaling=scaling,
+            tie_word_embeddings=bool(cfg["tie_word_embeddings"]),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_id=eos if eos is not None else cfg.get("eos_token_id"),
+            **options,
+        )
+
+    # -- GGUF metadata ---------------------------------------------------------------------------------
+    @classmethod
+    def gguf_options(cls, meta: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+        """Family-specific ModelConfig fields read from GGUF metadata (keys without the ``{arch}.`` prefix);
+        ``config`` holds the common fields already read."""
+        return {}
+
+    @classmethod
+    def layer_names(cls, fmt: str) -> dict[str, tuple[str, ...]]:
+        """Per-layer tensor names (no ``.weight``/``.bias``) of a ``fmt`` ("hf" or "gguf") file -> the canonical
+        names each holds, stacked along dim 0."""
+        if fmt == "hf":
+            return dict(cls.hf_fused)
+        fused = {part for parts in cls.gguf_fused.values() for part in parts}  # stored only in the fused tensor
+        names = {k: (v,) for k, v in {**GGUF_LAYER_NAMES, **cls.gguf_names}.items() if v not in fused}
+        return {**names, **cls.gguf_fused}
+
+
+def hf_rope_scaling(rope: dict[str, Any], cfg: dict[str, Any], where: str) -> RopeScaling | None:
+    """A RopeScaling from Hugging Face's ``rope_scaling`` / ``rope_parameters`` dict (None for plain RoPE)."""
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind in (None, "default"):
+        return None
+    if kind == "su":  # Phi-3's first name for longrope
+        kind = "longrope"
+    original = rope.get("original_max_position_embeddings", cfg.get("original_max_position_embeddings"))
+    fields = {
+        "factor": rope.get("factor"),
+        "original_max_position_embeddings": original,
+        "low_freq_factor": rope.get("low_freq_factor"),
+        "high_freq_factor": rope.get("high_freq_factor"),
+        "beta_fast": rope.get("beta_fast"),
+        "beta_slow": rope.get("beta_slow"),
+        "mscale": rope.get("mscale"),
+        "mscale_all_dim": rope.get("mscale_all_dim"),
+        "truncate": rope.get("truncate"),
+        "attention_factor": rope.get("attention_factor"),
+        "short_factor": tuple(rope["short_factor"]) if rope.get("short_factor") else None,
+        "long_factor": tuple(rope["long_factor"]) if rope.get("long_factor") else None,
+    }
+    keep = {"mscale", "mscale_all_dim", "attention_factor", "short_factor", "long_factor"}
+    fields = {k: v for k, v in fields.items() if v is not None or k in keep}
+    if kind == "yarn" and "factor" not in fields:
+        fields["factor"] = 0.0  # derived from the windows (see kvcore.rope)
+    try:
+        return RopeScaling(rope_type=kind, **fields)
+    except ModelLoadError as exc:
+        raise ModelLoadError(f"'{where}': {exc}") from None
+    except TypeError as exc:
+        raise ModelLoadError(f"'{where}': malformed rope scaling {rope!r}: {exc}") from None
+
+
+def layer_types_window(cfg: dict[str, Any], default_all: bool) -> dict[str, Any]:
+    """``sliding_window`` / ``sliding_window_layers`` from a config.json: its ``layer_types`` list when
+    there is one, else every layer (``default_all``) or none."""
+    window = cfg.get("sliding_window")
+    if not window:
+        return {}
+    types = cfg.get("layer_types")
+    if types:
+        return {"sliding_window": int(window), "sliding_window_layers": tuple(
+            i for i, t in enumerate(types) if t == "sliding_attention"
+        )}
+    return {"sliding_window": int(window)} if default_all else {}
+
+
+def f32(value: float) -> float:
+    """GGUF stores floats as float32 (1e-5 comes back as 9.99999974e-06): the shortest decimal that
+    rounds to the same float32 is the value the model was configured with."""
+    return float(str(np.float32(value)))
+
+
+def architectures(registry: PluginRegistry | None = None) -> dict[str, type[Architecture]]:
+    """Every registered architecture by name (built-ins and plugins) of ``registry`` (default: the
+    process-wide one)."""
+    from kvcore.plugins import ARCHITECTURE, get_registry
+
+    return {name: entry.cls for name, entry in (registry or get_registry()).entries(ARCHITECTURE).items()}
+
+
+def _no_match(registry: PluginRegistry | None, message: str) -> ModelLoadError:
+    """The error for a checkpoint no architecture claims; a name two plugins registered (and so neither
+    serves) is a plugin conflict, said as such."""
+    from kvcore.plugins import ARCHITECTURE, get_registry
+
+    conflicts = [m for (kind, _), m in (registry or get_registry()).conflicts.items() if kind == ARCHITECTURE.key]
+    if conflicts:
+        raise PluginError(f"{message}; {'; '.join(conflicts)}")
+    return ModelLoadError(message)
+
+
+def for_hf_config(cfg: dict[str, Any], where: str, registry: PluginRegistry | None = None) -> type[Architecture]:
+    """The architecture a ``config.json`` declares; ModelLoadError naming the supported ones otherwise."""
+    archs = architectures(registry)
+    declared = cfg.get("architectures") or []
+    for arch in archs.values():
+        if any(a in arch.hf_architectures for a in declared):
+            return arch
+    for arch in archs.values():
+        if cfg.get("model_type") in arch.hf_model_types:
+            return arch
+    what = declared[0] if declared else cfg.get("model_type")
+    supported = ", ".join(sorted(archs))
+    raise _no_match(registry, f"'{where}': unsupported architecture '{what}' (supported: {supported})")
+
+
+def for_gguf_arch(name: Any, where: str, registry: PluginRegistry | None = None) -> type[Architecture]:
+    """The architecture of a GGUF ``general.architecture``; ModelLoadError naming the supported ones otherwise."""
+    archs = {a.gguf_arch: a for a in architectures(registry).values() if a.gguf_arch}
+    if name not in archs:
+        supported = ", ".join(sorted(archs))
+        raise _no_match(registry, f"'{where}': unsupported architecture '{name}' (supported: {supported})")
+    return archs[name]

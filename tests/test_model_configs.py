@@ -1,0 +1,80 @@
+"""config.json of released checkpoints (as published, weights not needed) -> the decoder options kvcore
+derives, and what a model built from them refuses."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvcore.architectures import for_hf_config
+from kvcore.errors import ModelLoadError
+from kvcore.model import DecoderModel
+
+BASE = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 8192}
+
+LLAMA31 = {**BASE, "architectures": ["LlamaForCausalLM"], "model_type": "llama", "rope_theta": 500000.0,
+           "max_position_embeddings": 131072, "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0,
+           "high_freq_factor": 4.0, "original_max_position_embeddings": 8192, "rope_type": "llama3"}}
+MISTRAL01 = {**BASE, "architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": 4096,
+             "max_position_embeddings": 32768}
+QWEN25 = {**BASE, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "use_sliding_window": False,
+          "sliding_window": 131072, "max_window_layers": 28, "tie_word_embeddings": True}
+PHI3_MINI_4K = {**BASE, "architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "sliding_window": 2047,
+                "max_position_embeddings": 4096, "original_max_position_embeddings": 4096, "rope_scaling": None}
+GEMMA2 = {**BASE, "architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "head_dim": 16,
+          "hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": 16, "sliding_window": 4096,
+          "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0}
+
+
+def config_of(cfg: dict):
+    return for_hf_config(cfg, "m").config_from_hf(cfg, None, "m")
+
+
+def test_llama31():
+    c = config_of(LLAMA31)
+    assert c.architecture == "llama" and c.rope_scaling.rope_type == "llama3"
+    assert c.rope_scaling.original_max_position_embeddings == 8192 and c.rope_theta == 500000.0
+    model = DecoderModel(c, max_positions=4096)
+    assert model.rotary.cos.shape[0] == 4096  # sized to the engine's reach, not 131072
+
+
+def test_mistral_window_served_up_to_its_length():
+    c = config_of(MISTRAL01)
+    assert (c.sliding_window, c.sliding_window_layers) == (4096, None)
+    with pytest.raises(ModelLoadError, match=r"window 4096 tokens.*at most 4096 tokens per request"):
+        DecoderModel(c, max_positions=8192)
+    assert DecoderModel(c, max_positions=4096).config.max_position_embeddings == 4096
+
+
+def test_qwen25_window_off_unless_use_sliding_window():
+    c = config_of(QWEN25)
+    assert c.attention_bias and not c.attention_output_bias and c.sliding_window is None and c.tie_word_embeddings
+    c = config_of({**QWEN25, "use_sliding_window": True, "sliding_window": 32, "max_window_layers": 2})
+    assert (c.sliding_window, c.sliding_window_layers) == (32, (2, 3))
+
+
+def test_phi3_mini_4k_window():
+    c = config_of(PHI3_MINI_4K)
+    assert c.sliding_window == 2047 and c.rope_scaling is None
+    with pytest.raises(ModelLoadError, match="window 2047 tokens"):
+        DecoderModel(c, max_positions=4096)
+
+
+def test_gemma2_options_and_refusal():
+    c = config_of(GEMMA2)
+    assert (c.norm_offset, c.sandwich_norms, c.hidden_act) == (1.0, True, "gelu_pytorch_tanh")
+    assert c.embedding_multiplier == 8.0 and c.final_logit_softcapping == 30.0 and c.tie_word_embeddings
+    assert (c.sliding_window, c.sliding_window_layers) == (4096, (0, 2))
+    with pytest.raises(ModelLoadError, match=r"attention-logit soft-capping \(attn_logit_softcapping=50.0\)"):
+        DecoderModel(c, max_positions=4096)
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({"mlp_bias": True}, "mlp_bias"),
+    ({"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
+    ({"hidden_act": "relu"}, "unsupported hidden_act 'relu'"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, "'yarn' needs original_max_position_embeddings"),
+])
+def test_refusals_name_what_is_unsupported(bad, message):
+    with pytest.raises(ModelLoadError, match=message):
+        config_of({**LLAMA31, "rope_scaling": None, **bad})
