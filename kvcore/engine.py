@@ -69,6 +69,12 @@ class Engine:
         self.dtype, self.device = parse_dtype(config.dtype), torch.device(config.device)
         if model.dtype != self.dtype:
             raise ConfigError(f"model weights are {model.dtype} but the engine was configured for {self.dtype}")
+        self.runner = None  # tensor parallelism: rank 0's side of the group; this process computes rank 0's shard
+        if config.tensor_parallel_size > 1:
+            from kvcore.distributed import TensorParallelRunner
+
+            self.runner = TensorParallelRunner(model, config)
+            mc = self.runner.model.config  # local heads: backends and the KV cache see only this rank's
         heads = dict(num_heads=mc.num_attention_heads, num_kv_heads=mc.num_key_value_heads)
         chosen = select_components(registry, config, head_dim=mc.head_dim, **heads)
         self.prefill_backend, self.decode_backend = chosen.prefill_backend, chosen.decode_backend
@@ -94,6 +100,8 @@ class Engine:
             per_block = chosen.kv_cache.cls.token_bytes(spec) * block_size
             spec = dataclasses.replace(spec, num_blocks=max(1, config.kv_cache_bytes // per_block))
         cache = registry.create_cache(cache_name, spec, cache_options)
+        if self.runner is not None:
+            self.runner.start(self.prefill_backend, self.decode_backend, cache, config)
         self.kv = KVCacheManager(cache, enable_prefix_caching=config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         eos = set(mc.eos_token_ids) | set(getattr(tokenizer, "eos_token_ids", None) or [])
@@ -102,6 +110,11 @@ class Engine:
         self._decoders: dict[str, Any] = {}
         self._events: list[TokenEvent] = []  # what the current step() reports
         self._ids = itertools.count()
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any (also done when the engine is collected or at exit)."""
+        if self.runner is not None:
+            self.runner.close()
 
     @property
     def cache(self):
@@ -209,7 +222,11 @@ class Engine:
         try:
             try:
                 meta = self.kv.prepare([r.seq_id for r in reqs], batch.query_lens, self.model.attention_scale)
-                logits = last_token_logits(self.model, backend, self.kv.cache, meta, batch.input_ids)  # [B, V]
+                if self.runner is not None:
+                    logits = self.runner.forward(batch.is_prefill, backend, self.kv.cache, meta, batch.input_ids,
+                                                 self.kv.last_copies)
+                else:
+                    logits = last_token_logits(self.model, backend, self.kv.cache, meta, batch.input_ids)  # [B, V]
             except KVCoreError:
                 raise
             except Exception as exc:

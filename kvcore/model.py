@@ -231,6 +231,10 @@ class LlamaModel(nn.Module):
                 put(model.post_norm[i], take(post), post)
         return model
 
+    #: ``all_reduce(partial [T, d]) -> [T, d]``, applied to the o_proj and down_proj outputs: under tensor
+    #: parallelism (kvcore/distributed/sharding.py) it sums each rank's partial output; identity otherwise
+    all_reduce: Callable[[torch.Tensor], torch.Tensor] = staticmethod(lambda partial: partial)
+
     @property
     def attention_scale(self) -> float:
         """The softmax scale of every attention layer: ``1 / sqrt(head_dim)`` for Llama."""
@@ -265,10 +269,10 @@ class LlamaModel(nn.Module):
             attn = attention(i, q, k, v)  # (T, H, D)
             # h is this forward's own tensor: residual adds and the SwiGLU product run in place, which saves
             # the prefill a fresh multi-megabyte allocation (page faults) per op; the values are the same.
-            h.add_(_linear(attn.reshape(num_tokens, self.q_size), self.o_proj[i], o_w[i], parts))
+            h.add_(self.all_reduce(_linear(attn.reshape(num_tokens, self.q_size), self.o_proj[i], o_w[i], parts)))
             x = rms_norm(h, self.post_norm[i], eps)
             gate, up = _linear(x, self.gate_up_proj[i], gate_up_w[i], parts).chunk(2, dim=-1)  # (T, I) each
-            h.add_(_linear(F.silu(gate).mul_(up), self.down_proj[i], down_w[i], parts))
+            h.add_(self.all_reduce(_linear(F.silu(gate).mul_(up), self.down_proj[i], down_w[i], parts)))
         return rms_norm(h, self.norm, eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
