@@ -20,6 +20,7 @@ from __future__ import annotations
 import datetime
 import os
 import pickle
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -204,5 +205,6 @@ def set_note(store: dist.Store, key: str, value: Any) -> None:
 
 
 def _first_line(exc: BaseException) -> str:
+    """The message's first line without gloo's ``[source/file.cc:NN]`` prefix."""
     text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__
+    return re.sub(r"^\[[^\]]*\]\s*", "", text[0]) if text else type(exc).__name__

@@ -53,6 +53,7 @@ class _Group:
 
     def __init__(self) -> None:
         self.procs: list[Any] = []  # spawned workers (empty under torchrun)
+        self.restore_threads = 0  # rank 0's intra-op thread count before the group took its share
         self.group: RankGroup | None = None
         self.store: Any = None
         self.closed = False
@@ -72,6 +73,8 @@ class _Group:
                 p.kill()  # SIGKILL: also ends a stopped (SIGSTOP) or hung worker
                 p.join(timeout=10)
         self.group = None
+        if self.restore_threads:
+            torch.set_num_threads(self.restore_threads)
 
 
 class TensorParallelRunner:
@@ -122,8 +125,13 @@ class TensorParallelRunner:
         import torch.multiprocessing as mp  # registers the shared-memory pickling of tensors
 
         ctx = mp.get_context("spawn")
-        # One process per rank on a shared CPU: split the cores so the ranks do not oversubscribe them.
+        # One process per rank on a shared CPU: split the cores so the ranks do not oversubscribe them
+        # (rank 0 included, until close(): ranks whose spinning OpenMP threads outnumber the cores slow
+        # every collective down, since each waits for the slowest rank).
         threads = max(1, (os.cpu_count() or 1) // self.world_size) if endpoint.device_type == "cpu" else 0
+        if threads and torch.get_num_threads() > threads:
+            self._state.restore_threads = torch.get_num_threads()
+            torch.set_num_threads(threads)
         for shard in self.shards[1:]:
             state = {k: v.cpu() for k, v in shard_state(model, shard, with_lm_head=False).items()}
             args = (shard.rank - 1, endpoint, local_config(model.config, shard), state,

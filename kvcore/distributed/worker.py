@@ -81,7 +81,9 @@ def serve(group: RankGroup, model: LlamaModel, device: torch.device) -> None:
     prefill = prefill_cls(**prefill_opts)
     decode = prefill if (decode_cls, decode_opts) == (prefill_cls, prefill_opts) else decode_cls(**decode_opts)
     cache_cls, spec, cache_opts = components.kv_cache
-    cache = cache_cls(dataclasses.replace(spec, device=device), **cache_opts)
+    # Rank 0's spec with this rank's own KV heads (an uneven split gives ranks different counts) and device.
+    local = dataclasses.replace(spec, device=device, num_kv_heads=model.config.num_key_value_heads)
+    cache = cache_cls(local, **cache_opts)
     group.note(f"ready/{group.rank}", {
         "pid": os.getpid(),
         "device": str(device),
