@@ -222,3 +222,21 @@ def test_hung_worker_times_out_and_is_reaped():
     assert "timed out" in line.lower() and "KVCORE_TP_TIMEOUT_S=2" in line
     assert seconds < 30
     assert _gone(pids), "the stopped worker was left behind"
+
+
+def test_cli_under_torchrun_matches_one_process():
+    """``torchrun --nproc-per-node 2 kvcore generate --tensor-parallel-size 2``: rank 0 prints the TP=1 ids,
+    rank 1 serves inside the engine constructor and exits 0."""
+    import json
+
+    args = ["generate", "--model", str(DATA / "tiny-llama"), "--backend", "naive", "--max-new-tokens", "8",
+            "--ignore-eos", "--json", "Once upon a time"]
+    one = subprocess.run([sys.executable, "-m", "kvcore.cli", *args], capture_output=True, text=True, timeout=120)
+    run = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--module", "kvcore.cli",
+           *args, "--tensor-parallel-size", "2"]
+    two = subprocess.run(run, capture_output=True, text=True, timeout=180, env={**os.environ, "MASTER_PORT": "0"})
+    assert one.returncode == 0 and two.returncode == 0, two.stderr
+    results = [json.loads(line) for line in two.stdout.splitlines() if line.startswith("{")]
+    assert len(results) == 1  # rank 0 only
+    assert results[0]["token_ids"] == json.loads(one.stdout.splitlines()[-1])["token_ids"]
+    assert results[0]["tensor_parallel"]["launcher"] == "torchrun"

@@ -158,6 +158,14 @@ class RankGroup:
             raise GroupFailure(f"all-reduce failed on rank {self.rank}: {_first_line(exc)}") from exc
         return x
 
+    def abort(self) -> None:
+        """Abandon both groups after a failure (NCCL: frees communicators stuck on a dead peer)."""
+        for pg in (self._compute, self._commands):
+            try:
+                pg.abort()
+            except (RuntimeError, AttributeError):
+                pass
+
     # -- the command channel ---------------------------------------------------------------------------
     def send(self, message: Any) -> None:
         """Rank 0: broadcast ``message`` (any picklable object) to every other rank."""

@@ -67,6 +67,8 @@ class _Group:
                 self.group.send(("stop", None))
             except GroupFailure:
                 graceful = False
+        if not graceful and self.group is not None:
+            self.group.abort()
         for p in self.procs:
             p.join(timeout=10 if graceful else 0)
             if p.is_alive():
@@ -208,11 +210,27 @@ class TensorParallelRunner:
                     [list(t) for t in meta.block_tables], meta.block_size, meta.scale, [tuple(c) for c in copies])
         self._send(("step", step))
         try:
-            return last_token_logits(self.model, backend, cache, meta, step.input_ids)
+            logits = last_token_logits(self.model, backend, cache, meta, step.input_ids)
+            if logits.is_cuda:
+                self._await_device(logits.device)
+            return logits
         except GroupFailure as exc:
             self._fail(str(exc))
         except Exception as exc:  # the other ranks are mid-step, waiting on rank 0: the group cannot go on
             self._fail(f"rank 0 failed mid-step: {type(exc).__name__}: {exc}")
+
+    def _await_device(self, device: torch.device) -> None:
+        """NCCL all-reduces are queued on the GPU: a dead or hung peer would leave the first host read of the
+        logits blocked for good. Wait for the step's GPU work here instead, watching the workers and the
+        collective timeout."""
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(device))
+        deadline = time.monotonic() + collective_timeout()
+        while not done.query():
+            self._check_workers()
+            if time.monotonic() > deadline:
+                raise GroupFailure(f"a step's GPU collectives timed out after {collective_timeout():g} s")
+            time.sleep(0.0002)
 
     def _send(self, message: Any) -> None:
         if self._broken:
