@@ -215,4 +215,6 @@ def set_note(store: dist.Store, key: str, value: Any) -> None:
 def _first_line(exc: BaseException) -> str:
     """The message's first line without gloo's ``[source/file.cc:NN]`` prefix."""
     text = str(exc).strip().splitlines()
-    return re.sub(r"^\[[^\]]*\]\s*", "", text[0]) if text else type(exc).__name__
+    if not text:
+        return type(exc).__name__
+    return re.sub(r"^\[[^\]]*\]\s*", "", text[0]).split(" This is typically caused")[0]

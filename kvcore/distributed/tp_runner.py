@@ -249,6 +249,11 @@ class TensorParallelRunner:
 
     def _fail(self, cause: str) -> None:
         """Tear the group down and raise one TensorParallelError (what died or hung, and how)."""
+        # A peer's closed socket usually means it died a moment ago: give the kernel time to report the exit
+        # so the error can name the rank and the signal.
+        deadline = time.monotonic() + 2.0
+        while self._state.procs and all(p.exitcode is None for p in self._state.procs) and time.monotonic() < deadline:
+            time.sleep(0.02)
         dead = []
         for rank, p in enumerate(self._state.procs, start=1):
             if p.exitcode is None:
