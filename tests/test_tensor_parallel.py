@@ -4,6 +4,7 @@ error line, exit code 7, and no worker process left)."""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
 import subprocess
@@ -16,13 +17,15 @@ import psutil
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import make_random_model
+from helpers import make_plugin, make_random_model
 
 from kvcore import Engine, EngineConfig, SamplingParams
+from kvcore.backends.naive import NaiveBackend
 from kvcore.distributed import plan_shards
 from kvcore.distributed.sharding import build_local_model, local_config, shard_state
-from kvcore.errors import ConfigError
+from kvcore.errors import ConfigError, TensorParallelError
 from kvcore.model_config import ModelConfig
+from kvcore.plugins import PluginRegistry
 
 DATA = Path(__file__).parent / "data"
 
@@ -168,6 +171,44 @@ def test_smollm2_tp2_matches_the_golden_tokens(smollm2):
             assert ids == p["token_ids"], f"{backend}: prompt '{p['name']}' diverges on 2 ranks"
 
 
+# -- failure: a rank that raises, is killed or hangs mid-generation --------------------------------------------
+class WorkerFailsBackend(NaiveBackend):
+    """``naive``, except that on a spawned rank (a worker) its third forward call raises."""
+
+    name = "tp-worker-fails"
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def forward(self, layer_idx, q, k, v, cache, plan):
+        if multiprocessing.parent_process() is not None and layer_idx == 0:
+            self.calls += 1
+            if self.calls == 3:
+                raise RuntimeError("planted failure on a worker")
+        return super().forward(layer_idx, q, k, v, cache, plan)
+
+
+def test_worker_error_reaches_rank_0_and_the_group_stays_down(random_model):
+    registry = PluginRegistry(load_entrypoints=False)
+    registry.register_plugin(make_plugin(backends=[WorkerFailsBackend]), name="tp-worker-fails")
+    before = set(psutil.Process().children())
+    engine = Engine(random_model, None, EngineConfig(backend="tp-worker-fails", tensor_parallel_size=2),
+                    registry=registry)
+    workers = [p for p in set(psutil.Process().children()) - before if "spawn_main" in " ".join(p.cmdline())]
+    assert len(workers) == 1
+    try:
+        (result,) = engine.generate([[5, 6, 7]], SamplingParams(max_new_tokens=8, ignore_eos=True))
+        assert isinstance(result.error, TensorParallelError)
+        assert "rank 1" in str(result.error) and "exited with code 1 after RuntimeError: planted failure" in str(
+            result.error)
+        assert len(result.token_ids) == 2  # the prefill and one decode step ran on both ranks
+        (again,) = engine.generate([[8, 9]], SamplingParams(max_new_tokens=2))
+        assert str(again.error) == str(result.error)  # later steps fail at once with the same error
+    finally:
+        engine.close()
+    assert _gone([p.pid for p in workers])
+
+
 # -- failure: a rank killed or hung mid-generation ----------------------------------------------------------
 def _disturb_a_worker_mid_generation(sig: int, env: dict | None = None) -> tuple[int, str, float, list[int]]:
     """Run the CLI at TP=2, send ``sig`` to the worker once the first token is printed; returns (exit code,
@@ -202,14 +243,10 @@ def _gone(pids: list[int], within: float = 10.0) -> bool:
     return False
 
 
-def _error_lines(stderr: str) -> list[str]:
-    return [line for line in stderr.splitlines() if line.startswith("kvcore:")]
-
-
 def test_killed_worker_ends_the_cli_with_one_error_and_no_orphans():
     rc, err, seconds, pids = _disturb_a_worker_mid_generation(signal.SIGKILL)
     assert rc == 7, err
-    (line,) = _error_lines(err)
+    (line,) = err.strip().splitlines()  # one line on stderr, nothing else
     assert line.startswith("kvcore: error: tensor-parallel group failed: rank 1 (pid ") and "SIGKILL" in line
     assert seconds < 30
     assert _gone(pids), "a process the CLI started is still running"
@@ -218,7 +255,7 @@ def test_killed_worker_ends_the_cli_with_one_error_and_no_orphans():
 def test_hung_worker_times_out_and_is_reaped():
     rc, err, seconds, pids = _disturb_a_worker_mid_generation(signal.SIGSTOP, {"KVCORE_TP_TIMEOUT_S": "2"})
     assert rc == 7, err
-    (line,) = _error_lines(err)
+    (line,) = err.strip().splitlines()
     assert "timed out" in line.lower() and "KVCORE_TP_TIMEOUT_S=2" in line
     assert seconds < 30
     assert _gone(pids), "the stopped worker was left behind"

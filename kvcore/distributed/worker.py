@@ -148,7 +148,8 @@ def run_worker(rank: int, endpoint: Endpoint, store: Any, make_model, device: to
     except BaseException as exc:  # noqa: BLE001 - reported to rank 0, then this process exits
         with contextlib.suppress(Exception):
             set_note(store, f"error/{rank}", f"{type(exc).__name__}: {exc}")
-        traceback.print_exc(file=sys.stderr)
+        if os.environ.get("KVCORE_DEBUG") == "1":  # rank 0's one error line carries the message
+            traceback.print_exc(file=sys.stderr)
         return 1
     finally:
         sys.stderr.flush()
