@@ -218,6 +218,10 @@ class TensorParallelRunner:
             self._fail(str(exc))
         except Exception as exc:  # the other ranks are mid-step, waiting on rank 0: the group cannot go on
             self._fail(f"rank 0 failed mid-step: {type(exc).__name__}: {exc}")
+        except BaseException:  # Ctrl-C mid-step: the workers wait in a collective; stop them now, not at exit
+            self._broken = "tensor-parallel group was interrupted mid-step and shut down"
+            self._state.shutdown(graceful=False)
+            raise
 
     def _await_device(self, device: torch.device) -> None:
         """NCCL all-reduces are queued on the GPU: a dead or hung peer would leave the first host read of the
