@@ -49,6 +49,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    "file or a Hugging Face directory; repeat or comma-separate (default: tiny,smollm2)")
     p.add_argument("--tier", action="append", default=None, metavar="TIER",
                    help="run only these tiers: op, cache, stream, sampling (repeat or comma-separate)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                   help="run the engine-level tiers (stream, sampling) on N tensor-parallel ranks against the "
+                   "one-rank reference; the op and cache tiers check the backend in one process")
     p.add_argument("--threads", type=int, default=1,
                    help="torch CPU threads (default 1: fastest on a shared 2-core machine; 0 = torch's default)")
     p.add_argument("--verbose", "-v", action="store_true", help="list every case and failure tracebacks")
@@ -107,6 +110,7 @@ def run(args: argparse.Namespace) -> int:
             quick=args.quick,
             models=_split(args.model) or DEFAULT_MODELS,
             tiers=_split(args.tier) or TIERS,
+            tensor_parallel_size=args.tensor_parallel_size,
         )
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")

@@ -66,10 +66,14 @@ def run_engine(
         max_model_len=min(longest + 16, cm.config.max_position_embeddings),
         backend_options={target.name: dict(target.options)} if target.options else {},
         kv_cache_options={cache: dict(target.kv_cache_options)} if cache == target.kv_cache else {},
+        tensor_parallel_size=cfg.tensor_parallel_size,
     )
     recorder = RecordingSampler(sampler or target.make_sampler())
     engine = Engine(cm.model, None, config, registry=target.registry, sampler=recorder)
-    results = engine.generate([list(p) for p in prompts], list(params))
+    try:
+        results = engine.generate([list(p) for p in prompts], list(params))
+    finally:
+        engine.close()  # stops tensor-parallel workers now, not when the engine is collected
     streams = []
     for res in results:
         if res.error is not None:

@@ -21,6 +21,8 @@ TIER_TITLES = {
 def _headline(r: SuiteReport) -> str:
     s = r.settings
     mode = "quick" if s.get("quick") else "full"
+    if s.get("tensor_parallel_size", 1) > 1:
+        mode += f", tensor-parallel size {s['tensor_parallel_size']}"
     return (
         f"kvcore conformance: backend '{r.backend}' ({r.environment.get('backend_class', '?')}), "
         f"KV cache {', '.join(s.get('kv_caches', []))}, sampler {s.get('sampler')}, "

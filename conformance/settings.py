@@ -27,6 +27,7 @@ class SuiteConfig:
     quick: bool = False
     models: tuple[str, ...] = DEFAULT_MODELS
     tiers: tuple[str, ...] = TIERS
+    tensor_parallel_size: int = 1  # ranks the engine-level tiers (stream, sampling) run the model on
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", parse_dtype(self.dtype))
@@ -40,6 +41,9 @@ class SuiteConfig:
         if not self.models:
             raise ConfigError("no model given for the model-level tiers")
         object.__setattr__(self, "tiers", tuple(t for t in TIERS if t in self.tiers))
+        tp = self.tensor_parallel_size
+        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+            raise ConfigError(f"tensor_parallel_size must be a positive integer, got {tp!r}")
 
     @property
     def torch_device(self) -> torch.device:
@@ -56,4 +60,5 @@ class SuiteConfig:
             "quick": self.quick,
             "models": list(self.models),
             "tiers": list(self.tiers),
+            "tensor_parallel_size": self.tensor_parallel_size,
         }

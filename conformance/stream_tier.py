@@ -9,6 +9,8 @@ there. Variants: ``single-<i>`` (prompt ``i`` alone) and ``batch`` (all prompts,
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from kvcore.conformance.driver import Stream, run_engine
@@ -59,7 +61,9 @@ def reference_streams(cm, case_key: tuple, prompts, params, cfg: SuiteConfig, ta
     (model, dtype, sampler, case)."""
     key = (cm.name, cfg.dtype, cfg.device, target.sampler, tuple(sorted(target.sampler_options.items())), case_key)
     if key not in _REFERENCE_CACHE:
-        _REFERENCE_CACHE[key] = run_engine(reference_target(), cm, prompts, params, cfg, sampler=target.make_sampler())
+        one_rank = dataclasses.replace(cfg, tensor_parallel_size=1)  # a tensor-parallel run is held to one rank's
+        _REFERENCE_CACHE[key] = run_engine(reference_target(), cm, prompts, params, one_rank,
+                                           sampler=target.make_sampler())
     return _REFERENCE_CACHE[key]
 
 

@@ -41,6 +41,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sampler", default=None, help="sampler (see `kvcore plugins`; default 'default')")
     p.add_argument("--dtype", default=None, help="float32 (default), bfloat16 or float16")
     p.add_argument("--device", default=None, help="torch device (default cpu)")
+    p.add_argument("--tensor-parallel-size", type=int, default=None, metavar="N",
+                   help="split the model over N processes (gloo on CPU, NCCL on CUDA; default 1)")
     p.add_argument("--config", default=None, metavar="FILE.toml", help="read settings from a TOML file")
 
 
@@ -199,10 +201,13 @@ def _run_generation(args: argparse.Namespace, chat: bool) -> int:
             "model": s["model"],
             "dtype": config.dtype,
             "metrics": result.metrics.as_dict(),
+            "tensor_parallel_size": config.tensor_parallel_size,
         }
         if params.logprobs is not None:
             payload["logprobs"] = result.logprobs
             payload["top_logprobs"] = result.top_logprobs
+        if engine.runner is not None:  # per rank: heads, pid, device, KV bytes per token and allocated
+            payload["tensor_parallel"] = engine.runner.describe()
         out.write(json.dumps(payload) + "\n")
     return 0
 

@@ -64,6 +64,7 @@ class FileConfig:
     block_size: int | None = None
     num_blocks: int | None = None
     kv_cache_bytes: int | None = None
+    tensor_parallel_size: int | None = None
     enable_prefix_caching: bool | None = None
     enable_chunked_prefill: bool | None = None
     backends: dict[str, dict[str, Any]] = field(default_factory=dict)  # [backends.<name>] → constructor kwargs

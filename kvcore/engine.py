@@ -80,6 +80,12 @@ class Engine(EngineStep):
         self.dtype, self.device = parse_dtype(config.dtype), torch.device(config.device)
         if model.dtype != self.dtype:
             raise ConfigError(f"model weights are {model.dtype} but the engine was configured for {self.dtype}")
+        self.runner = None  # tensor parallelism: rank 0's side of the group; this process computes rank 0's shard
+        if config.tensor_parallel_size > 1:
+            from kvcore.distributed import TensorParallelRunner
+
+            self.runner = TensorParallelRunner(model, config)
+            mc = self.runner.model.config  # local heads: backends and the KV cache see only this rank's
         heads = dict(num_heads=mc.num_attention_heads, num_kv_heads=mc.num_key_value_heads)
         chosen = select_components(registry, config, head_dim=mc.head_dim, **heads)
         self.prefill_backend, self.decode_backend = chosen.prefill_backend, chosen.decode_backend
@@ -105,6 +111,8 @@ class Engine(EngineStep):
             per_block = chosen.kv_cache.cls.token_bytes(spec) * block_size
             spec = dataclasses.replace(spec, num_blocks=max(1, config.kv_cache_bytes // per_block))
         cache = registry.create_cache(cache_name, spec, cache_options)
+        if self.runner is not None:
+            self.runner.start(self.prefill_backend, self.decode_backend, cache, config)
         self.kv = KVCacheManager(cache, enable_prefix_caching=config.enable_prefix_caching)
         #: counters since construction (prefill / cached / decode / generated tokens, preemptions, ...)
         self.stats = EngineStats()
@@ -118,6 +126,11 @@ class Engine(EngineStep):
         self._outputs: dict[str, TextOutput] = {}
         self._events: list[TokenEvent] = []
         self._ids = itertools.count()
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any (also done when the engine is collected or at exit)."""
+        if self.runner is not None:
+            self.runner.close()
 
     @property
     def cache(self):

@@ -49,6 +49,7 @@ class EngineConfig:
     num_blocks: int | None = None  # paged caches: pool size; None = from kv_cache_bytes, else max_num_seqs × len
     kv_cache_bytes: int | None = None  # paged caches: a memory budget the pool is sized to
     enable_prefix_caching: bool = False  # share computed full prompt blocks across requests
+    tensor_parallel_size: int = 1  # processes the model's heads and FFN are split over (kvcore/distributed)
     backend_options: dict[str, dict[str, Any]] = field(default_factory=dict)  # [backends.<name>] tables
     kv_cache_options: dict[str, dict[str, Any]] = field(default_factory=dict)  # [kv_caches.<name>] tables
     sampler_options: dict[str, dict[str, Any]] = field(default_factory=dict)  # [samplers.<name>] tables
@@ -58,7 +59,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         parse_dtype(self.dtype)
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "tensor_parallel_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")

@@ -73,7 +73,12 @@ class EngineStep:
         except KVCoreError as exc:  # reserve() is all or nothing: nothing to roll back
             return self._fail(reqs, exc)
         try:
-            logits = last_token_logits(self.model, backend, self.kv.cache, meta, batch.input_ids, sampling)
+            if self.runner is not None:  # tensor parallelism: every rank runs its shard of this step
+                logits = self.runner.forward(
+                    batch.is_prefill, backend, self.kv.cache, meta, batch.input_ids, self.kv.last_copies, sampling
+                )
+            else:
+                logits = last_token_logits(self.model, backend, self.kv.cache, meta, batch.input_ids, sampling)
         except Exception as exc:
             error = exc if isinstance(exc, KVCoreError) else BackendError(
                 f"backend '{backend.name}' failed: {type(exc).__name__}: {exc}")

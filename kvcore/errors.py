@@ -21,6 +21,7 @@ __all__ = [
     "OutOfBlocksError",
     "ContextLengthError",
     "RequestAbortedError",
+    "TensorParallelError",
 ]
 
 
@@ -89,3 +90,10 @@ class OutOfBlocksError(KVCoreError):
 
 class RequestAbortedError(KVCoreError):
     """The caller aborted the request."""
+
+
+class TensorParallelError(KVCoreError):
+    """A tensor-parallel rank died, hung past its collective timeout or failed; the whole group was shut
+    down (kvcore/distributed)."""
+
+    exit_code = 7

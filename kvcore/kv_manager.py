@@ -24,6 +24,7 @@ class KVCacheManager:
 
     def __init__(self, cache: KVCache, *, enable_prefix_caching: bool = False) -> None:
         self.cache = cache
+        self.last_copies: list[tuple[int, int]] = []  # the copy-on-write copies the latest prepare() made
         self.blocks = BlockManager(
             cache.num_blocks, cache.block_size, cache.spec.max_seq_len, enable_prefix_caching=enable_prefix_caching
         )
@@ -56,6 +57,7 @@ class KVCacheManager:
         """
         context_lens = [self.blocks.seq_len(s) for s in seq_ids]
         copies = self.blocks.reserve(seq_ids, query_lens)
+        self.last_copies = copies  # tensor parallelism repeats them on the other ranks' caches
         if copies:
             self.cache.copy_blocks(copies)
         return AttentionMetadata.build(

@@ -213,6 +213,10 @@ class DecoderModel(nn.Module):
                     put_names(model.post_norm[i], [p + "post_attention_layernorm.weight"], norm=True)
         return model
 
+    #: ``all_reduce(partial [T, d]) -> [T, d]``, applied to the o_proj and down_proj outputs: under tensor
+    #: parallelism (kvcore/distributed/sharding.py) it sums each rank's partial output; identity otherwise
+    all_reduce: Callable[[torch.Tensor], torch.Tensor] = staticmethod(lambda partial: partial)
+
     @property
     def attention_scale(self) -> float:
         """The softmax scale of every attention layer: ``1 / sqrt(head_dim)``, or Gemma 2's
@@ -258,7 +262,9 @@ class DecoderModel(nn.Module):
                 q, k = self.rotary.rotate(q, cos, sin), self.rotary.rotate(k, cos, sin)
             v = qkv[:, qk_size:].view(num_tokens, num_kv, head_dim)  # (T, H_kv, D)
             attn = attention(i, q, k, v)  # (T, H, D)
-            out = linear(attn.reshape(num_tokens, self.q_size), self.o_proj[i], o_w[i], parts)
+            # all_reduce sums the ranks' partial outputs under tensor parallelism (identity otherwise); a bias
+            # or norm applies once, to the sum
+            out = self.all_reduce(linear(attn.reshape(num_tokens, self.q_size), self.o_proj[i], o_w[i], parts))
             if self.o_bias is not None:
                 out = out + self.o_bias[i]
             if self.post_attn_norm is not None:
@@ -268,7 +274,7 @@ class DecoderModel(nn.Module):
             h.add_(out)
             x = rms_norm(h, self.post_norm[i], eps)
             gate, up = linear(x, self.gate_up_proj[i], gate_up_w[i], parts).chunk(2, dim=-1)  # (T, I) each
-            out = linear(self.act(gate).mul_(up), self.down_proj[i], down_w[i], parts)
+            out = self.all_reduce(linear(self.act(gate).mul_(up), self.down_proj[i], down_w[i], parts))
             if self.post_mlp_norm is not None:
                 out = rms_norm(out, self.post_mlp_norm[i], eps)
             h.add_(out)

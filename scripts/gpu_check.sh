@@ -3,6 +3,7 @@
 #
 #   scripts/gpu_check.sh [--backends "flash_attn2 xformers"] [--dtype bfloat16] [--quick]
 #                        [--wheels DIR] [--out DIR] [--skip-conformance] [--skip-pytest] [--emulate]
+#                        [--tp-size N] [--skip-tp]
 #
 # Installs nothing unless --wheels DIR is given (then: pip install --no-index --no-deps DIR/*.whl, for
 # machines without network; see docs/gpu-backends.md for making DIR with `pip download`). kvcore itself
@@ -16,10 +17,14 @@
 #        (5) per backend: the REAL kernels vs the naive oracle on CUDA (ragged prefill, continuing
 #            prefill, permuted-slot decode, multi-step decode; MHA/GQA/MQA; head_dim 64/128; both cache
 #            kinds), outputs within tolerance and cache contents identical;
+#        (6) tensor parallelism over NCCL (needs --tp-size GPUs, default 2): `kvcore generate
+#            --tensor-parallel-size N --device cuda` gives the one-GPU greedy ids (naive, sdpa, paged);
+#            `kvcore conformance --tensor-parallel-size N` (stream tier); a worker killed mid-generation
+#            ends the CLI with exit 7 and leaves no worker process;
 #        then a summary table.
 # --emulate: a dry run of step (5) on the CPU with kvcore's emulated kernels (checks this script, not a GPU).
 # Exit: 0 everything ran and passed; 1 something failed; 3 nothing failed but a backend was unavailable.
-# Environment: PYTHON (default python3), OUT (default /tmp/kvcore-gpu-check; at most 8 files are written).
+# Environment: PYTHON (default python3), OUT (default /tmp/kvcore-gpu-check; at most 16 files are written).
 set -u -o pipefail
 
 cd "$(dirname "$0")/.."
@@ -32,6 +37,8 @@ OUT=${OUT:-/tmp/kvcore-gpu-check}
 RUN_CONFORMANCE=1
 RUN_PYTEST=1
 EMULATE=0
+TP_SIZE=2
+RUN_TP=1
 
 while [ $# -gt 0 ]; do
     case "$1" in
@@ -43,7 +50,9 @@ while [ $# -gt 0 ]; do
         --skip-conformance) RUN_CONFORMANCE=0; shift ;;
         --skip-pytest) RUN_PYTEST=0; shift ;;
         --emulate) EMULATE=1; shift ;;
-        -h | --help) sed -n '2,24p' "$0"; exit 0 ;;
+        --tp-size) TP_SIZE=$2; shift 2 ;;
+        --skip-tp) RUN_TP=0; shift ;;
+        -h | --help) sed -n '2,29p' "$0"; exit 0 ;;
         *) echo "gpu_check: unknown argument '$1' (see --help)" >&2; exit 2 ;;
     esac
 done
@@ -257,6 +266,73 @@ EOF
         record "$b" "$CHECK5" FAIL "$OUT/real-vs-naive-$b.log"
     fi
 done
+
+# -- (6) tensor parallelism over NCCL -------------------------------------------------------------------
+NUM_GPUS=$("$PY" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
+if [ "$RUN_TP" = 1 ] && [ "$NUM_GPUS" -lt "$TP_SIZE" ]; then
+    record nccl "tensor parallel x$TP_SIZE" UNAVAILABLE "$NUM_GPUS GPU(s) visible, --tp-size $TP_SIZE needs $TP_SIZE"
+elif [ "$RUN_TP" = 1 ]; then
+    TP_PROMPT="The history of the printing press begins"
+    for b in naive sdpa paged; do
+        section "tensor parallel x$TP_SIZE (NCCL): $b"
+        for n in 1 "$TP_SIZE"; do
+            "$PY" -m kvcore.cli generate --device cuda --dtype float32 --backend "$b" --tensor-parallel-size "$n" \
+                --max-new-tokens 32 --ignore-eos --json "$TP_PROMPT" >"$OUT/tp-$b-$n.out" 2>>"$OUT/tp.log"
+        done
+        if "$PY" - "$OUT/tp-$b-1.out" "$OUT/tp-$b-$TP_SIZE.out" <<'EOF'
+import json
+import sys
+
+one, many = (json.loads(open(p).read().strip().splitlines()[-1]) for p in sys.argv[1:])
+print("1 GPU: ", one["token_ids"])
+print("N GPUs:", many["token_ids"])
+print(many.get("tensor_parallel"))
+sys.exit(0 if one["token_ids"] == many["token_ids"] else 1)
+EOF
+        then
+            record "$b" "tensor parallel x$TP_SIZE ids" PASS
+        else
+            record "$b" "tensor parallel x$TP_SIZE ids" FAIL "$OUT/tp.log"
+        fi
+    done
+    section "conformance --tensor-parallel-size $TP_SIZE (stream tier, NCCL)"
+    if "$PY" -m kvcore.cli conformance --backend sdpa --device cuda --tier stream --quick \
+        --tensor-parallel-size "$TP_SIZE" >"$OUT/tp-conformance.txt" 2>>"$OUT/tp.log"; then
+        record sdpa "conformance tensor parallel" PASS
+    else
+        record sdpa "conformance tensor parallel" FAIL "$OUT/tp-conformance.txt"
+    fi
+    section "tensor parallel x$TP_SIZE: a worker killed mid-generation"
+    if KVCORE_TP_TIMEOUT_S=20 "$PY" - "$PY" "$TP_SIZE" <<'EOF' 2>&1 | tee -a "$OUT/tp.log"
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+
+py, n = sys.argv[1], sys.argv[2]
+cli = subprocess.Popen([py, "-m", "kvcore.cli", "generate", "--device", "cuda", "--tensor-parallel-size", n,
+                        "--max-new-tokens", "2000", "--ignore-eos", "Once upon a time"],
+                       stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+cli.stdout.read(1)
+procs = psutil.Process(cli.pid).children(recursive=True)
+workers = [p for p in procs if "spawn_main" in " ".join(p.cmdline())]
+os.kill(workers[0].pid, signal.SIGKILL)
+start = time.monotonic()
+_, err = cli.communicate(timeout=120)
+time.sleep(2)
+left = [p.pid for p in procs if psutil.pid_exists(p.pid) and psutil.Process(p.pid).status() != "zombie"]
+print(f"exit {cli.returncode} after {time.monotonic() - start:.1f} s; stderr: {err.decode().strip()}; left: {left}")
+sys.exit(0 if cli.returncode == 7 and not left else 1)
+EOF
+    then
+        record nccl "tensor parallel: killed worker" PASS
+    else
+        record nccl "tensor parallel: killed worker" FAIL "$OUT/tp.log"
+    fi
+fi
 
 rm -f "$OUT/.stderr"
 
