@@ -93,7 +93,22 @@ def _causal_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
 @pytest.mark.parametrize(("h", "h_kv", "n"), [(4, 2, 2), (6, 3, 2), (8, 2, 4), (4, 1, 2), (6, 3, 3)])
 def test_sharded_forward_equals_the_full_model(h, h_kv, n):
     """Even, uneven (whole GQA groups) and replicated-KV splits: the ranks' outputs all equal the full model's."""
-    model = make_random_model(num_heads=h, num_kv_heads=h_kv, head_dim=8, seed=h * 10 + n)
+    _check_sharded_forward(make_random_model(num_heads=h, num_kv_heads=h_kv, head_dim=8, seed=h * 10 + n), n)
+
+
+@pytest.mark.parametrize("family", ["llama-bias", "qwen2", "qwen3", "phi3", "gemma2"])
+def test_sharded_forward_of_every_family(tmp_path, family):
+    """The decoder's options shard too: Q/K/V and output biases (the output bias added once, to the sum),
+    Q/K norms, fused projections as loaded, Gemma's extra norms and scaled RoPE tables."""
+    from tiny_checkpoints import build_hf, save_hf
+
+    from kvcore.loaders import build_model, load_model
+
+    loaded = load_model(str(save_hf(build_hf(family), tmp_path / family)))
+    _check_sharded_forward(build_model(loaded, max_model_len=64), 2)
+
+
+def _check_sharded_forward(model, n: int) -> None:
     ids = torch.randint(3, model.config.vocab_size, (11,), generator=torch.Generator().manual_seed(0))
     positions = torch.arange(11)
     with torch.inference_mode():
