@@ -15,7 +15,7 @@ repetitions. Cases (``--cases``):
               reserved per slot); counted from the real engine and caches, not from a formula
 ``scaling``   decode step time vs context length (64 ... 4096), one line per backend (PNG plot)
 ``chunked``   the worst inter-token gap of 4 running requests while a 2048-token prompt is admitted, with
-              chunked prefill (256-token budget per step) vs whole-prompt prefill, and that prompt's TTFT
+              chunked prefill (128-token budget per step) vs whole-prompt prefill, and that prompt's TTFT
 
 Definitions: TTFT = request arrival to its first token; TPOT = mean time per output token after the
 first; decode tokens/s = tokens after the first / time after the first token (summed over the batch
@@ -615,7 +615,7 @@ class Bench:
 
         backend = TARGET_BACKEND if TARGET_BACKEND in self.s.backends else self.s.backends[0]
         length = min(self.s.long_context, self.window(16))
-        budget = max(16, min(256, length // 8))  # 256 for the 2048-token prompt
+        budget = max(16, length // 16)  # the 2048-token prompt in 16 chunks of 128 (minus the 4 decode rows)
         runs: dict[str, list[dict[str, float]]] = {"whole": [], "chunked": []}
         for rep in range(self.s.reps_long):
             for label in ("whole", "chunked") if rep % 2 == 0 else ("chunked", "whole"):
