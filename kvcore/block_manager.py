@@ -200,6 +200,8 @@ class BlockManager:
         while len(table) > math.ceil(num_tokens / self.block_size):
             self.allocator.free(table.pop())
         self._seq_lens[seq_id] = num_tokens
+        if self._committed.get(seq_id, (0, 0))[0] > len(table):
+            del self._committed[seq_id]  # the next commit re-walks the chain over the blocks now in the table
 
     # -- reservation ---------------------------------------------------------------------------------
     def _needs_copy(self, seq_id: int) -> bool:

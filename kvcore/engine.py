@@ -206,7 +206,7 @@ class Engine(EngineStep):
             self._finish(req, FinishReason.ABORT, RequestAbortedError(f"request '{rid}' was aborted"), emit=False)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or any(not r.is_finished for r in self._requests.values())
+        return self.scheduler.has_unfinished()
 
     def result(self, request_id: str) -> GenerationResult:
         """The state of one request (a sample id for ``n > 1``); final once it finished."""

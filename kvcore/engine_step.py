@@ -87,10 +87,12 @@ class EngineStep:
             group = [reqs[i]] + [c for c in reqs[i].pending_samples if not c.is_finished]
             rows += group
             index += [j] * len(group)
+        next_ids, logprobs = [], []
         try:
-            logits = logits[torch.tensor(index, device=logits.device)] if len(index) != len(sampling) else logits
-            self._suppress_eos(rows, logits)
-            next_ids, logprobs = sample_checked(self.sampler, logits, rows)
+            if rows:  # a step of partial prefill chunks only samples nothing
+                logits = logits[torch.tensor(index, device=logits.device)] if len(index) != len(sampling) else logits
+                self._suppress_eos(rows, logits)
+                next_ids, logprobs = sample_checked(self.sampler, logits, rows)
         except KVCoreError as exc:
             return self._failed(batch, exc)
         self.stats.num_prefill_tokens += sum(n for n, d in zip(batch.query_lens, batch.is_decode) if not d)
@@ -161,10 +163,11 @@ class EngineStep:
         out = self._outputs.get(req.request_id)
         text, hit = out.push(token_id, reason is not None) if out is not None else ("", False)
         reason = FinishReason.STOP if hit else reason
-        if reason is not None:
-            self._finish(req, reason, emit=False)
+        req.finish_reason = reason  # with the token: an interrupted _finish cannot make it run on
         top = lp[1] if lp is not None else None
         self._events.append(TokenEvent(req.request_id, token_id, text, reason, None, lp[0] if lp else None, top))
+        if reason is not None:
+            self._finish(req, reason, emit=False)
 
     def _finish(self, req: Request, reason: FinishReason, error: KVCoreError | None = None, emit: bool = True) -> None:
         req.finish_reason, req.error = reason, error
@@ -182,7 +185,7 @@ class EngineStep:
     def _recover(self) -> None:
         """Restore the scheduler's invariants after an exception escaped a step (see the module docstring)."""
         sched, blocks = self.scheduler, self.kv.blocks
-        waiting_for_fork = {id(c) for r in self._requests.values() for c in r.pending_samples}
+        waiting_for_fork = {id(c) for r in self._requests.values() if not r.is_finished for c in r.pending_samples}
         running: list[Request] = []
         for req in sched.running:
             if req.is_finished or req in running:
@@ -209,4 +212,5 @@ class EngineStep:
                 blocks.free_sequence(seq)
         for req in self._requests.values():
             if req.is_finished:
-                req.seq_id = None
+                req.seq_id, req.pending_samples = None, []
+                req.metrics.finish_time = req.metrics.finish_time or time.perf_counter()

@@ -201,6 +201,9 @@ class Scheduler:
             seq_id = self.new_seq_id()
             tokens = req.all_ids  # a preempted request re-enters with prompt + generated so far
             cached = self.kv.add_sequence(seq_id, tokens)
+            if self._shares_inflight_prefix(tokens, cached, [*self.running, *rows[0]]):
+                self.kv.free_sequence(seq_id)  # its prefix is being computed: admitted next, as a cache hit
+                break
             req.seq_id, req.num_computed_tokens = seq_id, cached
             if chunked:
                 n = self._add_chunk(rows, req, budget)
@@ -229,6 +232,26 @@ class Scheduler:
             return admitted
         self.running.extend(admitted)
         return rows if rows[0] else None
+
+    def _shares_inflight_prefix(self, tokens: list[int], cached: int, inflight: list[Request]) -> bool:
+        """With prefix caching: whether more full blocks of ``tokens`` than the ``cached`` ones are being
+        computed for a request whose prefill is in flight. Waiting a step for them to be committed turns
+        n requests with one long shared prompt into one prefill plus n - 1 cache hits."""
+        blocks = self.kv.blocks
+        if not blocks.enable_prefix_caching:
+            return False
+        bs, limit = blocks.block_size, (len(tokens) - 1) // blocks.block_size
+        for other in inflight:
+            if other.is_decoding or limit * bs <= cached:
+                continue
+            ids = other.all_ids
+            lo, hi = cached // bs, min(limit, len(ids) // bs)  # lo blocks are known to match (cache hits)
+            while lo < hi:  # the longest common prefix in whole blocks: list slices compare in C
+                mid = (lo + hi + 1) // 2
+                lo, hi = (mid, hi) if tokens[: mid * bs] == ids[: mid * bs] else (lo, mid - 1)
+            if lo * bs > cached:
+                return True
+        return False
 
     def _make_room(self, out: SchedulerOutput) -> None:
         """Preempt the newest running requests until every decoding one can append a token."""

@@ -52,7 +52,10 @@ def test_every_case_runs_and_writes_outputs(tmp_path):
     assert paged["max_concurrent"] > contiguous["max_concurrent"] == 4
     assert contiguous["errors"] == paged["errors"] == 0
     assert set(report["scaling"]) == {"naive", "sdpa", "paged"}
-    assert {row["key"] for row in report["targets"]} >= {"decode", "ttft", "capacity", "scaling"}
+    assert {row["key"] for row in report["targets"]} >= {"decode", "ttft", "capacity", "scaling", "chunked"}
+    modes = report["chunked"]["modes"]
+    assert set(modes) == {"whole", "chunked"} and all(m["worst_gap_cpu_s"] > 0 and m["long_ttft_s"] > 0
+                                                      for m in modes.values())
 
     paths = write_outputs(report, tmp_path)
     names = {p.name for p in paths}
@@ -96,7 +99,7 @@ def test_cli_bench_usage_errors_are_one_line(tmp_path, capsys, bench_plugin, arg
 
 
 def test_cases_constant_is_what_the_cli_accepts():
-    assert CASES == ("decode", "long", "bf16", "batch", "capacity", "scaling")
+    assert CASES == ("decode", "long", "bf16", "batch", "capacity", "scaling", "chunked")
 
 
 def test_bench_is_not_part_of_the_runtime_package(capsys, monkeypatch):

@@ -373,3 +373,21 @@ def test_engine_prefix_caching_under_preemption_keeps_streams(tiny):
     assert sum(r.metrics.num_preemptions for r in results) > 0
     assert sum(r.metrics.num_cached_tokens for r in results) > 0
     assert engine.kv.blocks.num_free_blocks == 30
+
+
+def test_truncate_rolls_a_reservation_back():
+    m = BlockManager(16, BS, 64, enable_prefix_caching=True)
+    tokens = list(range(300, 300 + 3 * BS))
+    computed(m, 0, tokens[: 2 * BS + 1])  # 3 blocks, 2 full ones committed
+    before = state(m)
+    m.reserve([0], [2 * BS])  # a forward that will fail: 2 more blocks
+    assert m.num_free_blocks == before[2] - 2
+    m.truncate(0, 2 * BS + 1)
+    assert state(m) == before
+    m.truncate(0, BS)  # below the committed blocks: the next commit re-walks the chain
+    assert m.block_table(0) == before[0][0][1][:1] and m.num_free_blocks == before[2] + 2
+    m.reserve([0], [2 * BS])
+    m.commit(0, tokens)
+    assert m.add_sequence(1, tokens + [1]) == 3 * BS  # every full block hashed again
+    with pytest.raises(KVCoreError, match="cannot truncate"):
+        m.truncate(0, 4 * BS)
