@@ -624,7 +624,8 @@ class Bench:
                 eng = self.engine(backend, torch.float32, max_num_seqs=5, max_model_len=length + 16,
                                   enable_chunked_prefill=chunked, max_num_batched_tokens=budget if chunked else 8192)
                 runs[label].append(self._gap_run(eng, length, budget))
-                self.log(f"chunked: {label}: worst gap {runs[label][-1]['worst_gap_s']:.3f}s")
+                r = runs[label][-1]
+                self.log(f"chunked: {label}: worst gap {r['worst_gap_s']:.3f}s wall, {r['worst_gap_cpu_s']:.2f}s CPU")
         result: dict[str, Any] = {"backend": backend, "prompt_tokens": length, "budget": budget, "modes": {}}
         for label, stats in runs.items():
             result["modes"][label] = {k: _median([r[k] for r in stats]) for k in stats[0]}
