@@ -92,10 +92,12 @@ class EngineStep:
             group = [reqs[i]] + [c for c in reqs[i].pending_samples if not c.is_finished]
             rows += group
             index += [j] * len(group)
+        next_ids, logprobs = [], []
         try:
-            logits = logits[torch.tensor(index, device=logits.device)] if len(index) != len(sampling) else logits
-            self._suppress_eos(rows, logits)
-            next_ids, logprobs = sample_checked(self.sampler, logits, rows)
+            if rows:  # a step of partial prefill chunks only samples nothing
+                logits = logits[torch.tensor(index, device=logits.device)] if len(index) != len(sampling) else logits
+                self._suppress_eos(rows, logits)
+                next_ids, logprobs = sample_checked(self.sampler, logits, rows)
         except KVCoreError as exc:
             return self._failed(batch, exc)
         self.stats.num_prefill_tokens += sum(n for n, d in zip(batch.query_lens, batch.is_decode) if not d)

@@ -365,14 +365,15 @@ def test_engine_prefix_caching_changes_nothing_but_the_work(tiny):
 def test_engine_prefix_caching_under_preemption_keeps_streams(tiny):
     """A tight pool preempts; re-admitted requests revive their own cached blocks; streams do not change."""
     prompts = shared_prefix_prompts()
-    config = dict(backend="paged", block_size=4, num_blocks=18, max_model_len=128)
+    # 20 blocks: the shared prefix (10 blocks) is computed once, so only a pool this tight still preempts
+    config = dict(backend="paged", block_size=4, num_blocks=20, max_model_len=128)
     expected = [r.token_ids for r in Engine(tiny, None, EngineConfig(**config)).generate(prompts, GREEDY)]
     engine = Engine(tiny, None, EngineConfig(**config, enable_prefix_caching=True))
     results = engine.generate(prompts, GREEDY)
     assert [r.token_ids for r in results] == expected
     assert sum(r.metrics.num_preemptions for r in results) > 0
     assert sum(r.metrics.num_cached_tokens for r in results) > 0
-    assert engine.kv.blocks.num_free_blocks == 18
+    assert engine.kv.blocks.num_free_blocks == 20
 
 
 def test_truncate_rolls_a_reservation_back():
