@@ -181,3 +181,111 @@ def test_subclassed_base_classes_fail_a_planted_bug(pytester):
                                  "*TestBad::test_op[[]gqa8x2-d64-ragged[]] FAILED*",
                                  "*[[]op[]] gqa8x2-d64-ragged: FAIL*",
                                  "*max |err|*Shapes: H=8 H_kv=2 D=64*"])
+
+
+# -- broken backends are failures, not "unavailable" ------------------------------------------------------
+_BROKEN = '''
+import torch
+from kvcore.backends.sdpa import SDPABackend
+
+if {raise_at_import!r}:
+    raise RuntimeError("cannot find libattn.so")
+
+
+class RaisingAvailability(SDPABackend):
+    name = "raising_availability"
+
+    @classmethod
+    def availability(cls):
+        raise OSError("probing the GPU failed")
+
+
+class RaisingConstructor(SDPABackend):
+    name = "raising_constructor"
+
+    def __init__(self, **options):
+        raise RuntimeError("workspace allocation failed")
+'''
+
+
+@pytest.fixture
+def broken_module(tmp_path, monkeypatch):
+    def make(name: str, raise_at_import: bool = False) -> str:
+        (tmp_path / f"{name}.py").write_text(_BROKEN.format(raise_at_import=raise_at_import))
+        return name
+
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return make
+
+
+@pytest.mark.parametrize("cls, message", [
+    ("RaisingAvailability", "availability() raised OSError: probing the GPU failed"),
+    ("RaisingConstructor", "constructor raised RuntimeError: workspace allocation failed"),
+])
+def test_backend_raising_in_availability_or_constructor_exits_1(capsys, broken_module, cls, message):
+    module = broken_module(f"kvcore_broken_{cls.lower()}")
+    rc = main(["conformance", "--backend", f"{module}:{cls}", *TINY_QUICK])
+    out = capsys.readouterr().out
+    assert rc == 1, out
+    assert message in out and "RESULT: FAIL (exit 1)" in out
+    assert "Traceback" in out or 'File "' in out  # the traceback summary
+    rc = main(["conformance", "--backend", f"{module}:{cls}", *TINY_QUICK, "--json"])
+    data = json.loads(capsys.readouterr().out)
+    assert rc == 1 and data["status"] == "fail" and message in data["error"]
+
+
+def test_module_raising_at_import_exits_1_with_the_reason(capsys, broken_module):
+    module = broken_module("kvcore_broken_import", raise_at_import=True)
+    rc = main(["conformance", "--backend", f"{module}:RaisingConstructor", *TINY_QUICK])
+    err = capsys.readouterr().err
+    assert rc == 1
+    assert f"importing '{module}' raised RuntimeError: cannot find libattn.so" in err
+
+
+def test_missing_module_is_a_usage_error(capsys):
+    assert main(["conformance", "--backend", "kvcore_no_such_module:Thing", *TINY_QUICK]) == 2
+    assert "cannot import backend class" in capsys.readouterr().err
+
+
+def test_model_that_cannot_be_loaded_is_an_error_unless_left_out(capsys, tmp_path):
+    missing = str(tmp_path / "no-model-here")
+    rc = main(["conformance", "--backend", "sdpa", "--quick", "--model", f"tiny,{missing}", "--no-progress",
+               "--tier", "cache"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "cannot be loaded" in err and "leave it out with --model" in err
+    rc = main(["conformance", "--backend", "sdpa", *TINY_QUICK, "--tier", "op", "--model", missing,
+               "--dtype", "float32"])
+    assert rc == 0  # the op tier loads no model
+
+
+# -- pytest plugin options and the repo's own conftest ------------------------------------------------------
+def test_plugin_passes_constructor_options(pytester):
+    result = pytester.runpytest("--kvcore-backend", "paged", "--kvcore-backend-option", "bogus=1", *PLUGIN_ARGS,
+                                "-k", "test_cache", "--kvcore-dtype", "float32")
+    result.assert_outcomes(errors=3)
+    result.stdout.fnmatch_lines(["*got unknown options: bogus*"])
+    result = pytester.runpytest("--kvcore-kv-cache", "paged", "--kvcore-kv-cache-option", "block_size=8",
+                                *PLUGIN_ARGS, "-k", "test_cache", "--kvcore-dtype", "float32")
+    result.assert_outcomes(passed=3)
+
+
+def test_bundled_suite_from_the_repo_root_sees_third_party_plugins():
+    """`pytest --kvcore-backend example_chunked` from this repo's root: tests/conftest.py isolates the repo's
+    own tests from third-party plugins, but not a run of the bundled suite."""
+    import importlib.metadata
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if not any(ep.name == "example_chunked" for ep in importlib.metadata.entry_points(group="kvcore")):
+        pytest.skip("the example plugin package is not installed")
+    env = {k: v for k, v in os.environ.items() if k != "KVCORE_LOAD_PLUGINS"}
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "--kvcore-backend", "example_chunked", "--kvcore-quick", "--kvcore-model",
+         "tiny", "--kvcore-dtype", "float32", "-k", "test_cache", "-q"],
+        cwd=root, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "3 passed" in proc.stdout
