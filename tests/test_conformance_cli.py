@@ -24,7 +24,8 @@ def _restore_threads():
 # -- CLI -----------------------------------------------------------------------------------------------
 def test_pass_exits_0_with_per_tier_summary(capsys, tmp_path):
     report = tmp_path / "report.md"
-    rc = main(["conformance", "--backend", "sdpa", *TINY_QUICK, "--tier", "op,cache", "--report", str(report)])
+    rc = main(["conformance", "--backend", "sdpa", *TINY_QUICK, "--tier", "op,cache", "--report", str(report),
+               "--dtype", "float32"])
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "RESULT: PASS (exit 0)" in out
@@ -32,6 +33,9 @@ def test_pass_exits_0_with_per_tier_summary(capsys, tmp_path):
         assert f"\n{tier} " in out
     md = report.read_text()
     assert md.startswith("# Conformance report: `sdpa`") and "| op level" in md and "## Cases" in md
+    # the header says what each tier covered
+    assert "covers:" in out and "GQA groups 1, 2, 3, 4, 5, 6, 8, MQA" in out and "block_size 1, 8, 12, 16" in out
+    assert "## Coverage" in md and "head_dim 32, 40, 64, 72, 80, 96, 112, 128, 256" in md
 
 
 def test_json_output_and_progress_on_stderr(capsys):
@@ -41,12 +45,13 @@ def test_json_output_and_progress_on_stderr(capsys):
     assert rc == 0 and data["status"] == "pass" and data["exit_code"] == 0
     assert set(data["tiers"]) == {"sampling"}
     assert data["settings"]["quick"] is True and data["settings"]["models"] == ["tiny"]
+    assert data["settings"]["coverage"]["sampling"]["dtypes"] == ["float32", "bfloat16", "float16"]
     assert "[sampling" in captured.err and "pass" in captured.err  # progress goes to stderr
 
 
 def test_planted_bug_exits_1_and_names_tier_case_and_error(capsys):
     rc = main(["conformance", "--backend", "test_conformance_planted:GQAHeadMapping", *TINY_QUICK,
-               "--tier", "op,stream"])
+               "--tier", "op,stream", "--dtype", "float32"])
     out = capsys.readouterr().out
     assert rc == 1
     assert "[op] gqa8x2-d32-ragged" in out and "max |err|" in out and "H=8 H_kv=2 D=32" in out
@@ -104,8 +109,13 @@ PLUGIN_ARGS = ["--kvcore-quick", "--kvcore-model", "tiny", "-p", "no:cacheprovid
 
 
 def test_plugin_runs_the_bundled_suite(pytester):
-    result = pytester.runpytest("--kvcore-backend", "paged", *PLUGIN_ARGS, "-k", "test_op or test_cache", "-v")
-    result.assert_outcomes(passed=17)
+    from kvcore.conformance.cases import op_cases
+    from kvcore.conformance.settings import ALL_DTYPES
+
+    result = pytester.runpytest("--kvcore-backend", "paged", *PLUGIN_ARGS, "-k", "test_op and mha8x8 or test_cache",
+                                "-v")
+    num_op = sum("mha8x8" in c.id for c in op_cases(quick=True, dtypes=ALL_DTYPES))
+    result.assert_outcomes(passed=num_op + 3 * len(ALL_DTYPES))  # cache tier: 3 variants per dtype
     result.stdout.fnmatch_lines(["*TestConformance::test_op[[]mha8x8-d32-ragged[]] PASSED*",
                                  "*TestConformance::test_cache[[]tiny-chunked[]] PASSED*"])
 
@@ -143,7 +153,7 @@ def test_plugin_reports_unavailable_backend_as_skips(pytester):
         """
     )
     result = pytester.runpytest("-p", "no:cacheprovider", "-rs")
-    result.assert_outcomes(skipped=3)
+    result.assert_outcomes(skipped=9)  # 3 variants x float32, bfloat16, float16
     result.stdout.fnmatch_lines(["*backend 'gone' is unavailable: no CUDA device*"])
 
 
@@ -163,20 +173,24 @@ def test_subclassed_base_classes_fail_a_planted_bug(pytester):
 
         class TestGood(BaseAttentionOpTests):
             conformance_quick = True
+            conformance_dtype = "float32"
             @pytest.fixture
             def backend(self):
                 return "sdpa"
 
         class TestBad(BaseAttentionOpTests):
             conformance_quick = True
+            conformance_dtype = "float32"
             @pytest.fixture
             def backend(self):
                 return OffByOneScale
         """
     )
-    result = pytester.runpytest("-p", "no:cacheprovider", "--kvcore-threads", "1", "-v")
+    result = pytester.runpytest("-p", "no:cacheprovider", "--kvcore-threads", "1", "-v", "-k", "ragged")
     outcomes = result.parseoutcomes()
-    assert outcomes["failed"] == outcomes["passed"] == 14
+    from kvcore.conformance.cases import op_cases
+
+    assert outcomes["failed"] == outcomes["passed"] == sum("ragged" in c.id for c in op_cases(quick=True))
     result.stdout.fnmatch_lines(["*TestGood::test_op[[]gqa8x2-d64-ragged[]] PASSED*",
                                  "*TestBad::test_op[[]gqa8x2-d64-ragged[]] FAILED*",
                                  "*[[]op[]] gqa8x2-d64-ragged: FAIL*",
@@ -253,9 +267,9 @@ def test_model_that_cannot_be_loaded_is_an_error_unless_left_out(capsys, tmp_pat
                "--tier", "cache"])
     err = capsys.readouterr().err
     assert rc == 2 and "cannot be loaded" in err and "leave it out with --model" in err
-    rc = main(["conformance", "--backend", "sdpa", *TINY_QUICK, "--tier", "op", "--model", missing,
-               "--dtype", "float32"])
-    assert rc == 0  # the op tier loads no model
+    rc = main(["conformance", "--backend", "sdpa", "--quick", "--no-progress", "--tier", "sampling", "--model",
+               "tiny", "--dtype", "float32"])
+    assert rc == 0  # left out: fine
 
 
 # -- pytest plugin options and the repo's own conftest ------------------------------------------------------
