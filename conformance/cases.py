@@ -33,9 +33,10 @@ The matrix (:func:`op_cases`) is the *legacy* corner set (MHA 8/8, GQA 8/2, MQA 
 seeded **pairwise covering array** over ``LAYOUTS × HEAD_SIZES × BLOCK_SIZES × SHORT_SCENARIOS``: every
 pair of values of any two dimensions appears in at least one case (a greedy AETG-style construction with
 a fixed seed, so the list is the same on every machine), plus long contexts: three hand-picked
-``long2k`` rows (a non-power-of-two group, a head size that is not a multiple of 32, block sizes 12, 1
-and 64). Full adds a second pairwise array (another seed), ``long2k`` with every layout, head size and
-block size at least once, the legacy ``long`` cases and three ``long4k`` rows. Each reduced precision
+``long2k`` rows (non-power-of-two groups, head sizes that are not multiples of 32, block sizes 12, 1
+and 64). Full adds a ``long2k`` row with head_dim 256, a second pairwise array (another seed),
+``long2k`` with every layout, head size and block size at least once, the legacy ``long`` cases and
+three ``long4k`` rows. Each reduced precision
 runs a smaller array in which each value of each dimension appears at least once, plus one ``long2k``
 row (``long4k`` too in full), so rounding over long reductions is covered.
 """
@@ -159,7 +160,9 @@ LEGACY_SCENARIOS = ("ragged", "continue", "long", "fragmented")
 #: the scenarios of the pairwise arrays (cheap: at most 70 tokens per sequence)
 SHORT_SCENARIOS = ("ragged", "continue", "fragmented", "mixed", "fork")
 #: long contexts, each a few seconds per case: hand-picked rows in --quick, one row per value in full
-LONG_QUICK = (("gqa6x2", 80, "long2k", 12), ("gqa10x2", 256, "long2k", 1), ("mqa", 40, "long2k", 64))
+LONG_QUICK = (("gqa6x2", 80, "long2k", 12), ("gqa10x2", 72, "long2k", 1), ("mqa", 40, "long2k", 64))
+#: full: a wide long-context row too (the heaviest: 10 heads of 256 over 2,100 keys)
+LONG_FULL = (("gqa10x2", 256, "long2k", 1),)
 LONG4K = (("gqa", 128, "long4k", 16), ("gqa12x2", 72, "long4k", 12), ("mqa6x1", 112, "long4k", 1))
 
 
@@ -273,7 +276,8 @@ def base_cases(quick: bool) -> list[OpCase]:
         return _dedupe(legacy + _array(SHORT_SCENARIOS, seed=0) + _picks(LONG_QUICK))
     legacy = [OpCase(layout, d, s) for s in LEGACY_SCENARIOS for layout in HEAD_LAYOUTS for d in HEAD_DIMS]
     pairwise = _array(SHORT_SCENARIOS, seed=0) + _array(SHORT_SCENARIOS, seed=1)
-    return _dedupe(legacy + pairwise + _picks(LONG_QUICK) + _array(("long2k",), seed=4, strength=1) + _picks(LONG4K))
+    longs = _picks(LONG_QUICK + LONG_FULL) + _array(("long2k",), seed=4, strength=1) + _picks(LONG4K)
+    return _dedupe(legacy + pairwise + longs)
 
 
 def reduced_cases(quick: bool) -> list[OpCase]:
