@@ -35,7 +35,7 @@ import torch
 from kvcore.conformance.results import FAIL, SKIP, CaseResult
 from kvcore.conformance.runner import run_case, tier_cases
 from kvcore.conformance.settings import DEFAULT_MODELS, SuiteConfig
-from kvcore.conformance.target import Target, resolve_target
+from kvcore.conformance.target import Target, parse_options, resolve_target
 
 __all__ = [
     "BaseAttentionOpTests",
@@ -71,7 +71,7 @@ def suite_config(config: pytest.Config, owner: object | None = None) -> SuiteCon
         models = [models]
     models = tuple(m.strip() for item in (models or ()) for m in item.split(",") if m.strip()) or DEFAULT_MODELS
     return SuiteConfig(
-        dtype=pick("conformance_dtype", "kvcore_dtype", "float32"),
+        dtype=pick("conformance_dtype", "kvcore_dtype", None),
         device=pick("conformance_device", "kvcore_device", "cpu"),
         quick=bool(pick("conformance_quick", "kvcore_quick", False)),
         models=models,
@@ -124,15 +124,41 @@ class _ConformanceBase:
         return _option(request.config, "kvcore_sampler")
 
     @pytest.fixture
+    def backend_options(self, request) -> dict[str, Any]:
+        """Constructor options of the backend under test. Override it; the default reads
+        ``--kvcore-backend-option KEY=VALUE``."""
+        return parse_options(_option(request.config, "kvcore_backend_option"), "--kvcore-backend-option")
+
+    @pytest.fixture
+    def kv_cache_options(self, request) -> dict[str, Any]:
+        """Constructor options of the KV cache under test (``--kvcore-kv-cache-option``)."""
+        return parse_options(_option(request.config, "kvcore_kv_cache_option"), "--kvcore-kv-cache-option")
+
+    @pytest.fixture
+    def sampler_options(self, request) -> dict[str, Any]:
+        """Constructor options of the sampler under test (``--kvcore-sampler-option``)."""
+        return parse_options(_option(request.config, "kvcore_sampler_option"), "--kvcore-sampler-option")
+
+    @pytest.fixture
     def conformance_config(self, request) -> SuiteConfig:
         return suite_config(request.config, self)
 
     @pytest.fixture
-    def conformance_target(self, backend, kv_cache, sampler) -> Target:
-        target = backend if isinstance(backend, Target) else resolve_target(backend, kv_cache=kv_cache, sampler=sampler)
+    def conformance_target(
+        self, backend, kv_cache, sampler, backend_options, kv_cache_options, sampler_options
+    ) -> Target:
+        """What the tests run against. A backend that is unavailable skips every test with its reason; one
+        whose ``availability()`` or constructor raises fails them (an error in pytest's terms)."""
+        if isinstance(backend, Target):
+            target = backend
+        else:
+            target = resolve_target(backend, options=backend_options, kv_cache=kv_cache,
+                                    kv_cache_options=kv_cache_options, sampler=sampler,
+                                    sampler_options=sampler_options)
         reason = target.availability()
         if reason:
             pytest.skip(f"backend '{target.name}' is unavailable: {reason}")
+        target.preflight()
         return target
 
     def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:

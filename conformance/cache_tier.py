@@ -13,7 +13,7 @@ import torch
 
 from kvcore.conformance.compare import compare
 from kvcore.conformance.driver import cache_spec, forward_logits
-from kvcore.conformance.model_cases import ModelCase, skip_reasons, tier_models
+from kvcore.conformance.model_cases import ModelCase, dtype_plan, skip_reasons, tier_models
 from kvcore.conformance.models import get_model
 from kvcore.conformance.results import FAIL, CaseResult
 from kvcore.conformance.settings import SuiteConfig
@@ -36,9 +36,11 @@ def _steps(model: str, quick: bool) -> int:
 
 def cases(target: Target, cfg: SuiteConfig) -> list[ModelCase]:
     out = []
-    for model in tier_models(cfg, first_only_when_quick=True):
-        for variant in VARIANTS:
-            out.append(ModelCase(model, variant, _steps(model, cfg.quick)))
+    for dtype, reduced in dtype_plan(cfg):
+        models = cfg.models[:1] if reduced else tier_models(cfg, first_only_when_quick=True)
+        for model in models:
+            for variant in VARIANTS:
+                out.append(ModelCase(model, variant, _steps(model, cfg.quick), dtype))
     return out
 
 

@@ -1,7 +1,10 @@
 """``kvcore conformance``: the release gate for an attention backend.
 
-Exit codes: 0 every case that ran passed; 1 something failed; 2 usage or configuration error (bad
-flag, unknown backend or model); 3 the backend is unavailable here, or every case was skipped.
+Exit codes: 0 every case that ran passed; 1 something failed, or the thing under test is broken (its
+module raised at import, its ``availability()`` or constructor raised: a traceback summary is printed);
+2 usage or configuration error (bad flag, unknown backend, cache, sampler or dtype, bad options, a model
+that cannot be loaded: leave it out with ``--model``); 3 the backend is unavailable here (its
+``availability()`` returned a reason), or every case was skipped.
 """
 
 from __future__ import annotations
@@ -42,7 +45,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="CI-sized case set (under 2 minutes on 2 CPU cores)")
     p.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
     p.add_argument("--report", metavar="FILE.md", default=None, help="also write a Markdown report to FILE.md")
-    p.add_argument("--dtype", default="float32", help="float32 (default), bfloat16 or float16")
+    p.add_argument("--dtype", default=None,
+                   help="certify only this dtype: float32, bfloat16 or float16 (default: float32 and every reduced "
+                   "precision, cases in undeclared dtypes skipped)")
     p.add_argument("--device", default="cpu", help="torch device (default cpu)")
     p.add_argument("--model", action="append", default=None, metavar="SPEC",
                    help="model for the model-level tiers: 'tiny' (in-memory random Llama), 'smollm2', a .gguf "
@@ -68,20 +73,9 @@ def _split(values: list[str] | None) -> tuple[str, ...] | None:
 
 
 def _options(values: list[str] | None, flag: str = "--backend-option") -> dict:
-    import json
+    from kvcore.conformance.target import parse_options
 
-    from kvcore.errors import ConfigError
-
-    options = {}
-    for item in values or ():
-        key, sep, raw = item.partition("=")
-        if not sep or not key.strip():
-            raise ConfigError(f"{flag} expects KEY=VALUE, got '{item}'")
-        try:
-            options[key.strip()] = json.loads(raw)
-        except ValueError:
-            options[key.strip()] = raw
-    return options
+    return parse_options(values, flag)
 
 
 def _error(message: str) -> int:
@@ -94,10 +88,12 @@ def _error(message: str) -> int:
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    from kvcore.conformance.models import model_problem
     from kvcore.conformance.report import to_json, to_markdown, to_text
+    from kvcore.conformance.results import EXIT_FAIL
     from kvcore.conformance.runner import run_suite, stderr_progress
     from kvcore.conformance.settings import DEFAULT_MODELS, TIERS, SuiteConfig
-    from kvcore.conformance.target import resolve_target
+    from kvcore.conformance.target import BrokenTargetError, resolve_target
 
     if args.threads < 0:
         return _error(f"--threads must be >= 0, got {args.threads}")
@@ -124,22 +120,31 @@ def run(args: argparse.Namespace) -> int:
                 sampler=args.sampler,
                 sampler_options=_options(args.sampler_option, "--sampler-option"),
             )
-            if target.availability() is None:
-                # bad options fail here, as a usage error
-                if target.options:
-                    target.make()
-                if target.sampler:
-                    target.make_sampler()
+            try:
+                if target.availability() is None:
+                    target.preflight()  # bad options fail here, as a usage error
+            except BrokenTargetError:
+                pass  # run_suite reports it as a failure, in every output format
         named = [n for n in (args.backend, args.kv_cache, args.sampler) if n]
         for w in caught:
             if "kvcore:" in str(w.message) and any(n in str(w.message) for n in named):
                 print(f"warning: {w.message}", file=sys.stderr)
+    except BrokenTargetError as exc:  # the module under test raised at import
+        print(f"kvcore conformance: FAIL: {exc}", file=sys.stderr)
+        if exc.summary:
+            print("  " + exc.summary.replace("\n", "\n  "), file=sys.stderr)
+        return EXIT_FAIL
     except KVCoreError as exc:
         return _error(str(exc))
     try:
         torch.empty(0, device=cfg.torch_device)
     except (RuntimeError, AssertionError) as exc:
         return _error(f"device '{cfg.device}' is not usable here: {str(exc).splitlines()[0]}")
+    if set(cfg.tiers) - {"op"}:
+        for spec in cfg.models:
+            problem = model_problem(spec, cfg.dtype, cfg.device)
+            if problem:
+                return _error(f"{problem}; leave it out with --model (e.g. --model tiny)")
 
     progress = None if args.no_progress else stderr_progress
     report = run_suite(target, cfg, progress=progress)

@@ -19,7 +19,7 @@ from kvcore.kv_manager import KVCacheManager
 from kvcore.model_runner import last_token_logits
 from kvcore.sampling import Sampler, SamplingParams, SamplingRow
 
-__all__ = ["Stream", "RecordingSampler", "run_engine", "cache_spec", "forward_logits"]
+__all__ = ["Stream", "RecordingSampler", "run_engine", "run_churn", "ChurnRequest", "cache_spec", "forward_logits"]
 
 
 @dataclass
@@ -82,6 +82,57 @@ def run_engine(
         logits = torch.stack(rows) if rows else torch.empty(0, cm.config.vocab_size)
         streams.append(Stream(list(res.token_ids), logits))
     return streams
+
+
+@dataclass(frozen=True)
+class ChurnRequest:
+    prompt: tuple[int, ...]
+    max_new_tokens: int
+    join_step: int  # engine step before which it is added
+
+
+def run_churn(
+    target: Target, cm: ConformanceModel, requests: Sequence[ChurnRequest], cfg: SuiteConfig, *,
+    max_num_seqs: int, num_blocks_tokens: int,
+) -> tuple[list[Stream], dict]:
+    """Continuous batching on one long-lived engine (one backend instance): each request joins before its
+    ``join_step``; at most ``max_num_seqs`` run at once; a paged cache gets a pool of about
+    ``num_blocks_tokens`` tokens (never less than the longest request), so running requests are preempted
+    and recomputed. Greedy. Returns each request's stream and facts (steps, preemptions, block size)."""
+    cache = target.cache_names()[0]
+    options = dict(target.kv_cache_options) if cache == target.kv_cache else {}
+    block_size = int(options.get("block_size", 8))
+    longest = max(len(r.prompt) + r.max_new_tokens for r in requests)
+    num_blocks = max(-(-num_blocks_tokens // block_size), -(-longest // block_size) + 1)
+    config = EngineConfig(
+        backend=target.name, kv_cache=cache, dtype=cfg.dtype_name, device=cfg.device,
+        max_num_seqs=max_num_seqs, max_model_len=longest + 16, block_size=block_size, num_blocks=num_blocks,
+        backend_options={target.name: dict(target.options)} if target.options else {},
+        kv_cache_options={cache: options} if options else {},
+    )
+    recorder = RecordingSampler(target.make_sampler())
+    engine = Engine(cm.model, None, config, registry=target.registry, sampler=recorder)
+    ids: list[str | None] = [None] * len(requests)
+    step = 0
+    while step < 10_000 and (None in ids or engine.has_unfinished()):
+        for i, r in enumerate(requests):
+            if ids[i] is None and r.join_step <= step:
+                params = SamplingParams(max_new_tokens=r.max_new_tokens, ignore_eos=True)
+                ids[i] = engine.add_request(list(r.prompt), params, request_id=f"churn-{i}")
+        engine.step()
+        step += 1
+    streams, preemptions = [], 0
+    for rid in ids:
+        res = engine.result(rid)
+        if res.error is not None:
+            raise res.error
+        preemptions += res.metrics.num_preemptions
+        rows = recorder.rows[rid]
+        logits = torch.stack(rows) if rows else torch.empty(0, cm.config.vocab_size)
+        streams.append(Stream(list(res.token_ids), logits))
+    facts = {"engine_steps": step, "preemptions": preemptions, "max_num_seqs": max_num_seqs,
+             "paged": engine.cache.paged, "num_blocks": num_blocks if engine.cache.paged else None}
+    return streams, facts
 
 
 def cache_spec(cm: ConformanceModel, cfg: SuiteConfig, num_seqs: int, max_len: int, block_size: int = 16) -> CacheSpec:

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcore.errors import KVCoreError
 from kvcore.model import LlamaModel
 from kvcore.model_config import ModelConfig
 
@@ -118,6 +117,6 @@ def model_problem(spec: str, dtype: torch.dtype, device: str) -> str | None:
     """Why ``spec`` cannot be loaded (``None`` when it can)."""
     try:
         get_model(spec, dtype, device)
-    except KVCoreError as exc:
-        return f"model '{spec}' unavailable: {exc}"
+    except Exception as exc:  # KVCoreError from the loaders; anything else from a broken file
+        return f"model '{spec}' cannot be loaded: {exc}"
     return None

@@ -4,6 +4,8 @@
   (:mod:`kvcore.conformance.suite`) against ``NAME``; with paths, it runs those (your own
   subclasses of :mod:`kvcore.conformance.base` pick the backend up from the option), and
   ``--pyargs kvcore.conformance.suite`` adds the bundled suite explicitly.
+* ``--kvcore-backend-option``, ``--kvcore-kv-cache-option``, ``--kvcore-sampler-option KEY=VALUE``
+  (repeatable) are constructor options, as the CLI's ``--backend-option`` and friends;
 * ``--kvcore-quick``, ``--kvcore-dtype``, ``--kvcore-device``, ``--kvcore-model`` tune the run;
   ``--kvcore-threads`` (default 1) sets torch's CPU threads while conformance test classes run.
 
@@ -28,8 +30,15 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--kvcore-kv-cache", metavar="NAME", default=None,
                     help="KV cache to certify (alone: a backend that reads its layout is chosen)")
     group.addoption("--kvcore-sampler", metavar="NAME", default=None, help="sampler to certify")
+    for kind, flag in (("backend", "--kvcore-backend-option"), ("KV cache", "--kvcore-kv-cache-option"),
+                       ("sampler", "--kvcore-sampler-option")):
+        group.addoption(flag, metavar="KEY=VALUE", action="append", default=None,
+                        help=f"constructor option for the {kind} under test (VALUE parsed as JSON when it can be); "
+                        "repeatable")
     group.addoption("--kvcore-quick", action="store_true", default=None, help="CI-sized conformance case set")
-    group.addoption("--kvcore-dtype", metavar="DTYPE", default=None, help="float32 (default), bfloat16, float16")
+    group.addoption("--kvcore-dtype", metavar="DTYPE", default=None,
+                    help="certify only this dtype: float32, bfloat16 or float16 "
+                    "(default: float32 and every reduced precision)")
     group.addoption("--kvcore-device", metavar="DEVICE", default=None, help="torch device (default cpu)")
     group.addoption("--kvcore-model", metavar="SPEC", action="append", default=None,
                     help="model for the model-level tiers (tiny, smollm2, a path); repeatable")

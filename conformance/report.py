@@ -6,6 +6,7 @@ import json
 from collections import Counter
 
 from kvcore.conformance import tolerances
+from kvcore.conformance.coverage import coverage_line
 from kvcore.conformance.results import SuiteReport
 
 __all__ = ["to_text", "to_markdown", "to_json", "TIER_TITLES"]
@@ -26,11 +27,18 @@ def _headline(r: SuiteReport) -> str:
     return (
         f"kvcore conformance: backend '{r.backend}' ({r.environment.get('backend_class', '?')}), "
         f"KV cache {', '.join(s.get('kv_caches', []))}, sampler {s.get('sampler')}, "
-        f"{s.get('dtype')} on {s.get('device')}, {mode}, models {', '.join(s.get('models', []))}"
+        f"{', '.join(s.get('dtypes', [s.get('dtype')]))} on {s.get('device')}, {mode}, "
+        f"models {', '.join(s.get('models', []))}"
     )
 
 
+def _coverage(r: SuiteReport) -> list[str]:
+    return [coverage_line(tier, cov) for tier, cov in r.settings.get("coverage", {}).items()]
+
+
 def _verdict(r: SuiteReport) -> str:
+    if r.error:
+        return f"FAIL (exit {r.exit_code}): {r.error.splitlines()[0]}"
     if r.status == "unavailable":
         return f"UNAVAILABLE (exit {r.exit_code}): {r.unavailable}"
     if r.status == "untested":
@@ -48,10 +56,17 @@ def _skip_summary(r: SuiteReport) -> list[tuple[str, str, int]]:
 
 def to_text(r: SuiteReport, verbose: bool = False) -> str:
     lines = [_headline(r)]
+    if r.error:
+        lines.append(f"{r.backend} is broken: " + r.error.replace("\n", "\n  "))
+        lines.append(f"RESULT: {_verdict(r)}")
+        return "\n".join(lines)
     if r.unavailable:
         lines.append(f"backend '{r.backend}' is unavailable here: {r.unavailable}")
         lines.append(f"RESULT: {_verdict(r)}")
         return "\n".join(lines)
+    cov = _coverage(r)
+    if cov:
+        lines += ["covers:"] + [f"  {line}" for line in cov]
     lines.append("")
     lines.append(f"{'tier':<10}{'status':<9}{'pass':>5}{'fail':>6}{'skip':>6}{'time':>9}")
     for tier in r.tiers:
@@ -84,8 +99,13 @@ def to_markdown(r: SuiteReport) -> str:
     out = [f"# Conformance report: `{r.backend}`", "", _headline(r), "", f"**Result: {_verdict(r)}**", ""]
     env = ", ".join(f"{k} {v}" for k, v in r.environment.items())
     out += [f"Environment: {env}", ""]
-    if r.unavailable:
+    if r.error:
+        out += ["```", r.error, "```", ""]
+    if r.unavailable or r.error:
         return "\n".join(out) + "\n"
+    cov = _coverage(r)
+    if cov:
+        out += ["## Coverage", ""] + [f"* {_md_escape(line)}" for line in cov] + [""]
     out += ["## Tiers", "", "| tier | status | pass | fail | skip | time |", "|---|---|---:|---:|---:|---:|"]
     for tier in r.tiers:
         c = r.counts(tier)

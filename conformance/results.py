@@ -13,7 +13,7 @@ PASS, FAIL, SKIP = "pass", "fail", "skip"
 
 #: process exit codes of ``kvcore conformance``
 EXIT_PASS = 0  # every case that ran passed (skips allowed)
-EXIT_FAIL = 1  # at least one case failed
+EXIT_FAIL = 1  # at least one case failed, or the backend is broken (its import, availability() or constructor raised)
 EXIT_USAGE = 2  # bad flags, unknown backend or model, bad configuration
 EXIT_UNAVAILABLE = 3  # the backend cannot run here at all (or nothing could be tested): not a failure
 
@@ -66,6 +66,9 @@ class SuiteReport:
     tiers: list[str]
     results: list[CaseResult] = field(default_factory=list)
     unavailable: str | None = None  # reason the backend cannot run here at all
+    #: the thing under test is broken before any case: its import, ``availability()`` or constructor raised
+    #: (one line, then a traceback summary); a failure, never "unavailable"
+    error: str | None = None
     seconds: float = 0.0
     environment: dict[str, Any] = field(default_factory=dict)
 
@@ -78,6 +81,8 @@ class SuiteReport:
 
     def tier_status(self, tier: str) -> str:
         """``pass`` / ``fail`` / ``skip`` (nothing ran) / ``unavailable`` for one tier."""
+        if self.error:
+            return FAIL
         if self.unavailable:
             return "unavailable"
         c = self.counts(tier)
@@ -91,6 +96,8 @@ class SuiteReport:
 
     @property
     def status(self) -> str:
+        if self.error:
+            return FAIL
         if self.unavailable:
             return "unavailable"
         c = self.counts()
@@ -113,6 +120,7 @@ class SuiteReport:
             "status": self.status,
             "exit_code": self.exit_code,
             "unavailable": self.unavailable,
+            "error": self.error,
             "settings": self.settings,
             "environment": self.environment,
             "seconds": round(self.seconds, 3),

@@ -13,9 +13,10 @@ import torch
 
 from kvcore.attention import AttentionBackend
 from kvcore.conformance import cache_tier, op_tier, sampling_tier, stream_tier
+from kvcore.conformance.coverage import tier_coverage
 from kvcore.conformance.results import FAIL, PASS, SKIP, CaseResult, SuiteReport
 from kvcore.conformance.settings import SuiteConfig
-from kvcore.conformance.target import Target, resolve_target
+from kvcore.conformance.target import BrokenTargetError, Target, resolve_target
 from kvcore.plugins import PluginRegistry
 
 __all__ = ["TIER_MODULES", "run_suite", "tier_cases", "run_case", "stderr_progress"]
@@ -41,6 +42,7 @@ def run_case(target: Target, tier: str, case, cfg: SuiteConfig) -> CaseResult:
     which sets ``result`` (``info["where"]`` says what it was doing). An exception is a failure with its
     location and traceback, never a suite crash."""
     module = TIER_MODULES[tier]
+    cfg = cfg.for_dtype(getattr(case, "dtype", None))
     start = time.perf_counter()
     result = CaseResult(tier=tier, case=case.id, status=PASS, tolerance=module.tolerance(target, case, cfg))
     try:
@@ -94,7 +96,8 @@ def run_suite(
 ) -> SuiteReport:
     """Run every tier of ``cfg`` against ``backend`` (a name, ``module:Class``, a class, or a Target).
 
-    An unavailable backend gives a report with ``unavailable`` set and no cases. Unknown names raise
+    An unavailable backend gives a report with ``unavailable`` set and no cases; a broken one (its
+    ``availability()`` or constructor raised) a report with ``error`` set (a failure). Unknown names raise
     :class:`~kvcore.errors.UnknownBackendError` / :class:`~kvcore.errors.ConfigError`.
     """
     cfg = cfg or SuiteConfig()
@@ -103,12 +106,19 @@ def run_suite(
     report = SuiteReport(backend=target.name, settings=settings, tiers=list(cfg.tiers))
     report.environment = environment(target)
     start = time.perf_counter()
-    reason = target.availability()
+    try:
+        reason = target.availability()
+        if not reason:
+            target.preflight()
+    except BrokenTargetError as exc:
+        report.error = f"{exc}\n{exc.summary}" if exc.summary else str(exc)
+        return report
     if reason:
         report.unavailable = reason
         return report
     for tier in cfg.tiers:
         cases = tier_cases(target, tier, cfg)
+        report.settings.setdefault("coverage", {})[tier] = tier_coverage(tier, cases, cfg, target.cache_names())
         for i, case in enumerate(cases, 1):
             if progress:
                 progress(tier, i, len(cases), case, None)

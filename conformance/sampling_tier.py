@@ -8,7 +8,7 @@ the same streams. Sampling: temperature 0.8, top-k 50, top-p 0.95.
 from __future__ import annotations
 
 from kvcore.conformance.driver import run_engine
-from kvcore.conformance.model_cases import ModelCase, tier_models
+from kvcore.conformance.model_cases import ModelCase, dtype_plan, tier_models
 from kvcore.conformance.model_cases import skip_reasons as model_skip_reasons
 from kvcore.conformance.models import get_model
 from kvcore.conformance.results import FAIL, CaseResult
@@ -34,11 +34,12 @@ def _new_tokens(model: str, quick: bool) -> int:
 
 
 def cases(target: Target, cfg: SuiteConfig) -> list[ModelCase]:
-    return [
-        ModelCase(m, v, _new_tokens(m, cfg.quick))
-        for m in tier_models(cfg, first_only_when_quick=True)
-        for v in VARIANTS
-    ]
+    out = []
+    for dtype, reduced in dtype_plan(cfg):
+        models = cfg.models[:1] if reduced else tier_models(cfg, first_only_when_quick=True)
+        variants = ("repeat",) if reduced else VARIANTS  # across backends: float32 only
+        out += [ModelCase(m, v, _new_tokens(m, cfg.quick), dtype) for m in models for v in variants]
+    return out
 
 
 def sampled_params(n: int) -> list[SamplingParams]:

@@ -2,35 +2,45 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from kvcore.engine import parse_dtype
 from kvcore.errors import ConfigError
 
-__all__ = ["SuiteConfig", "TIERS", "DEFAULT_MODELS"]
+__all__ = ["SuiteConfig", "TIERS", "DEFAULT_MODELS", "ALL_DTYPES"]
 
 #: tier names, in run order
 TIERS = ("op", "cache", "stream", "sampling")
 #: ``tiny``: a random-weights Llama built in memory (fast); ``smollm2``: the embedded default model
 DEFAULT_MODELS = ("tiny", "smollm2")
+#: what a run certifies by default: float32 (exact) and every reduced precision (tie-aware)
+ALL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @dataclass(frozen=True)
 class SuiteConfig:
     """``quick`` trims every tier to a CI-sized case set (the op matrix's corners, the first model only for
-    the cache and sampling tiers, shorter streams)."""
+    the cache and sampling tiers, shorter streams).
 
-    dtype: torch.dtype = torch.float32
+    ``dtype``: ``None`` (the default) certifies float32 *and* every reduced precision (bfloat16,
+    float16): cases in a dtype the backend or cache does not declare are skipped with that reason. A
+    dtype given certifies that one only. ``dtypes`` is the resulting tuple (float32 first);
+    ``dtype`` then names the first, the one a case without a dtype of its own runs in."""
+
+    dtype: torch.dtype | str | None = None
     device: str = "cpu"
     quick: bool = False
     models: tuple[str, ...] = DEFAULT_MODELS
     tiers: tuple[str, ...] = TIERS
     tensor_parallel_size: int = 1  # ranks the engine-level tiers (stream, sampling) run the model on
+    dtypes: tuple[torch.dtype, ...] = field(init=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "dtype", parse_dtype(self.dtype))
+        dtypes = ALL_DTYPES if self.dtype is None else (parse_dtype(self.dtype),)
+        object.__setattr__(self, "dtypes", dtypes)
+        object.__setattr__(self, "dtype", dtypes[0])
         try:
             torch.device(self.device)
         except RuntimeError:
@@ -45,6 +55,12 @@ class SuiteConfig:
         if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
             raise ConfigError(f"tensor_parallel_size must be a positive integer, got {tp!r}")
 
+    def for_dtype(self, dtype: torch.dtype | None) -> SuiteConfig:
+        """This configuration narrowed to one dtype (a case's own); ``None`` keeps it."""
+        if dtype is None or self.dtypes == (dtype,):
+            return self
+        return replace(self, dtype=dtype)
+
     @property
     def torch_device(self) -> torch.device:
         return torch.device(self.device)
@@ -55,7 +71,8 @@ class SuiteConfig:
 
     def as_dict(self) -> dict:
         return {
-            "dtype": self.dtype_name,
+            "dtype": self.dtype_name if len(self.dtypes) == 1 else "all",
+            "dtypes": [str(d).removeprefix("torch.") for d in self.dtypes],
             "device": self.device,
             "quick": self.quick,
             "models": list(self.models),

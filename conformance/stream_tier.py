@@ -4,7 +4,12 @@ Each case runs the backend under test and ``naive`` (same model, dtype and devic
 :class:`~kvcore.engine.Engine` with ``ignore_eos`` and compares the generated ids. float32 must match
 exactly; reduced precision is tie-aware (see :mod:`kvcore.conformance.tolerances`): at the first
 divergence both tokens must be in each other's top-k with a small logit gap, and the comparison stops
-there. Variants: ``single-<i>`` (prompt ``i`` alone) and ``batch`` (all prompts, one ragged batch).
+there. Variants: ``single-<i>`` (prompt ``i`` alone), ``batch`` (all prompts, one ragged batch) and
+``churn``: continuous batching on one long-lived engine (one backend instance) with at most 3 requests
+running and, over a paged cache, a block pool of about 1.5 requests' worth, so six requests of different
+lengths join at different steps, finish at different steps and are preempted (and recomputed); every
+stream must equal the same request run alone on the reference. Plans or masks memoised across steps by
+shape, or state kept between calls, show here.
 """
 
 from __future__ import annotations
@@ -13,8 +18,8 @@ import dataclasses
 
 import torch
 
-from kvcore.conformance.driver import Stream, run_engine
-from kvcore.conformance.model_cases import ModelCase, skip_reasons, tier_models
+from kvcore.conformance.driver import ChurnRequest, Stream, run_churn, run_engine
+from kvcore.conformance.model_cases import ModelCase, dtype_plan, skip_reasons, tier_models
 from kvcore.conformance.models import get_model
 from kvcore.conformance.results import FAIL, CaseResult
 from kvcore.conformance.settings import SuiteConfig
@@ -38,12 +43,49 @@ def _new_tokens(model: str, quick: bool) -> int:
 
 def cases(target: Target, cfg: SuiteConfig) -> list[ModelCase]:
     out = []
-    for model in tier_models(cfg, first_only_when_quick=False):
-        n = _new_tokens(model, cfg.quick)
-        singles = (1,) if cfg.quick else (0, 1, 2)
-        out += [ModelCase(model, f"single-{i}", n) for i in singles]
-        out.append(ModelCase(model, "batch", n))
+    for dtype, reduced in dtype_plan(cfg):
+        models = cfg.models[:1] if reduced else tier_models(cfg, first_only_when_quick=False)
+        for model in models:
+            n = _new_tokens(model, cfg.quick)
+            singles = (1,) if cfg.quick or reduced else (0, 1, 2)
+            out += [ModelCase(model, f"single-{i}", n, dtype) for i in singles]
+            out.append(ModelCase(model, "batch", n, dtype))
+            if model == models[0]:
+                out.append(ModelCase(model, "churn", n, dtype))
     return out
+
+
+def churn_requests(cm, n: int) -> list[ChurnRequest]:
+    """Six requests of different lengths joining at different steps (``n``: the longest output)."""
+    a, b, c = (list(p) for p in cm.prompts[:3])
+    return [
+        ChurnRequest(tuple(b), n, 0),
+        ChurnRequest(tuple(a), max(2, n // 3), 0),
+        ChurnRequest(tuple(c), n, 2),
+        ChurnRequest(tuple(a + b[:4]), max(3, n // 2), 3),
+        ChurnRequest(tuple(c[: max(1, len(c) * 2 // 3)]), max(2, n - 5), 5),
+        ChurnRequest(tuple(reversed(b)), max(2, n // 4), 9),
+    ]
+
+
+def _check_churn(target: Target, cm, case: ModelCase, cfg: SuiteConfig, result: CaseResult) -> None:
+    requests = churn_requests(cm, case.steps)
+    longest = max(len(r.prompt) + r.max_new_tokens for r in requests)
+    result.info.update(model=case.model, prompt_lens=[len(r.prompt) for r in requests],
+                       new_tokens=[r.max_new_tokens for r in requests], join_steps=[r.join_step for r in requests])
+    result.info["where"] = f"model {case.model}: continuous batching"
+    got, facts = run_churn(target, cm, requests, cfg, max_num_seqs=3, num_blocks_tokens=longest * 3 // 2)
+    result.info.update(facts)
+    ref = []
+    for r in requests:
+        params = greedy_params(r.max_new_tokens, 1)
+        ref += reference_streams(cm, ("greedy-alone", r.prompt, r.max_new_tokens), [list(r.prompt)], params, cfg,
+                                 target)
+    prompts = [list(r.prompt) for r in requests]
+    _judge(result, case, prompts, ref, got, tie_rule(cfg.dtype, target.unit_roundoff))
+    if result.status != FAIL:
+        result.detail += (f" ({len(requests)} requests alone on the reference vs one engine: {facts['engine_steps']} "
+                          f"steps, {facts['preemptions']} preemption(s))")
 
 
 def _prompts(cm, case: ModelCase) -> list[list[int]]:
@@ -73,6 +115,9 @@ def tolerance(target: Target, case: ModelCase, cfg: SuiteConfig) -> str:
 
 def check(target: Target, case: ModelCase, cfg: SuiteConfig, result: CaseResult) -> None:
     cm = get_model(case.model, cfg.dtype, cfg.device)
+    if case.variant == "churn":
+        _check_churn(target, cm, case, cfg, result)
+        return
     prompts = _prompts(cm, case)
     params = greedy_params(case.steps, len(prompts))
     result.info.update(model=case.model, prompt_lens=[len(p) for p in prompts], new_tokens=case.steps)

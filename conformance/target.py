@@ -5,18 +5,53 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import traceback
 import types
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvcore.attention import AttentionBackend
-from kvcore.errors import ConfigError, UnknownBackendError
+from kvcore.errors import ConfigError, KVCoreError, UnknownBackendError
 from kvcore.hookspecs import hookimpl
 from kvcore.kv_cache import CacheSpec, KVCache
 from kvcore.plugins import KV_CACHE, SAMPLER, PluginRegistry, get_registry
 from kvcore.sampling import Sampler
 
-__all__ = ["Target", "resolve_target", "reference_target", "REFERENCE_BACKEND", "backend_for_cache"]
+__all__ = [
+    "Target", "resolve_target", "reference_target", "REFERENCE_BACKEND", "backend_for_cache", "BrokenTargetError",
+    "traceback_summary", "parse_options",
+]
+
+
+class BrokenTargetError(KVCoreError):
+    """What is under test raised before any case could run: its module at import, its ``availability()``
+    or its constructor. A conformance *failure* (exit 1), not a usage error and not "unavailable"."""
+
+    def __init__(self, message: str, summary: str = "") -> None:
+        super().__init__(message)
+        self.summary = summary  # the last frames of the traceback
+
+
+def parse_options(values: list[str] | tuple[str, ...] | None, flag: str = "--backend-option") -> dict[str, Any]:
+    """``["KEY=VALUE", ...]`` (from ``--backend-option`` and friends) -> options; a VALUE that parses as
+    JSON is that value (``block_size=8`` -> 8), else the string. Raises ConfigError on a missing ``=``."""
+    import json
+
+    options: dict[str, Any] = {}
+    for item in values or ():
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"{flag} expects KEY=VALUE, got '{item}'")
+        try:
+            options[key.strip()] = json.loads(raw)
+        except ValueError:
+            options[key.strip()] = raw
+    return options
+
+
+def traceback_summary(exc: BaseException, frames: int = 4) -> str:
+    tb = traceback.format_exception(type(exc), exc, exc.__traceback__)
+    return "".join(tb[-frames:]).rstrip()
 
 #: the oracle every backend is compared with (over the lossless "contiguous" cache, default sampler)
 REFERENCE_BACKEND = "naive"
@@ -39,10 +74,28 @@ class Target:
     sampler_options: dict[str, Any] = field(default_factory=dict)
 
     def availability(self) -> str | None:
+        """The backend's reason it cannot run here (``None``: it can). Raises :class:`BrokenTargetError` when
+        ``availability()`` itself raises: the contract says it must not, so that is a failure."""
         try:
             return self.cls.availability()
-        except Exception as exc:  # never let an availability check crash the suite
-            return f"availability check raised {type(exc).__name__}: {exc}"
+        except Exception as exc:
+            raise BrokenTargetError(f"backend '{self.name}': availability() raised {type(exc).__name__}: {exc}",
+                                    traceback_summary(exc)) from exc
+
+    def preflight(self) -> None:
+        """Construct the backend (and the sampler under test) once, as the engine would: a constructor that
+        rejects its options is a usage error (:class:`~kvcore.errors.ConfigError`); any other exception is
+        a :class:`BrokenTargetError`."""
+        for what, make in ((f"backend '{self.name}'", self.make), (f"sampler '{self.sampler}'", self.make_sampler)):
+            if what.startswith("sampler") and self.sampler is None:
+                continue
+            try:
+                make()
+            except KVCoreError:
+                raise
+            except Exception as exc:
+                raise BrokenTargetError(f"{what}: constructor raised {type(exc).__name__}: {exc}",
+                                        traceback_summary(exc)) from exc
 
     def make(self) -> AttentionBackend:
         return self.cls(**self.options)
@@ -174,10 +227,19 @@ def resolve_target(
     if isinstance(spec, str) and ":" in spec:
         module_name, _, attr = spec.partition(":")
         try:
-            obj = getattr(importlib.import_module(module_name), attr)
-        except (ImportError, AttributeError) as exc:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name and (module_name == exc.name or module_name.startswith(exc.name + ".")):
+                raise ConfigError(f"cannot import backend class '{spec}': {exc}") from None
+            raise BrokenTargetError(f"importing '{module_name}' raised {type(exc).__name__}: {exc}",
+                                    traceback_summary(exc)) from exc
+        except Exception as exc:  # the module exists but raises at import: the backend is broken
+            raise BrokenTargetError(f"importing '{module_name}' raised {type(exc).__name__}: {exc}",
+                                    traceback_summary(exc)) from exc
+        try:
+            spec = getattr(module, attr)
+        except AttributeError as exc:
             raise ConfigError(f"cannot import backend class '{spec}': {exc}") from None
-        spec = obj
     if isinstance(spec, str):
         registry = registry or get_registry()
         entry = registry.get(spec)  # UnknownBackendError / PluginError name the problem

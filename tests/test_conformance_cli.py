@@ -24,7 +24,8 @@ def _restore_threads():
 # -- CLI -----------------------------------------------------------------------------------------------
 def test_pass_exits_0_with_per_tier_summary(capsys, tmp_path):
     report = tmp_path / "report.md"
-    rc = main(["conformance", "--backend", "sdpa", *TINY_QUICK, "--tier", "op,cache", "--report", str(report)])
+    rc = main(["conformance", "--backend", "sdpa", *TINY_QUICK, "--tier", "op,cache", "--report", str(report),
+               "--dtype", "float32"])
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "RESULT: PASS (exit 0)" in out
@@ -32,6 +33,9 @@ def test_pass_exits_0_with_per_tier_summary(capsys, tmp_path):
         assert f"\n{tier} " in out
     md = report.read_text()
     assert md.startswith("# Conformance report: `sdpa`") and "| op level" in md and "## Cases" in md
+    # the header says what each tier covered
+    assert "covers:" in out and "GQA groups 1, 2, 3, 4, 5, 6, 8, MQA" in out and "block_size 1, 8, 12, 16" in out
+    assert "## Coverage" in md and "head_dim 32, 40, 64, 72, 80, 96, 112, 128, 256" in md
 
 
 def test_json_output_and_progress_on_stderr(capsys):
@@ -41,12 +45,13 @@ def test_json_output_and_progress_on_stderr(capsys):
     assert rc == 0 and data["status"] == "pass" and data["exit_code"] == 0
     assert set(data["tiers"]) == {"sampling"}
     assert data["settings"]["quick"] is True and data["settings"]["models"] == ["tiny"]
+    assert data["settings"]["coverage"]["sampling"]["dtypes"] == ["float32", "bfloat16", "float16"]
     assert "[sampling" in captured.err and "pass" in captured.err  # progress goes to stderr
 
 
 def test_planted_bug_exits_1_and_names_tier_case_and_error(capsys):
     rc = main(["conformance", "--backend", "test_conformance_planted:GQAHeadMapping", *TINY_QUICK,
-               "--tier", "op,stream"])
+               "--tier", "op,stream", "--dtype", "float32"])
     out = capsys.readouterr().out
     assert rc == 1
     assert "[op] gqa8x2-d32-ragged" in out and "max |err|" in out and "H=8 H_kv=2 D=32" in out
@@ -104,8 +109,13 @@ PLUGIN_ARGS = ["--kvcore-quick", "--kvcore-model", "tiny", "-p", "no:cacheprovid
 
 
 def test_plugin_runs_the_bundled_suite(pytester):
-    result = pytester.runpytest("--kvcore-backend", "paged", *PLUGIN_ARGS, "-k", "test_op or test_cache", "-v")
-    result.assert_outcomes(passed=17)
+    from kvcore.conformance.cases import op_cases
+    from kvcore.conformance.settings import ALL_DTYPES
+
+    result = pytester.runpytest("--kvcore-backend", "paged", *PLUGIN_ARGS, "-k", "test_op and mha8x8 or test_cache",
+                                "-v")
+    num_op = sum("mha8x8" in c.id for c in op_cases(quick=True, dtypes=ALL_DTYPES))
+    result.assert_outcomes(passed=num_op + 3 * len(ALL_DTYPES))  # cache tier: 3 variants per dtype
     result.stdout.fnmatch_lines(["*TestConformance::test_op[[]mha8x8-d32-ragged[]] PASSED*",
                                  "*TestConformance::test_cache[[]tiny-chunked[]] PASSED*"])
 
@@ -143,7 +153,7 @@ def test_plugin_reports_unavailable_backend_as_skips(pytester):
         """
     )
     result = pytester.runpytest("-p", "no:cacheprovider", "-rs")
-    result.assert_outcomes(skipped=3)
+    result.assert_outcomes(skipped=9)  # 3 variants x float32, bfloat16, float16
     result.stdout.fnmatch_lines(["*backend 'gone' is unavailable: no CUDA device*"])
 
 
@@ -163,21 +173,133 @@ def test_subclassed_base_classes_fail_a_planted_bug(pytester):
 
         class TestGood(BaseAttentionOpTests):
             conformance_quick = True
+            conformance_dtype = "float32"
             @pytest.fixture
             def backend(self):
                 return "sdpa"
 
         class TestBad(BaseAttentionOpTests):
             conformance_quick = True
+            conformance_dtype = "float32"
             @pytest.fixture
             def backend(self):
                 return OffByOneScale
         """
     )
-    result = pytester.runpytest("-p", "no:cacheprovider", "--kvcore-threads", "1", "-v")
+    result = pytester.runpytest("-p", "no:cacheprovider", "--kvcore-threads", "1", "-v", "-k", "ragged")
     outcomes = result.parseoutcomes()
-    assert outcomes["failed"] == outcomes["passed"] == 14
+    from kvcore.conformance.cases import op_cases
+
+    assert outcomes["failed"] == outcomes["passed"] == sum("ragged" in c.id for c in op_cases(quick=True))
     result.stdout.fnmatch_lines(["*TestGood::test_op[[]gqa8x2-d64-ragged[]] PASSED*",
                                  "*TestBad::test_op[[]gqa8x2-d64-ragged[]] FAILED*",
                                  "*[[]op[]] gqa8x2-d64-ragged: FAIL*",
                                  "*max |err|*Shapes: H=8 H_kv=2 D=64*"])
+
+
+# -- broken backends are failures, not "unavailable" ------------------------------------------------------
+_BROKEN = '''
+import torch
+from kvcore.backends.sdpa import SDPABackend
+
+if {raise_at_import!r}:
+    raise RuntimeError("cannot find libattn.so")
+
+
+class RaisingAvailability(SDPABackend):
+    name = "raising_availability"
+
+    @classmethod
+    def availability(cls):
+        raise OSError("probing the GPU failed")
+
+
+class RaisingConstructor(SDPABackend):
+    name = "raising_constructor"
+
+    def __init__(self, **options):
+        raise RuntimeError("workspace allocation failed")
+'''
+
+
+@pytest.fixture
+def broken_module(tmp_path, monkeypatch):
+    def make(name: str, raise_at_import: bool = False) -> str:
+        (tmp_path / f"{name}.py").write_text(_BROKEN.format(raise_at_import=raise_at_import))
+        return name
+
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return make
+
+
+@pytest.mark.parametrize("cls, message", [
+    ("RaisingAvailability", "availability() raised OSError: probing the GPU failed"),
+    ("RaisingConstructor", "constructor raised RuntimeError: workspace allocation failed"),
+])
+def test_backend_raising_in_availability_or_constructor_exits_1(capsys, broken_module, cls, message):
+    module = broken_module(f"kvcore_broken_{cls.lower()}")
+    rc = main(["conformance", "--backend", f"{module}:{cls}", *TINY_QUICK])
+    out = capsys.readouterr().out
+    assert rc == 1, out
+    assert message in out and "RESULT: FAIL (exit 1)" in out
+    assert "Traceback" in out or 'File "' in out  # the traceback summary
+    rc = main(["conformance", "--backend", f"{module}:{cls}", *TINY_QUICK, "--json"])
+    data = json.loads(capsys.readouterr().out)
+    assert rc == 1 and data["status"] == "fail" and message in data["error"]
+
+
+def test_module_raising_at_import_exits_1_with_the_reason(capsys, broken_module):
+    module = broken_module("kvcore_broken_import", raise_at_import=True)
+    rc = main(["conformance", "--backend", f"{module}:RaisingConstructor", *TINY_QUICK])
+    err = capsys.readouterr().err
+    assert rc == 1
+    assert f"importing '{module}' raised RuntimeError: cannot find libattn.so" in err
+
+
+def test_missing_module_is_a_usage_error(capsys):
+    assert main(["conformance", "--backend", "kvcore_no_such_module:Thing", *TINY_QUICK]) == 2
+    assert "cannot import backend class" in capsys.readouterr().err
+
+
+def test_model_that_cannot_be_loaded_is_an_error_unless_left_out(capsys, tmp_path):
+    missing = str(tmp_path / "no-model-here")
+    rc = main(["conformance", "--backend", "sdpa", "--quick", "--model", f"tiny,{missing}", "--no-progress",
+               "--tier", "cache"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "cannot be loaded" in err and "leave it out with --model" in err
+    rc = main(["conformance", "--backend", "sdpa", "--quick", "--no-progress", "--tier", "sampling", "--model",
+               "tiny", "--dtype", "float32"])
+    assert rc == 0  # left out: fine
+
+
+# -- pytest plugin options and the repo's own conftest ------------------------------------------------------
+def test_plugin_passes_constructor_options(pytester):
+    result = pytester.runpytest("--kvcore-backend", "paged", "--kvcore-backend-option", "bogus=1", *PLUGIN_ARGS,
+                                "-k", "test_cache", "--kvcore-dtype", "float32")
+    result.assert_outcomes(errors=3)
+    result.stdout.fnmatch_lines(["*got unknown options: bogus*"])
+    result = pytester.runpytest("--kvcore-kv-cache", "paged", "--kvcore-kv-cache-option", "block_size=8",
+                                *PLUGIN_ARGS, "-k", "test_cache", "--kvcore-dtype", "float32")
+    result.assert_outcomes(passed=3)
+
+
+def test_bundled_suite_from_the_repo_root_sees_third_party_plugins():
+    """`pytest --kvcore-backend example_chunked` from this repo's root: tests/conftest.py isolates the repo's
+    own tests from third-party plugins, but not a run of the bundled suite."""
+    import importlib.metadata
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if not any(ep.name == "example_chunked" for ep in importlib.metadata.entry_points(group="kvcore")):
+        pytest.skip("the example plugin package is not installed")
+    env = {k: v for k, v in os.environ.items() if k != "KVCORE_LOAD_PLUGINS"}
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "--kvcore-backend", "example_chunked", "--kvcore-quick", "--kvcore-model",
+         "tiny", "--kvcore-dtype", "float32", "-k", "test_cache", "-q"],
+        cwd=root, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "3 passed" in proc.stdout

@@ -10,16 +10,20 @@ once more, by one position, in decode calls only.
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from kvcore.backends.paged import PagedKVCache
 from kvcore.conformance.results import FAIL, PASS
 from kvcore.conformance.runner import run_case, tier_cases
 from kvcore.conformance.settings import SuiteConfig
 from kvcore.conformance.target import resolve_target
+from kvcore.hookspecs import hookimpl
+from kvcore.plugins import PluginRegistry
 
 try:
     from kvcore_example_backend.backend import ChunkedAttentionBackend
@@ -114,6 +118,146 @@ class RopeDecodeOffByOne(ChunkedAttentionBackend):
         return super().forward(layer_idx, q, k, v, cache, meta)
 
 
+# -- bugs in the dimensions the matrix varies (head sizes, groups, block sizes, long contexts, mixed
+#    calls, forks, reduced precision) -------------------------------------------------------------------
+class SplitKVDropsTail(ChunkedAttentionBackend):
+    """Above 1,024 keys a split-KV path processes whole 256-key tiles only: the last partial tile is dropped."""
+
+    name = "planted_split_kv_drops_tail"
+
+    def sequence_kv(self, layer_idx, cache, meta, i, seq_len):
+        k, v = super().sequence_kv(layer_idx, cache, meta, i, seq_len)
+        if seq_len > 1024 and seq_len % 256:
+            keep = seq_len - seq_len % 256
+            k, v = k[:, :keep], v[:, :keep]
+        return k, v
+
+
+class PaddedHeadDimScale(ChunkedAttentionBackend):
+    """Pads head_dim to a multiple of 32 for its kernel and takes the softmax scale from the padded size."""
+
+    name = "planted_padded_head_dim_scale"
+
+    def softmax_scale(self, meta, head_dim):
+        padded = -(-head_dim // 32) * 32
+        return meta.scale if padded == head_dim else padded**-0.5
+
+
+class GQAShiftMapping(ChunkedAttentionBackend):
+    """Maps query head h to KV head ``h >> int(log2(G))``: right for power-of-two groups only."""
+
+    name = "planted_gqa_shift_mapping"
+
+    def forward(self, layer_idx, q, k, v, cache, meta):
+        self._num_heads = q.shape[1]
+        return super().forward(layer_idx, q, k, v, cache, meta)
+
+    def sequence_kv(self, layer_idx, cache, meta, i, seq_len):
+        k, v = super().sequence_kv(layer_idx, cache, meta, i, seq_len)  # [H_kv, S, D]
+        h, h_kv = self._num_heads, k.shape[0]
+        kv_of = (torch.arange(h) >> int(math.log2(h // h_kv))).clamp(max=h_kv - 1)
+        return k[kv_of], v[kv_of]  # one KV row per query head: group_queries then pairs them 1:1
+
+
+class AssumesBlockSize16(ChunkedAttentionBackend):
+    """Paged reads count blocks as ``ceil(seq_len / 16)`` whatever the cache's block size."""
+
+    name = "planted_assumes_block_size_16"
+    capabilities = dataclasses.replace(ChunkedAttentionBackend.capabilities, kv_layouts=("paged",))
+
+    def sequence_kv(self, layer_idx, cache, meta, i, seq_len):
+        table = meta.block_tables[i]
+        ids = torch.tensor(table[: -(-seq_len // 16)], dtype=torch.long)
+        k, v = cache.gather_blocks(layer_idx, ids)
+        h_kv, d = k.shape[2], k.shape[3]
+        k = k.reshape(-1, h_kv, d)[:seq_len].transpose(0, 1)
+        v = v.reshape(-1, h_kv, d)[:seq_len].transpose(0, 1)
+        if k.shape[1] < seq_len:  # too few blocks read: the rest of the sequence is whatever follows in memory
+            pad = torch.zeros((h_kv, seq_len - k.shape[1], d), dtype=k.dtype)
+            k, v = torch.cat((k, pad), 1), torch.cat((v, pad), 1)
+        return k, v
+
+
+class MemoisedMaskByQueryLength(ChunkedAttentionBackend):
+    """Memoises the causal mask of each key tile by (query length, key range) across calls, forgetting the
+    context offset: a chunk of the same length at another offset reuses a mask built for the old one."""
+
+    name = "planted_memoised_mask_by_query_length"
+
+    def __init__(self, **options):
+        super().__init__(**options)
+        self._masks = {}
+
+    def visible(self, query_pos, key_pos):
+        key = (int(query_pos.numel()), int(key_pos[0]), int(key_pos[-1]))
+        if key not in self._masks:
+            self._masks[key] = super().visible(query_pos, key_pos)
+        return self._masks[key]
+
+
+class MixedCallChunkOffset(ChunkedAttentionBackend):
+    """Splits a mixed call into decode rows and prefill chunks, then reads the i-th *chunk*'s context offset
+    at index i of the whole call's ``context_lens`` (right only when the chunks come first)."""
+
+    name = "planted_mixed_call_chunk_offset"
+
+    def forward(self, layer_idx, q, k, v, cache, meta):
+        chunks = [j for j, n in enumerate(meta.query_lens) if n > 1]
+        ctx = list(meta.context_lens)
+        for rank, j in enumerate(chunks):
+            ctx[j] = meta.context_lens[rank]
+        if ctx == list(meta.context_lens):
+            return super().forward(layer_idx, q, k, v, cache, meta)
+        self.write_kv(layer_idx, k, v, cache, meta)
+        out = torch.empty_like(q)
+        starts = meta.cu_seqlens_q.tolist()
+        scale = self.softmax_scale(meta, q.shape[2])
+        for i, (c, n) in enumerate(zip(ctx, meta.query_lens)):
+            keys, values = self.sequence_kv(layer_idx, cache, meta, i, meta.context_lens[i] + n)
+            qi = q[starts[i] : starts[i + 1]]
+            o = self._attend(self.group_queries(qi.float(), keys.shape[0]), keys, values, c, n, scale)
+            out[starts[i] : starts[i + 1]] = self.ungroup(o, q.shape[1]).to(q.dtype)
+        return out
+
+
+class ReducedPrecisionAccumulation(ChunkedAttentionBackend):
+    """In bfloat16 / float16, keeps the running softmax sum and output in the model dtype, adding one key
+    at a time (float32 is unaffected: the same code then accumulates in float32)."""
+
+    name = "planted_reduced_precision_accumulation"
+
+    def forward(self, layer_idx, q, k, v, cache, meta):
+        self._dtype = q.dtype
+        return super().forward(layer_idx, q, k, v, cache, meta)
+
+    def _attend(self, qg, keys, values, ctx, n, scale):
+        dt = self._dtype
+        if dt == torch.float32:
+            return super()._attend(qg, keys, values, ctx, n, scale)
+        group = qg.shape[1] // n
+        query_pos = (ctx + torch.arange(n)).repeat(group)
+        s = (qg @ keys.float().transpose(1, 2)) * scale  # [H_kv, rows, S]
+        s = s.masked_fill(~self.visible(query_pos, torch.arange(keys.shape[1])), -math.inf)
+        p = torch.exp(s - s.amax(dim=-1, keepdim=True)).to(dt)
+        l = torch.zeros(p.shape[:2], dtype=dt)
+        acc = torch.zeros((*p.shape[:2], values.shape[2]), dtype=dt)
+        vals = values.to(dt)
+        for j in range(min(keys.shape[1], ctx + n)):  # the bug: one rounding to the model dtype per key
+            l = l + p[..., j]
+            acc = acc + p[..., j, None] * vals[:, j, None, :]
+        return acc.float() / l.float()[..., None]
+
+
+class NoCopyOnWriteCache(PagedKVCache):
+    """A paged cache whose ``copy_blocks`` does nothing: a forked sequence keeps sharing the partial block,
+    so the first append on one side is seen by (and lost to) the other."""
+
+    name = "planted_no_copy_on_write"
+
+    def copy_blocks(self, pairs):
+        pass
+
+
 #: planted bug -> tiers among (op, cache) that must fail; the others must pass
 PLANTED = {
     WrongScale: {"op"},  # consistent between prefill and decode: the cache tier cannot see it
@@ -123,6 +267,15 @@ PLANTED = {
     GQAHeadMapping: {"op"},  # same wrong mapping in prefill and decode
     BlockTableOffByOne: {"op", "cache"},
     RopeDecodeOffByOne: {"op", "cache"},
+    # new dimensions: the tiny model (head_dim 32, group 2, contexts < 1,024, block size 16, no mixed calls)
+    # cannot show these; the op matrix must
+    SplitKVDropsTail: {"op"},
+    PaddedHeadDimScale: {"op"},
+    GQAShiftMapping: {"op"},
+    AssumesBlockSize16: {"op"},
+    MemoisedMaskByQueryLength: {"op"},  # the model tiers never repeat a chunk length at another offset
+    MixedCallChunkOffset: {"op"},  # the engine never mixes prefill chunks and decode rows in one call
+    ReducedPrecisionAccumulation: {"op"},  # bfloat16 / float16 cases over 2,000+ keys
 }
 
 CFG = SuiteConfig(quick=True, models=("tiny",))
@@ -136,10 +289,16 @@ def _one_thread():
     torch.set_num_threads(before)
 
 
+def _order(cases: list) -> list:
+    """Reduced-precision cases first: they are the fewest and span every dimension, so most bugs show
+    within a few cases (the assertion is only that *some* --quick case fails)."""
+    return sorted(cases, key=lambda c: c.dtype is None or c.dtype == torch.float32)
+
+
 def first_failure(cls, tier: str, cfg: SuiteConfig = CFG):
     """Run ``tier``'s cases until one fails; the failing CaseResult, or None when all passed."""
     target = resolve_target(cls)
-    for case in tier_cases(target, tier, cfg):
+    for case in _order(tier_cases(target, tier, cfg)):
         result = run_case(target, tier, case, cfg)
         if result.status == FAIL:
             return result
@@ -148,7 +307,10 @@ def first_failure(cls, tier: str, cfg: SuiteConfig = CFG):
 
 
 def test_unplanted_example_passes_op_and_cache_tiers():
-    assert first_failure(ChunkedAttentionBackend, "op") is None
+    # float32 over the paged cache here (every case of the quick matrix); both caches and the reduced
+    # precisions are certified by the example package's own conformance tests and the documented CLI runs
+    fp32 = dataclasses.replace(CFG, dtype="float32")
+    assert _first_failure_of(resolve_target(ChunkedAttentionBackend, kv_cache="paged"), "op", fp32) is None
     assert first_failure(ChunkedAttentionBackend, "cache") is None
 
 
@@ -190,3 +352,43 @@ def test_failure_detail_for_write_position_points_at_the_cache():
     result = first_failure(WrongWritePosition, "op")
     assert "decode" in result.detail
     assert result.info["call"] >= 1  # prefill (call 0) is fine; the first decode call breaks
+
+
+def _first_failure_of(target, tier: str, cfg: SuiteConfig = CFG):
+    for case in _order(tier_cases(target, tier, cfg)):
+        result = run_case(target, tier, case, cfg)
+        if result.status == FAIL:
+            return result
+        assert result.status == PASS, result.describe()
+    return None
+
+
+def test_fork_without_copy_on_write_is_caught_by_the_fork_scenario():
+    """Certifying a KV cache (``--kv-cache``): the fork scenario's both-sides append needs copy-on-write."""
+
+    class Plugin:
+        @hookimpl
+        def kvcore_register_kv_caches(self, register):
+            register(NoCopyOnWriteCache)
+
+    registry = PluginRegistry(load_entrypoints=False)
+    registry.register_plugin(Plugin(), name="planted-no-cow")
+    target = resolve_target("paged", registry, kv_cache="planted_no_copy_on_write")
+    op = _first_failure_of(target, "op")
+    assert op is not None and "-fork" in op.case, op
+    assert "fork" in op.case and ("cached" in op.detail or "diverges" in op.detail)
+    assert _first_failure_of(target, "cache") is None  # no forks there: consistent
+
+
+def test_new_dimension_bugs_are_missed_by_the_tiny_model_tiers():
+    """Why the op matrix must vary every dimension: the model-level tiers run the tiny model (head_dim 32,
+    group 2, block size 16, short contexts, prefill-only or decode-only calls) and see none of these."""
+    for cls in (SplitKVDropsTail, PaddedHeadDimScale, GQAShiftMapping, MixedCallChunkOffset):
+        assert first_failure(cls, "stream", dataclasses.replace(CFG, dtype="float32")) is None, cls.name
+
+
+def test_block_size_assumption_shows_in_the_churn_stream():
+    """The engine's block size is 16 except in the churn case (8): only there does the stream tier see it."""
+    result = first_failure(AssumesBlockSize16, "stream", dataclasses.replace(CFG, dtype="float32"))
+    assert result is not None and result.case == "tiny-churn", result
+    assert "diverges from the reference" in result.detail

@@ -12,7 +12,19 @@ import torch
 from kvcore import AttentionBackend, BackendCapabilities, hookimpl
 from kvcore.backends.sdpa import SDPABackend
 from kvcore.conformance import tolerances
-from kvcore.conformance.cases import HEAD_DIMS, HEAD_LAYOUTS, SCENARIOS, op_cases
+from kvcore.conformance.cases import (
+    BLOCK_SIZES,
+    HEAD_DIMS,
+    HEAD_LAYOUTS,
+    HEAD_SIZES,
+    LAYOUTS,
+    LEGACY_SCENARIOS,
+    SCENARIOS,
+    SHORT_SCENARIOS,
+    Fork,
+    covering_array,
+    op_cases,
+)
 from kvcore.conformance.driver import Stream
 from kvcore.conformance.report import to_json, to_markdown, to_text
 from kvcore.conformance.results import EXIT_FAIL, EXIT_PASS, EXIT_UNAVAILABLE, FAIL, PASS, SKIP, CaseResult
@@ -44,15 +56,55 @@ def registry():
 # -- the case matrix ------------------------------------------------------------------------------------
 def test_full_matrix_covers_layouts_head_dims_and_scenarios():
     cases = op_cases(quick=False)
-    assert {(c.layout, c.head_dim, c.scenario) for c in cases} == {
-        (layout, d, s) for layout in HEAD_LAYOUTS for d in HEAD_DIMS for s in SCENARIOS
-    }
-    assert {HEAD_LAYOUTS[c.layout] for c in cases} == {(8, 8), (8, 2), (8, 1)}  # MHA, GQA, MQA
-    lens = {n for c in cases for call in c.calls for _, n in call}
+    legacy = {(layout, d, s) for layout in HEAD_LAYOUTS for d in HEAD_DIMS for s in LEGACY_SCENARIOS}
+    assert legacy <= {(c.layout, c.head_dim, c.scenario) for c in cases if c.block_size == 16}
+    assert {LAYOUTS[c.layout] for c in cases} >= {(8, 8), (8, 2), (8, 1)}  # MHA, GQA, MQA
+    lens = {n for c in cases for call in c.calls if not isinstance(call, Fork) for _, n in call}
     assert {1, 15, 16, 17, 33} <= lens  # prefill lengths around the 16-token block boundary
-    assert max(max(c.final_lens) for c in cases) > 1000  # decode against a long cache
+    assert max(max(c.final_lens) for c in cases) == 4096  # the engine's default context limit
     quick = op_cases(quick=True)
-    assert {c.scenario for c in quick} == set(SCENARIOS) and len(quick) < len(cases)
+    assert set(SCENARIOS) - {c.scenario for c in quick} == {"long4k"} and len(quick) < len(cases)
+    assert max(max(c.final_lens) for c in quick) > 2048  # split-KV / tiled paths in --quick
+
+
+@pytest.mark.parametrize("quick", [True, False])
+def test_every_pair_of_dimension_values_is_covered(quick):
+    """Pairwise: any two values of any two dimensions (layout, head size, block size, scenario) meet in
+    at least one case, so a bug needing one value of each of two dimensions is reached."""
+    cases = op_cases(quick=quick)
+    dims = {"layout": set(LAYOUTS), "head_dim": set(HEAD_SIZES), "block_size": set(BLOCK_SIZES),
+            "scenario": set(SHORT_SCENARIOS)}
+    rows = {(c.layout, c.head_dim, c.block_size, c.scenario) for c in cases}
+    if not quick:  # long contexts with every layout, head size and block size
+        long2k = [c for c in cases if c.scenario == "long2k"]
+        assert {c.layout for c in long2k} == dims["layout"] and {c.head_dim for c in long2k} == dims["head_dim"]
+        assert {c.block_size for c in long2k} == dims["block_size"]
+    names = list(dims)
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            seen = {(r[i], r[names.index(b)]) for r in rows}
+            missing = {(x, y) for x in dims[a] for y in dims[b]} - seen
+            assert not missing, (a, b, sorted(missing)[:5])
+    groups = {h // hkv for h, hkv in LAYOUTS.values()}
+    assert {1, 2, 3, 5, 6, 8} <= groups and any(hkv == 1 for _, hkv in LAYOUTS.values())
+    assert {40, 72, 80, 96, 112, 256} <= set(HEAD_SIZES) and 12 in BLOCK_SIZES and 1 in BLOCK_SIZES
+
+
+def test_covering_array_is_deterministic_and_small():
+    dims = {"a": range(5), "b": range(4), "c": range(3)}
+    rows = covering_array(dims, seed=7)
+    assert rows == covering_array(dims, seed=7)
+    assert 20 <= len(rows) <= 26  # at least |a|x|b| = 20; greedy stays close to it
+    once = covering_array(dims, seed=7, strength=1)
+    assert len(once) == 5 and all({r[n] for r in once} == set(dims[n]) for n in dims)
+
+
+def test_reduced_precisions_get_their_own_smaller_case_list():
+    cases = op_cases(quick=True, dtypes=(torch.float32, torch.bfloat16, torch.float16))
+    by_dtype = {d: [c for c in cases if c.dtype == d] for d in (torch.float32, torch.bfloat16, torch.float16)}
+    assert len(by_dtype[torch.bfloat16]) == len(by_dtype[torch.float16]) < len(by_dtype[torch.float32])
+    assert all(c.id.endswith("-bf16") for c in by_dtype[torch.bfloat16])
+    assert any(max(c.final_lens) > 2048 for c in by_dtype[torch.bfloat16])  # a long reduction in reduced precision
 
 
 def test_multi_cache_backends_run_every_case_per_cache():
@@ -71,16 +123,21 @@ def test_tolerance_table_is_documented_for_every_dtype():
 
 
 # -- built-in backends pass -----------------------------------------------------------------------------
-@pytest.mark.parametrize("name", ["naive", "sdpa", "paged"])
-def test_cpu_builtins_pass_quick_suite(registry, name):
-    report = run_suite(name, QUICK_TINY, registry=registry)
+@pytest.mark.parametrize("name, dtype", [("naive", "float32"), ("sdpa", None), ("paged", "float32")])
+def test_cpu_builtins_pass_quick_suite(registry, name, dtype):
+    """sdpa with the default dtypes (float32 and both reduced precisions); naive and paged in float32 here
+    (every dtype in the documented CLI runs)."""
+    report = run_suite(name, dataclasses.replace(QUICK_TINY, dtype=dtype), registry=registry)
     assert report.status == PASS, to_text(report)
     assert report.exit_code == EXIT_PASS
     assert set(report.tiers) == {"op", "cache", "stream", "sampling"}
     for tier in report.tiers:
         assert report.tier_status(tier) == PASS
     op = [r for r in report.results if r.tier == "op"]
-    assert max(r.max_err for r in op) < 1e-5
+    assert max(r.max_err for r in op if not r.case.endswith(("-bf16", "-fp16"))) < 1e-5
+    if dtype is None:
+        assert {r.case[-5:] for r in op} >= {"-bf16", "-fp16"}  # reduced precisions run by default
+    assert {r.case for r in report.results if r.tier == "stream"} >= {"tiny-churn"}
 
 
 def test_fragmented_paged_cache_gets_shuffled_block_tables(registry):

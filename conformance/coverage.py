@@ -1,0 +1,63 @@
+"""What a run covers, tier by tier: the values of every dimension its cases vary, for the report header."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from kvcore.conformance.cases import OpCase
+from kvcore.conformance.settings import SuiteConfig
+
+__all__ = ["tier_coverage", "coverage_line"]
+
+
+def _dtype_names(cases: Sequence, cfg: SuiteConfig) -> list[str]:
+    dtypes = {c.dtype or cfg.dtype for c in cases}
+    return [str(d).removeprefix("torch.") for d in (torch.float32, torch.bfloat16, torch.float16) if d in dtypes]
+
+
+def tier_coverage(tier: str, cases: Sequence, cfg: SuiteConfig, kv_caches: Sequence[str] = ()) -> dict:
+    """Machine-readable coverage of ``cases`` (one tier's case list)."""
+    if not cases:
+        return {"cases": 0}
+    if isinstance(cases[0], OpCase):
+        return {
+            "cases": len(cases),
+            "dtypes": _dtype_names(cases, cfg),
+            "kv_caches": sorted({c.kv_cache for c in cases if c.kv_cache}) or list(kv_caches[:1]),
+            "heads": [f"{h}/{hkv}" for h, hkv in sorted({(c.num_heads, c.num_kv_heads) for c in cases})],
+            "gqa_groups": sorted({c.num_heads // c.num_kv_heads for c in cases}),
+            "mqa": any(c.num_kv_heads == 1 for c in cases),
+            "head_dims": sorted({c.head_dim for c in cases}),
+            "block_sizes": sorted({c.block_size for c in cases}),
+            "scenarios": sorted({c.scenario for c in cases}),
+            "max_keys": max(max(c.final_lens) for c in cases),
+        }
+    return {
+        "cases": len(cases),
+        "dtypes": _dtype_names(cases, cfg),
+        "models": sorted({c.model for c in cases}),
+        "variants": sorted({c.variant for c in cases}),
+    }
+
+
+def coverage_line(tier: str, cov: dict) -> str:
+    """One human line: ``op: 98 cases; float32, bfloat16; heads 8/8, ...``."""
+    if not cov.get("cases"):
+        return f"{tier}: no cases"
+    parts = [f"{cov['cases']} cases", ", ".join(cov["dtypes"])]
+    if "head_dims" in cov:
+        caches = f"; KV cache {', '.join(cov['kv_caches'])}" if cov["kv_caches"] else ""
+        parts[-1] += caches
+        parts += [
+            f"heads (H/H_kv) {' '.join(cov['heads'])} (GQA groups {', '.join(map(str, cov['gqa_groups']))}"
+            f"{', MQA' if cov['mqa'] else ''})",
+            f"head_dim {', '.join(map(str, cov['head_dims']))}",
+            f"block_size {', '.join(map(str, cov['block_sizes']))} (paged caches)",
+            f"scenarios {', '.join(cov['scenarios'])}",
+            f"up to {cov['max_keys']} keys",
+        ]
+    else:
+        parts += [f"models {', '.join(cov['models'])}", f"variants {', '.join(cov['variants'])}"]
+    return f"{tier}: " + "; ".join(parts)
