@@ -382,9 +382,16 @@ def test_fork_without_copy_on_write_is_caught_by_the_fork_scenario():
 
 def test_new_dimension_bugs_are_missed_by_the_tiny_model_tiers():
     """Why the op matrix must vary every dimension: the model-level tiers run the tiny model (head_dim 32,
-    group 2, block size 16, short contexts, prefill-only or decode-only calls) and see none of these."""
-    for cls in (SplitKVDropsTail, PaddedHeadDimScale, GQAShiftMapping, MixedCallChunkOffset):
+    group 2, block size 16, short contexts) and see none of these."""
+    for cls in (SplitKVDropsTail, PaddedHeadDimScale, GQAShiftMapping):
         assert first_failure(cls, "stream", dataclasses.replace(CFG, dtype="float32")) is None, cls.name
+
+
+def test_mixed_call_offset_bug_shows_in_the_churn_stream():
+    """With chunked prefill the engine itself mixes prefill chunks and decode rows in one call: the churn
+    stream (requests joining while others decode) exposes a wrong per-sequence offset too."""
+    result = first_failure(MixedCallChunkOffset, "stream", dataclasses.replace(CFG, dtype="float32"))
+    assert result is not None and result.case == "tiny-churn", result
 
 
 def test_block_size_assumption_shows_in_the_churn_stream():
