@@ -45,7 +45,7 @@ def cases(target: Target, cfg: SuiteConfig) -> list[ModelCase]:
 
 
 def tolerance(target: Target, case: ModelCase, cfg: SuiteConfig) -> str:
-    return str(cache_tolerance(cfg.dtype))
+    return str(cache_tolerance(cfg.dtype, target.unit_roundoff))
 
 
 def check(target: Target, case: ModelCase, cfg: SuiteConfig, result: CaseResult) -> None:
@@ -53,7 +53,7 @@ def check(target: Target, case: ModelCase, cfg: SuiteConfig, result: CaseResult)
 
 
 def _run(target: Target, cm, case: ModelCase, cfg: SuiteConfig, result: CaseResult) -> None:
-    tol, rule = cache_tolerance(cfg.dtype), tie_rule(cfg.dtype)
+    tol, rule = cache_tolerance(cfg.dtype, target.unit_roundoff), tie_rule(cfg.dtype, target.unit_roundoff)
     prompts = [cm.prompts[1]] if case.variant == "single" else list(cm.prompts)
     conts = [cm.continuation(case.steps, salt=str(i)) for i in range(len(prompts))]
     seqs = [p + c for p, c in zip(prompts, conts)]
