@@ -13,23 +13,35 @@ from __future__ import annotations
 import difflib
 import importlib
 import importlib.metadata
-import inspect
 import os
-import threading
 import warnings
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import pluggy
 
 from kvcore import hookspecs
-from kvcore.architectures import Architecture
-from kvcore.attention import AttentionBackend, BackendCapabilities
+from kvcore.attention import AttentionBackend
 from kvcore.errors import BackendUnavailableError, ConfigError, PluginError, UnknownBackendError
-from kvcore.kv_cache import CacheCapabilities, CacheSpec, KVCache
+from kvcore.kv_cache import CacheSpec, KVCache
+from kvcore.plugin_kinds import (
+    ARCHITECTURE,
+    BACKEND,
+    KINDS,
+    KV_CACHE,
+    SAMPLER,
+    Kind,
+    PluginEntry,
+    construct,
+    label,
+    validated_entry,
+)
 from kvcore.sampling import Sampler
 
-__all__ = ["Kind", "KINDS", "PluginEntry", "PluginRegistry", "get_registry", "reset_registry", "BUILTIN_PLUGINS"]
+__all__ = [
+    "Kind", "KINDS", "BACKEND", "KV_CACHE", "SAMPLER", "ARCHITECTURE", "PluginEntry", "PluginRegistry", "get_registry",
+    "reset_registry", "BUILTIN_PLUGINS",
+]
 
 ENTRY_POINT_GROUP = "kvcore"
 BUILTIN_PLUGINS = (
@@ -43,69 +55,6 @@ BUILTIN_PLUGINS = (
     "kvcore.sampling",
     "kvcore.families",
 )
-
-
-@dataclass(frozen=True)
-class Kind:
-    """One pluggable kind: its hook, base class and the words used in messages and config tables."""
-
-    key: str  # "backend", "kv_cache", "sampler"
-    hook: str  # the pluggy hook that registers it
-    base: type
-    table: str  # config-file table of per-name options: [backends.<name>] ...
-    required: tuple[str, ...]  # class attributes a registration must declare
-
-
-BACKEND = Kind("backend", "kvcore_register_backends", AttentionBackend, "backends", ("name", "capabilities"))
-KV_CACHE = Kind("kv_cache", "kvcore_register_kv_caches", KVCache, "kv_caches", ("name", "layout", "capabilities"))
-SAMPLER = Kind("sampler", "kvcore_register_samplers", Sampler, "samplers", ("name",))
-ARCHITECTURE = Kind("architecture", "kvcore_register_architectures", Architecture, "architectures", ("name",))
-#: in collection order: backends are checked against the KV layouts the registered caches provide
-KINDS = (KV_CACHE, BACKEND, SAMPLER, ARCHITECTURE)
-#: seconds an ``availability()`` check may take before it is reported as hung (it must not block listing)
-AVAILABILITY_TIMEOUT_S = 10.0
-_HUNG: set[type] = set()  # classes whose availability() never returned: not called again
-
-
-def _label(kind: Kind) -> str:
-    return kind.key.replace("_", " ").replace("kv", "KV")
-
-
-@dataclass(frozen=True)
-class PluginEntry:
-    name: str
-    cls: type
-    plugin: str  # name of the plugin that registered it
-    kind: Kind
-    problem: str | None = None  # why it can never be used, found at registration (e.g. an unknown KV layout)
-
-    def availability(self) -> str | None:
-        """``None`` when usable here, else the reason. The class's check runs with a time limit: one that
-        raises or hangs makes the entry unavailable, never the registry."""
-        if self.problem:
-            return self.problem
-        return _availability(self.cls)
-
-
-def _availability(cls: type) -> str | None:
-    if cls in _HUNG:
-        return f"availability check did not return within {AVAILABILITY_TIMEOUT_S:g} s"
-    outcome: list[str | None] = []
-
-    def check() -> None:
-        try:
-            reason = cls.availability()
-            outcome.append(None if reason is None else str(reason).splitlines()[0] if str(reason) else "unavailable")
-        except Exception as exc:  # an availability check must never take the registry down
-            outcome.append(f"availability check raised {type(exc).__name__}: {exc}".splitlines()[0])
-
-    worker = threading.Thread(target=check, name=f"kvcore-availability-{cls.__name__}", daemon=True)
-    worker.start()
-    worker.join(AVAILABILITY_TIMEOUT_S)
-    if not outcome:
-        _HUNG.add(cls)
-        return f"availability check did not return within {AVAILABILITY_TIMEOUT_S:g} s"
-    return outcome[0]
 
 
 class PluginRegistry:
@@ -172,26 +121,26 @@ class PluginRegistry:
             def register(cls: Any, *, name: str | None = None, _plugin: str = plugin_name) -> None:
                 # Problems are recorded, not raised: one bad plugin must not take the others down.
                 try:
-                    entry = _validated_entry(kind, cls, name, _plugin)
+                    entry = validated_entry(kind, cls, name, _plugin)
                     if layouts is not None and not set(cls.capabilities.kv_layouts) & layouts:
                         problem = (f"reads KV layouts {', '.join(cls.capabilities.kv_layouts)}, which no registered KV "
                                    f"cache provides (registered layouts: {', '.join(sorted(layouts)) or 'none'})")
                         entry = replace(entry, problem=problem)
                 except PluginError as exc:
-                    self._warn(f"kvcore: {exc}; {_label(kind)} rejected")
+                    self._warn(f"kvcore: {exc}; {label(kind)} rejected")
                     return
                 owners = claimed.setdefault(entry.name, [])
                 if owners and owners[0] in self._builtins and _plugin not in self._builtins:
                     # A built-in name cannot be taken over: the built-in stays, the newcomer is refused.
                     self._warn(
-                        f"kvcore: {_label(kind)} name '{entry.name}' is built in (plugin '{owners[0]}'); plugin "
-                        f"'{_plugin}' may not register it again and its {_label(kind)} was rejected: rename it"
+                        f"kvcore: {label(kind)} name '{entry.name}' is built in (plugin '{owners[0]}'); plugin "
+                        f"'{_plugin}' may not register it again and its {label(kind)} was rejected: rename it"
                     )
                     return
                 owners.append(_plugin)
                 if len(owners) > 1:
                     self.conflicts[(kind.key, entry.name)] = (
-                        f"{_label(kind)} name '{entry.name}' is registered twice: by plugin '{owners[0]}' and by "
+                        f"{label(kind)} name '{entry.name}' is registered twice: by plugin '{owners[0]}' and by "
                         f"plugin '{_plugin}'; uninstall one or limit plugins with KVCORE_LOAD_PLUGINS"
                     )
                     entries.pop(entry.name, None)
@@ -260,18 +209,18 @@ class PluginRegistry:
             hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
             known = ", ".join(sorted(entries))
             error = UnknownBackendError if kind is BACKEND else ConfigError
-            raise error(f"unknown {_label(kind)} '{name}' (registered: {known}){hint}") from None
+            raise error(f"unknown {label(kind)} '{name}' (registered: {known}){hint}") from None
 
     def _available(self, name: str, kind: Kind) -> PluginEntry:
         entry = self.get(name, kind)
         reason = entry.availability()
         if reason:
-            raise BackendUnavailableError(f"{_label(kind)} '{name}' is unavailable: {reason}")
+            raise BackendUnavailableError(f"{label(kind)} '{name}' is unavailable: {reason}")
         return entry
 
     def create(self, name: str, options: dict[str, Any] | None = None) -> AttentionBackend:
         """Instantiate an available backend; raises with the reason when it cannot run here."""
-        return _construct(self._available(name, BACKEND), (), options)
+        return construct(self._available(name, BACKEND), (), options)
 
     def create_cache(self, name: str, spec: CacheSpec, options: dict[str, Any] | None = None) -> KVCache:
         """Allocate an available KV cache for ``spec``; raises with the reason when it cannot be used."""
@@ -279,51 +228,13 @@ class PluginRegistry:
         reasons = cls.capabilities.reasons_unsupported(device=spec.device, dtype=spec.dtype)
         if reasons:
             raise BackendUnavailableError(f"KV cache '{name}' cannot hold this model here: {'; '.join(reasons)}")
-        return _construct(self.get(name, KV_CACHE), (spec,), options)
+        return construct(self.get(name, KV_CACHE), (spec,), options)
 
     def create_sampler(self, name: str, options: dict[str, Any] | None = None) -> Sampler:
-        return _construct(self._available(name, SAMPLER), (), options)
+        return construct(self._available(name, SAMPLER), (), options)
 
     def available(self) -> list[PluginEntry]:
         return [e for e in self.backends.values() if e.availability() is None]
-
-
-def _construct(entry: PluginEntry, args: tuple, options: dict[str, Any] | None) -> Any:
-    """``entry.cls(*args, **options)``; a constructor that rejects the options' names is a ConfigError."""
-    try:
-        return entry.cls(*args, **(options or {}))
-    except TypeError as exc:
-        if not options or "argument" not in str(exc):
-            raise
-        table = f"[{entry.kind.table}.{entry.name}]"
-        raise ConfigError(f"{_label(entry.kind)} '{entry.name}' rejected its options {table}: {exc}") from None
-
-
-def _validated_entry(kind: Kind, cls: Any, name: str | None, plugin: str) -> PluginEntry:
-    label = _label(kind)
-    if not (inspect.isclass(cls) and issubclass(cls, kind.base)):
-        raise PluginError(f"plugin '{plugin}' registered {cls!r}, which is not a subclass of {kind.base.__name__}")
-    if inspect.isabstract(cls):
-        missing = ", ".join(sorted(cls.__abstractmethods__))
-        raise PluginError(f"plugin '{plugin}': {label} class {cls.__qualname__} does not implement: {missing}")
-    name = name or getattr(cls, "name", None)
-    if not name or not isinstance(name, str):
-        raise PluginError(f"plugin '{plugin}': {label} class {cls.__qualname__} has no 'name'")
-    for attr in kind.required[1:]:
-        if not hasattr(cls, attr):
-            raise PluginError(f"plugin '{plugin}': {label} '{name}' declares no '{attr}'")
-    expected = {BACKEND.key: BackendCapabilities, KV_CACHE.key: CacheCapabilities}.get(kind.key)
-    if expected is not None and not isinstance(cls.capabilities, expected):
-        got = type(cls.capabilities).__name__
-        raise PluginError(f"plugin '{plugin}': {label} '{name}' capabilities must be a {expected.__name__}, got {got}")
-    if kind is BACKEND and not (
-        isinstance(cls.capabilities.kv_layouts, tuple) and cls.capabilities.kv_layouts
-        and all(isinstance(x, str) for x in cls.capabilities.kv_layouts)
-    ):
-        raise PluginError(f"plugin '{plugin}': backend '{name}' must declare kv_layouts as a non-empty tuple of names")
-    if kind is KV_CACHE and not (isinstance(cls.layout, str) and cls.layout):
-        raise PluginError(f"plugin '{plugin}': KV cache '{name}' must declare its layout as a name")
-    return PluginEntry(name=name, cls=cls, plugin=plugin, kind=kind)
 
 
 _REGISTRY: PluginRegistry | None = None

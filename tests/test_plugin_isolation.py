@@ -10,8 +10,7 @@ import pytest
 import torch
 from helpers import make_plugin, registered
 
-from kvcore import BackendCapabilities, hookimpl
-from kvcore import plugins as plugins_mod
+from kvcore import BackendCapabilities, hookimpl, plugin_kinds
 from kvcore.backends.sdpa import SDPABackend
 from kvcore.plugins import BACKEND, PluginRegistry
 
@@ -67,7 +66,7 @@ def test_hung_availability_check_is_reported_not_waited_for(registry, monkeypatc
             release.wait(30)  # never returns within the limit
             return None
 
-    monkeypatch.setattr(plugins_mod, "AVAILABILITY_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(plugin_kinds, "AVAILABILITY_TIMEOUT_S", 0.2)
     try:
         with registered(registry, make_plugin(backends=[Hangs]), "hangs-plugin"):
             assert "did not return within 0.2 s" in registry.get("hangs", BACKEND).availability()
