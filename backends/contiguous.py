@@ -14,7 +14,7 @@ import torch
 
 from kvcore.attention import AttentionMetadata
 from kvcore.hookspecs import hookimpl
-from kvcore.kv_cache import CacheCapabilities, CacheSpec, KVCache
+from kvcore.kv_cache import CacheCapabilities, CacheSpec, KVCache, copy_block_rows
 
 __all__ = ["ContiguousKVCache", "ALL_DTYPES"]
 
@@ -45,10 +45,7 @@ class ContiguousKVCache(KVCache):
         self.v[layer_idx, slots, :, meta.positions] = v
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        src = torch.tensor([s for s, _ in pairs], device=self.k.device)
-        dst = torch.tensor([d for _, d in pairs], device=self.k.device)
-        self.k[:, dst] = self.k[:, src]
-        self.v[:, dst] = self.v[:, src]
+        copy_block_rows((self.k, self.v), pairs)
 
     def read(self, layer_idx: int, block_table: list[int], length: int) -> tuple[torch.Tensor, torch.Tensor]:
         slot = block_table[0] if block_table else 0  # an empty sequence holds no block yet: length is 0

@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from kvcore.attention import AttentionBackend, AttentionMetadata, BackendCapabilities
+from kvcore.attention import AttentionBackend, AttentionMetadata, BackendCapabilities, cu_seqlens
 from kvcore.errors import BackendError, ConfigError
 from kvcore.hookspecs import hookimpl
 from kvcore.kv_cache import KVCache
@@ -117,13 +117,6 @@ def kv_views(cache: KVCache, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor
         # [slots, H_kv, S, D] -> [slots, S, H_kv, D]: strided view, last dim still contiguous
         return cache.k[layer_idx].transpose(1, 2), cache.v[layer_idx].transpose(1, 2)
     raise BackendError(f"cannot read a '{cache.layout}' KV cache (reads: flash_contiguous, contiguous)")
-
-
-def cu_seqlens(lengths: list[int], device: torch.device) -> torch.Tensor:
-    """int32 prefix sums ``[0, l0, l0 + l1, ...]`` (flash-attn's ``cu_seqlens``)."""
-    out = torch.zeros(len(lengths) + 1, dtype=torch.int32)
-    out[1:] = torch.tensor(lengths).cumsum(0)
-    return out.to(device)
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from kvcore.attention import AttentionBackend, AttentionMetadata, BackendCapabilities, causal_mask
 from kvcore.errors import ConfigError
 from kvcore.hookspecs import hookimpl
-from kvcore.kv_cache import CacheCapabilities, CacheSpec, KVCache
+from kvcore.kv_cache import CacheCapabilities, CacheSpec, KVCache, copy_block_rows
 
 from .contiguous import ALL_DTYPES
 
@@ -90,11 +90,12 @@ class PagedKVCache(KVCache):
         return k, v
 
     # -- the rest of KVCache -------------------------------------------------------------------------
+    def storage(self) -> tuple[torch.Tensor, ...]:
+        """Every tensor indexed ``[layer, block, ...]``: what a block copy copies and the allocation counts."""
+        return self.k_pool, self.v_pool
+
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        src = torch.tensor([s for s, _ in pairs], device=self.k_pool.device)
-        dst = torch.tensor([d for _, d in pairs], device=self.k_pool.device)
-        self.k_pool[:, dst] = self.k_pool[:, src]
-        self.v_pool[:, dst] = self.v_pool[:, src]
+        copy_block_rows(self.storage(), pairs)
 
     def read(self, layer_idx: int, block_table: list[int], length: int) -> tuple[torch.Tensor, torch.Tensor]:
         idx = torch.tensor(block_table, dtype=torch.long, device=self.spec.device)
@@ -104,7 +105,7 @@ class PagedKVCache(KVCache):
 
     @property
     def kv_bytes_allocated(self) -> int:
-        return self.k_pool.numel() * self.k_pool.element_size() * 2
+        return sum(t.numel() * t.element_size() for t in self.storage())
 
 
 @dataclass(frozen=True)

@@ -76,16 +76,8 @@ class Int8KVCache(PagedKVCache):
         dtype = self.spec.dtype
         return (k.float() * k_scale[..., None]).to(dtype), (v.float() * v_scale[..., None]).to(dtype)
 
-    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        super().copy_blocks(pairs)
-        src = torch.tensor([s for s, _ in pairs], device=self.k_scale.device)
-        dst = torch.tensor([d for _, d in pairs], device=self.k_scale.device)
-        self.k_scale[:, dst] = self.k_scale[:, src]
-        self.v_scale[:, dst] = self.v_scale[:, src]
-
-    @property
-    def kv_bytes_allocated(self) -> int:
-        return super().kv_bytes_allocated + 2 * self.k_scale.numel() * self.k_scale.element_size()
+    def storage(self) -> tuple[torch.Tensor, ...]:
+        return self.k_pool, self.v_pool, self.k_scale, self.v_scale  # scales copy with their blocks
 
 
 @hookimpl

@@ -21,7 +21,7 @@ import torch
 if TYPE_CHECKING:
     from kvcore.kv_cache import KVCache
 
-__all__ = ["AttentionMetadata", "BackendCapabilities", "AttentionBackend", "causal_mask"]
+__all__ = ["AttentionMetadata", "BackendCapabilities", "AttentionBackend", "causal_mask", "cu_seqlens"]
 
 #: a backend's own per-call plan type (``AttentionMetadata`` itself when it needs nothing more)
 PlanT = TypeVar("PlanT")
@@ -97,20 +97,26 @@ class AttentionMetadata:
         tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in block_tables], dtype=torch.int32)
         seq_of_token = torch.repeat_interleave(torch.arange(len(query_lens)), torch.tensor(query_lens))  # [T]
         blocks = tables.long()[seq_of_token, positions // block_size]
-        cu = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
-        cu[1:] = torch.tensor(query_lens).cumsum(0)
         return cls(
             query_lens=list(query_lens),
             context_lens=list(context_lens),
             block_tables=[list(t) for t in block_tables],
             block_size=block_size,
             positions=positions.to(device),
-            cu_seqlens_q=cu.to(device),
+            cu_seqlens_q=cu_seqlens(query_lens, device),
             seq_lens_t=seq_lens.to(device),
             block_tables_t=tables.to(device),
             slot_mapping=(blocks * block_size + positions % block_size).to(device),
             scale=scale,
         )
+
+
+def cu_seqlens(lengths: list[int], device: torch.device | str = "cpu") -> torch.Tensor:
+    """int32 prefix sums ``[0, l0, l0 + l1, ...]`` ``[B + 1]``: row offsets of packed sequences (flash-attn's
+    ``cu_seqlens``)."""
+    out = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    out[1:] = torch.tensor(lengths, dtype=torch.int64).cumsum(0)
+    return out.to(device)
 
 
 def causal_mask(context_len: int, query_len: int, device: torch.device) -> torch.Tensor:

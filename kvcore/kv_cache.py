@@ -27,7 +27,17 @@ from kvcore.errors import ConfigError
 if TYPE_CHECKING:
     from kvcore.attention import AttentionMetadata
 
-__all__ = ["CacheSpec", "KVCache", "CacheCapabilities"]
+__all__ = ["CacheSpec", "KVCache", "CacheCapabilities", "copy_block_rows"]
+
+
+def copy_block_rows(tensors: tuple[torch.Tensor, ...], pairs: list[tuple[int, int]]) -> None:
+    """For each ``(src, dst)``, copy block ``src`` into block ``dst`` of every tensor (layers first, blocks
+    second): the storage side of :meth:`KVCache.copy_blocks`, one indexed copy per tensor."""
+    device = tensors[0].device
+    src = torch.tensor([s for s, _ in pairs], device=device)
+    dst = torch.tensor([d for _, d in pairs], device=device)
+    for t in tensors:
+        t[:, dst] = t[:, src]
 
 
 @dataclass(frozen=True)
