@@ -46,7 +46,7 @@ def test_smollm2_naive_matches_transformers(smollm2):
 
 @pytest.mark.slow
 def test_cli_acceptance_command(capsys):
-    """The issue's acceptance command, verbatim, returns transformers' 48 greedy ids."""
+    """`kvcore generate --backend naive --temperature 0 --max-new-tokens 48 --json` on a golden prompt returns transformers' 48 greedy ids."""
     from kvcore.cli import main
 
     golden = {p["name"]: p for p in load_golden("golden_smollm2.json")["prompts"]}["printing_press"]
