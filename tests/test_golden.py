@@ -46,7 +46,8 @@ def test_smollm2_naive_matches_transformers(smollm2):
 
 @pytest.mark.slow
 def test_cli_acceptance_command(capsys):
-    """`kvcore generate --backend naive --temperature 0 --max-new-tokens 48 --json` on a golden prompt returns transformers' 48 greedy ids."""
+    """`kvcore generate --backend naive --temperature 0 --max-new-tokens 48 --json` on a golden prompt
+    returns transformers' 48 greedy ids."""
     from kvcore.cli import main
 
     golden = {p["name"]: p for p in load_golden("golden_smollm2.json")["prompts"]}["printing_press"]
