@@ -9,6 +9,8 @@ know where a model came from. :func:`build_model` turns it into a :class:`~kvcor
 
 from __future__ import annotations
 
+import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,7 +21,8 @@ from kvcore.model_config import ModelConfig
 from kvcore.tokenizer import Tokenizer
 
 __all__ = [
-    "LoadedModel", "load_model", "build_model", "expected_shapes", "stored_tensors", "split_rows", "DEFAULT_MODEL"
+    "LoadedModel", "load_model", "build_model", "expected_shapes", "stored_tensors", "split_rows", "check_layer_count",
+    "DEFAULT_MODEL",
 ]
 
 #: the spec :func:`load_model` uses when given none
@@ -79,6 +82,21 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     if not config.tie_word_embeddings:
         shapes["lm_head.weight"] = (config.vocab_size, d)
     return shapes
+
+
+def check_layer_count(config: ModelConfig, names: Iterable[str], layer_prefix: str, where: str) -> None:
+    """The layers the file's tensor names number (``layer_prefix`` with ``{i}``, e.g. ``blk.{i}.``) must be
+    ``0 .. num_hidden_layers - 1``: the config is compared with the file before per-layer tables are built
+    from it, so a layer count the file does not back fails with one line naming both.
+    """
+    head, _, tail = layer_prefix.partition("{i}")
+    pattern = re.compile(re.escape(head) + r"(\d{1,9})" + re.escape(tail))
+    found = {int(m.group(1)) for m in map(pattern.match, names) if m}
+    expected = config.num_hidden_layers
+    if found != set(range(expected)):
+        extra = sorted(found - set(range(expected)))
+        detail = f"layer {extra[0]} is beyond them" if extra else f"only {len(found)} of them have tensors"
+        raise ModelLoadError(f"{where}: the config declares {expected} layers but {detail}")
 
 
 def stored_tensors(
