@@ -227,8 +227,10 @@ def load_gguf(path: str | os.PathLike[str], name: str | None = None) -> LoadedMo
     # llama.cpp has no metadata key for projection biases: the tensors are the declaration
     fields["attention_bias"] = fields.get("attention_bias", False) or "blk.0.attn_q.bias" in tensors
     fields["attention_output_bias"] = "blk.0.attn_output.bias" in tensors
-    config = ModelConfig(**fields)
-
+    try:
+        config = ModelConfig(**fields)
+    except ModelLoadError as exc:
+        raise ModelLoadError(f"'{path}': {exc}") from None
     check_layer_count(config, tensors, "blk.{i}.", f"'{path}'")
     shapes = expected_shapes(config)
     stored = stored_tensors(shapes, config.num_hidden_layers, arch.layer_names("gguf"), "blk.{i}.", _GLOBAL_NAMES)

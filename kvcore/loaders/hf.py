@@ -96,6 +96,9 @@ def _config(
     eos = generation.get("eos_token_id") if generation else None
     try:
         return arch, arch.config_from_hf(cfg, eos, str(path))
+    except ModelLoadError as exc:
+        message = str(exc)
+        raise ModelLoadError(message if str(path) in message else f"'{path}': {message}") from None
     except (TypeError, ValueError, KeyError) as exc:
         raise ModelLoadError(f"'{path}': malformed config.json: {exc}") from None
 

@@ -1,0 +1,167 @@
+"""Hostile model files end in a typed kvcore error or correct behaviour: never a hang, never more than
+1 GB, never an internal error, never garbage with exit 0.
+
+The corpus (tests/hostile/make_corpus.py, ~80 cases) is built in a temporary directory and run in one
+child process (tests/hostile/run_cases.py: address space capped at its imports + 1 GiB, 20 s alarm per
+case); a child that stops answering is killed and restarted after the case it was on. A few cases also
+go through the ``kvcore`` CLI, each in its own process under the same limits.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "hostile"))
+
+import make_corpus  # noqa: E402
+
+RUNNER = Path(__file__).resolve().parent / "hostile" / "run_cases.py"
+CASES = make_corpus.all_cases()
+CHILD_TIMEOUT_S = 300  # the whole corpus; a hung case costs its own 20 s alarm, not this
+CLI_TIMEOUT_S = 60
+CLI_MEMORY_LIMIT = 1 << 30  # peak resident memory of one `kvcore` run
+
+
+@pytest.fixture(scope="module")
+def corpus() -> tuple[Path, dict[str, dict]]:
+    """The corpus directory and every case's result from the child runner."""
+    root = Path(tempfile.mkdtemp(prefix="kvcore-hostile-"))
+    root.chmod(0o755)  # the permission case reads as an unprivileged user
+    try:
+        paths = make_corpus.write_corpus(root)
+        assert len(paths) >= 40
+        yield root, _run_all(root, list(CASES))
+    finally:
+        for case in CASES.values():  # undo chmod 000 so the directory can be removed
+            for p in (root / case.name).rglob("*"):
+                p.chmod(0o755 if p.is_dir() else 0o644)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _run_all(root: Path, names: list[str]) -> dict[str, dict]:
+    results: dict[str, dict] = {}
+    while pending := [n for n in names if n not in results]:
+        proc = subprocess.Popen([sys.executable, str(RUNNER), str(root), *pending], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+        timer = threading.Timer(CHILD_TIMEOUT_S, proc.kill)
+        timer.start()
+        current = None
+        for line in proc.stdout:
+            if line.startswith("START "):
+                current = line[6:].strip()
+            elif line.startswith("RESULT "):
+                record = json.loads(line[7:])
+                results[record["name"]] = record
+                current = None
+        stderr = proc.stderr.read()
+        proc.wait()
+        timer.cancel()
+        if current is None and [n for n in names if n not in results]:
+            raise AssertionError(f"the case runner died between cases (exit {proc.returncode}): {stderr[-2000:]}")
+        if current is not None:  # the process died or hung inside a case: that case failed, go on after it
+            results[current] = {"name": current, "outcome": f"process ended (exit {proc.returncode})",
+                                "message": stderr[-2000:]}
+    return results
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_hostile_case(corpus, name: str) -> None:
+    root, results = corpus
+    case, result = CASES[name], results[name]
+    assert result["outcome"] in ("ok", "error"), f"{name}: {result}"
+    if case.error is None:
+        assert result["outcome"] == "ok", f"{name} must load and run: {result}"
+        return
+    assert result["outcome"] == "error", f"{name} loaded although it is malformed: {result}"
+    assert case.error in result["kinds"], f"{name}: expected {case.error}, got {result['kinds']}: {result['message']}"
+    message = result["message"]
+    assert case.match in message, f"{name}: {message!r} does not say {case.match!r}"
+    assert "\n" not in message, message
+    if "ModelLoadError" in result["kinds"]:
+        assert str(root / name) in message, f"{name}: the message does not name the file: {message}"
+    assert result["seconds"] < 10, result
+
+
+def test_a_lying_context_length_changes_nothing(corpus) -> None:
+    """A window of 10^8 positions generates what the true window does (RoPE tables sized to requests)."""
+    _, results = corpus
+    for valid, huge in (("gguf_valid", "gguf_context_1e8"), ("hf_valid", "hf_max_position_1e8")):
+        assert results[huge]["detail"]["token_ids"] == results[valid]["detail"]["token_ids"]
+
+
+def _kvcore(*args: str) -> tuple[int, str, str, int]:
+    """``kvcore ARGS`` in a fresh process: exit code, stdout, stderr and peak resident memory in bytes."""
+    proc = subprocess.Popen([sys.executable, "-m", "kvcore.cli", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    timer = threading.Timer(CLI_TIMEOUT_S, proc.kill)
+    timer.start()
+    out, err = proc.stdout.read(), proc.stderr.read()
+    _, status, usage = os.wait4(proc.pid, 0)  # this child's own peak RSS (RUSAGE_CHILDREN would mix in others)
+    timer.cancel()
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    return proc.returncode, out, err, usage.ru_maxrss * 1024
+
+
+#: corpus case, command, exit code (README's table), what stderr must say
+CLI_CASES = [
+    ("gguf_huge_array_length", "generate", 3, "tokenizer.ggml.tokens"),
+    ("gguf_block_count_1e9", "generate", 3, "block_count"),
+    ("hf_config_deep", "generate", 3, "nests JSON too deeply"),
+    ("gguf_template_hang", "chat", 2, "did not finish"),
+    ("gguf_valid", "generate", 0, ""),
+]
+
+
+@pytest.fixture(scope="module")
+def cli_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[int, str, str, int]]:
+    """Every CLI case's run, three processes at a time (each spends seconds importing torch)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def run(case: tuple[str, str, int, str]) -> tuple[int, str, str, int]:
+        name, command = case[:2]
+        path = CASES[name].build(tmp_path_factory.mktemp(name))
+        return _kvcore(command, "--model", str(path), "--max-new-tokens", "4", "--json", "a th")
+
+    with ThreadPoolExecutor(3) as pool:
+        return dict(zip((c[0] for c in CLI_CASES), pool.map(run, CLI_CASES)))
+
+
+@pytest.mark.parametrize(("name", "command", "exit_code", "says"), CLI_CASES)
+def test_hostile_files_through_the_cli(cli_runs, name: str, command: str, exit_code: int, says: str) -> None:
+    code, out, err, peak = cli_runs[name]
+    assert code == exit_code, (code, err)
+    assert "internal error" not in err and "Traceback" not in err, err
+    assert peak < CLI_MEMORY_LIMIT, f"peak RSS {peak >> 20} MiB"
+    if exit_code:
+        assert err.startswith("kvcore: error: ") and says in err and err.count("\n") == 1, err
+    else:
+        result = json.loads(out.strip().splitlines()[-1])
+        assert len(result["token_ids"]) == 4 and all(0 <= t < make_corpus.VOCAB for t in result["token_ids"])
+
+
+def test_validation_of_the_embedded_model_is_fast() -> None:
+    """Walking SmolLM2's header (a 49k-token vocabulary and its merges) adds well under 0.3 s to a load."""
+    import time
+
+    from kvcore.loaders.gguf_validate import validate_gguf
+    from kvcore.loaders.resolve import smollm2_path
+
+    path = smollm2_path()
+    best = min(_timed(validate_gguf, path, time.perf_counter) for _ in range(3))
+    assert best < 0.3, f"{best:.3f} s"
+
+
+def _timed(fn, arg, clock) -> float:
+    start = clock()
+    layout = fn(arg)
+    assert len(layout.tensors) == 272 and layout.alignment == 32
+    return clock() - start
