@@ -309,5 +309,7 @@ def _checked(build: Callable[[dict[str, Any], Path], T], metadata: dict[str, Any
     """``build(metadata, path)``, with a metadata value of the wrong type reported as ModelLoadError."""
     try:
         return build(metadata, path)
+    except ModelLoadError as exc:  # a message from deeper down (tokenizer, RoPE) may not name the file yet
+        raise exc if str(path) in str(exc) else ModelLoadError(f"'{path}': {exc}") from None
     except (ValueError, TypeError) as exc:
         raise ModelLoadError(f"'{path}': malformed GGUF metadata: {exc}") from None

@@ -10,7 +10,7 @@ against the bytes that remain *before* anything is read or allocated, in the spi
 * metadata: every key and string length and every array count within the file and within
   :data:`MAX_STRING_BYTES` / :data:`MAX_ARRAY_LENGTH`, value types in range, arrays nested at most
   :data:`MAX_ARRAY_DEPTH` deep, no duplicate key, keys and scalar strings valid UTF-8,
-  ``general.alignment`` an unsigned integer power of two;
+  ``general.alignment`` a uint32 power of two;
 * tensor table: names unique and shorter than 64 bytes, 1-4 dimensions each > 0, a known ggml type whose
   block size divides the row, byte size computed exactly (Python integers: no overflow), data offsets
   aligned, inside the file, and no two tensors overlapping.
@@ -59,8 +59,7 @@ DEFAULT_ALIGNMENT = 32
 _STRING, _ARRAY = 8, 9
 #: GGUF value type -> size in bytes of the fixed-size ones (bool is one byte)
 _FIXED_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
-_UNSIGNED = {0: "<B", 2: "<H", 4: "<I", 10: "<Q"}
-_SIGNED = {1: "<b", 3: "<h", 5: "<i", 11: "<q"}
+_UINT32 = 4
 #: ggml type id -> (elements per block, bytes per block)
 _BLOCKS = {int(t): (int(b), int(s)) for t, (b, s) in GGML_QUANT_SIZES.items()}
 # the smallest possible encodings, which bound a count by the bytes left
@@ -204,11 +203,9 @@ def _metadata(cur: _Cursor, num_kv: int) -> int:
 
 
 def _alignment(cur: _Cursor, key: str, vtype: int) -> int:
-    if vtype not in _UNSIGNED:
-        raise cur.fail(f"'{key}' must be an unsigned integer (GGUF type {vtype})")
-    cur.need(_FIXED_SIZES[vtype], f"the value of '{key}'")
-    (value,) = struct.unpack_from(_UNSIGNED[vtype], cur.buf, cur.pos)
-    cur.pos += _FIXED_SIZES[vtype]
+    if vtype != _UINT32:  # llama.cpp and the gguf reader read it as uint32 only
+        raise cur.fail(f"'{key}' must be a uint32 (GGUF type 4), not GGUF type {vtype}")
+    value = cur.u32(f"the value of '{key}'")
     if value <= 0 or value & (value - 1):
         raise cur.fail(f"'{key}' is {value}, not a power of two")
     return value

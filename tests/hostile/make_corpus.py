@@ -282,7 +282,7 @@ def gguf_cases() -> list[Case]:
         Case("gguf_alignment_not_power_of_two", _gguf(_patched(lambda s: _set_meta(s, "general.alignment", U32, 24))),
              match="power of two"),
         Case("gguf_alignment_string", _gguf(_patched(lambda s: _set_meta(s, "general.alignment", STR, "32"))),
-             match="general.alignment"),
+             match="must be a uint32"),
         Case("gguf_non_utf8_key", _gguf(_patched(lambda s: _set_meta(s, b"general.\xff\xfe", U32, 1))),
              match="UTF-8"),
         Case("gguf_non_utf8_template", _gguf(lambda: GGUFSpec(base_meta(template=b"{{ x }}\xff\xfe"), base_tensors())),
@@ -334,6 +334,21 @@ def gguf_cases() -> list[Case]:
              match="rope.freq_base"),
         Case("gguf_block_count_string", _gguf(_patched(lambda s: _set_meta(s, "llama.block_count", STR, "2"))),
              match="block_count"),
+        Case("gguf_tokens_not_strings", _gguf(_patched(lambda s: _set_meta(
+            s, "tokenizer.ggml.tokens", ARR, (U32, list(range(VOCAB)))))), match="array of str"),
+        Case("gguf_scores_short", _gguf(_patched(lambda s: _set_meta(
+            s, "tokenizer.ggml.scores", ARR, (F32, [0.0] * 5)))),
+             match="5 entries for 40 tokens"),
+        Case("gguf_duplicate_tokens", _gguf(_patched(lambda s: _set_meta(
+            s, "tokenizer.ggml.tokens", ARR, (STR, ["a"] * VOCAB)))), match="duplicate"),
+        Case("gguf_bos_out_of_vocab", _gguf(_patched(lambda s: _set_meta(
+            s, "tokenizer.ggml.bos_token_id", U32, 10**6))),
+             match="not a token id"),
+        Case("gguf_eos_negative", _gguf(_patched(lambda s: _set_meta(s, "tokenizer.ggml.eos_token_id", I32, -5))),
+             match="not a token id"),
+        Case("gguf_bpe_merges_not_strings", _gguf(_patched(lambda s: _set_meta(_set_meta(
+            s, "tokenizer.ggml.model", STR, "gpt2"), "tokenizer.ggml.merges", ARR, (U32, [1, 2])))),
+             match="array of str"),
         Case("gguf_context_1e8", _gguf(_patched(lambda s: _set_meta(s, "llama.context_length", U32, 10**8))),
              error=None, op="generate"),
         Case("gguf_template_hang", _gguf(lambda: GGUFSpec(base_meta(template=HANG_TEMPLATE), base_tensors())),
