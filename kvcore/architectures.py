@@ -120,7 +120,7 @@ class Architecture:
             rms_norm_eps=checked_number("rms_norm_eps", cfg["rms_norm_eps"], at),
             rope_theta=checked_number("rope_theta", theta, at),
             rope_scaling=scaling,
-            tie_word_embeddings=bool(cfg["tie_word_embeddings"]),
+            tie_word_embeddings=_flag(cfg, "tie_word_embeddings", at),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=eos if eos is not None else cfg.get("eos_token_id"),
             **options,
@@ -152,6 +152,18 @@ def hf_rope_scaling(rope: dict[str, Any], cfg: dict[str, Any], where: str) -> Ro
     if kind == "su":  # Phi-3's first name for longrope
         kind = "longrope"
     original = rope.get("original_max_position_embeddings", cfg.get("original_max_position_embeddings"))
+    for key in ("factor", "low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
+                "attention_factor"):
+        if rope.get(key) is not None:
+            checked_number(key, rope[key], f"'{where}': config.json rope scaling", positive=False)
+    if original is not None:
+        checked_size("max_position_embeddings", original, f"'{where}': config.json original_max_position_embeddings")
+    for key in ("short_factor", "long_factor"):
+        values = rope.get(key)
+        if values is not None and not (
+            isinstance(values, list) and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
+        ):
+            raise ModelLoadError(f"'{where}': config.json rope scaling {key} must be a list of numbers")
     fields = {
         "factor": rope.get("factor"),
         "original_max_position_embeddings": original,
@@ -176,6 +188,14 @@ def hf_rope_scaling(rope: dict[str, Any], cfg: dict[str, Any], where: str) -> Ro
         raise ModelLoadError(f"'{where}': {exc}") from None
     except TypeError as exc:
         raise ModelLoadError(f"'{where}': malformed rope scaling {rope!r}: {exc}") from None
+
+
+def _flag(cfg: dict[str, Any], key: str, where: str) -> bool:
+    """A config.json boolean; a string such as "no" must not silently read as true."""
+    value = cfg[key]
+    if not isinstance(value, bool):
+        raise ModelLoadError(f"{where}: {key} must be true or false, got {value!r:.60}")
+    return value
 
 
 def layer_types_window(cfg: dict[str, Any], default_all: bool) -> dict[str, Any]:

@@ -114,6 +114,15 @@ class ModelConfig:
         window = self.sliding_window
         if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window <= 0):
             raise ModelLoadError(f"model config: sliding_window must be a positive integer, got {_short(window)}")
+        for name in ("bos_token_id", "eos_token_id"):
+            value = getattr(self, name)
+            for token in value if isinstance(value, (list, tuple)) else [value]:
+                if token is not None and (
+                    isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < self.vocab_size
+                ):
+                    raise ModelLoadError(
+                        f"model config: {name} {_short(token)} is not a token id (0 to {self.vocab_size - 1})"
+                    )
         if self.num_parameters() > MAX_PARAMETERS:
             raise ModelLoadError(
                 f"model config: the sizes imply {self.num_parameters()} parameters (limit {MAX_PARAMETERS})"

@@ -468,6 +468,12 @@ def hf_cases() -> list[Case]:
         Case("hf_epsilon_string", _hf(config=hf_config(rms_norm_eps="small")), match="rms_norm_eps"),
         Case("hf_rope_theta_string", _hf(config=hf_config(rope_theta="fast")), match="rope_theta"),
         Case("hf_rope_parameters_string", _hf(config=hf_config(rope_parameters="yarn")), match="rope_parameters"),
+        Case("hf_eos_not_an_id", _hf(config=hf_config(eos_token_id=["x"])), match="eos_token_id"),
+        Case("hf_bos_out_of_vocab", _hf(config=hf_config(bos_token_id=10**6)), match="not a token id"),
+        Case("hf_tie_string", _hf(config=hf_config(tie_word_embeddings="no")), match="tie_word_embeddings"),
+        Case("hf_rope_factors_string", _hf(config=hf_config(rope_scaling={
+            "rope_type": "longrope", "original_max_position_embeddings": 32, "short_factor": "abc",
+            "long_factor": "def"})), match="short_factor"),
         Case("hf_layers_bool", _hf(config=hf_config(num_hidden_layers=True)), match="num_hidden_layers"),
         Case("hf_max_position_1e8", _hf(config=hf_config(max_position_embeddings=10**8)), error=None, op="generate"),
         Case("hf_template_non_utf8", _hf(template=b"{{ messages }}\xff\xfe"), match="UTF-8"),
