@@ -41,10 +41,12 @@ def corpus() -> tuple[Path, dict[str, dict]]:
         assert len(paths) >= 40
         yield root, _run_all(root, list(CASES))
     finally:
-        for case in CASES.values():  # undo chmod 000 so the directory can be removed
-            for p in (root / case.name).rglob("*"):
-                p.chmod(0o755 if p.is_dir() else 0o644)
-        shutil.rmtree(root, ignore_errors=True)
+        for where, dirs, files in os.walk(root):  # undo chmod 000 (top-down: before os.walk enters a dir)
+            for name in dirs:
+                os.chmod(os.path.join(where, name), 0o755)
+            for name in files:
+                os.chmod(os.path.join(where, name), 0o644)
+        shutil.rmtree(root)
 
 
 def _run_all(root: Path, names: list[str]) -> dict[str, dict]:

@@ -191,6 +191,9 @@ def load_hf_dir(path: str | os.PathLike[str], name: str | None = None) -> Loaded
     path = Path(path)
     if not path.is_dir():
         raise ModelNotFoundError(f"model directory '{path}' not found")
+    effective = os.access in os.supports_effective_ids  # a setuid process reads with its effective uid
+    if not os.access(path, os.R_OK | os.X_OK, effective_ids=effective):  # else its files fail one by one
+        raise ModelLoadError(f"cannot read model directory '{path}': permission denied")
     cfg = _read_json(path / "config.json") or {}  # required: raises when the file is missing
     generation = _read_json(path / "generation_config.json", required=False)
     arch, config = _config(cfg, generation, path)

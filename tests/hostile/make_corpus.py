@@ -193,6 +193,12 @@ def _gguf(spec_or_bytes: GGUFSpec | bytes | Callable[[], GGUFSpec | bytes]) -> C
     return build
 
 
+def _gguf_unreadable(where: Path) -> Path:
+    path = _gguf(base_spec)(where)
+    path.chmod(0)
+    return path
+
+
 def _truncated(section: str, delta: int) -> Callable[[], bytes]:
     def make() -> bytes:
         raw, marks = base_spec().encode()
@@ -349,6 +355,7 @@ def gguf_cases() -> list[Case]:
         Case("gguf_bpe_merges_not_strings", _gguf(_patched(lambda s: _set_meta(_set_meta(
             s, "tokenizer.ggml.model", STR, "gpt2"), "tokenizer.ggml.merges", ARR, (U32, [1, 2])))),
              match="array of str"),
+        Case("gguf_unreadable", _gguf_unreadable, match="Permission denied", user=65534),
         Case("gguf_context_1e8", _gguf(_patched(lambda s: _set_meta(s, "llama.context_length", U32, 10**8))),
              error=None, op="generate"),
         Case("gguf_template_hang", _gguf(lambda: GGUFSpec(base_meta(template=HANG_TEMPLATE), base_tensors())),
@@ -433,6 +440,12 @@ def _hf(config: Any = None, weights: bytes | None = None, template: bytes | None
     return build
 
 
+def _hf_unreadable_dir(where: Path) -> Path:
+    path = _hf()(where)
+    path.chmod(0)
+    return path
+
+
 def _st(edit: Callable[[dict], None]) -> bytes:
     return safetensors_bytes(hf_weights(), edit)
 
@@ -460,6 +473,7 @@ def hf_cases() -> list[Case]:
         Case("hf_config_bad_json", _hf(config_raw=b"{\"vocab_size\": 40,"), match="not valid JSON"),
         Case("hf_config_deep", _hf(config_raw=b'{"a": ' + deep + b"}"), match="config.json"),
         Case("hf_config_unreadable", _hf(chmod=0), match="cannot read", user=65534),
+        Case("hf_dir_unreadable", _hf_unreadable_dir, match="permission denied", user=65534),
         Case("hf_layers_1e9", _hf(config=hf_config(num_hidden_layers=10**9)), match="num_hidden_layers"),
         Case("hf_layers_3", _hf(config=hf_config(num_hidden_layers=3)), match="declares 3 layers"),
         Case("hf_heads_zero", _hf(config=hf_config(num_attention_heads=0)), match="num_attention_heads"),
