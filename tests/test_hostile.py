@@ -1,7 +1,7 @@
 """Hostile model files end in a typed kvcore error or correct behaviour: never a hang, never more than
 1 GB, never an internal error, never garbage with exit 0.
 
-The corpus (tests/hostile/make_corpus.py, ~80 cases) is built in a temporary directory and run in one
+The corpus (tests/hostile/make_corpus.py, ~90 cases) is built in a temporary directory and run in one
 child process (tests/hostile/run_cases.py: address space capped at its imports + 1 GiB, 20 s alarm per
 case); a child that stops answering is killed and restarted after the case it was on. A few cases also
 go through the ``kvcore`` CLI, each in its own process under the same limits.
