@@ -157,7 +157,8 @@ def hf_rope_scaling(rope: dict[str, Any], cfg: dict[str, Any], where: str) -> Ro
         if rope.get(key) is not None:
             checked_number(key, rope[key], f"'{where}': config.json rope scaling", positive=False)
     if original is not None:
-        checked_size("max_position_embeddings", original, f"'{where}': config.json original_max_position_embeddings")
+        checked_size("original_max_position_embeddings", original, f"'{where}': config.json rope scaling",
+                     limit="max_position_embeddings")
     for key in ("short_factor", "long_factor"):
         values = rope.get(key)
         if values is not None and not (

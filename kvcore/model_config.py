@@ -27,13 +27,13 @@ SIZE_LIMITS = {
 MAX_PARAMETERS = 1 << 42
 
 
-def checked_size(name: str, value: Any, where: str = "model config") -> int:
-    """``value`` as a size field ``name``: an integer in ``1 .. SIZE_LIMITS[name]``; ModelLoadError naming
-    ``where`` and the field otherwise."""
+def checked_size(name: str, value: Any, where: str = "model config", limit: str | None = None) -> int:
+    """``value`` as a size field ``name``: an integer in ``1 .. SIZE_LIMITS[limit or name]``; ModelLoadError
+    naming ``where`` and the field otherwise."""
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ModelLoadError(f"{where}: {name} must be a positive integer, got {_short(value)}")
-    if value > SIZE_LIMITS[name]:
-        raise ModelLoadError(f"{where}: {name} = {value} is beyond kvcore's limit of {SIZE_LIMITS[name]}")
+    if value > SIZE_LIMITS[limit or name]:
+        raise ModelLoadError(f"{where}: {name} = {value} is beyond kvcore's limit of {SIZE_LIMITS[limit or name]}")
     return value
 
 

@@ -16,7 +16,7 @@ against the bytes that remain *before* anything is read or allocated, in the spi
   aligned, inside the file, and no two tensors overlapping.
 
 Walking the 49k-token vocabulary of the embedded SmolLM2 file is a loop over ~100k length prefixes
-(README, "Hostile inputs", has the measured cost). Every failure is a :class:`GGUFFormatError` naming
+(README, "Hostile model files", has the measured cost). Every failure is a :class:`GGUFFormatError` naming
 the file, the place and what is wrong.
 """
 
@@ -68,7 +68,6 @@ _MIN_TENSOR_INFO_BYTES = 8 + 4 + 8 + 4 + 8  # name length, n_dims, one dim, type
 
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
-_I64 = struct.Struct("<q")
 
 
 class GGUFFormatError(ModelLoadError):
