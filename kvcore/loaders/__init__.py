@@ -22,7 +22,7 @@ from kvcore.tokenizer import Tokenizer
 
 __all__ = [
     "LoadedModel", "load_model", "build_model", "expected_shapes", "stored_tensors", "split_rows", "check_layer_count",
-    "DEFAULT_MODEL",
+    "check_finite", "DEFAULT_MODEL",
 ]
 
 #: the spec :func:`load_model` uses when given none
@@ -148,9 +148,23 @@ def load_model(spec: str = DEFAULT_MODEL) -> LoadedModel:
     Raises ModelNotFoundError when ``spec`` names nothing loadable, ModelLoadError when the files are
     broken or describe a model kvcore cannot run.
     """
+    spec = str(spec)  # tolerate a pathlib.Path
+    return check_finite(_load(spec))
+
+
+def check_finite(loaded: LoadedModel) -> LoadedModel:
+    """``loaded``, after making sure no weight holds NaN or infinity (a file that does loads and then
+    generates garbage, e.g. token 0 over and over). One sum per tensor finds them (NaN and inf propagate);
+    only a non-finite sum pays for the element-wise check that names the tensor."""
+    for name, weight in loaded.weights.items():
+        if not torch.isfinite(weight.sum()) and not bool(torch.isfinite(weight).all()):
+            raise ModelLoadError(f"'{loaded.source}': tensor '{name}' holds NaN or infinite values")
+    return loaded
+
+
+def _load(spec: str) -> LoadedModel:
     # loaders are imported here, not at the top, so `import kvcore.loaders` stays light and each
     # loader module can import LoadedModel from this package without a cycle
-    spec = str(spec)  # tolerate a pathlib.Path
     if spec.strip().lower() == DEFAULT_MODEL:
         from kvcore.loaders.gguf import load_gguf
         from kvcore.loaders.resolve import SMOLLM2_DISPLAY_NAME, smollm2_path

@@ -13,7 +13,7 @@ import json
 import struct
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -112,6 +112,13 @@ def tiny_weights(seed: int = 0) -> dict[str, np.ndarray]:
     return out
 
 
+def _poisoned(value: float) -> dict[str, np.ndarray]:
+    """The tiny weights with one value of layer 0's down projection replaced (NaN or inf)."""
+    weights = tiny_weights()
+    weights["blk.0.ffn_down.weight"][3, 5] = value
+    return weights
+
+
 def base_meta(template: str | bytes = TEMPLATE, **llama: tuple[int, Any]) -> list[tuple[Any, int, Any]]:
     """Metadata of the tiny llama model; ``llama`` overrides ``llama.*`` keys as ``key=(type, value)``
     (dots in keys written as ``__``)."""
@@ -179,7 +186,6 @@ class Case:
     op: str = "load"
     user: int | None = None  # run as this uid (a permission case, when the tests run as root)
     verify: str | None = None  # a check of run_cases.VERIFY for a case that must work
-    notes: dict[str, Any] = field(default_factory=dict)
 
 
 def _gguf(spec_or_bytes: GGUFSpec | bytes | Callable[[], GGUFSpec | bytes]) -> Callable[[Path], Path]:
@@ -356,6 +362,8 @@ def gguf_cases() -> list[Case]:
             s, "tokenizer.ggml.model", STR, "gpt2"), "tokenizer.ggml.merges", ARR, (U32, [1, 2])))),
              match="array of str"),
         Case("gguf_unreadable", _gguf_unreadable, match="Permission denied", user=65534),
+        Case("gguf_nan_weights", _gguf(lambda: GGUFSpec(base_meta(), base_tensors(_poisoned(np.nan)))),
+             match="'model.layers.0.mlp.down_proj.weight' holds NaN or infinite"),
         Case("gguf_context_1e8", _gguf(_patched(lambda s: _set_meta(s, "llama.context_length", U32, 10**8))),
              error=None, op="generate"),
         Case("gguf_template_hang", _gguf(lambda: GGUFSpec(base_meta(template=HANG_TEMPLATE), base_tensors())),
@@ -396,6 +404,12 @@ def hf_weights() -> dict[str, np.ndarray]:
         else:
             out[names[stem] + ".weight"] = value
     return out
+
+
+def _hf_poisoned(value: float) -> dict[str, np.ndarray]:
+    weights = hf_weights()
+    weights["model.layers.1.self_attn.o_proj.weight"][0, 0] = value
+    return weights
 
 
 def safetensors_bytes(tensors: dict[str, np.ndarray], header_edit: Callable[[dict], None] | None = None) -> bytes:
@@ -468,6 +482,8 @@ def hf_cases() -> list[Case]:
              match="safetensors"),
         Case("hf_st_unknown_dtype", _hf(weights=_st(_st_entry(q, dtype="Q4")))),
         Case("hf_st_int_dtype", _hf(weights=_st(_st_entry(q, dtype="I32"))), match="unsupported dtype"),
+        Case("hf_inf_weights", _hf(weights=safetensors_bytes(_hf_poisoned(np.inf))),
+             match="'model.layers.1.self_attn.o_proj.weight' holds NaN or infinite"),
         Case("hf_wrong_shape", _hf(config=hf_config(intermediate_size=48)), match="has shape"),
         Case("hf_config_not_object", _hf(config_raw=b"[1, 2, 3]"), match="JSON object"),
         Case("hf_config_bad_json", _hf(config_raw=b"{\"vocab_size\": 40,"), match="not valid JSON"),
