@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -100,17 +101,33 @@ def test_a_lying_context_length_changes_nothing(corpus) -> None:
         assert results[huge]["detail"]["token_ids"] == results[valid]["detail"]["token_ids"]
 
 
-def _kvcore(*args: str) -> tuple[int, str, str, int]:
+#: runs ``kvcore.cli.main`` and, at exit, writes the process's peak RSS (VmHWM, KiB) to a file: measured
+#: inside the process, because the rusage of a forked child also counts the pages of the pytest parent it
+#: was forked from
+_PEAK_WRAPPER = """
+import atexit, os, sys
+from kvcore.cli import main
+
+def _peak():
+    with open("/proc/self/status") as status:
+        hwm = next(line.split()[1] for line in status if line.startswith("VmHWM:"))
+    with open(os.environ["KVCORE_TEST_PEAK_FILE"], "w") as out:
+        out.write(hwm)
+
+atexit.register(_peak)
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def _kvcore(*args: str, peak_file: Path) -> tuple[int, str, str, int]:
     """``kvcore ARGS`` in a fresh process: exit code, stdout, stderr and peak resident memory in bytes."""
-    proc = subprocess.Popen([sys.executable, "-m", "kvcore.cli", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    timer = threading.Timer(CLI_TIMEOUT_S, proc.kill)
-    timer.start()
-    out, err = proc.stdout.read(), proc.stderr.read()
-    _, status, usage = os.wait4(proc.pid, 0)  # this child's own peak RSS (RUSAGE_CHILDREN would mix in others)
-    timer.cancel()
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    return proc.returncode, out, err, usage.ru_maxrss * 1024
+    def cap_address_space() -> None:  # a safety net only: the peak is what the test asserts on
+        resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "KVCORE_TEST_PEAK_FILE": str(peak_file)}
+    proc = subprocess.run([sys.executable, "-c", _PEAK_WRAPPER, *args], capture_output=True, text=True, env=env,
+                          timeout=CLI_TIMEOUT_S, preexec_fn=cap_address_space)
+    return proc.returncode, proc.stdout, proc.stderr, int(peak_file.read_text()) * 1024
 
 
 #: corpus case, command, exit code (README's table), what stderr must say
@@ -130,8 +147,10 @@ def cli_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[int, s
 
     def run(case: tuple[str, str, int, str]) -> tuple[int, str, str, int]:
         name, command = case[:2]
-        path = CASES[name].build(tmp_path_factory.mktemp(name))
-        return _kvcore(command, "--model", str(path), "--max-new-tokens", "4", "--json", "a th")
+        where = tmp_path_factory.mktemp(name)
+        path = CASES[name].build(where)
+        return _kvcore(command, "--model", str(path), "--max-new-tokens", "4", "--json", "a th",
+                       peak_file=where / "peak_kib")
 
     with ThreadPoolExecutor(3) as pool:
         return dict(zip((c[0] for c in CLI_CASES), pool.map(run, CLI_CASES)))
