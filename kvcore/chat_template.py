@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import ctypes
 import json
+import re
+import string
 import threading
-from collections.abc import Sized
+from collections.abc import Iterable, Sized
 from datetime import datetime
 from typing import Any
 
@@ -67,13 +69,37 @@ def _check_widths(name: str, args: tuple, kwargs: dict) -> None:
             raise _too_big(f"asks {name} for a width", value)
 
 
-def _check_format(spec: str) -> None:
-    """Padding widths and precisions in a ``%`` / ``str.format`` spec: every run of digits bounds a width."""
-    number = 0
-    for ch in spec:
-        number = number * 10 + ord(ch) - 48 if ch.isdigit() and ch.isascii() else 0
-        if number > MAX_TEMPLATE_CHARS:
-            raise _too_big("formats a field", number)
+#: a ``%`` conversion's width and precision (``%-10.3f``, ``%(name)5s``)
+_PERCENT_FIELD = re.compile(r"%(?:\([^)]*\))?[#0\- +]*(\*|\d*)(?:\.(\*|\d*))?")
+_DIGITS = re.compile(r"\d+")
+
+
+def _check_widths_in(numbers: Iterable[str]) -> None:
+    for digits in numbers:
+        # compare lengths first: int() of a 5000-digit run would itself be slow (and refused)
+        if digits and (len(digits) > 9 or int(digits) > MAX_TEMPLATE_CHARS):
+            raise _too_big("formats a field to a width", int(digits[:12]))
+
+
+def _check_percent_format(spec: str, args: Any) -> None:
+    """Widths and precisions of ``spec % args`` (literal digits elsewhere in the text are no widths); a
+    ``*`` takes them from ``args``."""
+    numbers = [n for m in _PERCENT_FIELD.finditer(spec) for n in m.groups() if n]
+    _check_widths_in(n for n in numbers if n != "*")
+    if "*" in numbers:
+        _check_widths("a '*' width", args if isinstance(args, tuple) else (args,), {})
+
+
+def _check_str_format(spec: str, args: tuple, kwargs: dict) -> None:
+    """Widths and precisions in the replacement fields of ``spec.format(*args, **kwargs)``; a nested field
+    (``{0:{1}}``) takes them from the arguments."""
+    try:
+        fields = [f[2] for f in string.Formatter().parse(spec) if f[2]]
+    except ValueError:
+        return  # malformed: str.format itself raises
+    _check_widths_in(n for f in fields for n in _DIGITS.findall(f))
+    if any("{" in f for f in fields):
+        _check_widths("a nested format width", args, kwargs)
 
 
 def _check_binop(operator: str, left: Any, right: Any) -> None:
@@ -84,7 +110,7 @@ def _check_binop(operator: str, left: Any, right: Any) -> None:
     elif operator == "+" and _size(left) + _size(right) > MAX_TEMPLATE_CHARS:
         raise _too_big("concatenates values to a size", _size(left) + _size(right))
     elif operator == "%" and isinstance(left, str):
-        _check_format(left)
+        _check_percent_format(left, right)
     elif operator == "**" and isinstance(right, (int, float)) and abs(right) > 1024:
         raise ChatTemplateError(f"the model's chat template raises to the power {right} (limit 1024)")
 
@@ -110,6 +136,10 @@ class _BoundedEnvironment(ImmutableSandboxedEnvironment):
         for value in (*args, *kwargs.values()):
             _check_value(value, "passes a value")
         owner, name = getattr(obj, "__self__", None), getattr(obj, "__name__", "")
+        wrapped = getattr(getattr(obj, "__wrapped__", None), "__self__", None)  # the sandbox's str.format
+        if isinstance(wrapped, str) and name in ("format", "format_map"):
+            mapping = args[0] if name == "format_map" and args and isinstance(args[0], dict) else kwargs
+            _check_str_format(wrapped, args if name == "format" else (), mapping)
         if isinstance(owner, str):
             if name in _WIDTH_METHODS:
                 _check_widths(f"str.{name}", args, kwargs)
@@ -123,7 +153,7 @@ class _BoundedEnvironment(ImmutableSandboxedEnvironment):
         if isinstance(getattr(value, "__self__", None), str) and getattr(value, "__name__", "") in (
             "format", "format_map"
         ):
-            _check_format(value.__self__)
+            _check_str_format(value.__self__, (), {})
         return super().wrap_str_format(value)
 
 
@@ -135,7 +165,7 @@ def _bounded_filter(name: str, inner: Any) -> Any:
         if name in _WIDTH_METHODS or name == "tojson":
             _check_widths(f"the '{name}' filter", args[1:], kwargs)
         elif name == "format" and args and isinstance(args[0], str):
-            _check_format(args[0])
+            _check_percent_format(args[0], args[1:] or kwargs)  # Jinja's format filter is ``value % args``
         elif name == "join" and args and isinstance(args[0], Sized):
             sep = args[1] if len(args) > 1 else kwargs.get("d", "")
             if _size(sep) * len(args[0]) > MAX_TEMPLATE_CHARS:

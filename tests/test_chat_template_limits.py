@@ -25,6 +25,10 @@ AMPLIFIERS = {
     "percent_format": f"{{{{ '%{BIG}d' % 1 }}}}",
     "format_filter": f"{{{{ '%{BIG}d'|format(1) }}}}",
     "str_format": f"{{{{ '{{:>{BIG}}}'.format(1) }}}}",
+    "star_width": f"{{{{ '%*d' % ({BIG}, 1) }}}}",
+    "star_precision": f"{{{{ '%.*f' % ({BIG}, 1.0) }}}}",
+    "nested_format_width": f"{{{{ '{{0:{{1}}}}'.format(1, {BIG}) }}}}",
+    "format_map_width": f"{{{{ '{{0:{{w}}}}'.format_map({{'w': {BIG}}}) }}}}",
     "join_filter": "{{ ('x' * 1000000)|join('y' * 100) }}",
     "join_method": "{{ ('y' * 100).join('x' * 1000000) }}",
     "replace_filter": "{{ ('x' * 1000000)|replace('x', 'y' * 100) }}",
@@ -95,6 +99,7 @@ def test_ordinary_templates_render_unchanged() -> None:
         "{% set ns = namespace(n=0) %}{% for m in messages %}{% set ns.n = ns.n + 1 %}"
         "<|{{ m.role }}|>{{ m.content | trim | center(8) }}{{ '%03d' % ns.n }}{{ '{:>4}'.format(loop.index) }}"
         "{{ [m.role, m.content] | join(',') }}{{ m | tojson }}{% endfor %}{{ 'x' * 3 }}{{ 2 ** 10 }}"
+        "{{ 'Cutoff 20231201, %s' % 'ok' }}{{ '{}'.format(10 ** 9) }}{{ '%*d|{0:{1}}' % (4, 2) }}"
     )
     messages = [{"role": "user", "content": " hi "}, {"role": "assistant", "content": "yo"}]
     plain = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
