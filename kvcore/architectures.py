@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 
 from kvcore.errors import ModelLoadError, PluginError
-from kvcore.model_config import ModelConfig
+from kvcore.model_config import ModelConfig, checked_number, checked_size
 from kvcore.rope import RopeScaling
 
 if TYPE_CHECKING:
@@ -85,37 +85,42 @@ class Architecture:
     def config_from_hf(cls, cfg: dict[str, Any], eos: Any, where: str) -> ModelConfig:
         """The ModelConfig of a ``config.json`` dict; ``eos`` from generation_config.json when it has one."""
         cfg = {**cls.hf_defaults, **{k: v for k, v in cfg.items() if v is not None}}
+        at = f"'{where}': config.json"
 
-        def need(key: str) -> Any:
-            if key not in cfg:
-                raise ModelLoadError(f"'{where}': config.json has no '{key}'")
-            return cfg[key]
+        def size(key: str, default: Any = None) -> int:
+            # checked before anything (a family's per-layer option tuples included) is sized by it
+            if key not in cfg and default is None:
+                raise ModelLoadError(f"{at} has no '{key}'")
+            value = cfg.get(key)
+            return checked_size(key, value if value or default is None else default, at)
 
-        hidden, heads = need("hidden_size"), need("num_attention_heads")
-        if not isinstance(hidden, int) or not isinstance(heads, int) or heads <= 0:
-            raise ModelLoadError(f"'{where}': config.json hidden_size / num_attention_heads must be integers")
+        hidden, heads, layers = size("hidden_size"), size("num_attention_heads"), size("num_hidden_layers")
         if cfg.get("mlp_bias"):
-            raise ModelLoadError(f"'{where}': unsupported: mlp_bias is true (MLP biases)")
-        rope = dict(cfg.get("rope_parameters") or {})  # transformers >= 5; older files: rope_scaling + rope_theta
-        rope.update(cfg.get("rope_scaling") or {})
+            raise ModelLoadError(f"{at}: unsupported: mlp_bias is true (MLP biases)")
+        rope: dict[str, Any] = {}  # transformers >= 5: rope_parameters; older files: rope_scaling + rope_theta
+        for key in ("rope_parameters", "rope_scaling"):
+            if not isinstance(cfg.get(key) or {}, dict):
+                raise ModelLoadError(f"{at}: '{key}' must be an object, got {type(cfg[key]).__name__}")
+            rope.update(cfg.get(key) or {})
         if rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) not in (None, 1, 1.0):
-            raise ModelLoadError(f"'{where}': unsupported: partial_rotary_factor < 1 (partial RoPE)")
+            raise ModelLoadError(f"{at}: unsupported: partial_rotary_factor < 1 (partial RoPE)")
         scaling = hf_rope_scaling(rope, cfg, where)
+        theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
         options = {"architecture": cls.name, "hidden_act": cfg.get("hidden_act", "silu")}
         options.update({**cls.options, **cls.hf_options(cfg)})
         return ModelConfig(
-            vocab_size=need("vocab_size"),
+            vocab_size=size("vocab_size"),
             hidden_size=hidden,
-            intermediate_size=need("intermediate_size"),
-            num_hidden_layers=need("num_hidden_layers"),
+            intermediate_size=size("intermediate_size"),
+            num_hidden_layers=layers,
             num_attention_heads=heads,
-            num_key_value_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or hidden // heads,
-            max_position_embeddings=need("max_position_embeddings"),
-            rms_norm_eps=float(cfg["rms_norm_eps"]),
-            rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
+            num_key_value_heads=size("num_key_value_heads", heads),
+            head_dim=size("head_dim", max(hidden // heads, 1)),
+            max_position_embeddings=size("max_position_embeddings"),
+            rms_norm_eps=checked_number("rms_norm_eps", cfg["rms_norm_eps"], at),
+            rope_theta=checked_number("rope_theta", theta, at),
             rope_scaling=scaling,
-            tie_word_embeddings=bool(cfg["tie_word_embeddings"]),
+            tie_word_embeddings=_flag(cfg, "tie_word_embeddings", at),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=eos if eos is not None else cfg.get("eos_token_id"),
             **options,
@@ -147,6 +152,19 @@ def hf_rope_scaling(rope: dict[str, Any], cfg: dict[str, Any], where: str) -> Ro
     if kind == "su":  # Phi-3's first name for longrope
         kind = "longrope"
     original = rope.get("original_max_position_embeddings", cfg.get("original_max_position_embeddings"))
+    for key in ("factor", "low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
+                "attention_factor"):
+        if rope.get(key) is not None:
+            checked_number(key, rope[key], f"'{where}': config.json rope scaling", positive=False)
+    if original is not None:
+        checked_size("original_max_position_embeddings", original, f"'{where}': config.json rope scaling",
+                     limit="max_position_embeddings")
+    for key in ("short_factor", "long_factor"):
+        values = rope.get(key)
+        if values is not None and not (
+            isinstance(values, list) and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
+        ):
+            raise ModelLoadError(f"'{where}': config.json rope scaling {key} must be a list of numbers")
     fields = {
         "factor": rope.get("factor"),
         "original_max_position_embeddings": original,
@@ -171,6 +189,14 @@ def hf_rope_scaling(rope: dict[str, Any], cfg: dict[str, Any], where: str) -> Ro
         raise ModelLoadError(f"'{where}': {exc}") from None
     except TypeError as exc:
         raise ModelLoadError(f"'{where}': malformed rope scaling {rope!r}: {exc}") from None
+
+
+def _flag(cfg: dict[str, Any], key: str, where: str) -> bool:
+    """A config.json boolean; a string such as "no" must not silently read as true."""
+    value = cfg[key]
+    if not isinstance(value, bool):
+        raise ModelLoadError(f"{where}: {key} must be true or false, got {value!r:.60}")
+    return value
 
 
 def layer_types_window(cfg: dict[str, Any], default_all: bool) -> dict[str, Any]:

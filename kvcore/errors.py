@@ -20,6 +20,7 @@ __all__ = [
     "SamplerError",
     "OutOfBlocksError",
     "ContextLengthError",
+    "ChatTemplateError",
     "RequestAbortedError",
     "TensorParallelError",
 ]
@@ -44,6 +45,11 @@ class InvalidRequestError(ConfigError):
 
 class ContextLengthError(InvalidRequestError):
     """Prompt plus requested new tokens do not fit the model's context window or the cache."""
+
+
+class ChatTemplateError(ConfigError):
+    """The model's chat template is not valid Jinja, or rendering it hit the time or size limit
+    (:mod:`kvcore.chat_template`)."""
 
 
 class ModelLoadError(KVCoreError):

@@ -2,12 +2,53 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import Any
 
 from kvcore.errors import ModelLoadError
 from kvcore.rope import RopeScaling
 
-__all__ = ["ModelConfig"]
+__all__ = ["ModelConfig", "SIZE_LIMITS", "MAX_PARAMETERS", "checked_size", "checked_number"]
+
+#: upper bound of each size field: far above any released checkpoint (vocabularies ~256k, widths ~16k,
+#: ~130 layers, 128 heads, head_dim 256), low enough that a hostile value fails before anything is sized by it
+SIZE_LIMITS = {
+    "vocab_size": 1 << 22,
+    "hidden_size": 1 << 17,
+    "intermediate_size": 1 << 20,
+    "num_hidden_layers": 1 << 12,
+    "num_attention_heads": 1 << 12,
+    "num_key_value_heads": 1 << 12,
+    "head_dim": 1 << 12,
+    "max_position_embeddings": 1 << 31,
+}
+#: upper bound of the parameter count a config implies (4 T)
+MAX_PARAMETERS = 1 << 42
+
+
+def checked_size(name: str, value: Any, where: str = "model config", limit: str | None = None) -> int:
+    """``value`` as a size field ``name``: an integer in ``1 .. SIZE_LIMITS[limit or name]``; ModelLoadError
+    naming ``where`` and the field otherwise."""
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ModelLoadError(f"{where}: {name} must be a positive integer, got {_short(value)}")
+    if value > SIZE_LIMITS[limit or name]:
+        raise ModelLoadError(f"{where}: {name} = {value} is beyond kvcore's limit of {SIZE_LIMITS[limit or name]}")
+    return value
+
+
+def checked_number(name: str, value: Any, where: str = "model config", positive: bool = True) -> float:
+    """``value`` as a finite float (``> 0`` when ``positive``); ModelLoadError naming the field otherwise."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ModelLoadError(f"{where}: {name} must be a finite number, got {_short(value)}")
+    if positive and value <= 0:
+        raise ModelLoadError(f"{where}: {name} must be > 0, got {value!r}")
+    return float(value)
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 @dataclass(frozen=True)
@@ -59,9 +100,33 @@ class ModelConfig:
             "max_position_embeddings",
         )
         for name in positive:
+            checked_size(name, getattr(self, name))
+        checked_number("rms_norm_eps", self.rms_norm_eps)
+        checked_number("rope_theta", self.rope_theta)
+        if self.head_dim % 2:
+            raise ModelLoadError(f"model config: head_dim ({self.head_dim}) must be even (RoPE rotates pairs)")
+        checked_number("norm_offset", self.norm_offset, positive=False)
+        optional = ("embedding_multiplier", "query_pre_attn_scalar", "final_logit_softcapping",
+                    "attn_logit_softcapping")
+        for name in optional:
+            if getattr(self, name) is not None:
+                checked_number(name, getattr(self, name))
+        window = self.sliding_window
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window <= 0):
+            raise ModelLoadError(f"model config: sliding_window must be a positive integer, got {_short(window)}")
+        for name in ("bos_token_id", "eos_token_id"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise ModelLoadError(f"model config: {name} must be a positive integer, got {value!r}")
+            for token in value if isinstance(value, (list, tuple)) else [value]:
+                if token is not None and (
+                    isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < self.vocab_size
+                ):
+                    raise ModelLoadError(
+                        f"model config: {name} {_short(token)} is not a token id (0 to {self.vocab_size - 1})"
+                    )
+        if self.num_parameters() > MAX_PARAMETERS:
+            raise ModelLoadError(
+                f"model config: the sizes imply {self.num_parameters()} parameters (limit {MAX_PARAMETERS})"
+            )
         if self.num_attention_heads % self.num_key_value_heads:
             raise ModelLoadError(
                 f"model config: num_attention_heads ({self.num_attention_heads}) is not a multiple of "
@@ -72,6 +137,13 @@ class ModelConfig:
             raise ModelLoadError(
                 f"model config: unsupported hidden_act '{self.hidden_act}' (supported: silu, gelu_pytorch_tanh)"
             )
+
+    def num_parameters(self) -> int:
+        """Parameters the sizes imply (embeddings, head and the layers' projections; norms and biases left
+        out): what a config promises before any tensor is read."""
+        d, q, kv = self.hidden_size, self.num_attention_heads * self.head_dim, self.num_key_value_heads * self.head_dim
+        per_layer = d * (2 * q + 2 * kv) + 3 * d * self.intermediate_size
+        return self.vocab_size * d * (1 if self.tie_word_embeddings else 2) + self.num_hidden_layers * per_layer
 
     def layer_window(self, layer: int) -> int | None:
         """The sliding window of decoder layer ``layer`` (None: it attends to the whole sequence)."""

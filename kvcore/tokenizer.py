@@ -17,7 +17,7 @@ from typing import Any
 import jinja2
 import tokenizers
 
-from kvcore.chat_template import TemplateRaised, compile_template
+from kvcore.chat_template import TemplateRaised, compile_template, render_template
 from kvcore.errors import ConfigError, InvalidRequestError, ModelLoadError
 from kvcore.stream_decoder import StreamDecoder
 from kvcore.vocab import byte_level_bpe, sentencepiece_bpe
@@ -289,7 +289,8 @@ class Tokenizer:
         bos = self._bos_token_id
         eos = self._eos_token_ids[0] if self._eos_token_ids else None
         try:
-            return template.render(
+            return render_template(
+                template,
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.id_to_token(bos) if bos is not None else "",

@@ -9,6 +9,8 @@ know where a model came from. :func:`build_model` turns it into a :class:`~kvcor
 
 from __future__ import annotations
 
+import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,7 +21,8 @@ from kvcore.model_config import ModelConfig
 from kvcore.tokenizer import Tokenizer
 
 __all__ = [
-    "LoadedModel", "load_model", "build_model", "expected_shapes", "stored_tensors", "split_rows", "DEFAULT_MODEL"
+    "LoadedModel", "load_model", "build_model", "expected_shapes", "stored_tensors", "split_rows", "check_layer_count",
+    "check_finite", "DEFAULT_MODEL",
 ]
 
 #: the spec :func:`load_model` uses when given none
@@ -81,6 +84,21 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def check_layer_count(config: ModelConfig, names: Iterable[str], layer_prefix: str, where: str) -> None:
+    """The layers the file's tensor names number (``layer_prefix`` with ``{i}``, e.g. ``blk.{i}.``) must be
+    ``0 .. num_hidden_layers - 1``: the config is compared with the file before per-layer tables are built
+    from it, so a layer count the file does not back fails with one line naming both.
+    """
+    head, _, tail = layer_prefix.partition("{i}")
+    pattern = re.compile(re.escape(head) + r"(\d{1,9})" + re.escape(tail))
+    found = {int(m.group(1)) for m in map(pattern.match, names) if m}
+    expected = config.num_hidden_layers
+    if found != set(range(expected)):
+        extra = sorted(found - set(range(expected)))
+        detail = f"layer {extra[0]} is beyond them" if extra else f"only {len(found)} of them have tensors"
+        raise ModelLoadError(f"{where}: the config declares {expected} layers but {detail}")
+
+
 def stored_tensors(
     shapes: dict[str, tuple[int, ...]],
     num_layers: int,
@@ -130,9 +148,23 @@ def load_model(spec: str = DEFAULT_MODEL) -> LoadedModel:
     Raises ModelNotFoundError when ``spec`` names nothing loadable, ModelLoadError when the files are
     broken or describe a model kvcore cannot run.
     """
+    spec = str(spec)  # tolerate a pathlib.Path
+    return check_finite(_load(spec))
+
+
+def check_finite(loaded: LoadedModel) -> LoadedModel:
+    """``loaded``, after making sure no weight holds NaN or infinity (a file that does loads and then
+    generates garbage, e.g. token 0 over and over). One sum per tensor finds them (NaN and inf propagate);
+    only a non-finite sum pays for the element-wise check that names the tensor."""
+    for name, weight in loaded.weights.items():
+        if not torch.isfinite(weight.sum()) and not bool(torch.isfinite(weight).all()):
+            raise ModelLoadError(f"'{loaded.source}': tensor '{name}' holds NaN or infinite values")
+    return loaded
+
+
+def _load(spec: str) -> LoadedModel:
     # loaders are imported here, not at the top, so `import kvcore.loaders` stays light and each
     # loader module can import LoadedModel from this package without a cycle
-    spec = str(spec)  # tolerate a pathlib.Path
     if spec.strip().lower() == DEFAULT_MODEL:
         from kvcore.loaders.gguf import load_gguf
         from kvcore.loaders.resolve import SMOLLM2_DISPLAY_NAME, smollm2_path

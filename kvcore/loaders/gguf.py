@@ -28,9 +28,10 @@ from gguf import GGMLQuantizationType as QType
 
 from kvcore.architectures import Architecture, f32, for_gguf_arch
 from kvcore.errors import ModelLoadError, ModelNotFoundError
-from kvcore.loaders import LoadedModel, expected_shapes, split_rows, stored_tensors
+from kvcore.loaders import LoadedModel, check_layer_count, expected_shapes, split_rows, stored_tensors
 from kvcore.loaders.gguf_tokenizer import gguf_tokenizer
-from kvcore.model_config import ModelConfig
+from kvcore.loaders.gguf_validate import validate_gguf
+from kvcore.model_config import ModelConfig, checked_number, checked_size
 from kvcore.rope import RopeScaling
 from kvcore.tokenizer import Tokenizer
 
@@ -90,6 +91,7 @@ def _open(path: Path) -> tuple[_Reader, dict[str, Any]]:
     """The reader and its metadata as Python values; ModelLoadError for anything unreadable."""
     if not path.is_file():
         raise ModelNotFoundError(f"GGUF file '{path}' not found")
+    validate_gguf(path)  # the reader trusts every count and offset in the file: bound them first
     try:
         reader = _Reader(path)
         metadata = {name: field.contents() for name, field in reader.fields.items()}
@@ -112,33 +114,43 @@ def _config(metadata: dict[str, Any], path: Path) -> tuple[type[Architecture], d
             raise ModelLoadError(f"'{path}': GGUF metadata key '{name}.{key}' is missing")
         return value
 
+    where = f"'{path}': GGUF metadata"
+
+    def size(field: str, key: str, default: Any = None) -> int:
+        # bounded before anything (a family's per-layer option tuples included) is sized by it
+        return checked_size(field, get(key, default), f"{where} '{name}.{key}' ({field})")
+
+    def number(field: str, key: str, default: float) -> float:
+        return f32(checked_number(field, get(key, default), f"{where} '{name}.{key}' ({field})"))
+
     if meta.get("expert_count"):
         raise ModelLoadError(f"'{path}': unsupported: mixture-of-experts {name} models")
-    hidden = int(get("embedding_length"))
-    heads = int(get("attention.head_count"))
-    head_dim = int(meta.get("attention.key_length") or hidden // heads)
-    value_dim = int(meta.get("attention.value_length") or head_dim)
-    rope_dim = int(meta.get("rope.dimension_count") or head_dim)
+    hidden = size("hidden_size", "embedding_length")
+    heads = size("num_attention_heads", "attention.head_count")
+    head_dim = size("head_dim", "attention.key_length", max(hidden // heads, 1))
+    value_dim = size("head_dim", "attention.value_length", head_dim)
+    rope_dim = size("head_dim", "rope.dimension_count", head_dim)
     if value_dim != head_dim or rope_dim != head_dim:
         raise ModelLoadError(
             f"'{path}': unsupported attention shape (key {head_dim}, value {value_dim}, rotary {rope_dim}"
             " dims); kvcore needs them equal"
         )
-    vocab = meta.get("vocab_size") or len(metadata.get("tokenizer.ggml.tokens") or ())
+    tokens = metadata.get("tokenizer.ggml.tokens")
+    vocab = meta.get("vocab_size") or (len(tokens) if isinstance(tokens, list) else None)
     bos = metadata.get("tokenizer.ggml.bos_token_id")
     eos = metadata.get("tokenizer.ggml.eos_token_id")
     fields: dict[str, Any] = dict(
         architecture=arch.name,
-        vocab_size=int(vocab),
+        vocab_size=size("vocab_size", "vocab_size", vocab),
         hidden_size=hidden,
-        intermediate_size=int(get("feed_forward_length")),
-        num_hidden_layers=int(get("block_count")),
+        intermediate_size=size("intermediate_size", "feed_forward_length"),
+        num_hidden_layers=size("num_hidden_layers", "block_count"),
         num_attention_heads=heads,
-        num_key_value_heads=int(get("attention.head_count_kv", heads)),
+        num_key_value_heads=size("num_key_value_heads", "attention.head_count_kv", heads),
         head_dim=head_dim,
-        max_position_embeddings=int(get("context_length")),
-        rms_norm_eps=f32(get("attention.layer_norm_rms_epsilon", 1e-5)),
-        rope_theta=f32(get("rope.freq_base", 10000.0)),
+        max_position_embeddings=size("max_position_embeddings", "context_length"),
+        rms_norm_eps=number("rms_norm_eps", "attention.layer_norm_rms_epsilon", 1e-5),
+        rope_theta=number("rope_theta", "rope.freq_base", 10000.0),
         bos_token_id=int(bos) if bos is not None else None,
         eos_token_id=int(eos) if eos is not None else None,
         **arch.options,
@@ -215,8 +227,11 @@ def load_gguf(path: str | os.PathLike[str], name: str | None = None) -> LoadedMo
     # llama.cpp has no metadata key for projection biases: the tensors are the declaration
     fields["attention_bias"] = fields.get("attention_bias", False) or "blk.0.attn_q.bias" in tensors
     fields["attention_output_bias"] = "blk.0.attn_output.bias" in tensors
-    config = ModelConfig(**fields)
-
+    try:
+        config = ModelConfig(**fields)
+    except ModelLoadError as exc:
+        raise ModelLoadError(f"'{path}': {exc}") from None
+    check_layer_count(config, tensors, "blk.{i}.", f"'{path}'")
     shapes = expected_shapes(config)
     stored = stored_tensors(shapes, config.num_hidden_layers, arch.layer_names("gguf"), "blk.{i}.", _GLOBAL_NAMES)
     for gguf_name in tensors:
@@ -294,5 +309,7 @@ def _checked(build: Callable[[dict[str, Any], Path], T], metadata: dict[str, Any
     """``build(metadata, path)``, with a metadata value of the wrong type reported as ModelLoadError."""
     try:
         return build(metadata, path)
+    except ModelLoadError as exc:  # a message from deeper down (tokenizer, RoPE) may not name the file yet
+        raise exc if str(path) in str(exc) else ModelLoadError(f"'{path}': {exc}") from None
     except (ValueError, TypeError) as exc:
         raise ModelLoadError(f"'{path}': malformed GGUF metadata: {exc}") from None

@@ -25,13 +25,16 @@ from safetensors import SafetensorError, safe_open
 
 from kvcore.architectures import Architecture, for_hf_config
 from kvcore.errors import ModelLoadError, ModelNotFoundError
-from kvcore.loaders import LoadedModel, expected_shapes, split_rows, stored_tensors
+from kvcore.loaders import LoadedModel, check_layer_count, expected_shapes, split_rows, stored_tensors
 from kvcore.model_config import ModelConfig
 from kvcore.tokenizer import Tokenizer
 
 __all__ = ["load_hf_dir"]
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+#: largest JSON side file read (config.json, tokenizer_config.json, the shard index...): real ones are KBs
+MAX_JSON_BYTES = 64 * 1024 * 1024
 
 #: checkpoint entries that are buffers, not parameters (old Llama checkpoints saved RoPE's inv_freq)
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -43,12 +46,41 @@ def _read_json(path: Path, required: bool = True) -> dict[str, Any] | None:
             raise ModelLoadError(f"'{path.parent}' has no {path.name}: not a Hugging Face model directory")
         return None
     try:
+        if path.stat().st_size > MAX_JSON_BYTES:
+            raise ModelLoadError(f"'{path}' is larger than {MAX_JSON_BYTES} bytes; is it really {path.name}?")
         data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ModelLoadError(f"cannot read '{path}': {exc}") from None
+    except OSError as exc:
+        raise ModelLoadError(f"cannot read '{path}': {exc.strerror or exc}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ModelLoadError(f"'{path}' is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise ModelLoadError(f"'{path}' nests JSON too deeply") from None
     if not isinstance(data, dict):
         raise ModelLoadError(f"'{path}' must hold a JSON object")
     return data
+
+
+def _read_text(path: Path) -> str:
+    try:
+        if path.stat().st_size > MAX_JSON_BYTES:
+            raise ModelLoadError(f"'{path}' is larger than {MAX_JSON_BYTES} bytes")
+        return path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ModelLoadError(f"cannot read '{path}': {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ModelLoadError(f"'{path}' is not UTF-8 text: {exc}") from None
+
+
+def _tensor_names(files: list[Path]) -> list[str]:
+    """Every tensor name in the safetensors headers (no data read)."""
+    names: list[str] = []
+    for file in files:
+        try:
+            with safe_open(os.fspath(file), framework="pt") as f:
+                names.extend(f.keys())
+        except (SafetensorError, OSError, RuntimeError, ValueError) as exc:
+            raise ModelLoadError(f"'{file}' is not a valid safetensors file (truncated or corrupt?): {exc}") from None
+    return names
 
 
 def _eos_ids(value: Any) -> list[int]:
@@ -64,6 +96,9 @@ def _config(
     eos = generation.get("eos_token_id") if generation else None
     try:
         return arch, arch.config_from_hf(cfg, eos, str(path))
+    except ModelLoadError as exc:
+        message = str(exc)
+        raise ModelLoadError(message if str(path) in message else f"'{path}': {message}") from None
     except (TypeError, ValueError, KeyError) as exc:
         raise ModelLoadError(f"'{path}': malformed config.json: {exc}") from None
 
@@ -139,7 +174,7 @@ def _tokenizer(path: Path, generation: dict[str, Any] | None, config: ModelConfi
         raise ModelLoadError(f"'{path}' has no tokenizer.json (kvcore needs the fast-tokenizer file)")
     tokenizer_config = _read_json(path / "tokenizer_config.json", required=False)
     template_file = path / "chat_template.jinja"
-    chat_template = template_file.read_text(encoding="utf-8") if template_file.is_file() else None
+    chat_template = _read_text(template_file) if template_file.is_file() else None
     eos = _eos_ids(generation.get("eos_token_id") if generation else None) or config.eos_token_ids
     return Tokenizer.from_file(
         tokenizer_file, tokenizer_config=tokenizer_config, chat_template=chat_template, eos_token_ids=eos
@@ -156,13 +191,18 @@ def load_hf_dir(path: str | os.PathLike[str], name: str | None = None) -> Loaded
     path = Path(path)
     if not path.is_dir():
         raise ModelNotFoundError(f"model directory '{path}' not found")
+    effective = os.access in os.supports_effective_ids  # a setuid process reads with its effective uid
+    if not os.access(path, os.R_OK | os.X_OK, effective_ids=effective):  # else its files fail one by one
+        raise ModelLoadError(f"cannot read model directory '{path}': permission denied")
     cfg = _read_json(path / "config.json") or {}  # required: raises when the file is missing
     generation = _read_json(path / "generation_config.json", required=False)
     arch, config = _config(cfg, generation, path)
     tokenizer = _tokenizer(path, generation, config)
+    files = _shard_files(path)
+    check_layer_count(config, _tensor_names(files), "model.layers.{i}.", f"'{path}'")
     shapes = expected_shapes(config)
     stored = stored_tensors(shapes, config.num_hidden_layers, arch.layer_names("hf"))
-    weights = _read_tensors(_shard_files(path), shapes, stored, arch.name)
+    weights = _read_tensors(files, shapes, stored, arch.name)
     return LoadedModel(
         config=config,
         weights=weights,
