@@ -14,6 +14,7 @@ __all__ = [
     "ModelLoadError",
     "ModelNotFoundError",
     "BackendError",
+    "BackendOutputError",
     "UnknownBackendError",
     "BackendUnavailableError",
     "PluginError",
@@ -60,6 +61,12 @@ class BackendError(KVCoreError):
     """Something is wrong with an attention backend."""
 
     exit_code = 4
+
+
+class BackendOutputError(BackendError):
+    """An attention backend returned an output that breaks its contract: NaN or inf, a wrong shape, dtype or
+    device, or values that disagree with the reference attention (kvcore/backend_check.py). The requests of
+    that forward fail; the others go on."""
 
 
 class UnknownBackendError(BackendError):
