@@ -1,0 +1,90 @@
+"""Ctrl-C at any moment (imports, model load, generation): exit 130, one line on stderr, no traceback; with
+--json, still a JSON result object with finish_reason "interrupted" and what was generated so far."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+TINY = str(Path(__file__).parent / "data" / "tiny-llama")
+ARGS = ["generate", "--model", TINY, "--backend", "sdpa", "--max-new-tokens", "240", "--ignore-eos", "--json"]
+
+
+def start(*argv: str) -> subprocess.Popen:
+    env = {**os.environ, "KVCORE_LOAD_PLUGINS": "", "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen([sys.executable, "-m", "kvcore.cli", *argv], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=env)
+
+
+def interrupted(proc: subprocess.Popen) -> tuple[str, str]:
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    err = err.decode()
+    assert err == "kvcore: interrupted\n", err  # one line, no traceback
+    return out.decode(), err
+
+
+@pytest.fixture(scope="module")
+def python_start_s() -> float:
+    """How long the interpreter takes to start and import kvcore.cli here (before that, Python itself handles
+    Ctrl-C); the signals below are timed after it."""
+    t0 = time.perf_counter()
+    subprocess.run([sys.executable, "-c", "import kvcore.cli"], check=True, timeout=60)
+    return time.perf_counter() - t0
+
+
+@pytest.mark.parametrize("delay_s", [0.05, 0.6, 2.0])
+def test_ctrl_c_during_start_up(python_start_s, delay_s):
+    # + 0.05 s: torch starts importing; + 0.6 s: torch (about 2.5 s here); + 2 s: plugins, the model load
+    proc = start(*ARGS, "hello")
+    time.sleep(python_start_s + delay_s)
+    if proc.poll() is not None:
+        pytest.fail(f"finished before the signal: {proc.communicate()}")
+    out, _ = interrupted(proc)
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["finish_reason"] == "interrupted" and result["token_ids"] == [] or result["token_ids"]
+
+
+def test_ctrl_c_mid_generation_prints_what_was_generated():
+    proc = start(*ARGS, "hello")
+    first = proc.stdout.read(1)  # generation has begun
+    assert first
+    time.sleep(0.3)
+    out, _ = interrupted(proc)
+    out = first.decode(errors="replace") + out
+    lines = out.rstrip("\n").split("\n")
+    result = json.loads(lines[-1])
+    assert result["finish_reason"] == "interrupted"
+    assert 0 < len(result["token_ids"]) < 240 and result["text"] and result["prompt_token_ids"]
+    assert out.startswith(result["text"][:1])
+
+
+def test_ctrl_c_without_json_is_one_line():
+    proc = start(*[a for a in ARGS if a != "--json"], "hello")
+    assert proc.stdout.read(1)
+    out, _ = interrupted(proc)
+    assert "{" not in out or "finish_reason" not in out
+
+
+def test_ctrl_c_in_a_piped_chat_session():
+    proc = subprocess.Popen([sys.executable, "-m", "kvcore.cli", "chat", "--model", TINY, "--json",
+                             "--max-new-tokens", "8"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env={**os.environ, "KVCORE_LOAD_PLUGINS": ""})
+    proc.stdin.write(b"hello\n")
+    proc.stdin.flush()
+    line = proc.stdout.readline()  # the first reply, then its JSON line; the session waits for the next turn
+    while not line.startswith(b'{"prompt_token_ids"'):
+        assert line
+        line = proc.stdout.readline()
+    assert json.loads(line)["finish_reason"] in ("stop", "length")
+    out, _ = interrupted(proc)
+    assert json.loads(out.strip().splitlines()[-1])["finish_reason"] == "interrupted"
