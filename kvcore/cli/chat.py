@@ -26,7 +26,7 @@ def run_chat(args: argparse.Namespace, state: RunState, stdin=None) -> int:
     stdin = stdin or sys.stdin
     first = read_prompt(args, stdin)
     if first is not None and not args.interactive:
-        return run_generate(args, state, chat=True)
+        return run_generate(args, state, chat=True, prompt=first)
     if stdin is None:
         raise InvalidRequestError("no message: give it as an argument, or chat on standard input (closed here)")
     tty = stdin.isatty()

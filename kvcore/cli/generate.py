@@ -141,9 +141,10 @@ def chat_prompt_ids(engine, messages: list[dict[str, str]]) -> list[int]:
     return tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True), add_bos=False)
 
 
-def run_generate(args: argparse.Namespace, state: RunState, chat: bool = False) -> int:
-    """``kvcore generate`` (raw text) or a one-shot ``kvcore chat`` (the message in the chat template)."""
-    prompt = read_prompt(args)
+def run_generate(args: argparse.Namespace, state: RunState, chat: bool = False, prompt: str | None = None) -> int:
+    """``kvcore generate`` (raw text) or a one-shot ``kvcore chat`` (the message in the chat template);
+    ``prompt`` when the caller has read it already."""
+    prompt = prompt if prompt is not None else read_prompt(args)
     if not prompt:
         raise InvalidRequestError("prompt is empty" if prompt is not None else
                                   "no prompt: give it as an argument, '-' for standard input, or --prompt-file")
