@@ -51,7 +51,9 @@ def test_threads_flag_and_default(capsys, monkeypatch):
     rc, out, _ = run_cli(capsys, "generate", *FAST, "--threads", "1", "--json", "hi")
     assert rc == 0 and last_json(out)["threads"] == 1
     rc, _, err = run_cli(capsys, "generate", *FAST, "--threads", "0", "hi")
-    assert rc == 2 and "threads must be a positive integer, got 0" in err
+    assert rc == 2 and "threads must be an integer from 1 to 64 (4 × the CPU count, or 64), got 0" in err
+    rc, _, err = run_cli(capsys, "generate", *FAST, "--threads", str(10**9), "hi")  # libgomp would abort
+    assert rc == 2 and "got 1000000000" in err
     # the default: cores this process may use minus the busy ones (load average), at least 1
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
     monkeypatch.setattr(os, "getloadavg", lambda: (1.6, 0.0, 0.0))
@@ -198,3 +200,27 @@ def test_reader_going_away_is_a_quiet_exit():
     proc.stdout.close()
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=120) == 141 and err == ""
+
+
+def test_readme_exit_code_table_lists_every_error():
+    import re
+
+    import kvcore.errors as errors
+
+    readme = (Path(__file__).parent.parent / "README.md").read_text(encoding="utf-8")
+    rows = dict(re.findall(r"^\| (\d+) \| (.*) \|$", readme, re.M))
+    for name in errors.__all__:
+        cls = getattr(errors, name)
+        if cls in (errors.KVCoreError, errors.BackendError, errors.RequestAbortedError):
+            continue  # the base classes, and an aborted request's result (Python API, never a CLI exit)
+        assert f"`{name}`" in rows.get(str(cls.exit_code), ""), f"{name} (exit {cls.exit_code}) not in README's table"
+    from kvcore.cli.app import EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_OUTPUT_CLOSED
+
+    assert {str(EXIT_INTERNAL), str(EXIT_INTERRUPTED), str(EXIT_OUTPUT_CLOSED)} <= set(rows)
+
+
+@pytest.mark.parametrize("port", ["99999", "-1", "http"])
+def test_serve_port_out_of_range_is_a_usage_error(capsys, port):
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", "--model", TINY, "--port", port])
+    assert exc.value.code == 2 and "argument --port" in capsys.readouterr().err

@@ -53,6 +53,16 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default=None, metavar="FILE.toml", help="read settings from a TOML file")
 
 
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a port number") from None
+    if not 0 <= port <= 65535:  # the socket layer would silently take it modulo 65536
+        raise argparse.ArgumentTypeError(f"port {port} is outside 0-65535")
+    return port
+
+
 def _hidden_debug(p: argparse.ArgumentParser) -> None:
     p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
 
@@ -80,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
     _engine_args(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 = any free port)")
+    p.add_argument("--port", type=_port, default=8000, help="TCP port (default 8000; 0 = any free port)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or env KVCORE_API_KEY)")
     p.add_argument("--served-model-name", default=None, help="model name clients send (default: --model)")
     p.add_argument("--max-num-seqs", type=int, default=None, help="requests run at once (default 16)")

@@ -62,8 +62,12 @@ def apply_threads(threads: int | None) -> int:
     import torch
 
     if threads is not None:
-        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-            raise ConfigError(f"threads must be a positive integer, got {threads!r}")
+        # far more threads than cores only slows every step, and OpenMP allocates per thread up front (a
+        # billion threads aborts the process in libgomp before Python can report anything)
+        limit = max(64, 4 * (os.cpu_count() or 1))
+        if isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= limit:
+            raise ConfigError(
+                f"threads must be an integer from 1 to {limit} (4 × the CPU count, or 64), got {threads!r}")
         torch.set_num_threads(threads)
     elif not os.environ.get("OMP_NUM_THREADS"):
         torch.set_num_threads(default_threads())
