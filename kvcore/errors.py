@@ -23,6 +23,7 @@ __all__ = [
     "ContextLengthError",
     "RequestAbortedError",
     "TensorParallelError",
+    "OutputError",
 ]
 
 
@@ -104,3 +105,10 @@ class TensorParallelError(KVCoreError):
     down (kvcore/distributed)."""
 
     exit_code = 7
+
+
+class OutputError(KVCoreError):
+    """The CLI cannot write its output (a full disk, an I/O error). A reader that went away (a closed pipe)
+    is not an error: the CLI then stops quietly with exit code 141."""
+
+    exit_code = 74  # EX_IOERR

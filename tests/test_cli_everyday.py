@@ -224,3 +224,12 @@ def test_serve_port_out_of_range_is_a_usage_error(capsys, port):
     with pytest.raises(SystemExit) as exc:
         main(["serve", "--model", TINY, "--port", port])
     assert exc.value.code == 2 and "argument --port" in capsys.readouterr().err
+
+
+def test_unwritable_stdout_is_an_output_error():
+    with open("/dev/full", "w") as full:
+        proc = subprocess.run([sys.executable, "-m", "kvcore.cli", "generate", *FAST, "hi"], stdout=full,
+                              stderr=subprocess.PIPE, text=True, timeout=120,
+                              env={**os.environ, "KVCORE_LOAD_PLUGINS": ""})
+    assert proc.returncode == 74
+    assert proc.stderr == "kvcore: error: cannot write to standard output: No space left on device\n"

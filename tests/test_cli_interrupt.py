@@ -88,3 +88,49 @@ def test_ctrl_c_in_a_piped_chat_session():
     assert json.loads(line)["finish_reason"] in ("stop", "length")
     out, _ = interrupted(proc)
     assert json.loads(out.strip().splitlines()[-1])["finish_reason"] == "interrupted"
+
+
+def _read_until(fd: int, marker: bytes, timeout_s: float = 120) -> bytes:
+    import select
+
+    seen, deadline = b"", time.monotonic() + timeout_s
+    while marker not in seen:
+        ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
+        if not ready:
+            raise AssertionError(f"no {marker!r} within {timeout_s} s; got {seen[-500:]!r}")
+        try:
+            chunk = os.read(fd, 4096)
+        except OSError:  # the child closed the terminal
+            break
+        if not chunk:
+            break
+        seen += chunk
+    return seen
+
+
+def test_ctrl_c_on_a_terminal_stops_the_reply_and_the_conversation_goes_on():
+    import pty
+
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: a chat REPL on a terminal
+        os.environ["KVCORE_LOAD_PLUGINS"] = ""
+        os.execv(sys.executable, [sys.executable, "-m", "kvcore.cli", "chat", "--model", TINY, "--backend", "sdpa",
+                                  "--max-new-tokens", "200", "--ignore-eos"])
+    try:
+        assert b"/reset clears the conversation" in _read_until(fd, b">>> ")
+        os.write(fd, b"hello\n")
+        echo = _read_until(fd, b"hello\r\n")  # the terminal's echo; then the reply streams
+        if not echo.split(b"hello\r\n", 1)[1]:
+            os.read(fd, 1)  # its first bytes: the reply (200 tokens) has begun
+        os.kill(pid, signal.SIGINT)
+        out = _read_until(fd, b">>> ")  # the reply stopped, the next prompt
+        assert b"kvcore: reply stopped" in out and b"Traceback" not in out
+        os.write(fd, b"/exit\n")
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+    finally:
+        os.close(fd)
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass

@@ -3,7 +3,8 @@
 Exit codes (README, "Errors"): 0 success; a :class:`~kvcore.errors.KVCoreError`'s ``exit_code`` (2 usage,
 config or request, 3 model, 4 backend or sampler, 5 backend unavailable, 6 out of cache, 7 tensor-parallel
 group); 130 interrupted (Ctrl-C, at any moment: start-up, model load, generation); 141 standard output
-closed (``| head -c1``, ``>&-``); 70 a bug in kvcore (``internal error``).
+closed (``| head -c1``, ``>&-``); 74 standard output cannot be written (full disk); 70 a bug in kvcore
+(``internal error``).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import sys
 import warnings
 
 from kvcore.cli.generate import RunState
-from kvcore.errors import KVCoreError
+from kvcore.errors import KVCoreError, OutputError
 
 __all__ = ["main", "EXIT_INTERRUPTED", "EXIT_OUTPUT_CLOSED", "EXIT_INTERNAL"]
 
@@ -72,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
             if debug:
                 raise
             print(f"kvcore: error: {exc}", file=sys.stderr)
+            if isinstance(exc, OutputError):  # what is still buffered would fail again at exit, with a warning
+                _output_closed()
             return exc.exit_code
     except KeyboardInterrupt:
         if debug:

@@ -13,7 +13,15 @@ import argparse
 import json
 import sys
 
-from kvcore.cli.generate import RunState, chat_prompt_ids, load_engine, result_payload, run_generate, stream_reply
+from kvcore.cli.generate import (
+    RunState,
+    chat_prompt_ids,
+    load_engine,
+    result_payload,
+    run_generate,
+    stream_reply,
+    write_out,
+)
 from kvcore.cli.settings import read_prompt
 from kvcore.errors import InvalidRequestError
 
@@ -67,8 +75,7 @@ def run_chat(args: argparse.Namespace, state: RunState, stdin=None) -> int:
             continue
         messages.append({"role": "assistant", "content": result.text})
         if args.json:
-            sys.stdout.write(json.dumps(result_payload(loaded, result)) + "\n")
-            sys.stdout.flush()
+            write_out(json.dumps(result_payload(loaded, result)) + "\n")
 
 
 def _read_turn(stdin, tty: bool) -> str | None:

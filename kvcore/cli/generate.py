@@ -14,9 +14,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvcore.cli.settings import apply_threads, read_prompt, resolve_settings
-from kvcore.errors import InvalidRequestError
+from kvcore.errors import InvalidRequestError, OutputError
 
-__all__ = ["RunState", "Loaded", "load_engine", "sampling_params", "stream_reply", "result_payload", "run_generate"]
+__all__ = ["RunState", "Loaded", "load_engine", "sampling_params", "stream_reply", "result_payload", "run_generate",
+           "write_out"]
 
 
 @dataclass
@@ -87,10 +88,8 @@ def stream_reply(loaded: Loaded, prompt_ids: list[int], state: RunState, out=Non
         while engine.has_unfinished():
             for event in engine.step():
                 if event.text and event.request_id == rid:
-                    out.write(event.text)
-                    out.flush()
-        out.write("\n")
-        out.flush()
+                    write_out(event.text, out)
+        write_out("\n", out)
     except BaseException:
         state.partial = _frozen(state.partial)  # the engine forgets the request below; keep what it made
         engine.abort(rid)
@@ -101,6 +100,19 @@ def stream_reply(loaded: Loaded, prompt_ids: list[int], state: RunState, out=Non
     if result.error is not None:
         raise result.error
     return result
+
+
+def write_out(text: str, out=None) -> None:
+    """Write and flush ``text`` to standard output; a failed write (full disk, I/O error) is an OutputError. A
+    closed pipe (BrokenPipeError) propagates: the top level then exits quietly."""
+    out = out or sys.stdout
+    try:
+        out.write(text)
+        out.flush()
+    except BrokenPipeError:
+        raise
+    except OSError as exc:
+        raise OutputError(f"cannot write to standard output: {exc.strerror or exc}") from None
 
 
 def _frozen(partial):
@@ -157,5 +169,5 @@ def run_generate(args: argparse.Namespace, state: RunState, chat: bool = False, 
         prompt_ids = engine.tokenizer.encode(prompt)
     result = stream_reply(loaded, prompt_ids, state)
     if args.json:
-        sys.stdout.write(json.dumps(result_payload(loaded, result)) + "\n")
+        write_out(json.dumps(result_payload(loaded, result)) + "\n")
     return 0
