@@ -32,25 +32,31 @@ def interrupted(proc: subprocess.Popen) -> tuple[str, str]:
     return out.decode(), err
 
 
-@pytest.fixture(scope="module")
-def python_start_s() -> float:
-    """How long the interpreter takes to start and import kvcore.cli here (before that, Python itself handles
-    Ctrl-C); the signals below are timed after it."""
-    t0 = time.perf_counter()
-    subprocess.run([sys.executable, "-c", "import kvcore.cli"], check=True, timeout=60)
-    return time.perf_counter() - t0
+def wait_for_mapping(proc: subprocess.Popen, needle: str, timeout_s: float = 120) -> None:
+    """Wait until the process has mapped a file whose path contains ``needle`` (Linux /proc): a moment of
+    its start-up observed from outside, whatever the machine's load."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()
+        try:
+            if needle in Path(f"/proc/{proc.pid}/maps").read_text():
+                return
+        except OSError:
+            pass
+        time.sleep(0.005)
+    raise AssertionError(f"the process never mapped {needle!r}")
 
 
-@pytest.mark.parametrize("delay_s", [0.05, 0.6, 2.0])
-def test_ctrl_c_during_start_up(python_start_s, delay_s):
-    # + 0.05 s: torch starts importing; + 0.6 s: torch (about 2.5 s here); + 2 s: plugins, the model load
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs Linux /proc to observe start-up")
+@pytest.mark.parametrize("moment", ["libtorch", "model.safetensors"])
+def test_ctrl_c_during_start_up(moment):
+    # libtorch: torch is being imported; model.safetensors: the model is being loaded
     proc = start(*ARGS, "hello")
-    time.sleep(python_start_s + delay_s)
-    if proc.poll() is not None:
-        pytest.fail(f"finished before the signal: {proc.communicate()}")
+    wait_for_mapping(proc, moment)
     out, _ = interrupted(proc)
     result = json.loads(out.strip().splitlines()[-1])
-    assert result["finish_reason"] == "interrupted" and result["token_ids"] == [] or result["token_ids"]
+    assert result["finish_reason"] == "interrupted"
+    assert result["token_ids"] == [] or moment == "model.safetensors"  # generation may just have begun
 
 
 def test_ctrl_c_mid_generation_prints_what_was_generated():

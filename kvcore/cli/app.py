@@ -13,6 +13,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import warnings
 
 from kvcore.cli.generate import RunState
@@ -56,8 +57,37 @@ def _dispatch(argv: list[str], state: RunState) -> int:
     return args.func(args)
 
 
+class _Sigint:
+    """Ctrl-C raises KeyboardInterrupt as usual, and is also counted: native code that calls back into Python
+    (safetensors' loader, for one) may turn the KeyboardInterrupt into another error, which must still end
+    the run as an interruption."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.previous = None
+
+    def __enter__(self) -> _Sigint:
+        # only the default handler is replaced (not an embedding program's own), and only in the main thread
+        if threading.current_thread() is threading.main_thread():
+            if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+                self.previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        self.count += 1
+        raise KeyboardInterrupt
+
+    def __exit__(self, *exc) -> None:
+        if self.previous is not None:
+            signal.signal(signal.SIGINT, self.previous)
+
+
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
+    with _Sigint() as sigint:
+        return _main(sys.argv[1:] if argv is None else list(argv), sigint)
+
+
+def _main(argv: list[str], sigint: _Sigint) -> int:
     # Known before parsing: building the parser loads plugins, whose load warnings are one line each; an
     # interruption while it loads must still print JSON.
     debug = "--debug" in argv or os.environ.get("KVCORE_DEBUG") == "1"
@@ -70,6 +100,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             return _dispatch(argv, state)
         except KVCoreError as exc:
+            if sigint.count and not debug:  # a Ctrl-C that a library turned into this error
+                return _interrupted(state)
             if debug:
                 raise
             print(f"kvcore: error: {exc}", file=sys.stderr)
@@ -83,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:
         return _output_closed()
     except Exception as exc:  # a bug: still one line, with a hint to get the traceback
+        if sigint.count and not debug:
+            return _interrupted(state)
         if debug:
             raise
         print(f"kvcore: internal error: {type(exc).__name__}: {exc} (rerun with --debug for a traceback)",
