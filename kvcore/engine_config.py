@@ -73,8 +73,12 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
-        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len <= 1):
-            raise ConfigError(f"max_model_len must be an integer > 1, got {self.max_model_len!r}")
+        mml = self.max_model_len
+        if mml is not None and (not isinstance(mml, int) or isinstance(mml, bool) or mml <= 1):
+            raise ConfigError(f"max_model_len must be an integer > 1, got {mml!r}")
+        for name in ("enable_chunked_prefill", "enable_prefix_caching", "check_backend_outputs"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         check_device(self.device)
 
 
