@@ -191,10 +191,12 @@ def test_closed_stdout_is_a_quiet_exit():
     assert proc.returncode == 141 and proc.stderr == ""
 
 
+@pytest.mark.slow
 def test_reader_going_away_is_a_quiet_exit():
-    # `kvcore generate ... | head -c1`: the reader takes one byte and closes the pipe
-    proc = subprocess.Popen([sys.executable, "-m", "kvcore.cli", "generate", "--model", TINY, "--max-new-tokens", "200",
-                             "--ignore-eos", "hi"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    # `kvcore generate ... | head -c1`: the reader takes one byte and closes the pipe; SmolLM2's 200 tokens take
+    # long enough that the writer is still writing then (the tiny model could finish into the pipe's buffer)
+    proc = subprocess.Popen([sys.executable, "-m", "kvcore.cli", "generate", "--threads", "1", "--max-new-tokens",
+                             "200", "--ignore-eos", "Once upon a time"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             env={**os.environ, "KVCORE_LOAD_PLUGINS": ""})
     assert proc.stdout.read(1)
     proc.stdout.close()
