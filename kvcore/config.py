@@ -58,6 +58,7 @@ class FileConfig:
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logprobs: int | None = None
+    threads: int | None = None  # torch CPU threads (CLI); default: the cores not busy with other work
     max_num_seqs: int | None = None
     max_model_len: int | None = None
     max_num_batched_tokens: int | None = None
@@ -90,9 +91,17 @@ def load_config(path: str | Path) -> FileConfig:
     if not path.is_file():
         raise ConfigError(f"config file '{path}' not found")
     try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config file '{path}' is not UTF-8 text: {exc.reason} at byte {exc.start}") from None
+    except OSError as exc:  # unreadable (permissions), a device, ...
+        raise ConfigError(f"cannot read config file '{path}': {exc.strerror or exc}") from None
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config file '{path}' is not valid TOML: {exc}") from None
+    except RecursionError:  # tomllib parses nested arrays and inline tables recursively
+        raise ConfigError(f"config file '{path}' is not valid TOML: values nested too deeply") from None
     known = {f.name for f in fields(FileConfig)}
     values: dict[str, Any] = {}
     for key, value in data.items():

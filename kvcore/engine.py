@@ -37,7 +37,14 @@ from typing import Any
 
 import torch
 
-from kvcore.engine_config import EngineConfig, parse_dtype, select_components
+from kvcore.backend_check import BackendGuard
+from kvcore.engine_config import (
+    EngineConfig,
+    check_cache_memory,
+    check_max_model_len,
+    parse_dtype,
+    select_components,
+)
 from kvcore.engine_step import EngineStep
 from kvcore.errors import (
     ConfigError,
@@ -89,9 +96,13 @@ class Engine(EngineStep):
         heads = dict(num_heads=mc.num_attention_heads, num_kv_heads=mc.num_key_value_heads)
         chosen = select_components(registry, config, head_dim=mc.head_dim, **heads)
         self.prefill_backend, self.decode_backend = chosen.prefill_backend, chosen.decode_backend
+        # one guard per backend instance: it remembers which kinds of forward it verified (one-process runs)
+        checked = config.check_backend_outputs and config.tensor_parallel_size == 1
+        self._guards = {id(b): BackendGuard(b) for b in (self.prefill_backend, self.decode_backend) if checked}
         self.sampler = sampler or registry.create_sampler(config.sampler, config.sampler_options.get(config.sampler))
         window = mc.max_position_embeddings
-        self.max_model_len = min(config.max_model_len or min(window, EngineConfig.DEFAULT_MAX_MODEL_LEN), window)
+        check_max_model_len(config.max_model_len, window)
+        self.max_model_len = config.max_model_len or min(window, EngineConfig.DEFAULT_MAX_MODEL_LEN)
         spec = CacheSpec(
             num_layers=mc.num_hidden_layers,
             num_kv_heads=mc.num_key_value_heads,
@@ -110,6 +121,7 @@ class Engine(EngineStep):
             block_size = (cache_options or {}).get("block_size", config.block_size)
             per_block = chosen.kv_cache.cls.token_bytes(spec) * block_size
             spec = dataclasses.replace(spec, num_blocks=max(1, config.kv_cache_bytes // per_block))
+        check_cache_memory(chosen.kv_cache.cls, spec, cache_options)
         cache = registry.create_cache(cache_name, spec, cache_options)
         if self.runner is not None:
             self.runner.start(self.prefill_backend, self.decode_backend, cache, config)
@@ -145,6 +157,7 @@ class Engine(EngineStep):
 
         config = config or EngineConfig()
         loaded = load_model(model)
+        check_max_model_len(config.max_model_len, loaded.config.max_position_embeddings)  # before building it
         decoder = build_model(loaded, parse_dtype(config.dtype), config.device, config.max_model_len)
         return cls(decoder, loaded.tokenizer, config, **kwargs)
 
@@ -299,3 +312,4 @@ class Engine(EngineStep):
     @property
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)
+

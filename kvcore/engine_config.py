@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -11,7 +13,8 @@ from kvcore.attention import AttentionBackend
 from kvcore.errors import BackendUnavailableError, ConfigError, PluginError
 from kvcore.plugins import KV_CACHE, PluginEntry, PluginRegistry
 
-__all__ = ["EngineConfig", "Components", "parse_dtype", "select_components", "DTYPES"]
+__all__ = ["EngineConfig", "Components", "parse_dtype", "select_components", "check_device", "check_memory",
+           "check_max_model_len", "check_cache_memory", "DTYPES"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -50,6 +53,9 @@ class EngineConfig:
     kv_cache_bytes: int | None = None  # paged caches: a memory budget the pool is sized to
     enable_prefix_caching: bool = False  # share computed full prompt blocks across requests
     tensor_parallel_size: int = 1  # processes the model's heads and FFN are split over (kvcore/distributed)
+    #: check every attention output (shape, dtype, finiteness; layer 0 against a reference now and then) and
+    #: fail the batch with BackendOutputError when one breaks the contract (kvcore/backend_check.py)
+    check_backend_outputs: bool = True
     backend_options: dict[str, dict[str, Any]] = field(default_factory=dict)  # [backends.<name>] tables
     kv_cache_options: dict[str, dict[str, Any]] = field(default_factory=dict)  # [kv_caches.<name>] tables
     sampler_options: dict[str, dict[str, Any]] = field(default_factory=dict)  # [samplers.<name>] tables
@@ -67,14 +73,67 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
-        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len <= 1):
-            raise ConfigError(f"max_model_len must be an integer > 1, got {self.max_model_len!r}")
+        mml = self.max_model_len
+        if mml is not None and (not isinstance(mml, int) or isinstance(mml, bool) or mml <= 1):
+            raise ConfigError(f"max_model_len must be an integer > 1, got {mml!r}")
+        for name in ("enable_chunked_prefill", "enable_prefix_caching", "check_backend_outputs"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        check_device(self.device)
+
+
+def check_device(name: str) -> torch.device:
+    """``name`` as a torch device this torch build and machine can use, or a ConfigError saying why not."""
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError):
+        raise ConfigError(f"unknown device '{name}' (examples: cpu, cuda, cuda:1)") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device '{name}' is not available: torch.cuda.is_available() is False")
+    if device.type != "cpu":  # mps, xpu, cuda:7 ...: this torch build or machine may lack it
         try:
-            device = torch.device(self.device)
-        except RuntimeError:
-            raise ConfigError(f"unknown device '{self.device}' (examples: cpu, cuda, cuda:1)") from None
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise ConfigError(f"device '{self.device}' is not available: torch.cuda.is_available() is False")
+            torch.empty(0, device=device)
+        except (RuntimeError, AssertionError, ValueError) as exc:
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            reason = first.split(". ")[0][:200]  # torch's dispatcher errors run on for a screen
+            raise ConfigError(f"device '{name}' is not available with this torch build or machine: {reason}") from None
+    return device
+
+
+def check_memory(what: str, num_bytes: int, device: torch.device, hint: str) -> None:
+    """Refuse an allocation of ``num_bytes`` that cannot fit the device's total memory (before trying it: a
+    huge request would otherwise fail deep in the allocator, or swap the machine to a halt)."""
+    total = None
+    if device.type == "cpu":
+        try:
+            total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError, AttributeError):
+            total = None
+    elif device.type == "cuda":
+        total = torch.cuda.mem_get_info(device)[1]
+    if total is not None and num_bytes > total:
+        raise ConfigError(
+            f"{what} would take {num_bytes / 2**30:,.1f} GiB but this {device.type} device has "
+            f"{total / 2**30:,.1f} GiB in all; {hint}"
+        )
+
+
+def check_max_model_len(max_model_len: int | None, window: int) -> None:
+    if max_model_len is not None and max_model_len > window:
+        raise ConfigError(f"max_model_len {max_model_len} exceeds the model's context window of {window} tokens; "
+                          f"use at most {window}")
+
+
+def check_cache_memory(cls: type, spec: Any, options: dict[str, Any] | None) -> None:
+    """A KV cache (class ``cls``, sizes ``spec``) bigger than the device's memory is a ConfigError naming the
+    settings to lower, raised before allocating."""
+    if cls.paged and (options or {}).get("block_size") is not None:
+        spec = dataclasses.replace(spec, block_size=options["block_size"])
+    block_size, num_blocks = cls.geometry(spec)
+    size = cls.token_bytes(spec) * block_size * num_blocks
+    hint = "lower num_blocks, kv_cache_bytes or block_size" if cls.paged else "lower max_num_seqs or max_model_len"
+    unit = "blocks" if cls.paged else "sequence slots"
+    check_memory(f"the '{cls.name}' KV cache ({num_blocks:,} {unit} of {block_size:,} tokens)", size, spec.device, hint)
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,7 @@ class EngineStep:
     eos_token_ids: frozenset[int]
     max_model_len: int
     _requests: dict[str, Request]
+    _guards: dict[int, Any]  # id(backend) -> its BackendGuard (kvcore/backend_check.py)
     _outputs: dict[str, TextOutput]
     _events: list[TokenEvent]  # made by the current step (or an interrupted one) and not yet returned
 
@@ -78,7 +79,8 @@ class EngineStep:
                     batch.is_prefill, backend, self.kv.cache, meta, batch.input_ids, self.kv.last_copies, sampling
                 )
             else:
-                logits = last_token_logits(self.model, backend, self.kv.cache, meta, batch.input_ids, sampling)
+                guard = self._guards.get(id(backend))
+                logits = last_token_logits(self.model, backend, self.kv.cache, meta, batch.input_ids, sampling, guard)
         except Exception as exc:
             error = exc if isinstance(exc, KVCoreError) else BackendError(
                 f"backend '{backend.name}' failed: {type(exc).__name__}: {exc}")

@@ -14,6 +14,7 @@ __all__ = [
     "ModelLoadError",
     "ModelNotFoundError",
     "BackendError",
+    "BackendOutputError",
     "UnknownBackendError",
     "BackendUnavailableError",
     "PluginError",
@@ -23,6 +24,7 @@ __all__ = [
     "ChatTemplateError",
     "RequestAbortedError",
     "TensorParallelError",
+    "OutputError",
 ]
 
 
@@ -68,6 +70,12 @@ class BackendError(KVCoreError):
     exit_code = 4
 
 
+class BackendOutputError(BackendError):
+    """An attention backend returned an output that breaks its contract: NaN or inf, a wrong shape, dtype or
+    device, or values that disagree with the reference attention (kvcore/backend_check.py). The requests of
+    that forward fail; the others go on."""
+
+
 class UnknownBackendError(BackendError):
     """No backend of that name is registered."""
 
@@ -103,3 +111,10 @@ class TensorParallelError(KVCoreError):
     down (kvcore/distributed)."""
 
     exit_code = 7
+
+
+class OutputError(KVCoreError):
+    """The CLI cannot write its output (a full disk, an I/O error). A reader that went away (a closed pipe)
+    is not an error: the CLI then stops quietly with exit code 141."""
+
+    exit_code = 74  # EX_IOERR

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import torch
 
 from kvcore.attention import AttentionBackend, AttentionMetadata
+from kvcore.backend_check import BackendGuard
 from kvcore.kv_cache import KVCache
 from kvcore.model import LlamaModel
 
@@ -19,15 +20,20 @@ def run_model(
     cache: KVCache,
     meta: AttentionMetadata,
     input_ids: Sequence[int] | torch.Tensor,
+    check=None,
 ) -> torch.Tensor:
     """``[T, d]`` hidden states of the packed tokens ``input_ids``; their K/V land in ``cache``.
 
-    The backend's plan is made once here, before the first layer, and shared by every layer.
+    The backend's plan is made once here, before the first layer, and shared by every layer. ``check`` (a
+    :meth:`BackendGuard.begin` result) sees every layer's attention output.
     """
     plan = backend.plan(meta, cache)
 
     def attention(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return backend.forward(layer_idx, q, k, v, cache, plan)
+        out = backend.forward(layer_idx, q, k, v, cache, plan)
+        if check is not None:
+            check.observe(layer_idx, q, out)
+        return out
 
     ids = torch.as_tensor(input_ids, dtype=torch.long).to(meta.positions.device)
     return model(ids, meta.positions, attention)
@@ -40,11 +46,20 @@ def last_token_logits(
     meta: AttentionMetadata,
     input_ids: Sequence[int] | torch.Tensor,
     rows: Sequence[int] | None = None,
+    guard: BackendGuard | None = None,
 ) -> torch.Tensor:
     """``[B, V]`` float32 logits of each sequence's last packed token (what the sampler picks from); with
-    ``rows``, ``[len(rows), V]`` of those sequences only (a partly prefilled sequence needs none)."""
-    hidden = run_model(model, backend, cache, meta, input_ids)
+    ``rows``, ``[len(rows), V]`` of those sequences only (a partly prefilled sequence needs none).
+
+    With ``guard``, the backend's outputs are checked (:mod:`kvcore.backend_check`): a broken output raises
+    :class:`~kvcore.errors.BackendOutputError` instead of becoming wrong tokens.
+    """
+    check = guard.begin(meta, cache) if guard is not None else None
+    hidden = run_model(model, backend, cache, meta, input_ids, check)
     last_rows = (meta.cu_seqlens_q[1:] - 1).long()
     if rows is not None:
         last_rows = last_rows[torch.as_tensor(rows, dtype=torch.long, device=last_rows.device)]
-    return model.compute_logits(hidden[last_rows])
+    logits = model.compute_logits(hidden[last_rows])
+    if check is not None:
+        check.finish(logits)
+    return logits

@@ -37,3 +37,15 @@ def smollm2():
     from kvcore.loaders import load_model
 
     return load_model("smollm2")
+
+
+@pytest.fixture(autouse=True)
+def _keep_torch_threads():
+    """The CLI sets torch's thread count (--threads, or the free cores); a test calling ``main()`` in this
+    process must not change it for the tests after it."""
+    import torch
+
+    threads = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)

@@ -1,0 +1,7 @@
+"""``python -m kvcore.cli`` (what torchrun and the tests launch)."""
+
+import sys
+
+from kvcore.cli import main
+
+sys.exit(main())

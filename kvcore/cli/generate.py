@@ -1,0 +1,173 @@
+"""``kvcore generate`` and one-shot ``kvcore chat``: build the engine, stream one request, print its JSON.
+
+The pieces (:func:`load_engine`, :func:`stream_reply`, :func:`result_payload`) are shared with the
+interactive chat (:mod:`kvcore.cli.chat`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvcore.cli.settings import apply_threads, read_prompt, resolve_settings
+from kvcore.errors import InvalidRequestError, OutputError
+
+__all__ = ["RunState", "Loaded", "load_engine", "sampling_params", "stream_reply", "result_payload", "run_generate",
+           "write_out"]
+
+
+@dataclass
+class RunState:
+    """What the top level prints when a run is interrupted: with ``--json``, ``partial()`` is the result object
+    of the request in flight (what it generated so far), or ``None`` before one started."""
+
+    json: bool = False
+    partial: Callable[[], dict[str, Any]] | None = None
+
+
+@dataclass
+class Loaded:
+    engine: Any
+    config: Any
+    settings: dict[str, Any]
+    params: Any
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def sampling_params(s: dict[str, Any]):
+    """The request's SamplingParams from the resolved settings; one stderr line names sampling flags that have
+    no effect because decoding is greedy."""
+    from dataclasses import fields
+
+    from kvcore.sampling import SamplingParams
+
+    keys = {f.name for f in fields(SamplingParams)}
+    params = SamplingParams(**{k: v for k, v in s.items() if k in keys and v is not None})
+    # Only a draw reads these; penalties and stop strings still apply to greedy decoding.
+    defaults = SamplingParams()
+    unused = [k for k in ("top_k", "top_p", "min_p", "seed") if getattr(params, k) != getattr(defaults, k)]
+    if params.is_greedy and unused:
+        names = ", ".join("--" + k.replace("_", "-") for k in unused)
+        print(f"kvcore: warning: {names} have no effect at temperature 0 (greedy); set --temperature", file=sys.stderr)
+    return params
+
+
+def load_engine(args: argparse.Namespace) -> Loaded:
+    """Settings, threads, sampling parameters (checked first: a typo fails before the model loads), the
+    backend choice (likewise), then the model and the engine."""
+    from dataclasses import fields
+
+    from kvcore.engine import Engine, EngineConfig
+    from kvcore.plugins import get_registry
+
+    s = resolve_settings(args)
+    threads = apply_threads(s.get("threads"))
+    params = sampling_params(s)
+    registry = get_registry()
+    if s["plugin_options"]:
+        registry.configure(s["plugin_options"])
+    config = EngineConfig(**{f.name: s[f.name] for f in fields(EngineConfig) if s.get(f.name) is not None})
+    for name in {s["backend"], s["prefill_backend"], s["decode_backend"]} - {None}:
+        registry.create(name, s["backend_options"].get(name))
+    engine = Engine.from_pretrained(s["model"], config, registry=registry)
+    return Loaded(engine, config, s, params, {"threads": threads})
+
+
+def stream_reply(loaded: Loaded, prompt_ids: list[int], state: RunState, out=None):
+    """Run one request, streaming its text to ``out``; returns its GenerationResult (its error raised). While it
+    runs, ``state.partial`` gives its result object so far."""
+    engine = loaded.engine
+    out = out or sys.stdout
+    rid = engine.add_request(prompt_ids, loaded.params)
+    state.partial = lambda: result_payload(loaded, engine.result(rid), finish_reason="interrupted")
+    try:
+        while engine.has_unfinished():
+            for event in engine.step():
+                if event.text and event.request_id == rid:
+                    write_out(event.text, out)
+        write_out("\n", out)
+    except BaseException:
+        state.partial = _frozen(state.partial)  # the engine forgets the request below; keep what it made
+        engine.abort(rid)
+        engine.release(rid)
+        raise
+    state.partial = None
+    result = engine.release(rid)
+    if result.error is not None:
+        raise result.error
+    return result
+
+
+def write_out(text: str, out=None) -> None:
+    """Write and flush ``text`` to standard output; a failed write (full disk, I/O error) is an OutputError. A
+    closed pipe (BrokenPipeError) propagates: the top level then exits quietly."""
+    out = out or sys.stdout
+    try:
+        out.write(text)
+        out.flush()
+    except BrokenPipeError:
+        raise
+    except OSError as exc:
+        raise OutputError(f"cannot write to standard output: {exc.strerror or exc}") from None
+
+
+def _frozen(partial):
+    payload = partial() if partial is not None else None
+    return (lambda: payload) if payload is not None else None
+
+
+def result_payload(loaded: Loaded, result, finish_reason: str | None = None) -> dict[str, Any]:
+    """The ``--json`` object of one request."""
+    engine, config, s, params = loaded.engine, loaded.config, loaded.settings, loaded.params
+    payload = {
+        "prompt_token_ids": result.prompt_token_ids,
+        "token_ids": result.token_ids,
+        "text": result.text,
+        "finish_reason": finish_reason or result.finish_reason.value,
+        "backend": engine.prefill_backend.name,
+        "prefill_backend": engine.prefill_backend.name,
+        "decode_backend": engine.decode_backend.name,
+        "kv_cache": engine.cache.name,
+        "sampler": engine.sampler.name,
+        "model": s["model"],
+        "dtype": config.dtype,
+        "metrics": result.metrics.as_dict(),
+        "tensor_parallel_size": config.tensor_parallel_size,
+        "threads": loaded.extra.get("threads"),
+    }
+    if params.logprobs is not None:
+        payload["logprobs"] = result.logprobs
+        payload["top_logprobs"] = result.top_logprobs
+    if engine.runner is not None:  # per rank: heads, pid, device, KV bytes per token and allocated
+        payload["tensor_parallel"] = engine.runner.describe()
+    return payload
+
+
+def chat_prompt_ids(engine, messages: list[dict[str, str]]) -> list[int]:
+    """The model's chat template applied to ``messages``, with the assistant's turn opened, as token ids."""
+    tok = engine.tokenizer
+    return tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True), add_bos=False)
+
+
+def run_generate(args: argparse.Namespace, state: RunState, chat: bool = False, prompt: str | None = None) -> int:
+    """``kvcore generate`` (raw text) or a one-shot ``kvcore chat`` (the message in the chat template);
+    ``prompt`` when the caller has read it already."""
+    prompt = prompt if prompt is not None else read_prompt(args)
+    if not prompt:
+        raise InvalidRequestError("prompt is empty" if prompt is not None else
+                                  "no prompt: give it as an argument, '-' for standard input, or --prompt-file")
+    loaded = load_engine(args)
+    engine = loaded.engine
+    if chat:
+        messages = [{"role": "system", "content": args.system}] if args.system else []
+        prompt_ids = chat_prompt_ids(engine, [*messages, {"role": "user", "content": prompt}])
+    else:
+        prompt_ids = engine.tokenizer.encode(prompt)
+    result = stream_reply(loaded, prompt_ids, state)
+    if args.json:
+        write_out(json.dumps(result_payload(loaded, result)) + "\n")
+    return 0

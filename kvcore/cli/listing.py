@@ -1,0 +1,37 @@
+"""``kvcore plugins`` and ``kvcore backends``: what is registered, and whether it can run here."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+__all__ = ["run_plugins", "run_backends"]
+
+
+def run_plugins(args: argparse.Namespace) -> int:
+    from kvcore.plugins import get_registry
+    from kvcore.support import format_table, plugin_rows
+
+    rows = plugin_rows(get_registry())
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    for kind, kind_rows in rows.items():
+        print(f"{kind}:")
+        print(format_table(kind_rows))
+        print()
+    return 0
+
+
+def run_backends(args: argparse.Namespace) -> int:
+    from kvcore.plugins import get_registry
+    from kvcore.support import backend_rows, format_table, markdown_table
+
+    rows = backend_rows(get_registry())
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    elif args.markdown:
+        print(markdown_table(rows))
+    else:
+        print(format_table(rows))
+    return 0

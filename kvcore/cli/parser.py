@@ -1,0 +1,147 @@
+"""The ``kvcore`` argument parser: every built-in command's flags, and the commands plugins add."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+__all__ = ["build_parser", "version_string"]
+
+
+def version_string() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return f"kvcore {version('kvcore')}"
+    except PackageNotFoundError:  # a source tree that is not installed
+        return "kvcore (not installed)"
+
+
+def _sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-new-tokens", type=int, default=None, help="tokens to generate (default 128)")
+    p.add_argument("--temperature", type=float, default=None, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=None, help="sample from the k most likely tokens (0 = off)")
+    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass in (0, 1] (1 = off)")
+    p.add_argument("--seed", type=int, default=None, help="RNG seed for sampling (any integer; taken mod 2^64)")
+    p.add_argument("--ignore-eos", action="store_true", default=None, help="do not stop at end-of-sequence")
+    p.add_argument("--stop", action="append", default=None, metavar="TEXT",
+                   help="stop when the text contains TEXT (not printed); repeat for several")
+    p.add_argument("--min-p", type=float, default=None, help="drop tokens below min_p × the top probability (0 = off)")
+    p.add_argument("--repetition-penalty", type=float, default=None,
+                   help="divide seen tokens' positive logits by it, multiply negative ones (1 = off)")
+    p.add_argument("--presence-penalty", type=float, default=None, help="OpenAI presence penalty in [-2, 2]")
+    p.add_argument("--frequency-penalty", type=float, default=None, help="OpenAI frequency penalty in [-2, 2]")
+    p.add_argument("--logprobs", type=int, default=None, metavar="K",
+                   help="with --json: each token's logprob and its K most likely alternatives (0-20)")
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="'smollm2' (default), a .gguf file or a Hugging Face directory")
+    p.add_argument("--backend", default=None, help="attention backend for both phases (see `kvcore backends`)")
+    p.add_argument("--prefill-backend", default=None, help="backend for prefill (overrides --backend)")
+    p.add_argument("--decode-backend", default=None, help="backend for decode (overrides --backend)")
+    p.add_argument("--kv-cache", default=None, help="KV cache (`kvcore plugins`; default: the backend's layout)")
+    p.add_argument("--sampler", default=None, help="sampler (see `kvcore plugins`; default 'default')")
+    p.add_argument("--dtype", default=None, help="float32 (default), bfloat16 or float16")
+    p.add_argument("--device", default=None, help="torch device (default cpu)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="context limit per request, in tokens (default: the model's window, at most 4096)")
+    p.add_argument("--threads", type=int, default=None, metavar="N",
+                   help="CPU threads for torch (default: the cores not busy with other work, at least 1)")
+    p.add_argument("--tensor-parallel-size", type=int, default=None, metavar="N",
+                   help="split the model over N processes (gloo on CPU, NCCL on CUDA; default 1)")
+    p.add_argument("--config", default=None, metavar="FILE.toml", help="read settings from a TOML file")
+
+
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a port number") from None
+    if not 0 <= port <= 65535:  # the socket layer would silently take it modulo 65536
+        raise argparse.ArgumentTypeError(f"port {port} is outside 0-65535")
+    return port
+
+
+def _hidden_debug(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvcore", description="Plugin-style LLM inference core.")
+    parser.add_argument("--version", action="version", version=version_string())
+    parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("generate", help="complete raw text")
+    p.add_argument("prompt", nargs="?", default=None, help="the prompt text; '-' reads it from standard input")
+    p.add_argument("--prompt-file", default=None, metavar="PATH", help="read the prompt from a file (UTF-8)")
+    _generation_args(p)
+
+    p = sub.add_parser("chat", help="chat with the model: one message, or a conversation (REPL)")
+    p.add_argument("prompt", nargs="?", default=None,
+                   help="the user message ('-': read it from standard input); without it, a conversation")
+    p.add_argument("--prompt-file", default=None, metavar="PATH", help="read the user message from a file")
+    p.add_argument("-i", "--interactive", action="store_true",
+                   help="a multi-turn conversation (the default when no message is given); /reset, /exit")
+    p.add_argument("--system", default=None, help="system message (default: the template's)")
+    _generation_args(p)
+
+    p = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
+    _engine_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=_port, default=8000, help="TCP port (default 8000; 0 = any free port)")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or env KVCORE_API_KEY)")
+    p.add_argument("--served-model-name", default=None, help="model name clients send (default: --model)")
+    p.add_argument("--max-num-seqs", type=int, default=None, help="requests run at once (default 16)")
+    p.add_argument("--max-queue-len", type=int, default=256, help="requests waiting beyond those; then 429")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="prompt tokens per prefill step")
+    p.add_argument("--num-blocks", type=int, default=None, help="KV-cache blocks (paged caches)")
+    p.add_argument("--kv-cache-bytes", type=int, default=None, help="size the paged KV cache to this budget")
+    p.add_argument("--enable-prefix-caching", action="store_true", default=None, help="reuse shared prompt blocks")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    _hidden_debug(p)
+
+    p = sub.add_parser("plugins", help="list registered backends, KV caches and samplers, with availability")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    _hidden_debug(p)
+
+    p = sub.add_parser("backends", help="list registered backends and their capabilities")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--markdown", action="store_true", help="a Markdown table (the README's support matrix)")
+    _hidden_debug(p)
+
+    try:
+        from kvcore.conformance.cli import add_parser as add_conformance
+    except ImportError:
+        add_conformance = None
+    if add_conformance is not None:
+        add_conformance(sub)
+    _plugin_commands(sub)
+    return parser
+
+
+def _generation_args(p: argparse.ArgumentParser) -> None:
+    _engine_args(p)
+    _sampling_args(p)
+    p.add_argument("--json", action="store_true", help="print a JSON result object as the last stdout line")
+    _hidden_debug(p)
+
+
+def _plugin_commands(sub) -> None:
+    """Commands from plugins (kvcore_register_commands), e.g. `kvcore bench` from kvcore-bench. A hook that
+    raises is skipped with one warning line, and what it added before raising is removed again."""
+    from kvcore.plugins import get_registry
+
+    registry = get_registry()
+    registry.backends  # noqa: B018 - the registry loads its plugins on first use
+    for impl in registry.pm.hook.kvcore_register_commands.get_hookimpls():
+        names, helps = dict(sub.choices), list(sub._choices_actions)
+        try:
+            impl.function(subparsers=sub)
+        except Exception as exc:
+            sub.choices.clear()
+            sub.choices.update(names)
+            sub._choices_actions[:] = helps
+            print(f"kvcore: warning: plugin '{impl.plugin_name}' raised in kvcore_register_commands and was "
+                  f"skipped: {type(exc).__name__}: {exc}", file=sys.stderr)

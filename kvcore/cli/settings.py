@@ -1,0 +1,103 @@
+"""Where a command's settings come from: flag > environment > config file > defaults; the thread count;
+the prompt (argument, ``-`` for standard input, or ``--prompt-file``)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any
+
+from kvcore.errors import ConfigError, InvalidRequestError
+
+__all__ = ["ENVIRONMENT", "DEFAULTS", "resolve_settings", "default_threads", "apply_threads", "read_prompt"]
+
+#: settings an environment variable may give (between flag and config file)
+ENVIRONMENT = {"backend": "KVCORE_BACKEND", "model": "KVCORE_MODEL"}
+#: defaults of the settings that have no default in EngineConfig / SamplingParams
+DEFAULTS = {"model": "smollm2", "max_num_seqs": 1}
+
+
+def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """Merge flag > environment (KVCORE_BACKEND, KVCORE_MODEL) > config file > defaults, for every key of the
+    config file (``None`` where nothing is given: EngineConfig / SamplingParams then apply their defaults)."""
+    from dataclasses import fields
+
+    from kvcore.config import OPTION_TABLES, FileConfig, load_config
+
+    file_cfg = load_config(args.config) if getattr(args, "config", None) else FileConfig()
+    settings: dict[str, Any] = {}
+    for f in fields(FileConfig):
+        name = f.name
+        value = getattr(args, name, None)
+        if value is None and name in ENVIRONMENT:
+            value = os.environ.get(ENVIRONMENT[name]) or None
+        if value is None:
+            value = getattr(file_cfg, name)
+        settings[name] = DEFAULTS.get(name) if value is None else value
+    for table, option in OPTION_TABLES.items():
+        settings[option] = settings.pop(table)
+    settings["plugin_options"] = settings.pop("plugins")
+    return settings
+
+
+def default_threads() -> int:
+    """The cores this process may run on (its CPU affinity) minus those other work keeps busy (the 1-minute
+    load average, rounded), at least 1. On a shared machine, more compute threads than free cores make each
+    step wait for the slowest, descheduled thread."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        cores = os.cpu_count() or 1
+    try:
+        busy = int(os.getloadavg()[0] + 0.5)
+    except (AttributeError, OSError):
+        busy = 0
+    return max(1, cores - busy)
+
+
+def apply_threads(threads: int | None) -> int:
+    """Set torch's intra-op threads: ``threads`` when given, else OMP_NUM_THREADS when set (torch reads it),
+    else :func:`default_threads`. Returns the count in use."""
+    import torch
+
+    if threads is not None:
+        # far more threads than cores only slows every step, and OpenMP allocates per thread up front (a
+        # billion threads aborts the process in libgomp before Python can report anything)
+        limit = max(64, 4 * (os.cpu_count() or 1))
+        if isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= limit:
+            raise ConfigError(
+                f"threads must be an integer from 1 to {limit} (4 × the CPU count, or 64), got {threads!r}")
+        torch.set_num_threads(threads)
+    elif not os.environ.get("OMP_NUM_THREADS"):
+        torch.set_num_threads(default_threads())
+    return torch.get_num_threads()
+
+
+def read_prompt(args: argparse.Namespace, stdin=None) -> str | None:
+    """The prompt of ``generate`` / ``chat``: the argument, all of standard input for ``-``, or the file of
+    ``--prompt-file``; ``None`` when none was given."""
+    stdin = stdin or sys.stdin
+    prompt_file = getattr(args, "prompt_file", None)
+    if prompt_file is not None and args.prompt is not None:
+        raise ConfigError("give the prompt either as an argument or with --prompt-file, not both")
+    if prompt_file is not None:
+        try:
+            with open(prompt_file, encoding="utf-8") as f:
+                text = f.read()
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"prompt file '{prompt_file}' is not UTF-8 text: {exc.reason}") from None
+        except OSError as exc:
+            raise ConfigError(f"cannot read prompt file '{prompt_file}': {exc.strerror or exc}") from None
+    elif args.prompt == "-":
+        if stdin is None:
+            raise ConfigError("prompt '-' reads standard input, which is closed")
+        try:
+            text = stdin.read()
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"standard input is not UTF-8 text: {exc.reason}") from None
+    else:
+        return args.prompt
+    if not text.strip():
+        raise InvalidRequestError("prompt is empty")
+    return text.removesuffix("\n")  # the newline that ends a file or `echo` is not part of the prompt
