@@ -21,7 +21,9 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvcore import Engine, EngineConfig, SamplingParams
+from kvcore.chat_template import MAX_TEMPLATE_CHARS
 from kvcore.serving import AsyncEngine, build_app
+from kvcore.serving.openai_api import MAX_REQUEST_BYTES
 from kvcore.serving.server import ServerThread
 
 TINY = Path(__file__).parent / "data" / "tiny-llama"
@@ -169,6 +171,9 @@ def test_error_bodies_and_codes(server):
     err = check({"prompt": [5] * 300}, 400, "context_length_exceeded")
     assert "256" in err["message"]
     check({"model": "gpt-4", "prompt": "hi"}, 404, "model_not_found", needle="gpt-4")
+    check(b" " * (MAX_REQUEST_BYTES + 1), 413, "request_too_large", needle=str(MAX_REQUEST_BYTES))
+    huge = {"messages": [{"role": "user", "content": "x" * (MAX_TEMPLATE_CHARS // 2)}] * 3}  # renders past the limit
+    check(huge, 400, "chat_template_error", path="/v1/chat/completions", needle="limit")
     check({"messages": []}, 400, path="/v1/chat/completions", needle="messages")
     check({"messages": [{"role": "user", "content": 5}]}, 400, path="/v1/chat/completions", needle="content")
     check({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, 400,

@@ -24,7 +24,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from kvcore.errors import ContextLengthError, InvalidRequestError, KVCoreError, OutOfBlocksError
+from kvcore.errors import ChatTemplateError, ContextLengthError, InvalidRequestError, KVCoreError, OutOfBlocksError
 from kvcore.serving.async_engine import AsyncEngine
 from kvcore.serving.metrics import CONTENT_TYPE
 from kvcore.serving.protocol import GenerationJob, error_body, parse_chat, parse_completion
@@ -37,6 +37,9 @@ logger = logging.getLogger(__name__)
 
 #: what a 429 tells the client to wait before retrying, in seconds
 RETRY_AFTER_S = 1
+#: largest request body read (bytes): far above any prompt a context window holds, far below what would
+#: hurt the server; a bigger body is answered 413 without being read to the end
+MAX_REQUEST_BYTES = 16 * 1024 * 1024
 
 
 class _HTTPError(Exception):
@@ -55,6 +58,8 @@ def _error_response(exc: BaseException) -> JSONResponse:
         status, err_type, code = 400, "invalid_request_error", "context_length_exceeded"
     elif isinstance(exc, (InvalidRequestError, OutOfBlocksError)):
         status, err_type, code = 400, "invalid_request_error", None
+    elif isinstance(exc, ChatTemplateError):  # the client's messages drove the render past a limit (as vLLM: 400)
+        status, err_type, code = 400, "invalid_request_error", "chat_template_error"
     elif isinstance(exc, QueueFullError):
         status, err_type, code = 429, "rate_limit_error", "queue_full"
         headers = {"Retry-After": str(RETRY_AFTER_S)}
@@ -172,8 +177,19 @@ def build_app(
                              "invalid_api_key")
 
     async def read_body(request: Request) -> dict:
+        too_large = _HTTPError(413, f"the request body exceeds {MAX_REQUEST_BYTES} bytes", "invalid_request_error",
+                               "request_too_large")
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > MAX_REQUEST_BYTES:
+            raise too_large
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > MAX_REQUEST_BYTES:
+                raise too_large
+            chunks.append(chunk)
         try:
-            body = json.loads(await request.body())
+            body = json.loads(b"".join(chunks))
         except (ValueError, UnicodeDecodeError) as exc:
             raise InvalidRequestError(f"the request body is not valid JSON: {exc}") from None
         if not isinstance(body, dict):
