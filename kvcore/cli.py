@@ -44,6 +44,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel-size", type=int, default=None, metavar="N",
                    help="split the model over N processes (gloo on CPU, NCCL on CUDA; default 1)")
     p.add_argument("--config", default=None, metavar="FILE.toml", help="read settings from a TOML file")
+    p.add_argument("--no-model-cache", action="store_true",
+                   help="neither read nor write the prepared-model cache (also: KVCORE_MODEL_CACHE=0)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -167,7 +169,9 @@ def _run_generation(args: argparse.Namespace, chat: bool) -> int:
     # Validate the backend choice before the (slower) model load, so a typo fails fast.
     for name in {s["backend"], s["prefill_backend"], s["decode_backend"]} - {None}:
         registry.create(name, s["backend_options"].get(name))
-    engine = Engine.from_pretrained(s["model"], config, registry=registry)
+    engine = Engine.from_pretrained(
+        s["model"], config, registry=registry, model_cache=False if args.no_model_cache else None
+    )
     tok = engine.tokenizer
     if chat:
         messages = [{"role": "system", "content": args.system}] if args.system else []
@@ -219,6 +223,7 @@ def _run_serve(args: argparse.Namespace) -> int:
     s = resolve_settings(args)
     if args.max_num_seqs is None and (not args.config or load_config(args.config).max_num_seqs is None):
         s["max_num_seqs"] = DEFAULT_MAX_NUM_SEQS  # a server runs many requests; `generate` runs one
+    s["model_cache"] = False if args.no_model_cache else None
     engine = build_engine(s)
     return run_server(
         engine,
