@@ -8,6 +8,7 @@ Greedy = argmax of each sequence's logits row (numpy), the same rule kvcore appl
 from __future__ import annotations
 
 import ctypes
+import logging
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -35,6 +36,7 @@ class LlamaCppRunner:
     def __init__(self, path: str | Path, threads: int, n_ctx: int, max_seqs: int, n_batch: int = 2048) -> None:
         import llama_cpp as lc
 
+        logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)  # llama.cpp's load/context chatter
         self.lc = lc
         lc.llama_backend_init()
         mparams = lc.llama_model_default_params()

@@ -84,6 +84,47 @@ def _tok_s(times: list[list[float]]) -> float:
     return after_first / span
 
 
+def alternate(jobs, kv_side, lc_side, reps: int, progress: bool = False):
+    """Run every job ``reps`` times on both sides, alternating which side goes first.
+
+    :param jobs: ``{"decode" | "long" | "batch8": (prompts, new_tokens)}``.
+    :param kv_side: ``(prompts, new_tokens) -> (ttft_s, decode tok/s, token ids per prompt)``; so is
+        ``lc_side``.
+    :returns: ``(rows, agreement)``: one row per workload (medians, median ratio, every run), and per job
+        the fraction of greedy tokens equal on both sides (position by position).
+    """
+    samples: dict[str, dict[str, list[float]]] = {w: {"kvcore": [], "llama.cpp": []} for w in WORKLOADS}
+    agree: dict[str, list[float]] = {w: [] for w in jobs}
+    for rep in range(reps):
+        for job, (prompts, n) in jobs.items():
+            sides = [("kvcore", kv_side), ("llama.cpp", lc_side)]
+            got = {}
+            for side, fn in (sides if rep % 2 == 0 else sides[::-1]):
+                got[side] = fn(prompts, n)
+                if progress:
+                    print(f"rep {rep + 1}/{reps} {job} {side}: ttft {got[side][0] * 1e3:.0f} ms, "
+                          f"{got[side][1]:.1f} tok/s", flush=True)
+            for side, (ttft, tok_s, _) in got.items():
+                if job == "long":
+                    samples["decode_2k"][side].append(tok_s)
+                    samples["ttft_2k"][side].append(ttft)
+                else:
+                    samples[job][side].append(tok_s)
+            a, b = got["kvcore"][2], got["llama.cpp"][2]
+            same = sum(x == y for ra, rb in zip(a, b) for x, y in zip(ra, rb))
+            agree[job].append(same / sum(len(r) for r in a))
+    rows = []
+    for w in WORKLOADS:
+        kv, lc = samples[w]["kvcore"], samples[w]["llama.cpp"]
+        if not kv:
+            continue
+        ratios = [(y / x) if w == "ttft_2k" else (x / y) for x, y in zip(kv, lc)]
+        unit = "s" if w == "ttft_2k" else "tok/s"
+        rows.append({"workload": w, "unit": unit, "kvcore": statistics.median(kv), "llama.cpp": statistics.median(lc),
+                     "ratio": statistics.median(ratios), "kvcore_runs": kv, "llama.cpp_runs": lc})
+    return rows, {k: statistics.fmean(v) for k, v in agree.items()}
+
+
 def run_llamacpp(args: argparse.Namespace) -> int:
     import torch
 
@@ -130,36 +171,10 @@ def run_llamacpp(args: argparse.Namespace) -> int:
         return statistics.fmean(ttfts), _tok_s(times), ids
 
     for prompts, _ in jobs.values():  # warm-up: weights paged in, oneDNN packs built, both sides
-        kv_side(prompts, 4)
-        lc_side(prompts, 4)
-    samples: dict[str, dict[str, list[float]]] = {w: {"kvcore": [], "llama.cpp": []} for w in WORKLOADS}
-    agree: dict[str, list[float]] = {w: [] for w in jobs}
+        kv_side([p[:256] for p in prompts], 4)
+        lc_side([p[:256] for p in prompts], 4)
     start = time.perf_counter()
-    for rep in range(reps):
-        for job, (prompts, n) in jobs.items():
-            sides = [("kvcore", kv_side), ("llama.cpp", lc_side)]
-            got = {}
-            for side, fn in (sides if rep % 2 == 0 else sides[::-1]):
-                got[side] = fn(prompts, n)
-                if args.progress:
-                    print(f"rep {rep + 1}/{reps} {job} {side}: ttft {got[side][0] * 1e3:.0f} ms, "
-                          f"{got[side][1]:.1f} tok/s", flush=True)
-            for side, (ttft, tok_s, _) in got.items():
-                if job == "long":
-                    samples["decode_2k"][side].append(tok_s)
-                    samples["ttft_2k"][side].append(ttft)
-                else:
-                    samples[job][side].append(tok_s)
-            a, b = got["kvcore"][2], got["llama.cpp"][2]
-            same = sum(x == y for ra, rb in zip(a, b) for x, y in zip(ra, rb))
-            agree[job].append(same / sum(len(r) for r in a))
-    rows = []
-    for w in WORKLOADS:
-        kv, lc = samples[w]["kvcore"], samples[w]["llama.cpp"]
-        ratios = [(y / x) if w == "ttft_2k" else (x / y) for x, y in zip(kv, lc)]
-        unit = "s" if w == "ttft_2k" else "tok/s"
-        rows.append({"workload": w, "unit": unit, "kvcore": statistics.median(kv), "llama.cpp": statistics.median(lc),
-                     "ratio": statistics.median(ratios), "kvcore_runs": kv, "llama.cpp_runs": lc})
+    rows, agree = alternate(jobs, kv_side, lc_side, reps, args.progress)
     report = {
         "environment": {**environment(), **cpu_features(), "threads": threads, "llama_cpp_python": llama_cpp_version(),
                         "llama_cpp_system_info": runner_b1.system_info, "load_average_end": _load_average()},
@@ -168,7 +183,7 @@ def run_llamacpp(args: argparse.Namespace) -> int:
         "kvcore_kernels": _kernels(engine),
         "llama_cpp_batching": "batched: one llama_decode per step over all sequences (seq_id per request)",
         "reps": reps, "new_tokens": new_tokens, "long_new_tokens": long_new, "seconds": time.perf_counter() - start,
-        "greedy_token_agreement": {k: statistics.fmean(v) for k, v in agree.items()},
+        "greedy_token_agreement": agree,
         "results": rows,
     }
     runner_b1.close()
