@@ -66,12 +66,16 @@ def _engine_options(pairs: list[str]) -> dict[str, Any]:
 
 def _kernels(engine) -> str:
     """What kvcore ran: the attention backends and the matmul path of the model."""
+    import torch
+
     model = engine.model
     describe = getattr(model, "describe_kernels", None)  # a model that knows its kernels says so
     if callable(describe):
         matmul = describe()
-    elif model.dtype.is_floating_point and model.device.type == "cpu" and str(model.dtype) == "torch.float32":
-        matmul = "float32: split GEMV (1 row), oneDNN-prepacked GEMM (2+ rows)" if model.packed_weights else "MKL"
+    elif model.dtype == torch.float32 and model.device.type == "cpu":
+        packed = getattr(model, "packed_weights", False)
+        multi_row = "oneDNN-prepacked GEMM" if packed else "MKL GEMM"
+        matmul = f"float32 split GEMV (1 row), {multi_row} (2+ rows)"
     else:
         matmul = f"{str(model.dtype).removeprefix('torch.')} F.linear"
     return (f"attention prefill={engine.prefill_backend.name} decode={engine.decode_backend.name}, "
