@@ -140,6 +140,7 @@ def run_llamacpp(args: argparse.Namespace) -> int:
     if llama_cpp_version() is None:
         raise ConfigError("llama-cpp-python is not installed: pip install 'kvcore-bench[llamacpp]' "
                           "(builds llama.cpp from source; CMAKE_ARGS=\"-DGGML_NATIVE=ON\" for this CPU)")
+    load_start = _load_average()
     if args.threads:
         torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()
@@ -181,7 +182,8 @@ def run_llamacpp(args: argparse.Namespace) -> int:
     rows, agree = alternate(jobs, kv_side, lc_side, reps, args.progress)
     report = {
         "environment": {**environment(), **cpu_features(), "threads": threads, "llama_cpp_python": llama_cpp_version(),
-                        "llama_cpp_system_info": runner_b1.system_info, "load_average_end": _load_average()},
+                        "llama_cpp_system_info": runner_b1.system_info, "load_average": load_start,
+                        "load_average_end": _load_average()},
         "gguf": str(path),
         "kvcore_config": {"backend": engine.prefill_backend.name, "dtype": config.dtype, **options},
         "kvcore_kernels": _kernels(engine),
