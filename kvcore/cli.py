@@ -170,7 +170,7 @@ def _run_generation(args: argparse.Namespace, chat: bool) -> int:
     for name in {s["backend"], s["prefill_backend"], s["decode_backend"]} - {None}:
         registry.create(name, s["backend_options"].get(name))
     engine = Engine.from_pretrained(
-        s["model"], config, registry=registry, model_cache=False if args.no_model_cache else None
+        s["model"], config, registry=registry, model_cache=False if getattr(args, "no_model_cache", False) else None
     )
     tok = engine.tokenizer
     if chat:
@@ -223,7 +223,7 @@ def _run_serve(args: argparse.Namespace) -> int:
     s = resolve_settings(args)
     if args.max_num_seqs is None and (not args.config or load_config(args.config).max_num_seqs is None):
         s["max_num_seqs"] = DEFAULT_MAX_NUM_SEQS  # a server runs many requests; `generate` runs one
-    s["model_cache"] = False if args.no_model_cache else None
+    s["model_cache"] = False if getattr(args, "no_model_cache", False) else None
     engine = build_engine(s)
     return run_server(
         engine,
