@@ -151,15 +151,26 @@ class Engine(EngineStep):
 
     # -- construction --------------------------------------------------------------------------------
     @classmethod
-    def from_pretrained(cls, model: str = "smollm2", config: EngineConfig | None = None, **kwargs: Any) -> Engine:
-        """Load ``model`` ("smollm2", a .gguf file or a Hugging Face directory) and build an engine."""
-        from kvcore.loaders import build_model, load_model
+    def from_pretrained(
+        cls,
+        model: str = "smollm2",
+        config: EngineConfig | None = None,
+        *,
+        model_cache: bool | None = None,
+        **kwargs: Any,
+    ) -> Engine:
+        """Load ``model`` ("smollm2", a .gguf file or a Hugging Face directory) and build an engine.
+
+        :param model_cache: keep the prepared model on disk so the next start skips conversion
+            (:mod:`kvcore.model_cache`); None = on unless ``KVCORE_MODEL_CACHE=0``.
+        """
+        from kvcore.model_cache import load_pretrained
 
         config = config or EngineConfig()
-        loaded = load_model(model)
-        check_max_model_len(config.max_model_len, loaded.config.max_position_embeddings)  # before building it
-        decoder = build_model(loaded, parse_dtype(config.dtype), config.device, config.max_model_len)
-        return cls(decoder, loaded.tokenizer, config, **kwargs)
+        decoder, tokenizer = load_pretrained(
+            model, parse_dtype(config.dtype), config.device, config.max_model_len, use_cache=model_cache
+        )
+        return cls(decoder, tokenizer, config, **kwargs)
 
     # -- request API ---------------------------------------------------------------------------------
     def add_request(

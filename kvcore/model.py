@@ -33,9 +33,16 @@ Attention = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tens
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``x / rms(x) * weight``, the statistics in float32 (as Hugging Face Llama does)."""
-    x32 = x.float()
-    normed = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)  # a new tensor
+    """``x / rms(x) * weight``, the statistics in float32 (as Hugging Face Llama does).
+
+    One ``F.rms_norm`` call computes ``x * rsqrt(mean(x²) + eps)`` (on CPU ATen runs the same elementwise
+    ops from C++, without a Python dispatch between each); in float32 (weight included) it gives bitwise
+    the values of spelling the ops out (tests/test_model_ops.py). A narrower dtype keeps Hugging Face's
+    rounding: normalised in float32, rounded to the dtype, then scaled by the weight."""
+    shape = (x.shape[-1],)
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        return F.rms_norm(x, shape, weight, eps)
+    normed = F.rms_norm(x.float(), shape, None, eps).to(x.dtype)  # a new tensor
     if weight.dtype != normed.dtype:
         return weight * normed  # type promotion
     return normed.mul_(weight)  # in place (no allocation): same values as ``weight * normed``

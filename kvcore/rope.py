@@ -178,10 +178,13 @@ class RotaryEmbedding(nn.Module):
     ) -> None:
         super().__init__()
         window = max_position_embeddings or max_positions
-        inv_freq, factor = inv_freq_and_factor(head_dim, theta, scaling, window, max_positions)
+        # Computed on the CPU even under a ``torch.device`` context (a decoder skeleton built on "meta"):
+        # the tables are small, and meta tensors would route these ops through Python decompositions.
+        with torch.device("cpu"):
+            inv_freq, factor = inv_freq_and_factor(head_dim, theta, scaling, window, max_positions)
+            angles = torch.arange(max_positions, dtype=torch.int64).float()[:, None] * inv_freq[None, :]  # [P, D/2]
         self.max_positions = max_positions
         self.attention_factor = factor
-        angles = torch.arange(max_positions, dtype=torch.int64).float()[:, None] * inv_freq[None, :]  # [P, D/2]
         cos, sin = angles.cos(), angles.sin()
         if factor != 1.0:
             cos, sin = cos * factor, sin * factor

@@ -12,15 +12,16 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import jinja2
 import tokenizers
 
-from kvcore.chat_template import TemplateRaised, compile_template, render_template
 from kvcore.errors import ConfigError, InvalidRequestError, ModelLoadError
 from kvcore.stream_decoder import StreamDecoder
 from kvcore.vocab import byte_level_bpe, sentencepiece_bpe
+
+if TYPE_CHECKING:  # jinja2 is imported on the first chat template use: a plain `generate` never needs it
+    import jinja2
 
 __all__ = ["Tokenizer", "StreamDecoder"]
 
@@ -285,6 +286,10 @@ class Tokenizer:
             isinstance(m, Mapping) and isinstance(m.get("role"), str) for m in messages
         ):
             raise InvalidRequestError("chat messages must be a list of {'role': str, 'content': str} dicts")
+        import jinja2
+
+        from kvcore.chat_template import TemplateRaised, render_template
+
         template = self._template()
         bos = self._bos_token_id
         eos = self._eos_token_ids[0] if self._eos_token_ids else None
@@ -303,6 +308,8 @@ class Tokenizer:
 
     def _template(self) -> jinja2.Template:
         if self._compiled_template is None:
+            from kvcore.chat_template import compile_template
+
             self._compiled_template = compile_template(self._chat_template or "")
         return self._compiled_template
 

@@ -24,6 +24,9 @@ def pytest_configure(config: pytest.Config) -> None:
     if any(config.getoption(o, None) for o in ("kvcore_backend", "kvcore_kv_cache", "kvcore_sampler")):
         return
     os.environ.setdefault("KVCORE_LOAD_PLUGINS", "")
+    # Tests never write prepared models under the user's cache folder (tests/test_model_cache.py turns the
+    # cache on in a temporary one).
+    os.environ.setdefault("KVCORE_MODEL_CACHE", "0")
 
 
 @pytest.fixture(scope="session")

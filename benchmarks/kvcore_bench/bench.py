@@ -40,10 +40,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvcore_bench import cli as _cli
+from kvcore_bench.cli import CASES, DEFAULT_BACKENDS
+
 __all__ = ["add_parser", "run", "BenchSettings", "Bench", "CASES"]
 
-CASES = ("decode", "long", "bf16", "batch", "capacity", "scaling", "chunked")
-DEFAULT_BACKENDS = ("naive", "sdpa", "paged")
 TARGET_BACKEND = "sdpa"  # the engine's default choice on CPU: the targets are judged on it
 
 #: the performance targets: (key, description, comparison, threshold)
@@ -105,26 +106,8 @@ class BenchSettings:
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    p = subparsers.add_parser(
-        "bench",
-        help="benchmark backends (TTFT, TPOT, tokens/s, memory), side by side with transformers",
-        description="Benchmark kvcore's attention backends on the embedded SmolLM2 through the Engine API, "
-        "alternating with Hugging Face transformers on the same weights when it is installed. Writes "
-        "results.md, results.json and a decode-step-vs-context PNG to --out.",
-    )
-    p.add_argument("--quick", action="store_true", help="fewer repetitions, tokens and contexts (a few minutes)")
-    p.add_argument("--backends", default=",".join(DEFAULT_BACKENDS),
-                   help=f"comma-separated backends to measure (default {','.join(DEFAULT_BACKENDS)})")
-    p.add_argument("--no-transformers", action="store_true", help="skip the transformers comparison")
-    p.add_argument("--out", default="bench-out", metavar="DIR", help="output directory (default bench-out/)")
-    p.add_argument("--cases", default=",".join(CASES), help=f"comma-separated cases (default all: {','.join(CASES)})")
-    p.add_argument("--model", default="smollm2", help="model spec (default: the embedded SmolLM2-135M)")
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default 0: torch's default)")
-    p.add_argument("--reps", type=int, default=None, help="repetitions per measurement (default 2 quick / 5 full)")
-    p.add_argument("--no-progress", action="store_true", help="do not print progress on stderr")
-    p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
-    p.set_defaults(func=run)
-    return p
+    """The ``bench`` subcommand (declared in :mod:`kvcore_bench.cli`) running :func:`run`."""
+    return _cli.add_parser(subparsers, run)
 
 
 def _split(text: str) -> tuple[str, ...]:
@@ -152,6 +135,11 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.llamacpp:
+        from kvcore_bench.vs_llamacpp import run_llamacpp
+
+        args.progress = not args.no_progress
+        return run_llamacpp(args)
     settings = settings_from_args(args)
     bench = Bench(settings)
     bench.validate_backends()

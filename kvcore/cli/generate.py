@@ -73,7 +73,9 @@ def load_engine(args: argparse.Namespace) -> Loaded:
     config = EngineConfig(**{f.name: s[f.name] for f in fields(EngineConfig) if s.get(f.name) is not None})
     for name in {s["backend"], s["prefill_backend"], s["decode_backend"]} - {None}:
         registry.create(name, s["backend_options"].get(name))
-    engine = Engine.from_pretrained(s["model"], config, registry=registry)
+    engine = Engine.from_pretrained(
+        s["model"], config, registry=registry, model_cache=False if getattr(args, "no_model_cache", False) else None
+    )
     return Loaded(engine, config, s, params, {"threads": threads})
 
 

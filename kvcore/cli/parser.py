@@ -51,6 +51,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel-size", type=int, default=None, metavar="N",
                    help="split the model over N processes (gloo on CPU, NCCL on CUDA; default 1)")
     p.add_argument("--config", default=None, metavar="FILE.toml", help="read settings from a TOML file")
+    p.add_argument("--no-model-cache", action="store_true",
+                   help="neither read nor write the prepared-model cache (also: KVCORE_MODEL_CACHE=0)")
 
 
 def _port(text: str) -> int:

@@ -18,6 +18,7 @@ def run_serve(args: argparse.Namespace) -> int:
     apply_threads(s.get("threads"))
     if args.max_num_seqs is None and (not args.config or load_config(args.config).max_num_seqs is None):
         s["max_num_seqs"] = DEFAULT_MAX_NUM_SEQS  # a server runs many requests; `generate` runs one
+    s["model_cache"] = False if getattr(args, "no_model_cache", False) else None
     engine = build_engine(s)
     return run_server(
         engine,

@@ -30,7 +30,7 @@ def build_engine(settings: dict[str, Any]):
     config = EngineConfig(**given)
     for name in {settings["backend"], settings["prefill_backend"], settings["decode_backend"]} - {None}:
         registry.create(name, settings["backend_options"].get(name))
-    return Engine.from_pretrained(settings["model"], config, registry=registry)
+    return Engine.from_pretrained(settings["model"], config, registry=registry, model_cache=settings.get("model_cache"))
 
 
 def _bind(host: str, port: int) -> socket.socket:

@@ -1,0 +1,34 @@
+"""ATen operator calls made by one decode step (SmolLM2, fp32, batch 1): a count that, unlike a time, does
+not move with the machine's load.
+
+    python benchmarks/count_ops.py
+    PYTHONPATH=/path/to/older/kvcore python benchmarks/count_ops.py   # run from outside the repository
+
+"Top-level" counts the operators Python dispatches (each pays the interpreter and dispatcher overhead);
+"all" adds the ones those operators call from C++.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from kvcore import Engine, EngineConfig, SamplingParams
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    engine = Engine.from_pretrained("smollm2", EngineConfig(backend="sdpa", max_model_len=256))
+    engine.add_request(list(range(100, 164)), SamplingParams(max_new_tokens=20, ignore_eos=True))
+    for _ in range(3):  # prefill + two decode steps outside the count
+        engine.step()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        engine.step()
+    events = prof.events()
+    top = [e for e in events if e.name.startswith("aten::")
+           and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::"))]
+    print(f"one decode step: {len(top)} top-level ATen calls, {len(events)} profiler events in all")
+
+
+if __name__ == "__main__":
+    main()
