@@ -41,6 +41,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sampler", default=None, help="sampler (see `kvcore plugins`; default 'default')")
     p.add_argument("--dtype", default=None, help="float32 (default), bfloat16 or float16")
     p.add_argument("--device", default=None, help="torch device (default cpu)")
+    p.add_argument("--weights", default=None, choices=["auto", "float", "int8", "int4"],
+                   help="matmul weights: auto (default: int4 for a Q4 GGUF in bfloat16, else float), float, "
+                        "int8 or int4 (weight-only quantized; need --dtype bfloat16 on CPU)")
     p.add_argument("--tensor-parallel-size", type=int, default=None, metavar="N",
                    help="split the model over N processes (gloo on CPU, NCCL on CUDA; default 1)")
     p.add_argument("--config", default=None, metavar="FILE.toml", help="read settings from a TOML file")
@@ -200,6 +203,7 @@ def _run_generation(args: argparse.Namespace, chat: bool) -> int:
             "sampler": engine.sampler.name,
             "model": s["model"],
             "dtype": config.dtype,
+            "weights": engine.model.weight_format,
             "metrics": result.metrics.as_dict(),
             "tensor_parallel_size": config.tensor_parallel_size,
         }

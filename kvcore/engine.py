@@ -80,10 +80,15 @@ class Engine(EngineStep):
         self.dtype, self.device = parse_dtype(config.dtype), torch.device(config.device)
         if model.dtype != self.dtype:
             raise ConfigError(f"model weights are {model.dtype} but the engine was configured for {self.dtype}")
+        weight_format = getattr(model, "weight_format", "float")
+        if config.weights not in ("auto", weight_format):
+            raise ConfigError(f"model weights are {weight_format} but the engine was configured for {config.weights}")
         self.runner = None  # tensor parallelism: rank 0's side of the group; this process computes rank 0's shard
         if config.tensor_parallel_size > 1:
             from kvcore.distributed import TensorParallelRunner
+            from kvcore.distributed.sharding import check_shardable
 
+            check_shardable(model)  # before any process is spawned
             self.runner = TensorParallelRunner(model, config)
             mc = self.runner.model.config  # local heads: backends and the KV cache see only this rank's
         heads = dict(num_heads=mc.num_attention_heads, num_kv_heads=mc.num_key_value_heads)
@@ -142,10 +147,12 @@ class Engine(EngineStep):
     def from_pretrained(cls, model: str = "smollm2", config: EngineConfig | None = None, **kwargs: Any) -> Engine:
         """Load ``model`` ("smollm2", a .gguf file or a Hugging Face directory) and build an engine."""
         from kvcore.loaders import build_model, load_model
+        from kvcore.weights import uses_quantized_blocks
 
         config = config or EngineConfig()
-        loaded = load_model(model)
-        decoder = build_model(loaded, parse_dtype(config.dtype), config.device, config.max_model_len)
+        dtype = parse_dtype(config.dtype)
+        loaded = load_model(model, keep_quantized=uses_quantized_blocks(config.weights, dtype, config.device))
+        decoder = build_model(loaded, dtype, config.device, config.max_model_len, weights=config.weights)
         return cls(decoder, loaded.tokenizer, config, **kwargs)
 
     # -- request API ---------------------------------------------------------------------------------
