@@ -102,10 +102,12 @@ class DecoderModel(nn.Module):
         self._set_weight_layout()
 
     def _apply(self, fn, recurse=True):  # .to() / .float() / .cuda() ... : re-pick the weight layout
+        if self._quantized is not None:  # probe where fn sends a tensor before moving anything
+            probe = fn(self.embed_tokens[:0])
+            if probe.device.type != "cpu" or probe.dtype != torch.bfloat16:
+                raise ConfigError(f"{self.weight_format} weights run on CPU in bfloat16; cannot move this model "
+                                  f"to {probe.device.type} {str(probe.dtype).removeprefix('torch.')}")
         super()._apply(fn, recurse)
-        if self._quantized is not None and (self.device.type != "cpu" or self.dtype != torch.bfloat16):
-            raise ConfigError(f"{self.weight_format} weights run on CPU in bfloat16; this model was moved to "
-                              f"{self.device.type} {str(self.dtype).removeprefix('torch.')}")
         self._set_weight_layout()
         return self
 

@@ -184,6 +184,7 @@ def test_weights_option_errors_and_plumbing(tmp_path):
         Engine(quant, None, EngineConfig(dtype="bfloat16", backend="sdpa", tensor_parallel_size=2))
     with pytest.raises(ConfigError, match="run on CPU in bfloat16"):
         quant.float()
+    assert quant.dtype == torch.bfloat16 and quant.embed_tokens.dtype == torch.bfloat16  # nothing was moved
     from kvcore.config import load_config
 
     (tmp_path / "kvcore.toml").write_text('weights = "int8"\n')
@@ -249,3 +250,22 @@ def test_smollm2_int4_native_decodes_like_the_dequantized_float_model(smollm2):
     assert float((logits[quant] - logits[ref]).abs().max()) <= 2 * noise
     diverged = first_divergence(ref, quant, prompt["prompt_token_ids"], steps=16)
     assert diverged is None or diverged[1] <= 2 * noise, (diverged, noise)
+
+
+def test_cli_weights_flag(capsys):
+    """``--weights`` reaches the engine (a float checkpoint quantized at load), and a format the dtype cannot
+    run is one line with the config exit code."""
+    import json
+    from pathlib import Path
+
+    from kvcore.cli import main
+
+    tiny = str(Path(__file__).parent / "data" / "tiny-llama")
+    argv = ["generate", "--model", tiny, "--backend", "sdpa", "--max-new-tokens", "4", "--ignore-eos", "--json"]
+    for fmt in ("int4", "int8"):
+        assert main([*argv, "--dtype", "bfloat16", "--weights", fmt, "hello"]) == 0
+        result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert result["weights"] == fmt and len(result["token_ids"]) == 4
+    assert main([*argv, "--weights", "int4", "hello"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "weights 'int4' cannot run here" in err and "--dtype bfloat16" in err
