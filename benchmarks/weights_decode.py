@@ -61,8 +61,17 @@ def main() -> None:
             m = engines[name].generate([prompt], params)[0].metrics
             runs[name].append({"decode_tok_s": m.tokens_per_s, "prefill_s": m.ttft_s})
         print(f"round {r + 1}: " + ", ".join(f"{n} {runs[n][-1]['decode_tok_s']:.1f}" for n in names), flush=True)
+        report = summary(args, ap, engines, sizes, runs, len(prompt), r + 1)
+        out = Path(args.out)  # written after every round: a run cut short still leaves its complete rounds
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
+        out.with_suffix(".md").write_text(markdown(report))
+    print(markdown(report))
+
+
+def summary(args, ap, engines, sizes, runs, prompt_tokens: int, rounds: int) -> dict:
     rows = []
-    for name in names:
+    for name in runs:
         decode = [x["decode_tok_s"] for x in runs[name]]
         row = {"format": name, "dtype": FORMATS[name][0], "weights": engines[name].model.weight_format,
                "matmul_weight_mb": sizes[name] / 1e6, "decode_tok_s_median": statistics.median(decode),
@@ -71,15 +80,10 @@ def main() -> None:
             ratios = [a["decode_tok_s"] / b["decode_tok_s"] for a, b in zip(runs[name], runs["fp32"])]
             row["speedup_vs_fp32_median"] = statistics.median(ratios)
         rows.append(row)
-    report = {"command": "python benchmarks/weights_decode.py " + " ".join(
+    return {"command": "python benchmarks/weights_decode.py " + " ".join(
         f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "out" and v != ap.get_default(k)),
-        "cpu": cpu_features().as_dict(), "torch": torch.__version__, "prompt_tokens": len(prompt),
-        "new_tokens": args.new_tokens, "rounds": args.rounds, "rows": rows}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
-    out.with_suffix(".md").write_text(markdown(report))
-    print(markdown(report))
+        "cpu": cpu_features().as_dict(), "torch": torch.__version__, "prompt_tokens": prompt_tokens,
+        "new_tokens": args.new_tokens, "rounds": rounds, "rows": rows}
 
 
 def matmul_bytes(model) -> int:
