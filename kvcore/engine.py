@@ -151,7 +151,10 @@ class Engine(EngineStep):
 
         config = config or EngineConfig()
         dtype = parse_dtype(config.dtype)
-        loaded = load_model(model, keep_quantized=uses_quantized_blocks(config.weights, dtype, config.device))
+        if uses_quantized_blocks(config.weights, dtype, config.device):  # a GGUF's Q4 blocks may run as int4
+            loaded = load_model(model, keep_quantized=True)
+        else:
+            loaded = load_model(model)
         decoder = build_model(loaded, dtype, config.device, config.max_model_len, weights=config.weights)
         return cls(decoder, loaded.tokenizer, config, **kwargs)
 
