@@ -7,6 +7,7 @@ Example ``kvcore.toml``::
     sampler = "default"
     model = "smollm2"
     dtype = "float32"
+    weights = "auto"            # or float / int8 / int4 (weight-only quantized matmuls, bfloat16 on CPU)
     max_new_tokens = 64
     temperature = 0.0
 
@@ -46,6 +47,7 @@ class FileConfig:
     model: str | None = None
     dtype: str | None = None
     device: str | None = None
+    weights: str | None = None  # matmul weight format: auto, float, int8, int4 (kvcore.quant)
     max_new_tokens: int | None = None
     temperature: float | None = None
     top_k: int | None = None

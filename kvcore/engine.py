@@ -87,10 +87,15 @@ class Engine(EngineStep):
         self.dtype, self.device = parse_dtype(config.dtype), torch.device(config.device)
         if model.dtype != self.dtype:
             raise ConfigError(f"model weights are {model.dtype} but the engine was configured for {self.dtype}")
+        weight_format = getattr(model, "weight_format", "float")
+        if config.weights not in ("auto", weight_format):
+            raise ConfigError(f"model weights are {weight_format} but the engine was configured for {config.weights}")
         self.runner = None  # tensor parallelism: rank 0's side of the group; this process computes rank 0's shard
         if config.tensor_parallel_size > 1:
             from kvcore.distributed import TensorParallelRunner
+            from kvcore.distributed.sharding import check_shardable
 
+            check_shardable(model)  # before any process is spawned
             self.runner = TensorParallelRunner(model, config)
             mc = self.runner.model.config  # local heads: backends and the KV cache see only this rank's
         heads = dict(num_heads=mc.num_attention_heads, num_kv_heads=mc.num_key_value_heads)
@@ -168,7 +173,7 @@ class Engine(EngineStep):
 
         config = config or EngineConfig()
         decoder, tokenizer = load_pretrained(
-            model, parse_dtype(config.dtype), config.device, config.max_model_len, use_cache=model_cache
+            model, parse_dtype(config.dtype), config.device, config.max_model_len, model_cache, config.weights
         )
         return cls(decoder, tokenizer, config, **kwargs)
 

@@ -12,6 +12,7 @@ import torch
 from kvcore.attention import AttentionBackend
 from kvcore.errors import BackendUnavailableError, ConfigError, PluginError
 from kvcore.plugins import KV_CACHE, PluginEntry, PluginRegistry
+from kvcore.quant import check_weight_format, quantized_reasons
 
 __all__ = ["EngineConfig", "Components", "parse_dtype", "select_components", "check_device", "check_memory",
            "check_max_model_len", "check_cache_memory", "DTYPES"]
@@ -40,6 +41,9 @@ class EngineConfig:
     sampler: str = "default"
     dtype: str = "float32"
     device: str = "cpu"
+    #: matmul weight format (kvcore.quant.WEIGHT_FORMATS): "auto" (int4 for a Q4_0/Q4_1 GGUF in bfloat16 on
+    #: CPU, else float), "float", "int8" or "int4"; quantized formats need dtype bfloat16 on CPU
+    weights: str = "auto"
     max_num_seqs: int = 8  # requests resident in the KV cache at once
     max_model_len: int | None = None  # tokens per request; None = the model's context window, capped
     #: tokens one forward may compute. Chunked: decodes first, prompts split into chunks to fill the rest;
@@ -64,7 +68,10 @@ class EngineConfig:
     DEFAULT_MAX_MODEL_LEN = 4096
 
     def __post_init__(self) -> None:
-        parse_dtype(self.dtype)
+        dtype = parse_dtype(self.dtype)
+        reasons = quantized_reasons(check_weight_format(self.weights), dtype, self.device)
+        if reasons:
+            raise ConfigError(f"weights '{self.weights}' cannot run here: {'; '.join(reasons)}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "tensor_parallel_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:

@@ -20,10 +20,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvcore.errors import ModelLoadError
-from kvcore.linear import linear, prepack, set_layout, weight_version
+from kvcore.errors import ConfigError, ModelLoadError
+from kvcore.linear import DenseMatmuls, set_layout
 from kvcore.model_config import ModelConfig
 from kvcore.rope import RotaryEmbedding
+from kvcore.weights import LINEAR_PARTS, dense, quantized_linears
 
 __all__ = ["DecoderModel", "LlamaModel", "RotaryEmbedding", "rms_norm", "Attention"]
 
@@ -101,10 +102,18 @@ class DecoderModel(nn.Module):
             c.head_dim, max_positions, c.rope_theta, c.rope_scaling, c.max_position_embeddings
         )
         self.act = _ACTIVATIONS[c.hidden_act]
-        self._packed_cache: tuple[tuple, dict[str, list]] | None = None
+        #: "float", or "int4"/"int8" when the layer matmuls run on quantized weights (:mod:`kvcore.quant`)
+        self.weight_format = "float"
+        self._quantized: dict[str, list] | None = None  # {"qkv"|"o"|"gate_up"|"down": [per layer]}
+        self._dense = DenseMatmuls()
         self._set_weight_layout()
 
     def _apply(self, fn, recurse=True):  # .to() / .float() / .cuda() ... : re-pick the weight layout
+        if self._quantized is not None:  # probe where fn sends a tensor before moving anything
+            probe = fn(self.embed_tokens[:0])
+            if probe.device.type != "cpu" or probe.dtype != torch.bfloat16:
+                raise ConfigError(f"{self.weight_format} weights run on CPU in bfloat16; cannot move this model "
+                                  f"to {probe.device.type} {str(probe.dtype).removeprefix('torch.')}")
         super()._apply(fn, recurse)
         self._set_weight_layout()
         return self
@@ -116,44 +125,25 @@ class DecoderModel(nn.Module):
         GEMMs (see benchmarks/README.md); row-major everywhere else (bfloat16 GEMMs on CPU are much
         slower column-major) and for small weights."""
         column_major = self.device.type == "cpu" and self.dtype == torch.float32
-        self._packed_cache = None
+        self._dense.reset()
         with torch.no_grad():
             for plist in (self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj):
                 for p in plist:
                     set_layout(p, column_major)
             set_layout(self.lm_head, column_major)  # tied embeddings: the embedding table too
 
-    #: Multi-row GEMMs (prefill, batched decode) of the big float32 weights on CPU run on oneDNN-prepacked
-    #: copies of those weights, built on the first multi-row forward (~0.7 s for SmolLM2-135M) and rebuilt
-    #: when a weight changes: on a 2-core AVX2 machine 1.5-2.3x faster than MKL at 2-16 rows (MKL repacks
-    #: the whole weight on every small-M call) and 10-25% faster at prefill sizes, for one extra copy of
-    #: those weights in memory (benchmarks/matmul_kernels.py). Single-row decode keeps the column-major
-    #: parameters. Set False (on an instance or the class) to keep a single copy of the weights.
+    #: Dense matmuls on CPU run on oneDNN-prepacked copies of the big weights where that is faster: float32
+    #: at 2+ rows, bfloat16 always (on CPUs with native bfloat16 dot products); see :class:`DenseMatmuls`.
+    #: Set False (on an instance or the class) to keep a single copy of the weights.
     packed_weights: bool = True
 
-    def _packed(self, num_rows: int) -> dict[str, list] | None:
-        """The prepacked weights for a ``num_rows``-row forward, or None (use ``F.linear``)."""
-        if num_rows < 2 or not self.packed_weights or self.dtype != torch.float32 or self.device.type != "cpu":
-            return None
-        lists = {"qkv": self.qkv_proj, "o": self.o_proj, "gate_up": self.gate_up_proj, "down": self.down_proj}
-        lists["lm_head"] = [self.lm_head]
-        key = tuple((p.data_ptr(), weight_version(p)) for plist in lists.values() for p in plist)
-        if self._packed_cache is None or self._packed_cache[0] != key:
-            self._packed_cache = None
-            try:
-                with torch.no_grad():
-                    packed = {name: [prepack(p) for p in plist] for name, plist in lists.items()}
-            except (RuntimeError, AttributeError):  # no oneDNN in this torch build: plain F.linear from now on
-                self.packed_weights = False
-                return None
-            self._packed_cache = (key, packed)
-        return self._packed_cache[1]
-
-    def _gemv_parts(self, num_rows: int) -> int:
-        """Slices a single-row float32 CPU GEMM is split into (one per intra-op thread), else 1."""
-        if num_rows != 1 or self.dtype != torch.float32 or self.device.type != "cpu":
-            return 1
-        return torch.get_num_threads()
+    def _matmuls(self, num_rows: int) -> dict[str, list]:
+        """``{"qkv", "o", "gate_up", "down": [per layer], "lm_head": [one]}`` callables ``x -> x @ W.T`` for a
+        forward of ``num_rows`` rows: quantized ones (when the model has them) or dense ones."""
+        if self._quantized is None:
+            lists = {"qkv": self.qkv_proj, "o": self.o_proj, "gate_up": self.gate_up_proj, "down": self.down_proj}
+            return self._dense.get({**lists, "lm_head": [self.lm_head]}, num_rows, self.packed_weights)
+        return {**self._quantized, **self._dense.get({"lm_head": [self.lm_head]}, num_rows, self.packed_weights)}
 
     @property
     def dtype(self) -> torch.dtype:
@@ -170,15 +160,29 @@ class DecoderModel(nn.Module):
         weights: dict[str, torch.Tensor],
         dtype: torch.dtype = torch.float32,
         max_positions: int | None = None,
+        weight_format: str = "float",
+        group_size: int = 32,
     ) -> DecoderModel:
         """Build from kvcore's canonical weight names (:func:`kvcore.loaders.expected_shapes`: Hugging Face
-        Llama's, ``model.layers.0.self_attn.q_proj.weight``..., plus the optional biases and norms)."""
+        Llama's, ``model.layers.0.self_attn.q_proj.weight``..., plus the optional biases and norms). Values are
+        float tensors or GGUF blocks (:mod:`kvcore.loaders.gguf_blocks`). ``weight_format`` "int4"/"int8"
+        (resolved: see :func:`kvcore.weights.resolve_weights`) runs the layer matmuls on quantized weights
+        (int4 groups of ``group_size`` input columns where the weights are not GGUF Q4 blocks already)."""
         model = cls(config, dtype, max_positions)
         c = config
+        if weight_format != "float":
+            model._quantized = quantized_linears(c, weights, weight_format, dtype, group_size)
+            model.weight_format = weight_format
+            linear_names = {f"model.layers.{i}.{p}" for i in range(c.num_hidden_layers) for ps in
+                            LINEAR_PARTS.values() for p in ps}
+            weights = {n: v for n, v in weights.items() if n not in linear_names}
+            for plist in (model.qkv_proj, model.o_proj, model.gate_up_proj, model.down_proj):
+                for i in range(c.num_hidden_layers):  # no dense copy: the quantized weights are the model's
+                    plist[i] = nn.Parameter(torch.empty(0, c.hidden_size, dtype=dtype), requires_grad=False)
 
         def take(name: str) -> torch.Tensor:
             try:
-                return weights[name]
+                return dense(weights[name])
             except KeyError:
                 raise ModelLoadError(f"model weights lack '{name}'") from None
 
@@ -200,17 +204,18 @@ class DecoderModel(nn.Module):
                 put_names(model.lm_head, ["lm_head.weight"])
             for i in range(c.num_hidden_layers):
                 p = f"model.layers.{i}."
-                put_names(model.qkv_proj[i], [p + f"self_attn.{n}_proj.weight" for n in "qkv"])
+                if model._quantized is None:
+                    put_names(model.qkv_proj[i], [p + f"self_attn.{n}_proj.weight" for n in "qkv"])
+                    put_names(model.o_proj[i], [p + "self_attn.o_proj.weight"])
+                    put_names(model.gate_up_proj[i], [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"])
+                    put_names(model.down_proj[i], [p + "mlp.down_proj.weight"])
                 if model.qkv_bias is not None:
                     put_names(model.qkv_bias[i], [p + f"self_attn.{n}_proj.bias" for n in "qkv"])
                 if model.q_norm is not None:
                     put_names(model.q_norm[i], [p + "self_attn.q_norm.weight"], norm=True)
                     put_names(model.k_norm[i], [p + "self_attn.k_norm.weight"], norm=True)
-                put_names(model.o_proj[i], [p + "self_attn.o_proj.weight"])
                 if model.o_bias is not None:
                     put_names(model.o_bias[i], [p + "self_attn.o_proj.bias"])
-                put_names(model.gate_up_proj[i], [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"])
-                put_names(model.down_proj[i], [p + "mlp.down_proj.weight"])
                 put_names(model.input_norm[i], [p + "input_layernorm.weight"], norm=True)
                 if c.sandwich_norms:  # Gemma 2's names: post_attention_layernorm follows attention
                     put_names(model.post_attn_norm[i], [p + "post_attention_layernorm.weight"], norm=True)
@@ -246,16 +251,14 @@ class DecoderModel(nn.Module):
         num_heads, num_kv, head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         qk_size = self.q_size + self.kv_size
         cos, sin = self.rotary.tables(positions, self.dtype)  # once per call, shared by all layers
-        packed = self._packed(num_tokens)
-        parts = self._gemv_parts(num_tokens)
-        no_pack = [None] * c.num_hidden_layers
-        qkv_w, o_w, gate_up_w, down_w = (packed[n] if packed else no_pack for n in ("qkv", "o", "gate_up", "down"))
+        mm = self._matmuls(num_tokens)
+        qkv_w, o_w, gate_up_w, down_w = mm["qkv"], mm["o"], mm["gate_up"], mm["down"]  # x [T, in] -> [T, out]
         h = F.embedding(input_ids, self.embed_tokens)  # (T, d)
         if c.embedding_multiplier is not None:
             h = h * torch.tensor(c.embedding_multiplier, dtype=h.dtype)  # Gemma rounds the factor to the dtype
         for i in range(c.num_hidden_layers):
             x = rms_norm(h, self.input_norm[i], eps)
-            qkv = linear(x, self.qkv_proj[i], qkv_w[i], parts)  # (T, (H + 2 H_kv) D)
+            qkv = qkv_w[i](x)  # (T, (H + 2 H_kv) D)
             if self.qkv_bias is not None:
                 qkv = qkv + self.qkv_bias[i]
             if self.q_norm is None:
@@ -271,7 +274,7 @@ class DecoderModel(nn.Module):
             attn = attention(i, q, k, v)  # (T, H, D)
             # all_reduce sums the ranks' partial outputs under tensor parallelism (identity otherwise); a bias
             # or norm applies once, to the sum
-            out = self.all_reduce(linear(attn.reshape(num_tokens, self.q_size), self.o_proj[i], o_w[i], parts))
+            out = self.all_reduce(o_w[i](attn.reshape(num_tokens, self.q_size)))
             if self.o_bias is not None:
                 out = out + self.o_bias[i]
             if self.post_attn_norm is not None:
@@ -280,8 +283,8 @@ class DecoderModel(nn.Module):
             # the prefill a fresh multi-megabyte allocation (page faults) per op; the values are the same.
             h.add_(out)
             x = rms_norm(h, self.post_norm[i], eps)
-            gate, up = linear(x, self.gate_up_proj[i], gate_up_w[i], parts).chunk(2, dim=-1)  # (T, I) each
-            out = self.all_reduce(linear(self.act(gate).mul_(up), self.down_proj[i], down_w[i], parts))
+            gate, up = gate_up_w[i](x).chunk(2, dim=-1)  # (T, I) each
+            out = self.all_reduce(down_w[i](self.act(gate).mul_(up)))
             if self.post_mlp_norm is not None:
                 out = rms_norm(out, self.post_mlp_norm[i], eps)
             h.add_(out)
@@ -289,9 +292,7 @@ class DecoderModel(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[N, d]`` hidden states → ``[N, V]`` float32 logits (soft-capped when the config says so)."""
-        rows = hidden.shape[0]
-        packed = self._packed(rows)
-        logits = linear(hidden, self.lm_head, packed["lm_head"][0] if packed else None, self._gemv_parts(rows))
+        logits = self._matmuls(hidden.shape[0])["lm_head"][0](hidden)
         cap = self.config.final_logit_softcapping
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap

@@ -77,26 +77,39 @@ def load_pretrained(
     device: str | torch.device = "cpu",
     max_model_len: int | None = None,
     use_cache: bool | None = None,
+    weights: str = "float",
 ) -> tuple[nn.Module, Tokenizer]:
     """``(decoder, tokenizer)`` of model ``spec`` (as :func:`kvcore.loaders.load_model` reads it), built as
-    :func:`kvcore.loaders.build_model` builds it, through the cache when ``spec`` is a GGUF file on the CPU."""
+    :func:`kvcore.loaders.build_model` builds it with matmul weights in the ``weights`` format, through the
+    cache when ``spec`` is a GGUF file on the CPU and the weights stay float (the quantized formats' packed
+    weights are no parameters or buffers: they are rebuilt from the file on every start)."""
     from kvcore.engine_config import check_max_model_len
     from kvcore.loaders import build_model, load_model
+    from kvcore.weights import uses_quantized_blocks
 
-    source = _gguf_source(spec) if cache_enabled(use_cache) and torch.device(device).type == "cpu" else None
-    if source is None:
-        loaded = load_model(spec)
+    def load():
+        if uses_quantized_blocks(weights, dtype, device):  # a GGUF's Q4 blocks may run as int4
+            loaded = load_model(spec, keep_quantized=True)
+        else:
+            loaded = load_model(spec)
         check_max_model_len(max_model_len, loaded.config.max_position_embeddings)  # before building anything
-        return build_model(loaded, dtype, device, max_model_len), loaded.tokenizer
+        return loaded, build_model(loaded, dtype, device, max_model_len, weights=weights)
+
+    cacheable = weights in ("auto", "float") and not uses_quantized_blocks(weights, dtype, device)
+    on_cpu = torch.device(device).type == "cpu"
+    source = _gguf_source(spec) if cacheable and on_cpu and cache_enabled(use_cache) else None
+    if source is None:
+        loaded, model = load()
+        return model, loaded.tokenizer
     options = {"dtype": str(dtype), "device": str(torch.device(device)), "max_model_len": max_model_len}
     key, stamp = _key(source, options)
     entry = cache_dir() / key
     hit = _read(entry)
     if hit is not None:
         return hit
-    loaded = load_model(spec)
-    check_max_model_len(max_model_len, loaded.config.max_position_embeddings)
-    model = build_model(loaded, dtype, device, max_model_len)
+    loaded, model = load()
+    if getattr(model, "weight_format", "float") != "float":  # resolved otherwise after all: nothing to cache
+        return model, loaded.tokenizer
     _write(entry, model, loaded.tokenizer, {"source": str(source), "stamp": stamp, "options": options})
     return model, loaded.tokenizer
 

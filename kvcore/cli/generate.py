@@ -137,6 +137,7 @@ def result_payload(loaded: Loaded, result, finish_reason: str | None = None) -> 
         "sampler": engine.sampler.name,
         "model": s["model"],
         "dtype": config.dtype,
+        "weights": engine.model.weight_format,
         "metrics": result.metrics.as_dict(),
         "tensor_parallel_size": config.tensor_parallel_size,
         "threads": loaded.extra.get("threads"),

@@ -44,6 +44,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sampler", default=None, help="sampler (see `kvcore plugins`; default 'default')")
     p.add_argument("--dtype", default=None, help="float32 (default), bfloat16 or float16")
     p.add_argument("--device", default=None, help="torch device (default cpu)")
+    p.add_argument("--weights", default=None, choices=["auto", "float", "int8", "int4"],
+                   help="matmul weights: auto (default: int4 for a Q4 GGUF in bfloat16, else float), float, "
+                        "int8 or int4 (weight-only quantized; need --dtype bfloat16 on CPU)")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="context limit per request, in tokens (default: the model's window, at most 4096)")
     p.add_argument("--threads", type=int, default=None, metavar="N",

@@ -30,7 +30,7 @@ from kvcore.errors import ConfigError
 from kvcore.model import LlamaModel
 from kvcore.model_config import ModelConfig
 
-__all__ = ["RankShard", "plan_shards", "shard_state", "build_local_model", "local_config"]
+__all__ = ["RankShard", "plan_shards", "shard_state", "build_local_model", "local_config", "check_shardable"]
 
 
 @dataclass(frozen=True)
@@ -92,19 +92,25 @@ def _head_rows(heads: tuple[int, ...], head_dim: int, offset: int = 0) -> torch.
 REPLICATED_PER_LAYER = ("input_norm", "post_norm", "q_norm", "k_norm", "o_bias", "post_attn_norm", "post_mlp_norm")
 
 
-def _check_llama(model: torch.nn.Module) -> None:
+def check_shardable(model: torch.nn.Module) -> None:
+    """ConfigError unless ``model`` is a dense-weight LlamaModel (what :func:`shard_state` can split)."""
     names = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "input_norm", "post_norm", "embed_tokens", "norm")
     if not isinstance(model, LlamaModel) or not all(hasattr(model, n) for n in names):
         raise ConfigError(
             f"tensor parallelism shards the Llama layout (fused qkv_proj/gate_up_proj); {type(model).__name__} "
             "is not supported"
         )
+    if getattr(model, "weight_format", "float") != "float":
+        raise ConfigError(
+            f"tensor parallelism shards dense weights; this model's are {model.weight_format}: use weights "
+            "'float' (--weights float) with tensor_parallel_size > 1"
+        )
 
 
 def shard_state(model: LlamaModel, shard: RankShard, with_lm_head: bool) -> dict[str, torch.Tensor]:
     """The rank's weights by name (``qkv_proj.3``, ``embed_tokens``...). Sliced weights are new contiguous
     tensors; replicated ones are the model's own tensors (no copy)."""
-    _check_llama(model)
+    check_shardable(model)
     c = model.config
     d, h, h_kv = c.head_dim, c.num_attention_heads, c.num_key_value_heads
     q_rows = _head_rows(shard.q_heads, d)

@@ -38,7 +38,8 @@ class LoadedModel:
     ``model.embed_tokens.weight`` [V, d], ``model.layers.{i}.self_attn.q_proj.weight`` [H*d_h, d],
     ``k_proj``/``v_proj`` [H_kv*d_h, d], ``o_proj`` [d, H*d_h], ``mlp.gate_proj``/``up_proj`` [I, d],
     ``down_proj`` [d, I], the norms [d], and ``lm_head.weight`` [V, d] only when the embeddings are not
-    tied. Q/K rows follow Hugging Face's rotate-half RoPE convention.
+    tied. Q/K rows follow Hugging Face's rotate-half RoPE convention. Loaded with ``keep_quantized``, a GGUF's
+    Q4_0/Q4_1 layer weights are :class:`~kvcore.loaders.gguf_blocks.GGUFBlocks` (same shapes) instead.
     """
 
     config: ModelConfig
@@ -142,14 +143,15 @@ def split_rows(tensor, names: list[str], shapes: dict[str, tuple[int, ...]]) -> 
     return {n: part for n, part in zip(names, parts)}
 
 
-def load_model(spec: str = DEFAULT_MODEL) -> LoadedModel:
+def load_model(spec: str = DEFAULT_MODEL, *, keep_quantized: bool = False) -> LoadedModel:
     """Load ``spec``: ``"smollm2"``, a path to a ``.gguf`` file, or a Hugging Face model directory.
+    ``keep_quantized``: keep a GGUF's Q4_0/Q4_1 layer weights as blocks (for the int4 weight format).
 
     Raises ModelNotFoundError when ``spec`` names nothing loadable, ModelLoadError when the files are
     broken or describe a model kvcore cannot run.
     """
     spec = str(spec)  # tolerate a pathlib.Path
-    return check_finite(_load(spec))
+    return check_finite(_load(spec, keep_quantized))
 
 
 def check_finite(loaded: LoadedModel) -> LoadedModel:
@@ -157,19 +159,22 @@ def check_finite(loaded: LoadedModel) -> LoadedModel:
     generates garbage, e.g. token 0 over and over). One sum per tensor finds them (NaN and inf propagate);
     only a non-finite sum pays for the element-wise check that names the tensor."""
     for name, weight in loaded.weights.items():
-        if not torch.isfinite(weight.sum()) and not bool(torch.isfinite(weight).all()):
+        if not isinstance(weight, torch.Tensor):  # GGUF blocks kept packed (load_model(keep_quantized=True))
+            if not weight.is_finite():
+                raise ModelLoadError(f"'{loaded.source}': tensor '{name}' holds NaN or infinite values")
+        elif not torch.isfinite(weight.sum()) and not bool(torch.isfinite(weight).all()):
             raise ModelLoadError(f"'{loaded.source}': tensor '{name}' holds NaN or infinite values")
     return loaded
 
 
-def _load(spec: str) -> LoadedModel:
+def _load(spec: str, keep_quantized: bool) -> LoadedModel:
     # loaders are imported here, not at the top, so `import kvcore.loaders` stays light and each
     # loader module can import LoadedModel from this package without a cycle
     if spec.strip().lower() == DEFAULT_MODEL:
         from kvcore.loaders.gguf import load_gguf
         from kvcore.loaders.resolve import SMOLLM2_DISPLAY_NAME, smollm2_path
 
-        return load_gguf(smollm2_path(), name=SMOLLM2_DISPLAY_NAME)
+        return load_gguf(smollm2_path(), name=SMOLLM2_DISPLAY_NAME, keep_quantized=keep_quantized)
 
     hint = "give 'smollm2', a .gguf file or a Hugging Face model directory"
     if not spec.strip():
@@ -183,7 +188,7 @@ def _load(spec: str) -> LoadedModel:
         if path.suffix.lower() == ".gguf" or _has_gguf_magic(path):
             from kvcore.loaders.gguf import load_gguf
 
-            return load_gguf(path)
+            return load_gguf(path, keep_quantized=keep_quantized)
         raise ModelNotFoundError(f"model '{spec}' is neither a .gguf file nor a model directory: {hint}")
     raise ModelNotFoundError(f"model '{spec}' not found: {hint}")
 
@@ -193,15 +198,25 @@ def build_model(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     max_model_len: int | None = None,
+    *,
+    weights: str = "float",
+    group_size: int = 32,
 ):
     """The decoder of ``loaded``, its RoPE tables sized to ``max_model_len`` (the engine's rule: None means
-    the model's window capped at EngineConfig.DEFAULT_MAX_MODEL_LEN), on ``device`` in ``dtype``."""
+    the model's window capped at EngineConfig.DEFAULT_MAX_MODEL_LEN), on ``device`` in ``dtype``, its matmul
+    weights in the ``weights`` format (:mod:`kvcore.quant`; ``auto`` resolved by
+    :func:`kvcore.weights.resolve_weights`; ConfigError where it cannot run)."""
     from kvcore.engine_config import EngineConfig
     from kvcore.model import DecoderModel
+    from kvcore.weights import resolve_weights
 
     window = loaded.config.max_position_embeddings
     positions = min(max_model_len or min(window, EngineConfig.DEFAULT_MAX_MODEL_LEN), window)
-    return DecoderModel.from_weights(loaded.config, loaded.weights, dtype, max_positions=positions).to(device)
+    fmt = resolve_weights(weights, dtype, device, loaded.config, loaded.weights)
+    model = DecoderModel.from_weights(
+        loaded.config, loaded.weights, dtype, max_positions=positions, weight_format=fmt, group_size=group_size
+    )
+    return model.to(device)
 
 
 def _has_gguf_magic(path: Path) -> bool:

@@ -4,7 +4,9 @@ What differs from a Hugging Face checkpoint is undone here:
 
 * names: ``blk.3.attn_q.weight`` is ``model.layers.3.self_attn.q_proj.weight``
   (:data:`kvcore.architectures.GGUF_LAYER_NAMES` and the family's own names and fused tensors);
-* quantisation: tensors may be Q4_1, Q8_0, ...; they are dequantised with the ``gguf`` package;
+* quantisation: tensors may be Q4_1, Q8_0, ...; they are dequantised with the ``gguf`` package, except
+  Q4_0/Q4_1 layer weights when the caller keeps them quantized (``keep_quantized``: the int4 weight format,
+  :mod:`kvcore.loaders.gguf_blocks`);
 * Q/K row order ("llama" arch only): llama.cpp's converter interleaves the two halves of each head's rows
   (its RoPE rotates adjacent pairs, Hugging Face's rotates halves), so :func:`unpermute_qk` restores them;
 * Gemma's norms are stored as ``1 + w``; Llama 3.1 / Phi-3 RoPE factors come as tensors.
@@ -29,6 +31,7 @@ from gguf import GGMLQuantizationType as QType
 from kvcore.architectures import Architecture, f32, for_gguf_arch
 from kvcore.errors import ModelLoadError, ModelNotFoundError
 from kvcore.loaders import LoadedModel, check_layer_count, expected_shapes, split_rows, stored_tensors
+from kvcore.loaders.gguf_blocks import INT4_TYPES, GGUFBlocks
 from kvcore.loaders.gguf_tokenizer import gguf_tokenizer
 from kvcore.loaders.gguf_validate import validate_gguf
 from kvcore.model_config import ModelConfig, checked_number, checked_size
@@ -209,12 +212,14 @@ def _dequantize(tensor: Any, path: Path) -> np.ndarray:
     return values.reshape(tuple(int(n) for n in reversed(tensor.shape)))
 
 
-def load_gguf(path: str | os.PathLike[str], name: str | None = None) -> LoadedModel:
+def load_gguf(path: str | os.PathLike[str], name: str | None = None, keep_quantized: bool = False) -> LoadedModel:
     """Load a GGUF file of any registered architecture: config, float32 weights (canonical names), tokenizer.
 
     Args:
         path: the ``.gguf`` file.
         name: display name; defaults to the file name without ``.gguf``.
+        keep_quantized: leave Q4_0/Q4_1 layer weights as :class:`~kvcore.loaders.gguf_blocks.GGUFBlocks`
+            (their raw blocks, rows in Hugging Face order) instead of float32 tensors.
     """
     path = Path(path)
     reader, metadata = _open(path)
@@ -251,10 +256,13 @@ def load_gguf(path: str | os.PathLike[str], name: str | None = None) -> LoadedMo
                 f"'{path}': tensor '{gguf_name}' ({', '.join(parts)}) has shape {list(shape)}, "
                 f"expected {list(expected)} from the metadata"
             )
-        values = np.ascontiguousarray(_dequantize(tensor, path), dtype=np.float32)
-        if not values.flags.writeable:  # F32 tensors are views of the read-only file mapping: copy them out
-            values = values.copy()
-        values = torch.from_numpy(values)
+        if keep_quantized and tensor.tensor_type in INT4_TYPES and len(shape) == 2 and gguf_name.startswith("blk."):
+            values = GGUFBlocks(tensor.tensor_type, tensor.data, shape)  # a view of the file mapping (read-only)
+        else:
+            values = np.ascontiguousarray(_dequantize(tensor, path), dtype=np.float32)
+            if not values.flags.writeable:  # F32 tensors are views of the read-only file mapping: copy them out
+                values = values.copy()
+            values = torch.from_numpy(values)
         for canonical, value in split_rows(values, parts, shapes).items():
             weights[canonical] = _from_llama_cpp(canonical, value, arch, config)
     return LoadedModel(
@@ -266,8 +274,14 @@ def load_gguf(path: str | os.PathLike[str], name: str | None = None) -> LoadedMo
     )
 
 
-def _from_llama_cpp(name: str, value: torch.Tensor, arch: type[Architecture], config: ModelConfig) -> torch.Tensor:
+def _from_llama_cpp(name: str, value: torch.Tensor | GGUFBlocks, arch: type[Architecture], config: ModelConfig):
     """Undo what llama.cpp's converter did to a tensor: Q/K row interleaving, norm offsets added."""
+    if isinstance(value, GGUFBlocks):  # a row permutation: the same on whole rows of blocks
+        heads = {".q_proj.": config.num_attention_heads, ".k_proj.": config.num_key_value_heads}
+        for part, n in heads.items():
+            if arch.gguf_permute_qk and part in name:
+                return value.map_rows(lambda rows, n=n: unpermute_qk(rows, n))
+        return value
     if arch.gguf_permute_qk and ".q_proj." in name:
         value = torch.from_numpy(unpermute_qk(value.numpy(), config.num_attention_heads))
     elif arch.gguf_permute_qk and ".k_proj." in name:
