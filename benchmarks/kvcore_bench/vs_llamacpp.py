@@ -68,10 +68,19 @@ def _kernels(engine) -> str:
     """What kvcore ran: the attention backends and the matmul path of the model."""
     import torch
 
+    from kvcore.cpu import cpu_features
+
     model = engine.model
     describe = getattr(model, "describe_kernels", None)  # a model that knows its kernels says so
+    fmt = getattr(model, "weight_format", "float")
     if callable(describe):
         matmul = describe()
+    elif fmt == "int4":
+        matmul = "int4 group-wise weight-only (_weight_int4pack_mm_for_cpu, bfloat16 activations)"
+    elif fmt == "int8":
+        matmul = "int8 per-channel weight-only (_weight_int8pack_mm, bfloat16 activations)"
+    elif model.dtype == torch.bfloat16 and model.device.type == "cpu" and cpu_features().bf16_matmul:
+        matmul = "bfloat16 oneDNN-prepacked GEMM"
     elif model.dtype == torch.float32 and model.device.type == "cpu":
         packed = getattr(model, "packed_weights", False)
         multi_row = "oneDNN-prepacked GEMM" if packed else "MKL GEMM"
