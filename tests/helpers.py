@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import types
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
 
 import torch
 
-from kvcore import LlamaModel, ModelConfig, hookimpl
+from kvcore import LlamaModel, ModelConfig, SamplingParams, hookimpl
 from kvcore.plugins import PluginRegistry
 
 
@@ -87,3 +89,28 @@ def registered(registry: PluginRegistry, plugin: object, name: str) -> Iterator[
         yield registry
     finally:
         registry.unregister_plugin(name)
+
+
+def run_cli(capsys, *argv):
+    """``kvcore *argv`` through :func:`kvcore.cli.main` in this process: (exit code, stdout, stderr)."""
+    from kvcore.cli import main
+
+    rc = main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def last_json(out: str) -> dict:
+    """The ``--json`` result object: the last line of stdout."""
+    return json.loads(out.strip().splitlines()[-1])
+
+
+@dataclass
+class Row:
+    """A :class:`~kvcore.sampling.SamplingRow` built by hand."""
+
+    params: SamplingParams
+    seed: int = 0
+    output_ids: list[int] = field(default_factory=list)
+    prompt_ids: list[int] = field(default_factory=lambda: [1, 2, 3])
+    request_id: str = "r"

@@ -9,20 +9,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import last_json, run_cli
 
 from kvcore.cli import main
 
 TINY = Path(__file__).parent / "data" / "tiny-llama"
-
-
-def run_cli(capsys, *argv):
-    rc = main(list(argv))
-    out, err = capsys.readouterr()
-    return rc, out, err
-
-
-def last_json(out: str) -> dict:
-    return json.loads(out.strip().splitlines()[-1])
 
 
 @pytest.fixture(autouse=True)

@@ -11,22 +11,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import last_json, run_cli
 
 from kvcore.cli import main
 from kvcore.cli.settings import default_threads
 
 TINY = str(Path(__file__).parent / "data" / "tiny-llama")
 FAST = ["--model", TINY, "--backend", "sdpa", "--max-new-tokens", "4", "--ignore-eos"]
-
-
-def run_cli(capsys, *argv):
-    rc = main(list(argv))
-    out, err = capsys.readouterr()
-    return rc, out, err
-
-
-def last_json(out: str) -> dict:
-    return json.loads(out.strip().splitlines()[-1])
 
 
 def cli_process(*argv, **kwargs) -> subprocess.CompletedProcess:

@@ -3,28 +3,25 @@ errors, flags that greedy decoding ignores warn, logprobs in --json."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
+import helpers
 import pytest
-
-from kvcore.cli import main
+from helpers import last_json
 
 TINY = str(Path(__file__).parent / "data" / "tiny-llama")
 BASE = ["generate", "--model", TINY, "--backend", "naive", "--max-new-tokens", "3", "--ignore-eos"]
 
 
 def run_cli(capsys, *argv):
-    rc = main([*BASE, *argv])
-    out, err = capsys.readouterr()
-    return rc, out, err
+    return helpers.run_cli(capsys, *BASE, *argv)
 
 
 def test_logprobs_and_penalties_in_json(capsys):
     rc, out, err = run_cli(capsys, "--json", "--logprobs", "2", "--repetition-penalty", "1.3",
                            "--presence-penalty", "0.5", "--frequency-penalty", "0.5", "--stop", "zz", "hello")
     assert rc == 0 and err == ""
-    result = json.loads(out.strip().splitlines()[-1])
+    result = last_json(out)
     assert len(result["logprobs"]) == len(result["token_ids"]) == 3
     assert all(len(top) == 2 for top in result["top_logprobs"])
 
@@ -38,10 +35,10 @@ def test_greedy_ignores_sampling_flags_with_one_warning_line(capsys):
 
 def test_tiny_top_p_samples_the_top_token(capsys):
     rc, out, err = run_cli(capsys, "--json", "--temperature", "1", "--seed", "1", "--top-p", "1e-46", "hello")
-    greedy = json.loads(out.strip().splitlines()[-1])["token_ids"]
+    greedy = last_json(out)["token_ids"]
     assert rc == 0 and err == ""
     rc, out, _ = run_cli(capsys, "--json", "hello")
-    assert json.loads(out.strip().splitlines()[-1])["token_ids"] == greedy
+    assert last_json(out)["token_ids"] == greedy
 
 
 @pytest.mark.parametrize(
@@ -62,7 +59,7 @@ def test_config_file_keys(tmp_path, capsys):
     cfg = tmp_path / "k.toml"
     cfg.write_text('stop = ["zz", "yy"]\nmin_p = 0.1\nrepetition_penalty = 1.2\nlogprobs = 1\n')
     rc, out, _ = run_cli(capsys, "--config", str(cfg), "--json", "hello")
-    assert rc == 0 and len(json.loads(out.strip().splitlines()[-1])["top_logprobs"][0]) == 1
+    assert rc == 0 and len(last_json(out)["top_logprobs"][0]) == 1
     cfg.write_text('stop = "zz"\n')
     rc, _, err = run_cli(capsys, "--config", str(cfg), "hello")
     assert rc == 2 and "key 'stop' must be list" in err

@@ -5,11 +5,10 @@ what a custom sampler sees of each request."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 
 import pytest
 import torch
-from helpers import make_plugin
+from helpers import Row, make_plugin
 
 from kvcore import Engine, EngineConfig, FinishReason, SamplingParams
 from kvcore.errors import SamplerError
@@ -17,17 +16,6 @@ from kvcore.plugins import PluginRegistry
 from kvcore.sampling import DefaultSampler, Sampler, uniform_noise
 
 V = 300  # vocabulary of the synthetic logits (the tiny test model's too)
-
-
-@dataclass
-class Row:
-    """A :class:`~kvcore.sampling.SamplingRow` built by hand."""
-
-    params: SamplingParams
-    seed: int = 0
-    output_ids: list[int] = field(default_factory=list)
-    prompt_ids: list[int] = field(default_factory=lambda: [1, 2, 3])
-    request_id: str = "r"
 
 
 def sampled(temperature=1.0, **kw) -> SamplingParams:

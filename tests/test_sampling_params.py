@@ -6,10 +6,10 @@ validation; logprobs; seeded streams."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 
 import pytest
 import torch
+from helpers import Row
 from transformers import (
     MinPLogitsWarper,
     RepetitionPenaltyLogitsProcessor,
@@ -24,15 +24,6 @@ from kvcore.logits_processors import apply_penalties
 from kvcore.sampling import DefaultSampler, sample_checked
 
 V = 300
-
-
-@dataclass
-class Row:
-    params: SamplingParams
-    seed: int = 0
-    output_ids: list[int] = field(default_factory=list)
-    prompt_ids: list[int] = field(default_factory=lambda: [1, 2, 3])
-    request_id: str = "r"
 
 
 def random_logits(rows: int, seed: int, spread: float = 3.0) -> torch.Tensor:
