@@ -12,7 +12,7 @@ import torch
 from kvcore.attention import AttentionBackend
 from kvcore.errors import BackendUnavailableError, ConfigError, PluginError
 from kvcore.plugins import KV_CACHE, PluginEntry, PluginRegistry
-from kvcore.quant import check_weight_format, quantized_reasons
+from kvcore.quant import check_runnable
 
 __all__ = ["EngineConfig", "Components", "parse_dtype", "select_components", "check_device", "check_memory",
            "check_max_model_len", "check_cache_memory", "DTYPES"]
@@ -69,9 +69,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         dtype = parse_dtype(self.dtype)
-        reasons = quantized_reasons(check_weight_format(self.weights), dtype, self.device)
-        if reasons:
-            raise ConfigError(f"weights '{self.weights}' cannot run here: {'; '.join(reasons)}")
+        check_runnable(self.weights, dtype, self.device)
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "tensor_parallel_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:

@@ -28,7 +28,7 @@ from kvcore.errors import ConfigError
 
 __all__ = [
     "WEIGHT_FORMATS", "QUANTIZED_FORMATS", "DEFAULT_GROUP_SIZE", "Int4Groups", "Int4Linear", "Int8Linear",
-    "check_weight_format", "quantized_reasons",
+    "check_weight_format", "check_runnable", "quantized_reasons",
 ]
 
 #: every value of ``EngineConfig.weights`` with what it means (the CLI help and errors list them)
@@ -49,6 +49,14 @@ def check_weight_format(name: str) -> str:
     if name not in WEIGHT_FORMATS:
         raise ConfigError(f"unknown weights format '{name}' (choose from: {', '.join(WEIGHT_FORMATS)})")
     return name
+
+
+def check_runnable(fmt: str, dtype: torch.dtype, device: torch.device | str) -> str:
+    """``fmt`` if it is a weight format that runs with ``dtype`` on ``device``, else ConfigError saying why."""
+    reasons = quantized_reasons(check_weight_format(fmt), dtype, device)
+    if reasons:
+        raise ConfigError(f"weights '{fmt}' cannot run here: {'; '.join(reasons)}")
+    return fmt
 
 
 def quantized_reasons(fmt: str, dtype: torch.dtype, device: torch.device | str) -> list[str]:

@@ -12,10 +12,17 @@ from typing import Any
 import torch
 
 from kvcore.cpu import cpu_features
-from kvcore.errors import ConfigError
 from kvcore.linear import DenseLinear, prepack
 from kvcore.model_config import ModelConfig
-from kvcore.quant import DEFAULT_GROUP_SIZE, Int4Groups, Int4Linear, Int8Linear, check_weight_format, quantized_reasons
+from kvcore.quant import (
+    DEFAULT_GROUP_SIZE,
+    Int4Groups,
+    Int4Linear,
+    Int8Linear,
+    check_runnable,
+    check_weight_format,
+    quantized_reasons,
+)
 
 __all__ = ["LINEAR_PARTS", "dense", "resolve_weights", "quantized_linears", "uses_quantized_blocks"]
 
@@ -57,10 +64,7 @@ def resolve_weights(
     if requested == "auto":
         native = all(getattr(w, "int4_exact", False) for w in _linear_weights(config, weights))
         return "int4" if native and not quantized_reasons("int4", dtype, device) else "float"
-    reasons = quantized_reasons(requested, dtype, device)
-    if reasons:
-        raise ConfigError(f"weights '{requested}' cannot run here: {'; '.join(reasons)}")
-    return requested
+    return check_runnable(requested, dtype, device)
 
 
 def quantized_linears(
