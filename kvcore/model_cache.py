@@ -87,15 +87,14 @@ def load_pretrained(
     from kvcore.loaders import build_model, load_model
     from kvcore.weights import uses_quantized_blocks
 
+    keep_blocks = uses_quantized_blocks(weights, dtype, device)  # a GGUF's Q4 blocks may run as int4
+
     def load():
-        if uses_quantized_blocks(weights, dtype, device):  # a GGUF's Q4 blocks may run as int4
-            loaded = load_model(spec, keep_quantized=True)
-        else:
-            loaded = load_model(spec)
+        loaded = load_model(spec, keep_quantized=True) if keep_blocks else load_model(spec)
         check_max_model_len(max_model_len, loaded.config.max_position_embeddings)  # before building anything
         return loaded, build_model(loaded, dtype, device, max_model_len, weights=weights)
 
-    cacheable = weights in ("auto", "float") and not uses_quantized_blocks(weights, dtype, device)
+    cacheable = weights in ("auto", "float") and not keep_blocks  # then the weights resolve to float
     on_cpu = torch.device(device).type == "cpu"
     source = _gguf_source(spec) if cacheable and on_cpu and cache_enabled(use_cache) else None
     if source is None:
@@ -108,8 +107,6 @@ def load_pretrained(
     if hit is not None:
         return hit
     loaded, model = load()
-    if getattr(model, "weight_format", "float") != "float":  # resolved otherwise after all: nothing to cache
-        return model, loaded.tokenizer
     _write(entry, model, loaded.tokenizer, {"source": str(source), "stamp": stamp, "options": options})
     return model, loaded.tokenizer
 
