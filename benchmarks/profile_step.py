@@ -3,6 +3,7 @@
     python benchmarks/profile_step.py                          # sdpa, fp32, batch 1, 64-token context
     python benchmarks/profile_step.py --context 2048 --prefill # the 2048-token prefill (TTFT)
     python benchmarks/profile_step.py --dtype bfloat16 --batch 8 --backend paged
+    python benchmarks/profile_step.py --dtype bfloat16 --weights int4   # the GGUF's Q4_1 blocks on the int4 kernel
 """
 
 from __future__ import annotations
@@ -13,14 +14,16 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from kvcore import Engine, EngineConfig, LlamaModel, SamplingParams
-from kvcore.loaders import load_model
+from kvcore import Engine, EngineConfig, SamplingParams
+from kvcore.loaders import build_model, load_model
+from kvcore.weights import uses_quantized_blocks
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--backend", default="sdpa")
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--weights", default="float", help="matmul weight format (auto, float, int8, int4)")
     ap.add_argument("--context", type=int, default=64)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--steps", type=int, default=10)
@@ -30,10 +33,12 @@ def main() -> None:
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    loaded = load_model("smollm2")
-    model = LlamaModel.from_weights(loaded.config, loaded.weights, getattr(torch, args.dtype))
-    engine = Engine(model, None, EngineConfig(backend=args.backend, dtype=args.dtype, max_num_seqs=args.batch,
-                                               max_model_len=args.context + args.steps + 16))
+    dtype = getattr(torch, args.dtype)
+    loaded = load_model("smollm2", keep_quantized=uses_quantized_blocks(args.weights, dtype, "cpu"))
+    max_model_len = args.context + args.steps + 16
+    model = build_model(loaded, dtype, "cpu", max_model_len, weights=args.weights)
+    engine = Engine(model, None, EngineConfig(backend=args.backend, dtype=args.dtype, weights=args.weights,
+                                               max_num_seqs=args.batch, max_model_len=max_model_len))
     params = SamplingParams(max_new_tokens=args.steps + 8, ignore_eos=True)
     prompts = [[(7 * i + 13 * b) % 40000 + 100 for i in range(args.context)] for b in range(args.batch)]
     engine.generate([p[:32] for p in prompts], SamplingParams(max_new_tokens=4, ignore_eos=True))  # warm-up
@@ -49,13 +54,14 @@ def main() -> None:
         for _ in range(steps):
             engine.step()
         elapsed = (time.perf_counter() - start) / steps
-    print(f"{args.backend} {args.dtype} batch {args.batch} context {args.context}: "
+    print(f"{args.backend} {args.dtype} {model.weight_format} weights batch {args.batch} context {args.context}: "
           f"{elapsed * 1e3:.1f} ms per {'prefill' if args.prefill else 'decode step'} (profiled), "
           f"{torch.get_num_threads()} threads")
     groups = {"GEMM": 0.0, "attention": 0.0, "KV write": 0.0, "everything else": 0.0}
     for event in prof.key_averages():
         name = event.key
-        if name in ("aten::mm", "aten::bmm", "aten::addmm", "mkldnn::_linear_pointwise"):
+        if name in ("aten::mm", "aten::bmm", "aten::addmm", "mkldnn::_linear_pointwise",
+                    "aten::_weight_int4pack_mm_for_cpu", "aten::_weight_int8pack_mm"):
             groups["GEMM"] += event.self_cpu_time_total
         elif "scaled_dot_product" in name or name in ("aten::_softmax", "aten::softmax"):
             groups["attention"] += event.self_cpu_time_total
