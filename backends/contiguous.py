@@ -32,6 +32,10 @@ class ContiguousKVCache(KVCache):
         super().__init__(spec, **options)
         self.k = torch.zeros(self.storage_shape(), dtype=spec.dtype, device=spec.device)
         self.v = torch.zeros(self.storage_shape(), dtype=spec.dtype, device=spec.device)
+        #: ``k`` and ``v`` as ``[L * slots * H_kv * S, D]`` rows (views of the same memory). A backend that
+        #: writes and reads only through these stays traceable by torch.compile: in-place writes into a view
+        #: of a compiled function's input would make it copy the whole cache back on every call.
+        self.k_rows, self.v_rows = self.k.view(-1, spec.head_dim), self.v.view(-1, spec.head_dim)
 
     def storage_shape(self) -> tuple[int, ...]:
         """Shape of ``k`` (and ``v``): layers first, slots second."""

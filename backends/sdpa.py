@@ -11,6 +11,8 @@ On CPU this runs PyTorch's fused flash-attention kernel. Details that matter:
 * Per-call work (the cache rows each token's K/V go to, the decode key-padding mask) is planned once per
   forward call in :meth:`SDPABackend.plan`; every layer then does one ``index_copy_`` per K and V and
   one attention call.
+* The decode path touches only the plan's tensors and ints and the cache's ``k_rows`` / ``v_rows``, so
+  ``torch.compile`` can trace it (``capabilities.compilable``; see :mod:`kvcore.compile`).
 
 Everything read from the cache is a view (no copy, no concatenation): a decode step reads exactly the
 live ``[:max_seq_len]`` prefix of each slot.
@@ -34,7 +36,7 @@ class SDPAPlan:
     """What every layer of one forward call shares."""
 
     meta: AttentionMetadata
-    rows: torch.Tensor  # [T * H_kv] row of each (token, KV head) in a layer's [slots * H_kv * S, D] view
+    rows: torch.Tensor  # [L, T * H_kv] row of each (layer, token, KV head) in the cache's k_rows / v_rows
     decode_slot: int | None  # first slot of a decode batch on consecutive slots (one kernel call), else None
     decode_len: int = 0  # keys each decode row reads (max seq_len of the batch)
     decode_mask: torch.Tensor | None = None  # [B, 1, 1, decode_len] additive key-padding mask (ragged batch)
@@ -48,14 +50,17 @@ class SDPABackend(AttentionBackend[SDPAPlan]):
         devices=frozenset({"cpu", "cuda"}),
         dtypes=ALL_DTYPES,
         kv_layouts=("contiguous",),
+        compilable=True,
     )
 
     def plan(self, meta: AttentionMetadata, cache: ContiguousKVCache) -> SDPAPlan:
-        _, num_kv_heads, max_len, _ = cache.k.shape[1:]
+        num_layers, num_slots, num_kv_heads, max_len, _ = cache.storage_shape()
         device = meta.positions.device
         heads = torch.arange(num_kv_heads, device=device)
         token_slots = meta.slot_mapping // cache.block_size
         rows = ((token_slots[:, None] * num_kv_heads + heads) * max_len + meta.positions[:, None]).flatten()
+        layer_rows = num_slots * num_kv_heads * max_len
+        rows = rows + torch.arange(num_layers, device=device)[:, None] * layer_rows  # [L, T * H_kv]
         slots = meta.slots
         if not (meta.is_decode and slots == list(range(slots[0], slots[0] + len(slots)))):
             return SDPAPlan(meta, rows, None)
@@ -77,11 +82,13 @@ class SDPABackend(AttentionBackend[SDPAPlan]):
         plan: SDPAPlan,
     ) -> torch.Tensor:
         meta = plan.meta
-        k_cache, v_cache = cache.k[layer_idx], cache.v[layer_idx]  # [S, H_kv, max_len, D]
         d = k.shape[-1]
         # The cache's write as two index_copy_ calls over rows planned once for all layers.
-        k_cache.view(-1, d).index_copy_(0, plan.rows, k.reshape(-1, d))
-        v_cache.view(-1, d).index_copy_(0, plan.rows, v.reshape(-1, d))
+        rows = plan.rows[layer_idx]
+        cache.k_rows.index_copy_(0, rows, k.reshape(-1, d))
+        cache.v_rows.index_copy_(0, rows, v.reshape(-1, d))
+        shape = cache.storage_shape()
+        k_cache, v_cache = cache.k_rows.view(shape)[layer_idx], cache.v_rows.view(shape)[layer_idx]  # [S, H_kv, S, D]
         if plan.decode_slot is not None:
             return self._decode_batched(q, k_cache, v_cache, plan)
         out = torch.empty_like(q)

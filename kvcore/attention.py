@@ -141,6 +141,10 @@ class BackendCapabilities:
     supports_prefill: bool = True
     supports_decode: bool = True
     min_compute_capability: tuple[int, int] | None = None  # CUDA only, e.g. (8, 0) for sm80
+    #: its decode ``forward`` can be traced by ``torch.compile`` (``EngineConfig.compile``): tensor ops only,
+    #: no host syncs, reads only the plan's tensors and ints, writes the cache only through whole cache
+    #: tensors, never views of them (see kvcore/compile.py)
+    compilable: bool = False
 
     def reasons_unsupported(
         self, *, device: torch.device, dtype: torch.dtype, head_dim: int, num_heads: int, num_kv_heads: int

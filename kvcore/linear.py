@@ -22,7 +22,7 @@ from torch import nn
 from kvcore.cpu import cpu_features
 
 __all__ = ["COLUMN_MAJOR_MIN_NUMEL", "DenseLinear", "DenseMatmuls", "prepack", "row_bucket", "weight_version",
-           "linear", "set_layout"]
+           "linear", "packed_linear", "set_layout"]
 
 #: weights smaller than this (elements; 512 KiB in float32, about a core's L2) keep row-major and are not
 #: prepacked: cache-resident GEMVs gain nothing, and small test models keep their exact historical numerics
@@ -61,6 +61,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None, p
     (ATen runs the batch in parallel: one thread per slice; MKL's single GEMV leaves half the memory
     bandwidth of a 2-core machine unused), summed."""
     if packed is not None:
+        if torch.compiler.is_compiling():  # decode batches: few shapes (kvcore/compile.py), no bucketing needed
+            return packed_linear(x.contiguous(), packed, weight.shape[0])
         rows = x.shape[0]
         padded = row_bucket(rows)
         if padded != rows:
@@ -72,6 +74,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None, p
             partial = torch.bmm(x.reshape(parts, 1, k // parts), weight.t().view(parts, k // parts, n))  # [P, 1, N]
             return partial.sum(0)
     return F.linear(x, weight)
+
+
+@torch.library.custom_op("kvcore::packed_linear", mutates_args=())
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """``x [T, in] @ W.T`` on oneDNN's prepacked ``W``, as an opaque op for ``torch.compile`` (inductor cannot
+    lower the prepacked call itself; eager code calls oneDNN directly, without this wrapper's overhead)."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+
+
+@packed_linear.register_fake
+def _(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    return x.new_empty(x.shape[0], out_features)
 
 
 class DenseLinear:
