@@ -90,7 +90,7 @@ def matmul_bytes(model) -> int:
     """Bytes of the weights one decode step reads in matmuls (layers + LM head; oneDNN copies included once,
     as the step reads them instead of the parameters)."""
     total = 0
-    for fns in model._matmuls(1).values():
+    for fns in model.matmuls(1).values():
         for fn in fns:
             packed = getattr(fn, "packed", None)
             total += packed.nbytes if isinstance(packed, torch.Tensor) else getattr(fn, "nbytes", 0)

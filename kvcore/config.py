@@ -8,6 +8,8 @@ Example ``kvcore.toml``::
     model = "smollm2"
     dtype = "float32"
     weights = "auto"            # or float / int8 / int4 (weight-only quantized matmuls, bfloat16 on CPU)
+    lm_head = "dense"           # or int4 (int4 scores, the top 64 rescored densely; bfloat16 on CPU)
+    compile = false             # torch.compile the decode steps
     max_new_tokens = 64
     temperature = 0.0
 
@@ -48,6 +50,7 @@ class FileConfig:
     dtype: str | None = None
     device: str | None = None
     weights: str | None = None  # matmul weight format: auto, float, int8, int4 (kvcore.quant)
+    lm_head: str | None = None  # LM head format: dense, int4 (kvcore.lm_head)
     max_new_tokens: int | None = None
     temperature: float | None = None
     top_k: int | None = None
@@ -70,6 +73,7 @@ class FileConfig:
     tensor_parallel_size: int | None = None
     enable_prefix_caching: bool | None = None
     enable_chunked_prefill: bool | None = None
+    compile: bool | None = None  # torch.compile the decode steps (kvcore/compile.py)
     backends: dict[str, dict[str, Any]] = field(default_factory=dict)  # [backends.<name>] → constructor kwargs
     kv_caches: dict[str, dict[str, Any]] = field(default_factory=dict)  # [kv_caches.<name>] → constructor kwargs
     samplers: dict[str, dict[str, Any]] = field(default_factory=dict)  # [samplers.<name>] → constructor kwargs

@@ -104,6 +104,18 @@ class Engine(EngineStep):
         # one guard per backend instance: it remembers which kinds of forward it verified (one-process runs)
         checked = config.check_backend_outputs and config.tensor_parallel_size == 1
         self._guards = {id(b): BackendGuard(b) for b in (self.prefill_backend, self.decode_backend) if checked}
+        self.compiled_decode = self.lm_head = None
+        for option, value in (("compile", config.compile), ("lm_head", config.lm_head != "dense")):
+            if value and self.runner is not None:
+                raise ConfigError(f"{option} runs in one process; it cannot be combined with tensor_parallel_size > 1")
+        if config.compile:
+            from kvcore.compile import CompiledDecode
+
+            self.compiled_decode = CompiledDecode(self.decode_backend, self.device)
+        if config.lm_head == "int4":
+            from kvcore.lm_head import RescoredInt4Head
+
+            self.lm_head = RescoredInt4Head(model.lm_head)
         self.sampler = sampler or registry.create_sampler(config.sampler, config.sampler_options.get(config.sampler))
         window = mc.max_position_embeddings
         check_max_model_len(config.max_model_len, window)

@@ -11,6 +11,7 @@ import torch
 
 from kvcore.attention import AttentionBackend
 from kvcore.errors import BackendUnavailableError, ConfigError, PluginError
+from kvcore.lm_head import check_lm_head
 from kvcore.plugins import KV_CACHE, PluginEntry, PluginRegistry
 from kvcore.quant import check_runnable
 
@@ -44,6 +45,9 @@ class EngineConfig:
     #: matmul weight format (kvcore.quant.WEIGHT_FORMATS): "auto" (int4 for a Q4_0/Q4_1 GGUF in bfloat16 on
     #: CPU, else float), "float", "int8" or "int4"; quantized formats need dtype bfloat16 on CPU
     weights: str = "auto"
+    #: LM head format (kvcore.lm_head.LM_HEAD_FORMATS): "dense", or "int4" (int4 scores, the top 64 rescored
+    #: densely; bfloat16 on CPU)
+    lm_head: str = "dense"
     max_num_seqs: int = 8  # requests resident in the KV cache at once
     max_model_len: int | None = None  # tokens per request; None = the model's context window, capped
     #: tokens one forward may compute. Chunked: decodes first, prompts split into chunks to fill the rest;
@@ -60,6 +64,9 @@ class EngineConfig:
     #: check every attention output (shape, dtype, finiteness; layer 0 against a reference now and then) and
     #: fail the batch with BackendOutputError when one breaks the contract (kvcore/backend_check.py)
     check_backend_outputs: bool = True
+    #: run decode steps through torch.compile (kvcore/compile.py): less per-op overhead once compiled; the
+    #: first decode step compiles (tens of seconds; cached on disk by torch); needs a compilable decode backend
+    compile: bool = False
     backend_options: dict[str, dict[str, Any]] = field(default_factory=dict)  # [backends.<name>] tables
     kv_cache_options: dict[str, dict[str, Any]] = field(default_factory=dict)  # [kv_caches.<name>] tables
     sampler_options: dict[str, dict[str, Any]] = field(default_factory=dict)  # [samplers.<name>] tables
@@ -70,6 +77,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         dtype = parse_dtype(self.dtype)
         check_runnable(self.weights, dtype, self.device)
+        check_lm_head(self.lm_head, dtype, self.device)
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "tensor_parallel_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
@@ -81,7 +89,7 @@ class EngineConfig:
         mml = self.max_model_len
         if mml is not None and (not isinstance(mml, int) or isinstance(mml, bool) or mml <= 1):
             raise ConfigError(f"max_model_len must be an integer > 1, got {mml!r}")
-        for name in ("enable_chunked_prefill", "enable_prefix_caching", "check_backend_outputs"):
+        for name in ("enable_chunked_prefill", "enable_prefix_caching", "check_backend_outputs", "compile"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         check_device(self.device)

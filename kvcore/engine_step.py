@@ -43,6 +43,8 @@ class EngineStep:
     max_model_len: int
     _requests: dict[str, Request]
     _guards: dict[int, Any]  # id(backend) -> its BackendGuard (kvcore/backend_check.py)
+    compiled_decode: Any  # a kvcore.compile.CompiledDecode (EngineConfig.compile), else None
+    lm_head: Any  # a kvcore.lm_head.RescoredInt4Head (EngineConfig.lm_head "int4"), else None (dense)
     _outputs: dict[str, TextOutput]
     _events: list[TokenEvent]  # made by the current step (or an interrupted one) and not yet returned
 
@@ -80,7 +82,10 @@ class EngineStep:
                 )
             else:
                 guard = self._guards.get(id(backend))
-                logits = last_token_logits(self.model, backend, self.kv.cache, meta, batch.input_ids, sampling, guard)
+                compiled = self.compiled_decode if backend is self.decode_backend else None
+                logits = last_token_logits(
+                    self.model, backend, self.kv.cache, meta, batch.input_ids, sampling, guard, compiled, self.lm_head
+                )
         except Exception as exc:
             error = exc if isinstance(exc, KVCoreError) else BackendError(
                 f"backend '{backend.name}' failed: {type(exc).__name__}: {exc}")

@@ -137,7 +137,7 @@ class DecoderModel(nn.Module):
     #: Set False (on an instance or the class) to keep a single copy of the weights.
     packed_weights: bool = True
 
-    def _matmuls(self, num_rows: int) -> dict[str, list]:
+    def matmuls(self, num_rows: int) -> dict[str, list]:
         """``{"qkv", "o", "gate_up", "down": [per layer], "lm_head": [one]}`` callables ``x -> x @ W.T`` for a
         forward of ``num_rows`` rows: quantized ones (when the model has them) or dense ones."""
         if self._quantized is None:
@@ -236,13 +236,17 @@ class DecoderModel(nn.Module):
         c = self.config
         return (c.query_pre_attn_scalar or c.head_dim) ** -0.5
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: Attention) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attention: Attention, matmuls: dict | None = None
+    ) -> torch.Tensor:
         """Run the decoder over packed tokens.
 
         :param input_ids: ``[T]`` int64 token ids.
         :param positions: ``[T]`` int64 absolute position of each token (RoPE), below
             ``config.max_position_embeddings``.
         :param attention: stores each layer's K/V and attends (see :data:`Attention`).
+        :param matmuls: ``self.matmuls(T)``, when the caller already has it (a compiled forward resolves it
+            outside the traced code: choosing and caching the kernels is Python bookkeeping).
         :returns: ``[T, d]`` final hidden states (after the last RMSNorm).
         """
         c = self.config
@@ -251,7 +255,7 @@ class DecoderModel(nn.Module):
         num_heads, num_kv, head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         qk_size = self.q_size + self.kv_size
         cos, sin = self.rotary.tables(positions, self.dtype)  # once per call, shared by all layers
-        mm = self._matmuls(num_tokens)
+        mm = matmuls or self.matmuls(num_tokens)
         qkv_w, o_w, gate_up_w, down_w = mm["qkv"], mm["o"], mm["gate_up"], mm["down"]  # x [T, in] -> [T, out]
         h = F.embedding(input_ids, self.embed_tokens)  # (T, d)
         if c.embedding_multiplier is not None:
@@ -290,9 +294,15 @@ class DecoderModel(nn.Module):
             h.add_(out)
         return rms_norm(h, self.norm, eps)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``[N, d]`` hidden states → ``[N, V]`` float32 logits (soft-capped when the config says so)."""
-        logits = self._matmuls(hidden.shape[0])["lm_head"][0](hidden)
+    def compute_logits(self, hidden: torch.Tensor, head: Callable | None = None) -> torch.Tensor:
+        """``[N, d]`` hidden states → ``[N, V]`` float32 logits (soft-capped when the config says so).
+
+        :param head: another form of the LM head (:class:`kvcore.lm_head.RescoredInt4Head`), used for batches
+            of at most ``head.max_rows`` rows; the dense head otherwise."""
+        if head is not None and hidden.shape[0] <= head.max_rows:
+            logits = head(hidden)
+        else:
+            logits = self.matmuls(hidden.shape[0])["lm_head"][0](hidden)
         cap = self.config.final_logit_softcapping
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap

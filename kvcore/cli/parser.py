@@ -47,6 +47,12 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weights", default=None, choices=["auto", "float", "int8", "int4"],
                    help="matmul weights: auto (default: int4 for a Q4 GGUF in bfloat16, else float), float, "
                         "int8 or int4 (weight-only quantized; need --dtype bfloat16 on CPU)")
+    p.add_argument("--lm-head", default=None, choices=["dense", "int4"],
+                   help="LM head: dense (default) or int4 (int4 scores, the top 64 candidates rescored with the "
+                        "dense head; needs --dtype bfloat16 on CPU)")
+    p.add_argument("--compile", action="store_true", default=None,
+                   help="run decode steps through torch.compile (faster once compiled; the first decode step "
+                        "compiles for tens of seconds; needs a C++ compiler on CPU)")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="context limit per request, in tokens (default: the model's window, at most 4096)")
     p.add_argument("--threads", type=int, default=None, metavar="N",

@@ -1,0 +1,88 @@
+"""Decode steps through ``torch.compile`` (``EngineConfig.compile``, ``kvcore generate --compile``).
+
+A batch-1 decode step of a small model is mostly per-op overhead: some 45 eager ATen calls per layer, each a
+few microseconds of dispatch for a few hundred bytes of work. Compiled, the elementwise work between the
+matmuls becomes a few generated C++ loops and the whole step one call.
+
+What is compiled: the model's forward over a decode batch (every sequence one new token), with the decode
+backend's ``forward`` traced inline, the matmul kernels chosen beforehand (:meth:`DecoderModel.matmuls`).
+Prefill and mixed batches run eagerly: their shapes vary with every prompt and their time is in the
+matmuls. The LM head, the sampler and the backend-output guard run eagerly too (the guard sees layer 0's
+queries and attention output, which the compiled function returns).
+
+Only a backend that declares ``capabilities.compilable`` can be compiled (traceable decode path; see
+:class:`~kvcore.attention.BackendCapabilities`). Shapes are dynamic from the first compile (batch size,
+keys attended), so a server compiles once per kind of batch (with or without a key-padding mask), not per
+step. The first decode step pays the compile; torch's on-disk cache makes later processes faster (the
+warm-up is measured in benchmarks/README.md). float32 results may differ from the eager path in the last
+bits (fused reductions), so the exact float32 reference stays the eager default.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import torch
+
+from kvcore.attention import AttentionBackend
+from kvcore.errors import ConfigError
+
+__all__ = ["CompiledDecode", "compile_reasons"]
+
+
+def compile_reasons(backend: AttentionBackend, device: torch.device) -> list[str]:
+    """Why decode steps with ``backend`` on ``device`` cannot be compiled ([] = they can)."""
+    reasons = []
+    if not backend.capabilities.compilable:
+        reasons.append(f"backend '{backend.name}' does not declare a torch.compile-traceable decode path "
+                       "(capabilities.compilable)")
+    if device.type == "cpu" and not (os.environ.get("CXX") or shutil.which("g++") or shutil.which("clang++")):
+        reasons.append("torch.compile on CPU generates C++ and needs a compiler: no g++ or clang++ on PATH "
+                       "(or set CXX)")
+    return reasons
+
+
+def _decode_forward(model, backend, cache, plan, input_ids, positions, matmuls):
+    """The traced function: hidden states ``[B, d]``, and layer 0's queries and attention output."""
+    layer0 = []
+
+    def attention(layer_idx, q, k, v):
+        out = backend.forward(layer_idx, q, k, v, cache, plan)
+        if layer_idx == 0:
+            layer0.extend((q, out))
+        return out
+
+    hidden = model(input_ids, positions, attention, matmuls)
+    return hidden, layer0[0], layer0[1]
+
+
+#: guards dropped on the model's weights and matmul objects. Dynamo would otherwise check every weight's
+#: dtype, shape and strides and the attributes of every object on the way (about 1,500 guards for a 30-layer
+#: model, a measurable part of each step) though they never change under an engine. Kept: the types of the
+#: matmul objects, the model's config values, and every guard on the inputs, the plan and the cache (whose
+#: dtype is the model's), so another model, weight format or batch shape still recompiles.
+_WEIGHT_SOURCES = ("model", "matmuls")
+_DROPPED = {"TENSOR_MATCH", "NOT_PRESENT_IN_GENERIC_DICT", "DUPLICATE_INPUT"}
+#: no size/stride asserts after every extern kernel (hundreds per step); a C++ wrapper instead of a Python
+#: one around the kernels; the eager path's bfloat16 rounding between fused ops (streams closer to eager)
+_INDUCTOR_OPTIONS = {"size_asserts": False, "cpp_wrapper": True, "emulate_precision_casts": True}
+
+
+def _guard_filter(entries) -> list[bool]:
+    return [not (e.guard_type in _DROPPED and e.name.startswith(_WEIGHT_SOURCES)) for e in entries]
+
+
+class CompiledDecode:
+    """Runs decode forwards of one engine's model through ``torch.compile``."""
+
+    def __init__(self, backend: AttentionBackend, device: torch.device) -> None:
+        reasons = compile_reasons(backend, device)
+        if reasons:
+            raise ConfigError(f"cannot compile decode steps: {'; '.join(reasons)}")
+        options = {"guard_filter_fn": _guard_filter, **_INDUCTOR_OPTIONS}
+        self._fn = torch.compile(_decode_forward, dynamic=None, options=options)
+
+    def __call__(self, model, backend, cache, plan, input_ids: torch.Tensor, positions: torch.Tensor):
+        """``(hidden [B, d], layer 0's q [B, H, D], layer 0's attention output [B, H, D])``."""
+        return self._fn(model, backend, cache, plan, input_ids, positions, model.matmuls(input_ids.shape[0]))

@@ -1,0 +1,70 @@
+"""The LM head formats (``EngineConfig.lm_head``, ``--lm-head``): how hidden states become vocabulary logits.
+
+* ``dense``: ``hidden @ W.T`` in the model dtype (the default; the reference).
+* ``int4``: an int4 copy of the head (groups of 32 input columns, :class:`~kvcore.quant.Int4Linear`) scores the
+  whole vocabulary, then the ``top_k`` (64) best candidates of each row are scored again with the dense
+  weights and those exact logits replace theirs. For a batch-1 decode step of a small model the head is the
+  biggest single matmul (SmolLM2-135M: 49,152 x 576, 56 MB in bfloat16 per token); int4 reads a quarter of
+  that. What stays approximate is the tail: a logit outside the top 64 carries int4 rounding (on SmolLM2 a
+  median error of about one logit), which shifts the sampled distribution's far tail only. Greedy decoding,
+  top-k up to 64 and the reported top logprobs read exact logits whenever the exact best candidates are
+  among the int4 top 64 (the accuracy table in benchmarks/README.md measures streams and perplexity).
+  Batches of more than :data:`INT4_MAX_ROWS` rows run the dense head: the int4 kernel's cost grows with the
+  rows, and from about four rows oneDNN's bfloat16 GEMM is as fast.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kvcore.errors import ConfigError
+from kvcore.quant import Int4Groups, Int4Linear, quantized_reasons
+
+__all__ = ["LM_HEAD_FORMATS", "INT4_MAX_ROWS", "RescoredInt4Head", "check_lm_head"]
+
+#: every value of ``EngineConfig.lm_head`` with what it means
+LM_HEAD_FORMATS = {
+    "dense": "the head in the model dtype (reference)",
+    "int4": "int4 scores for the whole vocabulary, the top 64 rescored with the dense head",
+}
+#: more rows than this run the dense head (see the module docstring)
+INT4_MAX_ROWS = 4
+
+
+def check_lm_head(fmt: str, dtype: torch.dtype, device: torch.device | str) -> str:
+    """``fmt`` if it is an LM head format that runs with ``dtype`` on ``device``, else ConfigError saying why."""
+    if fmt not in LM_HEAD_FORMATS:
+        raise ConfigError(f"unknown lm_head format '{fmt}' (choose from: {', '.join(LM_HEAD_FORMATS)})")
+    reasons = quantized_reasons("int4", dtype, device) if fmt == "int4" else []
+    if reasons:
+        raise ConfigError(f"lm_head '{fmt}' cannot run here: {'; '.join(reasons)}")
+    return fmt
+
+
+class RescoredInt4Head:
+    """``hidden [N, d] -> logits [N, V]``: int4 scores, the ``top_k`` best of each row recomputed densely.
+
+    :param weight: the dense head ``[V, d]`` (the model's own tensor: read at call time, not copied).
+    """
+
+    def __init__(self, weight: torch.Tensor, top_k: int = 64, group_size: int = 32) -> None:
+        vocab, width = weight.shape
+        if not Int4Linear.fits(vocab, width, group_size):
+            raise ConfigError(f"lm_head 'int4' cannot take this model's head: the int4 kernel needs a vocabulary "
+                              f"in multiples of 16 and a hidden size in multiples of {group_size}, got "
+                              f"[{vocab}, {width}]")
+        self.weight, self.top_k = weight, min(top_k, vocab)
+        self.max_rows = INT4_MAX_ROWS
+        self.int4 = Int4Linear(Int4Groups.from_float(weight, group_size, weight.dtype), weight.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return self.int4.nbytes
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[N, V]`` in the model dtype (as the dense head returns them)."""
+        logits = self.int4(hidden)  # [N, V]
+        top = logits.topk(self.top_k, dim=-1, sorted=False).indices  # [N, k]
+        exact = torch.bmm(F.embedding(top, self.weight), hidden.unsqueeze(-1)).squeeze(-1)  # [N, k]
+        return logits.scatter_(1, top, exact)

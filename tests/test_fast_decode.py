@@ -1,0 +1,91 @@
+"""Decode fast paths: the int4 LM head (kvcore/lm_head.py) and compiled decode steps (kvcore/compile.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import make_random_model
+
+from kvcore import Engine, EngineConfig, SamplingParams
+from kvcore.errors import ConfigError
+from kvcore.lm_head import INT4_MAX_ROWS, RescoredInt4Head
+
+
+def test_int4_head_rescores_its_top_candidates_with_the_dense_head():
+    """The int4 head's own top-k candidates get the dense head's logits (bfloat16 rounding of one dot product
+    apart); every other logit is the int4 estimate; the best candidate is the dense best."""
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(512, 64, generator=g) * 0.1).to(torch.bfloat16)
+    head = RescoredInt4Head(w, top_k=16)
+    for seed in range(5):
+        hidden = torch.randn(3, 64, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+        logits = head(hidden).float()
+        approx = head.int4(hidden).float()
+        exact = hidden.float() @ w.float().t()
+        top = approx.topk(16, dim=-1).indices
+        rescored = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, top, True)
+        bound = 2.0**-7 * exact.abs() + 1e-3  # one bfloat16 rounding of the dot product
+        assert bool(((logits - exact).abs()[rescored] <= bound[rescored]).all())
+        assert torch.equal(logits[~rescored], approx[~rescored])
+        assert not torch.equal(approx[rescored], logits[rescored])  # the int4 estimates were replaced
+        assert torch.equal(logits.argmax(-1), exact.argmax(-1))
+
+
+def test_lm_head_option_errors():
+    with pytest.raises(ConfigError, match="lm_head 'int4' cannot run here: .*need dtype bfloat16"):
+        EngineConfig(lm_head="int4")  # float32 default
+    with pytest.raises(ConfigError, match="unknown lm_head format 'int3'"):
+        EngineConfig(lm_head="int3", dtype="bfloat16")
+    odd_vocab = make_random_model(vocab_size=300).to(torch.bfloat16)  # 300 rows: not a multiple of 16
+    with pytest.raises(ConfigError, match="vocabulary in multiples of 16"):
+        Engine(odd_vocab, None, EngineConfig(dtype="bfloat16", backend="sdpa", lm_head="int4"))
+
+
+def _streams(model, prompts, **config):
+    engine = Engine(model, None, EngineConfig(backend="sdpa", max_num_seqs=len(prompts), max_model_len=64, **config))
+    results = engine.generate(prompts, SamplingParams(max_new_tokens=12, ignore_eos=True))
+    return [r.token_ids for r in results], engine
+
+
+def test_int4_head_greedy_streams_equal_the_dense_head():
+    """Greedy streams through the int4 head equal the dense head's, at one row per step (int4 + rescoring)
+    and at more rows than INT4_MAX_ROWS (the dense head)."""
+    model = make_random_model(vocab_size=512, head_dim=16, num_heads=4).to(torch.bfloat16)
+    for n in (1, INT4_MAX_ROWS + 2):
+        prompts = [[3 + i, 40 + 7 * i, 99, 5 + i] for i in range(n)]
+        dense, _ = _streams(model, prompts, dtype="bfloat16")
+        int4, engine = _streams(model, prompts, dtype="bfloat16", lm_head="int4")
+        assert engine.lm_head is not None
+        assert int4 == dense
+
+
+def test_compile_option_errors():
+    model = make_random_model()
+    with pytest.raises(ConfigError, match="backend 'naive' does not declare a torch.compile-traceable decode"):
+        Engine(model, None, EngineConfig(backend="naive", compile=True))
+    with pytest.raises(ConfigError, match="compile must be true or false"):
+        EngineConfig(compile="yes")
+
+
+def test_compiled_decode_equals_eager_in_float32():
+    """Decode steps through torch.compile give the eager float32 streams token for token: one sequence, then
+    a ragged batch (key-padding mask, another batch size: the recompile with dynamic sizes). The compiled
+    function ran for the decode steps, and the backend guard still saw layer 0's output."""
+    model = make_random_model(num_layers=2)
+    prompts = [[5, 9, 200, 31, 7], [8, 8, 120], [250, 3, 14, 15, 92, 65, 35]]
+    for batch in (prompts[:1], prompts):
+        eager, _ = _streams(model, batch)
+        engine = Engine(model, None, EngineConfig(backend="sdpa", max_num_seqs=3, max_model_len=64, compile=True))
+        calls = []
+
+        def counted(*args, fn=engine.compiled_decode._fn, calls=calls):
+            calls.append(args[4].shape[0])  # input_ids [B]
+            return fn(*args)
+
+        engine.compiled_decode._fn = counted
+        guard = engine._guards[id(engine.decode_backend)]
+        results = engine.generate(batch, SamplingParams(max_new_tokens=12, ignore_eos=True))
+        assert [r.token_ids for r in results] == eager
+        assert len(calls) >= 11 and max(calls) == len(batch)  # every decode step after the first token
+        assert "decode" in guard._verified
+
