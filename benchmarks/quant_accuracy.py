@@ -31,15 +31,17 @@ import torch.nn.functional as F
 
 from kvcore.cpu import cpu_features
 from kvcore.engine import Engine, EngineConfig
+from kvcore.lm_head import RescoredInt4Head
 from kvcore.loaders import build_model, load_model
 from kvcore.sampling import SamplingParams
 
 ROOT = Path(__file__).resolve().parent.parent
-FORMATS = {  # name -> (dtype, weights, group size)
-    "bf16": (torch.bfloat16, "float", 32),
-    "int4": (torch.bfloat16, "auto", 32),
-    "int8": (torch.bfloat16, "int8", 32),
-    "int4-g128": (torch.bfloat16, "int4-requantized", 128),
+FORMATS = {  # name -> (dtype, weights, group size, LM head)
+    "bf16": (torch.bfloat16, "float", 32, "dense"),
+    "int4": (torch.bfloat16, "auto", 32, "dense"),
+    "int4+head": (torch.bfloat16, "auto", 32, "int4"),
+    "int8": (torch.bfloat16, "int8", 32, "dense"),
+    "int4-g128": (torch.bfloat16, "int4-requantized", 128, "dense"),
 }
 
 
@@ -51,17 +53,21 @@ def full_attention(layer, q, k, v):
     return out.transpose(0, 1)
 
 
-def text_logits(model, ids: list[int]) -> torch.Tensor:
-    """``[T, V]`` float32 logits of every position of ``ids`` in one forward."""
+def text_logits(model, ids: list[int], lm_head: str = "dense") -> torch.Tensor:
+    """``[T, V]`` float32 logits of every position of ``ids`` in one forward (the head one row at a time, as
+    decode steps run it)."""
+    head = RescoredInt4Head(model.lm_head) if lm_head == "int4" else None
     with torch.no_grad():
         hidden = model(torch.tensor(ids), torch.arange(len(ids)), full_attention)
-        return model.compute_logits(hidden)
+        return torch.cat([model.compute_logits(row, head) for row in hidden.split(1)])
 
 
-def streams(model, dtype, prompts: list[list[int]], new_tokens: int) -> tuple[list[list[int]], list[list[float]]]:
-    """Greedy streams (sdpa backend) and each step's top-2 logprob gap (= the top-2 logit gap)."""
+def streams(model, dtype, prompts: list[list[int]], new_tokens: int,
+            lm_head: str = "dense") -> tuple[list[list[int]], list[list[float]]]:
+    """Greedy streams (sdpa backend, one sequence per step: the LM head runs as a batch-1 decode runs it) and
+    each step's top-2 logprob gap (= the top-2 logit gap)."""
     engine = Engine(model, None, EngineConfig(backend="sdpa", dtype=str(dtype).removeprefix("torch."),
-                                              max_model_len=256, max_num_seqs=len(prompts)))
+                                              max_model_len=256, max_num_seqs=1, lm_head=lm_head))
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True, logprobs=2)
     results = engine.generate(prompts, params)
     gaps = [[step[0][1] - step[1][1] for step in r.top_logprobs] for r in results]  # [(token, logprob)] best first
@@ -96,17 +102,17 @@ def main() -> None:
     rows = [{"format": "fp32 (reference)", "weights": "float", "dtype": "float32", "perplexity": perplexity(ref_logits),
              "streams_equal": len(prompts), "near_ties": 0, "real_divergences": 0, "divergences": []}]
     for name in args.formats.split(","):
-        dtype, weights, group = FORMATS[name]
+        dtype, weights, group, lm_head = FORMATS[name]
         started = time.perf_counter()
         if weights == "int4-requantized":  # from the dequantized float weights, not the file's blocks
             model = build_model(dense, dtype, max_model_len=1024, weights="int4", group_size=group)
         else:
             model = build_model(blocks if weights == "auto" else dense, dtype, max_model_len=1024, weights=weights)
-        logits = text_logits(model, text_ids)
+        logits = text_logits(model, text_ids, lm_head)
         err = (logits - ref_logits).abs().amax(-1)  # per position: the largest logit error
         logp = logits.log_softmax(-1)
         kl = (ref_logp.exp() * (ref_logp - logp)).sum(-1)
-        tokens, _ = streams(model, dtype, prompts, new_tokens)
+        tokens, _ = streams(model, dtype, prompts, new_tokens, lm_head)
         divergences = []
         for i, (a, b) in enumerate(zip(ref_tokens, tokens)):
             step = next((s for s, (x, y) in enumerate(zip(a, b)) if x != y), None)
@@ -116,7 +122,8 @@ def main() -> None:
                                     "near_tie": gap <= float(err.median())})
         ties = sum(d["near_tie"] for d in divergences)
         rows.append({
-            "format": name, "weights": model.weight_format, "dtype": str(dtype).removeprefix("torch."),
+            "format": name, "weights": model.weight_format, "lm_head": lm_head,
+            "dtype": str(dtype).removeprefix("torch."),
             "group_size": group if model.weight_format == "int4" else None,
             "perplexity": perplexity(logits), "mean_kl": float(kl[:-1].mean()),
             "top1_agreement": float((logits.argmax(-1) == ref_logits.argmax(-1)).float().mean()),
@@ -160,6 +167,7 @@ def markdown(report: dict) -> str:
         kl = f"{r['mean_kl']:.5f}" if "mean_kl" in r else "-"
         agree = f"{100 * r['top1_agreement']:.1f}%" if "top1_agreement" in r else "-"
         weights = r["weights"] + (f" (g{r['group_size']})" if r.get("group_size") else "")
+        weights += ", LM head int4 (top 64 rescored)" if r.get("lm_head") == "int4" else ""
         lines.append(f"| {r['format']} | {weights} | {r['perplexity']:.3f} | {kl} | {agree} | {err} | "
                      f"{r['streams_equal']} | {r['near_ties']} | {r['real_divergences']} |")
     lines += ["", "Divergences (prompt, step, float32 top-2 gap there):", ""]

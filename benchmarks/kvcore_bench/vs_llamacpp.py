@@ -87,8 +87,12 @@ def _kernels(engine) -> str:
         matmul = f"float32 split GEMV (1 row), {multi_row} (2+ rows)"
     else:
         matmul = f"{str(model.dtype).removeprefix('torch.')} F.linear"
+    if getattr(engine, "lm_head", None) is not None:
+        matmul += "; LM head int4 (_weight_int4pack_mm_for_cpu), top 64 rescored dense"
+    compiled = getattr(engine, "compiled_decode", None) is not None
+    compiled = "; decode steps torch.compile'd (inductor, C++ wrapper)" if compiled else ""
     return (f"attention prefill={engine.prefill_backend.name} decode={engine.decode_backend.name}, "
-            f"KV cache {engine.cache.name}; matmuls {matmul}")
+            f"KV cache {engine.cache.name}; matmuls {matmul}{compiled}")
 
 
 def _tok_s(times: list[list[float]]) -> float:
@@ -184,8 +188,8 @@ def run_llamacpp(args: argparse.Namespace) -> int:
         ttfts, times, ids = runner.generate(prompts, n)
         return statistics.fmean(ttfts), _tok_s(times), ids
 
-    for prompts, _ in jobs.values():  # warm-up: weights paged in, oneDNN packs built, both sides
-        kv_side([p[:256] for p in prompts], 4)
+    for prompts, _ in jobs.values():  # warm-up: weights paged in, oneDNN packs built, compiles done, both sides
+        kv_side([p[:256] for p in prompts], 8)
         lc_side([p[:256] for p in prompts], 4)
     start = time.perf_counter()
     rows, agree = alternate(jobs, kv_side, lc_side, reps, args.progress)

@@ -138,6 +138,8 @@ def result_payload(loaded: Loaded, result, finish_reason: str | None = None) -> 
         "model": s["model"],
         "dtype": config.dtype,
         "weights": engine.model.weight_format,
+        "lm_head": config.lm_head,
+        "compile": config.compile,
         "metrics": result.metrics.as_dict(),
         "tensor_parallel_size": config.tensor_parallel_size,
         "threads": loaded.extra.get("threads"),
