@@ -11,11 +11,13 @@ matmuls. The LM head, the sampler and the backend-output guard run eagerly too (
 queries and attention output, which the compiled function returns).
 
 Only a backend that declares ``capabilities.compilable`` can be compiled (traceable decode path; see
-:class:`~kvcore.attention.BackendCapabilities`). Shapes are dynamic from the first compile (batch size,
-keys attended), so a server compiles once per kind of batch (with or without a key-padding mask), not per
-step. The first decode step pays the compile; torch's on-disk cache makes later processes faster (the
-warm-up is measured in benchmarks/README.md). float32 results may differ from the eager path in the last
-bits (fused reductions), so the exact float32 reference stays the eager default.
+:class:`~kvcore.attention.BackendCapabilities`). The first compile specialises on the shapes it sees; the
+first change of the number of keys, then of the batch size, recompiles with that size dynamic, and a
+ragged batch (key-padding mask) compiles once more: a handful of compiles per process, not one per step.
+They cost tens of seconds each on a cold Inductor cache and much less once torch's on-disk cache holds
+them (measured in the README). float32 streams equal the eager ones (tests/test_fast_decode.py); bfloat16
+keeps the eager rounding between ops, but fused reductions sum in another order, so a stream can part from
+the eager one at a near-tie. Compiling stays opt-in: the eager float32 path is the reference.
 """
 
 from __future__ import annotations

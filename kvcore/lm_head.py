@@ -8,7 +8,7 @@
   that. What stays approximate is the tail: a logit outside the top 64 carries int4 rounding (on SmolLM2 a
   median error of about one logit), which shifts the sampled distribution's far tail only. Greedy decoding,
   top-k up to 64 and the reported top logprobs read exact logits whenever the exact best candidates are
-  among the int4 top 64 (the accuracy table in benchmarks/README.md measures streams and perplexity).
+  among the int4 top 64 (benchmarks/results/quant_accuracy.md measures streams and perplexity).
   Batches of more than :data:`INT4_MAX_ROWS` rows run the dense head: the int4 kernel's cost grows with the
   rows, and from about four rows oneDNN's bfloat16 GEMM is as fast.
 """

@@ -89,3 +89,15 @@ def test_compiled_decode_equals_eager_in_float32():
         assert len(calls) >= 11 and max(calls) == len(batch)  # every decode step after the first token
         assert "decode" in guard._verified
 
+
+
+def test_a_compiled_engine_reads_its_own_weights():
+    """The compiled code is shared by engines whose models have the same shapes (the guards on weights are
+    dropped): each must still run with its own weights and format, never the first engine's."""
+    prompts = [[5, 9, 200, 31, 7]]
+    for seed in (3, 4):
+        model = make_random_model(num_layers=2, seed=seed)
+        eager, _ = _streams(model, prompts)
+        compiled, _ = _streams(model, prompts, compile=True)
+        assert compiled == eager, seed
+    assert _streams(make_random_model(num_layers=2, seed=3), prompts)[0] != eager  # the two models differ
