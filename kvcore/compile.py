@@ -26,9 +26,11 @@ import os
 import shutil
 
 import torch
+import torch.nn.functional as F
 
 from kvcore.attention import AttentionBackend
 from kvcore.errors import ConfigError
+from kvcore.quant import Int4Linear, int4_dense
 
 __all__ = ["CompiledDecode", "compile_reasons"]
 
@@ -75,8 +77,29 @@ def _guard_filter(entries) -> list[bool]:
     return [not (e.guard_type in _DROPPED and e.name.startswith(_WEIGHT_SOURCES)) for e in entries]
 
 
+#: prefill forwards of at least this many rows run a model's int4 layer matmuls as bfloat16 GEMMs on weights
+#: dequantized per call (torch's int4 kernel is built for few rows: at a 2,048-token prompt oneDNN's
+#: bfloat16 GEMM plus the compiled dequantization, a few milliseconds per layer, is the faster pair; below
+#: about a thousand rows the dequantization is not repaid)
+DENSE_PREFILL_ROWS = 1024
+
+
+class _DequantizedInt4:
+    """``x -> x @ W.T`` for an :class:`~kvcore.quant.Int4Linear`, ``W`` dequantized by the compiled kernel."""
+
+    __slots__ = ("linear", "dequantize")
+
+    def __init__(self, linear, dequantize) -> None:
+        self.linear, self.dequantize = linear, dequantize
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        lin = self.linear
+        return F.linear(x, self.dequantize(lin.packed, lin.scales_and_zeros, lin.group_size))
+
+
 class CompiledDecode:
-    """Runs decode forwards of one engine's model through ``torch.compile``."""
+    """Runs decode forwards of one engine's model through ``torch.compile``; long int4 prefills on dense
+    weights dequantized by a compiled kernel (:data:`DENSE_PREFILL_ROWS`)."""
 
     def __init__(self, backend: AttentionBackend, device: torch.device) -> None:
         reasons = compile_reasons(backend, device)
@@ -84,6 +107,23 @@ class CompiledDecode:
             raise ConfigError(f"cannot compile decode steps: {'; '.join(reasons)}")
         options = {"guard_filter_fn": _guard_filter, **_INDUCTOR_OPTIONS}
         self._fn = torch.compile(_decode_forward, dynamic=None, options=options)
+        self._dequantize = torch.compile(int4_dense, dynamic=False, options=_INDUCTOR_OPTIONS)
+        self._prefill: dict[int, dict | None] = {}  # id(model) -> its dequantizing matmuls (None: not int4)
+
+    def prefill_matmuls(self, model, num_rows: int) -> dict | None:
+        """For a prefill of ``num_rows`` rows: the model's matmuls with its int4 layer weights dequantized per
+        call (None: run the model's own, as for fewer rows or weights the unpacking cannot read)."""
+        if num_rows < DENSE_PREFILL_ROWS or getattr(model, "weight_format", "float") != "int4":
+            return None
+        key = id(model)
+        if key not in self._prefill:
+            mm = model.matmuls(num_rows)
+            layers = {name: fns for name, fns in mm.items() if name != "lm_head"}
+            ok = all(isinstance(f, Int4Linear) and f.unpackable for fns in layers.values() for f in fns)
+            self._prefill[key] = {name: [_DequantizedInt4(f, self._dequantize) for f in fns]
+                                  for name, fns in layers.items()} if ok else None
+        dense = self._prefill[key]
+        return None if dense is None else {**model.matmuls(num_rows), **dense}
 
     def __call__(self, model, backend, cache, plan, input_ids: torch.Tensor, positions: torch.Tensor):
         """``(hidden [B, d], layer 0's q [B, H, D], layer 0's attention output [B, H, D])``."""

@@ -82,9 +82,9 @@ class EngineStep:
                 )
             else:
                 guard = self._guards.get(id(backend))
-                compiled = self.compiled_decode if backend is self.decode_backend else None
                 logits = last_token_logits(
-                    self.model, backend, self.kv.cache, meta, batch.input_ids, sampling, guard, compiled, self.lm_head
+                    self.model, backend, self.kv.cache, meta, batch.input_ids, sampling, guard, self.compiled_decode,
+                    self.lm_head,
                 )
         except Exception as exc:
             error = exc if isinstance(exc, KVCoreError) else BackendError(

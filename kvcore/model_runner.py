@@ -32,11 +32,14 @@ def run_model(
     """
     plan = backend.plan(meta, cache)
     ids = torch.as_tensor(input_ids, dtype=torch.long).to(meta.positions.device)
+    matmuls = None
     if compiled is not None and meta.is_decode:
         hidden, q0, out0 = compiled(model, backend, cache, plan, ids, meta.positions)
         if check is not None:
             check.observe(0, q0, out0)
         return hidden
+    if compiled is not None:
+        matmuls = compiled.prefill_matmuls(model, ids.shape[0])
 
     def attention(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         out = backend.forward(layer_idx, q, k, v, cache, plan)
@@ -44,7 +47,7 @@ def run_model(
             check.observe(layer_idx, q, out)
         return out
 
-    return model(ids, meta.positions, attention)
+    return model(ids, meta.positions, attention, matmuls)
 
 
 def last_token_logits(

@@ -20,6 +20,7 @@ an int8 head measured no faster than oneDNN's bfloat16 one (benchmarks/results/w
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -28,7 +29,7 @@ from kvcore.errors import ConfigError
 
 __all__ = [
     "WEIGHT_FORMATS", "QUANTIZED_FORMATS", "DEFAULT_GROUP_SIZE", "Int4Groups", "Int4Linear", "Int8Linear",
-    "check_weight_format", "check_runnable", "quantized_reasons",
+    "check_weight_format", "check_runnable", "quantized_reasons", "unpack_codes", "int4_dense", "unpacks_here",
 ]
 
 #: every value of ``EngineConfig.weights`` with what it means (the CLI help and errors list them)
@@ -149,11 +150,50 @@ class Int4Linear:
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), self.packed, self.group_size,
                                                            self.scales_and_zeros)
 
+    @property
+    def unpackable(self) -> bool:
+        """Whether :func:`int4_dense` can read this weight's packed codes."""
+        return self.shape[0] % _PACK_ROWS == 0 and unpacks_here()
+
     def dequantize(self) -> torch.Tensor:
         """``[N, K]`` float32: the weight the kernel multiplies by (scales rounded to ``self.dtype``), read
         back through the kernel itself (``I @ W.T``: exact, every sum has one non-zero term)."""
         eye = torch.eye(self.shape[1], dtype=self.dtype)
         return self(eye).float().t().contiguous()
+
+
+#: the CPU int4 kernel's packed layout (torch 2.13): blocks of 64 output rows; for each block and input column,
+#: 32 bytes, byte ``j`` holding row ``j`` in its low nibble and row ``j + 32`` in its high one
+_PACK_ROWS = 64
+
+
+def unpack_codes(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """The ``[N, K]`` 4-bit codes (uint8 0..15) of an :class:`Int4Linear`'s ``packed`` weight (see
+    :func:`unpacks_here`: the layout is the kernel's, checked against this torch build once)."""
+    blocks = packed.view(n // _PACK_ROWS, k, _PACK_ROWS // 2)
+    codes = torch.cat([blocks & 15, blocks >> 4], dim=2)  # [N / 64, K, 64]
+    return codes.transpose(1, 2).reshape(n, k)
+
+
+def int4_dense(packed: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int) -> torch.Tensor:
+    """An :class:`Int4Linear`'s weight ``[N, K]`` dense in the dtype of its scales: ``(q - 8) s + z`` computed in
+    float32 as the kernel computes it, rounded once. Pure tensor code, for ``torch.compile`` to fuse."""
+    n, k = packed.shape[0], packed.shape[1] * 2
+    q = unpack_codes(packed, n, k).view(n, k // group_size, group_size).float()
+    scales = scales_and_zeros[..., 0].t().unsqueeze(-1).float()  # [N, K / G, 1]
+    zeros = scales_and_zeros[..., 1].t().unsqueeze(-1).float()
+    return ((q - 8) * scales + zeros).to(scales_and_zeros.dtype).view(n, k)
+
+
+@functools.cache
+def unpacks_here() -> bool:
+    """Whether :func:`unpack_codes` inverts this torch build's packer (a random matrix, packed and unpacked)."""
+    codes = torch.randint(0, 16, (2 * _PACK_ROWS, 64), generator=torch.Generator().manual_seed(0), dtype=torch.int32)
+    try:
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 2)
+        return torch.equal(unpack_codes(packed, *codes.shape).int(), codes)
+    except (RuntimeError, ValueError):  # another layout or size: not ours to read
+        return False
 
 
 class Int8Linear:

@@ -114,3 +114,31 @@ class Row:
     output_ids: list[int] = field(default_factory=list)
     prompt_ids: list[int] = field(default_factory=lambda: [1, 2, 3])
     request_id: str = "r"
+
+
+def full_attention(layer, q, k, v):
+    """Causal attention over the whole call (one sequence, no cache): a model's plain reference pass."""
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    out = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                                           is_causal=True)
+    return out.transpose(0, 1)
+
+
+def weights_of(model: LlamaModel) -> dict[str, torch.Tensor]:
+    """The canonical weights of a random model (from_weights's input)."""
+    c, state = model.config, {}
+    state["model.embed_tokens.weight"], state["model.norm.weight"] = model.embed_tokens, model.norm
+    if not c.tie_word_embeddings:
+        state["lm_head.weight"] = model.lm_head
+    for i in range(c.num_hidden_layers):
+        p = f"model.layers.{i}."
+        q, k, v = model.qkv_proj[i].split([model.q_size, model.kv_size, model.kv_size])
+        state.update({p + "self_attn.q_proj.weight": q, p + "self_attn.k_proj.weight": k,
+                      p + "self_attn.v_proj.weight": v, p + "self_attn.o_proj.weight": model.o_proj[i],
+                      p + "input_layernorm.weight": model.input_norm[i],
+                      p + "post_attention_layernorm.weight": model.post_norm[i]})
+        gate, up = model.gate_up_proj[i].chunk(2)
+        state.update({p + "mlp.gate_proj.weight": gate, p + "mlp.up_proj.weight": up,
+                      p + "mlp.down_proj.weight": model.down_proj[i]})
+    return {n: t.detach() for n, t in state.items()}

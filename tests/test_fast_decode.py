@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import make_random_model
+from helpers import full_attention, make_random_model, weights_of
 
 from kvcore import Engine, EngineConfig, SamplingParams
 from kvcore.errors import ConfigError
 from kvcore.lm_head import INT4_MAX_ROWS, RescoredInt4Head
+from kvcore.quant import Int4Groups, Int4Linear, int4_dense, unpack_codes, unpacks_here
 
 
 def test_int4_head_rescores_its_top_candidates_with_the_dense_head():
@@ -101,3 +102,39 @@ def test_a_compiled_engine_reads_its_own_weights():
         compiled, _ = _streams(model, prompts, compile=True)
         assert compiled == eager, seed
     assert _streams(make_random_model(num_layers=2, seed=3), prompts)[0] != eager  # the two models differ
+
+
+def test_int4_codes_unpack_and_dequantize_like_the_kernel():
+    """unpack_codes inverts the kernel's packing (this torch build), and int4_dense gives the kernel's own
+    dequantized weights (read back through the kernel), rounded once to bfloat16."""
+    assert unpacks_here()
+    g = torch.Generator().manual_seed(1)
+    for n, k in ((128, 64), (192, 256)):
+        groups = Int4Groups.from_float(torch.randn(n, k, generator=g), 32)
+        lin = Int4Linear(groups)
+        assert lin.unpackable and torch.equal(unpack_codes(lin.packed, n, k), groups.q)
+        dense = int4_dense(lin.packed, lin.scales_and_zeros, lin.group_size)
+        assert dense.dtype == torch.bfloat16
+        assert torch.equal(dense, lin.dequantize().to(torch.bfloat16))
+    assert not Int4Linear(Int4Groups.from_float(torch.randn(48, 64, generator=g), 32)).unpackable  # 48 rows
+
+
+def test_long_int4_prefills_run_on_dequantized_weights(monkeypatch):
+    """With compile on, a prefill of DENSE_PREFILL_ROWS rows or more runs the int4 layer matmuls as bfloat16
+    GEMMs on compiled-dequantized weights: the hidden states equal the int4 kernel's within bfloat16 rounding;
+    shorter prefills and float models keep their own matmuls."""
+    import kvcore.compile as kc
+    from kvcore import LlamaModel
+
+    monkeypatch.setattr(kc, "DENSE_PREFILL_ROWS", 16)
+    base = make_random_model(num_layers=2, vocab_size=512)
+    model = LlamaModel.from_weights(base.config, weights_of(base), torch.bfloat16, weight_format="int4")
+    compiled = Engine(model, None, EngineConfig(backend="sdpa", dtype="bfloat16", compile=True)).compiled_decode
+    assert compiled.prefill_matmuls(model, 15) is None and compiled.prefill_matmuls(base, 64) is None
+    mm = compiled.prefill_matmuls(model, 64)
+    assert mm is not None and all(isinstance(f, kc._DequantizedInt4) for f in mm["gate_up"])
+    ids = torch.randint(3, 512, (64,), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        dense = model(ids, torch.arange(64), full_attention, mm).float()
+        int4 = model(ids, torch.arange(64), full_attention).float()
+    assert float((dense - int4).abs().max()) <= 0.05 * float(int4.abs().max())

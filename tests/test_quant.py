@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as QType
-from helpers import make_random_model
+from helpers import full_attention, make_random_model, weights_of
 
 from kvcore.engine import Engine, EngineConfig
 from kvcore.errors import ConfigError
@@ -116,40 +116,13 @@ def first_divergence(ref: LlamaModel, got: LlamaModel, prompt: list[int], steps:
     the streams agree for ``steps`` tokens, else (step, the reference's top-2 logit gap there)."""
     ids = list(prompt)
     for step in range(steps):
-        logits = [m.compute_logits(m(torch.tensor(ids), torch.arange(len(ids)), _full_attention)[-1:])[0]
+        logits = [m.compute_logits(m(torch.tensor(ids), torch.arange(len(ids)), full_attention)[-1:])[0]
                   for m in (ref, got)]
         a, b = int(logits[0].argmax()), int(logits[1].argmax())
         if a != b:
             return step, float(logits[0][a] - logits[0][b])
         ids.append(a)
     return None
-
-
-def _full_attention(layer, q, k, v):
-    rep = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-    out = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                                           is_causal=True)
-    return out.transpose(0, 1)
-
-
-def weights_of(model: LlamaModel) -> dict[str, torch.Tensor]:
-    """The canonical weights of a random model (from_weights's input)."""
-    c, state = model.config, {}
-    state["model.embed_tokens.weight"], state["model.norm.weight"] = model.embed_tokens, model.norm
-    if not c.tie_word_embeddings:
-        state["lm_head.weight"] = model.lm_head
-    for i in range(c.num_hidden_layers):
-        p = f"model.layers.{i}."
-        q, k, v = model.qkv_proj[i].split([model.q_size, model.kv_size, model.kv_size])
-        state.update({p + "self_attn.q_proj.weight": q, p + "self_attn.k_proj.weight": k,
-                      p + "self_attn.v_proj.weight": v, p + "self_attn.o_proj.weight": model.o_proj[i],
-                      p + "input_layernorm.weight": model.input_norm[i],
-                      p + "post_attention_layernorm.weight": model.post_norm[i]})
-        gate, up = model.gate_up_proj[i].chunk(2)
-        state.update({p + "mlp.gate_proj.weight": gate, p + "mlp.up_proj.weight": up,
-                      p + "mlp.down_proj.weight": model.down_proj[i]})
-    return {n: t.detach() for n, t in state.items()}
 
 
 @pytest.mark.parametrize("fmt", ["int4", "int8"])
@@ -174,7 +147,7 @@ def test_quantized_random_model_decodes_like_float(fmt):
     for seed in range(3):
         prompt = torch.randint(3, 300, (8,), generator=torch.Generator().manual_seed(seed)).tolist()
         ids, pos = torch.tensor(prompt), torch.arange(len(prompt))
-        logits = {m: m.compute_logits(m(ids, pos, _full_attention)) for m in (ref, dense_bf16, quant)}
+        logits = {m: m.compute_logits(m(ids, pos, full_attention)) for m in (ref, dense_bf16, quant)}
         noise = float((logits[dense_bf16] - logits[ref]).abs().max())
         assert float((logits[quant] - logits[ref]).abs().max()) <= 3 * noise
         diverged = first_divergence(ref, quant, prompt, steps=12)
@@ -229,8 +202,8 @@ def test_bf16_dense_matmuls_match_plain_linear():
     plain.packed_weights = False
     for rows in (1, 5):
         ids, pos = torch.arange(rows) + 3, torch.arange(rows)
-        a = model.compute_logits(model(ids, pos, _full_attention))
-        b = plain.compute_logits(plain(ids, pos, _full_attention))
+        a = model.compute_logits(model(ids, pos, full_attention))
+        b = plain.compute_logits(plain(ids, pos, full_attention))
         torch.testing.assert_close(a, b, rtol=0.05, atol=0.05 * float(b.abs().max()))
 
 
@@ -259,7 +232,7 @@ def test_smollm2_int4_native_decodes_like_the_dequantized_float_model(smollm2):
     dense_bf16 = build_model(smollm2, torch.bfloat16, max_model_len=128, weights="float")
     ids = torch.tensor(prompt["prompt_token_ids"])
     pos = torch.arange(len(ids))
-    logits = {m: m.compute_logits(m(ids, pos, _full_attention)) for m in (ref, dense_bf16, quant)}
+    logits = {m: m.compute_logits(m(ids, pos, full_attention)) for m in (ref, dense_bf16, quant)}
     noise = float((logits[dense_bf16] - logits[ref]).abs().max())
     assert float((logits[quant] - logits[ref]).abs().max()) <= 2 * noise
     diverged = first_divergence(ref, quant, prompt["prompt_token_ids"], steps=16)
