@@ -52,9 +52,11 @@ def run_engine(
     *,
     sampler: Sampler | None = None,
     max_num_seqs: int | None = None,
+    compile: bool = False,
 ) -> list[Stream]:
     """Generate ``prompts`` with ``target``'s backend for both phases over its (first) cache; together in
-    one ragged batch unless ``max_num_seqs`` limits how many run at once (requests then join and leave)."""
+    one ragged batch unless ``max_num_seqs`` limits how many run at once (requests then join and leave);
+    ``compile``: decode steps through torch.compile (``EngineConfig.compile``)."""
     longest = max(len(p) + sp.max_new_tokens for p, sp in zip(prompts, params))
     cache = target.cache_names()[0]
     config = EngineConfig(
@@ -68,6 +70,7 @@ def run_engine(
         kv_cache_options={cache: dict(target.kv_cache_options)} if cache == target.kv_cache else {},
         tensor_parallel_size=cfg.tensor_parallel_size,
         check_backend_outputs=False,  # the suite measures and reports every divergence itself
+        compile=compile,
     )
     recorder = RecordingSampler(sampler or target.make_sampler())
     engine = Engine(cm.model, None, config, registry=target.registry, sampler=recorder)

@@ -9,7 +9,9 @@ there. Variants: ``single-<i>`` (prompt ``i`` alone), ``batch`` (all prompts, on
 running and, over a paged cache, a block pool of about 1.5 requests' worth, so six requests of different
 lengths join at different steps, finish at different steps and are preempted (and recomputed); every
 stream must equal the same request run alone on the reference. Plans or masks memoised across steps by
-shape, or state kept between calls, show here.
+shape, or state kept between calls, show here. ``compiled``: a backend that declares
+``capabilities.compilable`` runs the batch again with its decode steps through ``torch.compile``
+(``EngineConfig.compile``), held to the same rule (float32: exact): what the capability promises.
 """
 
 from __future__ import annotations
@@ -18,8 +20,10 @@ import dataclasses
 
 import torch
 
+from kvcore.compile import compile_reasons
 from kvcore.conformance.driver import ChurnRequest, Stream, run_churn, run_engine
-from kvcore.conformance.model_cases import ModelCase, dtype_plan, skip_reasons, tier_models
+from kvcore.conformance.model_cases import ModelCase, dtype_plan, tier_models
+from kvcore.conformance.model_cases import skip_reasons as model_skip_reasons
 from kvcore.conformance.models import get_model
 from kvcore.conformance.results import FAIL, CaseResult
 from kvcore.conformance.settings import SuiteConfig
@@ -52,7 +56,18 @@ def cases(target: Target, cfg: SuiteConfig) -> list[ModelCase]:
             out.append(ModelCase(model, "batch", n, dtype))
             if model == models[0]:
                 out.append(ModelCase(model, "churn", n, dtype))
+                out.append(ModelCase(model, "compiled", n, dtype))
     return out
+
+
+def skip_reasons(target: Target, case: ModelCase, cfg: SuiteConfig) -> list[str]:
+    """The model's and capabilities' reasons; for ``compiled``, also why decode steps cannot be compiled."""
+    reasons = model_skip_reasons(target, case, cfg)
+    if case.variant == "compiled" and not reasons:
+        if cfg.tensor_parallel_size > 1:
+            return ["compiled decode steps run in one process (tensor parallelism is on)"]
+        reasons = compile_reasons(target.make(), cfg.torch_device)
+    return reasons
 
 
 def churn_requests(cm, n: int) -> list[ChurnRequest]:
@@ -89,7 +104,7 @@ def _check_churn(target: Target, cm, case: ModelCase, cfg: SuiteConfig, result: 
 
 
 def _prompts(cm, case: ModelCase) -> list[list[int]]:
-    if case.variant == "batch":
+    if case.variant in ("batch", "compiled"):
         return list(cm.prompts)
     return [cm.prompts[int(case.variant.split("-")[1]) % len(cm.prompts)]]
 
@@ -121,9 +136,11 @@ def check(target: Target, case: ModelCase, cfg: SuiteConfig, result: CaseResult)
     prompts = _prompts(cm, case)
     params = greedy_params(case.steps, len(prompts))
     result.info.update(model=case.model, prompt_lens=[len(p) for p in prompts], new_tokens=case.steps)
-    result.info["where"] = f"model {case.model}: generation"
-    ref = reference_streams(cm, ("greedy", case.variant, case.steps), prompts, params, cfg, target)
-    got = run_engine(target, cm, prompts, params, cfg)
+    compiled = case.variant == "compiled"
+    result.info["where"] = f"model {case.model}: generation" + (", decode steps compiled" if compiled else "")
+    variant = "batch" if compiled else case.variant  # the same streams as the batch case: one reference run
+    ref = reference_streams(cm, ("greedy", variant, case.steps), prompts, params, cfg, target)
+    got = run_engine(target, cm, prompts, params, cfg, compile=compiled)
     _judge(result, case, prompts, ref, got, tie_rule(cfg.dtype, target.unit_roundoff))
 
 

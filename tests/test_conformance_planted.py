@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from kvcore.backends.paged import PagedKVCache
-from kvcore.conformance.results import FAIL, PASS
+from kvcore.conformance.results import FAIL, PASS, SKIP
 from kvcore.conformance.runner import run_case, tier_cases
 from kvcore.conformance.settings import SuiteConfig
 from kvcore.conformance.target import resolve_target
@@ -296,13 +296,14 @@ def _order(cases: list) -> list:
 
 
 def first_failure(cls, tier: str, cfg: SuiteConfig = CFG):
-    """Run ``tier``'s cases until one fails; the failing CaseResult, or None when all passed."""
+    """Run ``tier``'s cases until one fails; the failing CaseResult, or None when all passed (or were skipped:
+    the planted backends declare no compilable decode path, so the stream tier's ``compiled`` cases skip)."""
     target = resolve_target(cls)
     for case in _order(tier_cases(target, tier, cfg)):
         result = run_case(target, tier, case, cfg)
         if result.status == FAIL:
             return result
-        assert result.status == PASS, result.describe()
+        assert result.status == PASS or (result.status == SKIP and "compiled" in result.case), result.describe()
     return None
 
 
