@@ -24,12 +24,13 @@ from __future__ import annotations
 
 import os
 import shutil
+import warnings
 
 import torch
 import torch.nn.functional as F
 
 from kvcore.attention import AttentionBackend
-from kvcore.errors import ConfigError
+from kvcore.errors import ConfigError, KVCoreError
 from kvcore.quant import Int4Linear, int4_dense
 
 __all__ = ["CompiledDecode", "compile_reasons"]
@@ -85,16 +86,22 @@ DENSE_PREFILL_ROWS = 1024
 
 
 class _DequantizedInt4:
-    """``x -> x @ W.T`` for an :class:`~kvcore.quant.Int4Linear`, ``W`` dequantized by the compiled kernel."""
+    """``x -> x @ W.T`` for an :class:`~kvcore.quant.Int4Linear`, ``W`` dequantized by the compiled kernel (the
+    int4 kernel itself once compiling has failed)."""
 
-    __slots__ = ("linear", "dequantize")
+    __slots__ = ("linear", "owner")
 
-    def __init__(self, linear, dequantize) -> None:
-        self.linear, self.dequantize = linear, dequantize
+    def __init__(self, linear, owner: CompiledDecode) -> None:
+        self.linear, self.owner = linear, owner
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         lin = self.linear
-        return F.linear(x, self.dequantize(lin.packed, lin.scales_and_zeros, lin.group_size))
+        if self.owner.failed is None:
+            try:
+                return F.linear(x, self.owner.dequantize(lin.packed, lin.scales_and_zeros, lin.group_size))
+            except Exception as exc:  # the compile stack, never the values: the int4 kernel computes the same
+                self.owner.give_up(exc)
+        return lin(x)
 
 
 class CompiledDecode:
@@ -107,24 +114,45 @@ class CompiledDecode:
             raise ConfigError(f"cannot compile decode steps: {'; '.join(reasons)}")
         options = {"guard_filter_fn": _guard_filter, **_INDUCTOR_OPTIONS}
         self._fn = torch.compile(_decode_forward, dynamic=None, options=options)
-        self._dequantize = torch.compile(int4_dense, dynamic=False, options=_INDUCTOR_OPTIONS)
+        self.dequantize = torch.compile(int4_dense, dynamic=False, options=_INDUCTOR_OPTIONS)
         self._prefill: dict[int, dict | None] = {}  # id(model) -> its dequantizing matmuls (None: not int4)
+        #: why compiling failed (then everything runs eagerly, with one warning), else None
+        self.failed: str | None = None
+
+    def give_up(self, exc: BaseException) -> None:
+        """Compiling failed (a C++ toolchain without Python headers, an Inductor bug...): warn once and run
+        eagerly from now on, so that requests go on instead of failing step after step."""
+        if self.failed is None:
+            first = (str(exc).strip().splitlines() or [""])[0][:200]
+            self.failed = f"{type(exc).__name__}: {first}"
+            warnings.warn(f"kvcore: torch.compile failed ({self.failed}); this engine runs eagerly from now on",
+                          RuntimeWarning, stacklevel=3)
 
     def prefill_matmuls(self, model, num_rows: int) -> dict | None:
         """For a prefill of ``num_rows`` rows: the model's matmuls with its int4 layer weights dequantized per
         call (None: run the model's own, as for fewer rows or weights the unpacking cannot read)."""
-        if num_rows < DENSE_PREFILL_ROWS or getattr(model, "weight_format", "float") != "int4":
+        if num_rows < DENSE_PREFILL_ROWS or getattr(model, "weight_format", "float") != "int4" or self.failed:
             return None
         key = id(model)
         if key not in self._prefill:
             mm = model.matmuls(num_rows)
             layers = {name: fns for name, fns in mm.items() if name != "lm_head"}
             ok = all(isinstance(f, Int4Linear) and f.unpackable for fns in layers.values() for f in fns)
-            self._prefill[key] = {name: [_DequantizedInt4(f, self._dequantize) for f in fns]
+            self._prefill[key] = {name: [_DequantizedInt4(f, self) for f in fns]
                                   for name, fns in layers.items()} if ok else None
         dense = self._prefill[key]
         return None if dense is None else {**model.matmuls(num_rows), **dense}
 
     def __call__(self, model, backend, cache, plan, input_ids: torch.Tensor, positions: torch.Tensor):
-        """``(hidden [B, d], layer 0's q [B, H, D], layer 0's attention output [B, H, D])``."""
-        return self._fn(model, backend, cache, plan, input_ids, positions, model.matmuls(input_ids.shape[0]))
+        """``(hidden [B, d], layer 0's q [B, H, D], layer 0's attention output [B, H, D])``, or None when this
+        step must run eagerly (compiling failed: see :meth:`give_up`; whatever the failed call wrote to the
+        cache, the eager run writes again at the same rows)."""
+        if self.failed is not None:
+            return None
+        try:
+            return self._fn(model, backend, cache, plan, input_ids, positions, model.matmuls(input_ids.shape[0]))
+        except KVCoreError:
+            raise
+        except Exception as exc:
+            self.give_up(exc)
+            return None

@@ -34,11 +34,13 @@ def run_model(
     ids = torch.as_tensor(input_ids, dtype=torch.long).to(meta.positions.device)
     matmuls = None
     if compiled is not None and meta.is_decode:
-        hidden, q0, out0 = compiled(model, backend, cache, plan, ids, meta.positions)
-        if check is not None:
-            check.observe(0, q0, out0)
-        return hidden
-    if compiled is not None:
+        out = compiled(model, backend, cache, plan, ids, meta.positions)
+        if out is not None:  # None: compiling failed, this step runs eagerly
+            hidden, q0, out0 = out
+            if check is not None:
+                check.observe(0, q0, out0)
+            return hidden
+    elif compiled is not None:
         matmuls = compiled.prefill_matmuls(model, ids.shape[0])
 
     def attention(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

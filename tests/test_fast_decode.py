@@ -6,7 +6,7 @@ import pytest
 import torch
 from helpers import full_attention, make_random_model, weights_of
 
-from kvcore import Engine, EngineConfig, SamplingParams
+from kvcore import Engine, EngineConfig, LlamaModel, SamplingParams
 from kvcore.errors import ConfigError
 from kvcore.lm_head import INT4_MAX_ROWS, RescoredInt4Head
 from kvcore.quant import Int4Groups, Int4Linear, int4_dense, unpack_codes, unpacks_here
@@ -124,7 +124,6 @@ def test_long_int4_prefills_run_on_dequantized_weights(monkeypatch):
     GEMMs on compiled-dequantized weights: the hidden states equal the int4 kernel's within bfloat16 rounding;
     shorter prefills and float models keep their own matmuls."""
     import kvcore.compile as kc
-    from kvcore import LlamaModel
 
     monkeypatch.setattr(kc, "DENSE_PREFILL_ROWS", 16)
     base = make_random_model(num_layers=2, vocab_size=512)
@@ -138,3 +137,35 @@ def test_long_int4_prefills_run_on_dequantized_weights(monkeypatch):
         dense = model(ids, torch.arange(64), full_attention, mm).float()
         int4 = model(ids, torch.arange(64), full_attention).float()
     assert float((dense - int4).abs().max()) <= 0.05 * float(int4.abs().max())
+
+
+def test_a_failed_compile_warns_once_and_runs_eagerly(monkeypatch):
+    """A compile that fails (here: Inductor raising) must not fail request after request: one RuntimeWarning,
+    then the engine runs eagerly, with the eager streams; int4 prefills fall back to the int4 kernel."""
+    import kvcore.compile as kc
+
+    model = make_random_model(num_layers=2)
+    prompts = [[5, 9, 200, 31, 7], [8, 8, 120]]
+    eager, _ = _streams(model, prompts)
+    engine = Engine(model, None, EngineConfig(backend="sdpa", max_num_seqs=2, max_model_len=64, compile=True))
+
+    def broken(*args):
+        raise RuntimeError("C++ compile failed: Python.h: No such file or directory")
+
+    engine.compiled_decode._fn = broken
+    with pytest.warns(RuntimeWarning, match="torch.compile failed .*Python.h.*runs eagerly") as caught:
+        results = engine.generate(prompts, SamplingParams(max_new_tokens=12, ignore_eos=True))
+    assert [r.token_ids for r in results] == eager and all(r.error is None for r in results)
+    assert len([w for w in caught if "torch.compile failed" in str(w.message)]) == 1
+    assert engine.compiled_decode.failed.startswith("RuntimeError")
+
+    monkeypatch.setattr(kc, "DENSE_PREFILL_ROWS", 4)
+    base = make_random_model(num_layers=2, vocab_size=512)
+    int4 = LlamaModel.from_weights(base.config, weights_of(base), torch.bfloat16, weight_format="int4")
+    compiled = Engine(int4, None, EngineConfig(backend="sdpa", dtype="bfloat16", compile=True)).compiled_decode
+    mm = compiled.prefill_matmuls(int4, 8)
+    compiled.dequantize = broken
+    x = torch.randn(8, mm["o"][0].linear.shape[1]).to(torch.bfloat16)  # o_proj's input width
+    with pytest.warns(RuntimeWarning, match="torch.compile failed"):
+        assert torch.equal(mm["o"][0](x), int4.matmuls(8)["o"][0](x))  # the int4 kernel's own result
+    assert compiled.prefill_matmuls(int4, 8) is None  # from now on the model's own int4 matmuls
