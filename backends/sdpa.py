@@ -64,13 +64,18 @@ class SDPABackend(AttentionBackend[SDPAPlan]):
         slots = meta.slots
         if not (meta.is_decode and slots == list(range(slots[0], slots[0] + len(slots)))):
             return SDPAPlan(meta, rows, None)
+        return SDPAPlan(meta, rows, slots[0], meta.max_seq_len, self._decode_mask(meta, cache.spec.dtype))
+
+    @staticmethod
+    def _decode_mask(meta: AttentionMetadata, dtype: torch.dtype) -> torch.Tensor | None:
+        """``[B, 1, 1, max_seq_len]`` additive mask hiding each row's keys past its length (None: not ragged)."""
         max_len = meta.max_seq_len
-        mask = None
-        if min(meta.context_lens) + 1 != max_len:  # ragged: hide each row's keys past its length
-            valid = torch.arange(max_len, device=device)[None, :] < meta.seq_lens_t[:, None]
-            mask = torch.zeros(valid.shape, dtype=cache.spec.dtype, device=device).masked_fill_(~valid, float("-inf"))
-            mask = mask.view(len(slots), 1, 1, max_len)
-        return SDPAPlan(meta, rows, slots[0], max_len, mask)
+        if min(meta.context_lens) + 1 == max_len:
+            return None
+        device = meta.positions.device
+        valid = torch.arange(max_len, device=device)[None, :] < meta.seq_lens_t[:, None]
+        mask = torch.zeros(valid.shape, dtype=dtype, device=device).masked_fill_(~valid, float("-inf"))
+        return mask.view(meta.num_seqs, 1, 1, max_len)
 
     def forward(
         self,

@@ -22,14 +22,13 @@ the eager one at a near-tie. Compiling stays opt-in: the eager float32 path is t
 
 from __future__ import annotations
 
-import os
-import shutil
 import warnings
 
 import torch
 import torch.nn.functional as F
 
 from kvcore.attention import AttentionBackend
+from kvcore.cpu_kernels import cxx_compiler
 from kvcore.errors import ConfigError, KVCoreError
 from kvcore.quant import Int4Linear, int4_dense
 
@@ -42,7 +41,7 @@ def compile_reasons(backend: AttentionBackend, device: torch.device) -> list[str
     if not backend.capabilities.compilable:
         reasons.append(f"backend '{backend.name}' does not declare a torch.compile-traceable decode path "
                        "(capabilities.compilable)")
-    if device.type == "cpu" and not (os.environ.get("CXX") or shutil.which("g++") or shutil.which("clang++")):
+    if device.type == "cpu" and not cxx_compiler():
         reasons.append("torch.compile on CPU generates C++ and needs a compiler: no g++ or clang++ on PATH "
                        "(or set CXX)")
     return reasons

@@ -1,7 +1,7 @@
 """What the CPU can do for matmuls: the instruction sets that decide kvcore's weight kernels.
 
-``kvcore bench`` and the benchmarks print :func:`cpu_features` next to their numbers, and
-:mod:`kvcore.linear` reads it to pick bfloat16 kernels.
+``kvcore bench`` and the benchmarks print :func:`cpu_features` next to their numbers, :mod:`kvcore.linear`
+reads it to pick bfloat16 kernels and :mod:`kvcore.cpu_kernels` the vector ISA it builds for.
 """
 
 from __future__ import annotations
@@ -15,9 +15,10 @@ import torch
 
 __all__ = ["CpuFeatures", "cpu_features"]
 
-#: /proc/cpuinfo flags that matter to the CPU matmul kernels torch ships (oneDNN, the int4/int8 weight-only kernels)
-_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_int8",
-          "amx_tile")
+#: /proc/cpuinfo flags that matter to the CPU kernels torch ships (oneDNN, the int4/int8 weight-only kernels) and to
+#: the ISA kvcore's own kernels are built for (kvcore.cpu_kernels)
+_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512dq", "avx512vl", "avx512bw", "avx512_vnni", "avx512_bf16",
+          "avx512_fp16", "amx_bf16", "amx_int8", "amx_tile")
 
 
 @dataclass(frozen=True)
@@ -77,5 +78,5 @@ def cpu_features() -> CpuFeatures:
     except (AttributeError, RuntimeError):
         capability = "unknown"
     if not flags and capability.startswith("AVX512"):  # no cpuinfo: what torch's dispatch proves
-        flags = frozenset({"avx2", "fma", "avx512f", "avx512bw"})
+        flags = frozenset({"avx2", "fma", "f16c", "avx512f", "avx512dq", "avx512vl", "avx512bw"})
     return CpuFeatures(model, capability, tuple(f for f in _FLAGS if f in flags), torch.get_num_threads())

@@ -49,6 +49,7 @@ BUILTIN_PLUGINS = (
     "kvcore.backends.naive",
     "kvcore.backends.sdpa",
     "kvcore.backends.paged",
+    "kvcore.backends.cpu_decode",
     "kvcore.backends.quantized",
     "kvcore.backends.flash_attn2",
     "kvcore.backends.xformers",

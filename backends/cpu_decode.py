@@ -1,0 +1,77 @@
+"""``cpu_decode``: torch SDPA for prefill, kvcore's own C++ kernel for decode steps (CPU).
+
+A decode step's attention is one query row per head against the whole cache: little arithmetic per byte
+of K/V read, in shapes fused prefill kernels are not built for. torch's CPU flash-attention kernel runs
+it through its blocked GEMM machinery at a fraction of the speed the same bytes allow, and it is most of a
+long-context decode step. ``torch.ops.kvcore.decode_attention`` (:mod:`kvcore.cpu_kernels`, built on first
+use) reads each key and value row once for the ``H / H_kv`` query heads sharing it, splits long contexts
+into chunks so every thread has work even at batch 1 ("split-K", merged with the online-softmax rescaling)
+and computes in float32 (benchmarks/README.md has its measured speed).
+
+Everything else is the ``sdpa`` backend's: the same contiguous cache, cache writes and prefill path; a
+decode batch whose sequences are not on consecutive slots also falls back to it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvcore.attention import AttentionMetadata, BackendCapabilities
+from kvcore.cpu_kernels import kernel_reasons, load_kernels
+from kvcore.hookspecs import hookimpl
+
+from .sdpa import SDPABackend, SDPAPlan
+
+#: the kernel's limits (csrc/decode_attention.cpp)
+MAX_HEAD_DIM = 256
+MAX_GROUP = 16
+
+
+class CPUDecodeBackend(SDPABackend):
+    name = "cpu_decode"
+    description = "torch SDPA prefill + kvcore's C++ split-K decode kernel (CPU; built on first use)"
+    priority = 5  # never picked over sdpa unasked: its first use runs the C++ compiler
+    capabilities = BackendCapabilities(
+        devices=frozenset({"cpu"}),
+        dtypes=frozenset({torch.float32, torch.bfloat16}),
+        kv_layouts=("contiguous",),
+        max_head_dim=MAX_HEAD_DIM,
+        compilable=True,
+    )
+
+    def __init__(self, **options) -> None:
+        super().__init__(**options)
+        load_kernels()
+
+    @classmethod
+    def availability(cls) -> str | None:
+        reasons = kernel_reasons()
+        return "; ".join(reasons) if reasons else None
+
+    def validate(self, *, device, dtype, head_dim, num_heads, num_kv_heads) -> list[str]:
+        reasons = super().validate(device=device, dtype=dtype, head_dim=head_dim, num_heads=num_heads,
+                                   num_kv_heads=num_kv_heads)
+        if num_kv_heads and num_heads // num_kv_heads > MAX_GROUP:
+            group = num_heads // num_kv_heads
+            reasons.append(f"{group} query heads per KV head (the kernel takes at most {MAX_GROUP})")
+        return reasons
+
+    @staticmethod
+    def _decode_mask(meta: AttentionMetadata, dtype: torch.dtype) -> None:
+        return None  # the kernel reads each row's length instead
+
+    @staticmethod
+    def _decode_batched(q, k_cache, v_cache, plan: SDPAPlan) -> torch.Tensor:
+        num_seqs, num_heads, head_dim = q.shape
+        first, max_len = plan.decode_slot, plan.decode_len
+        ks = k_cache[first : first + num_seqs, :, :max_len]  # (B, H_kv, max_len, D) view
+        vs = v_cache[first : first + num_seqs, :, :max_len]
+        num_kv_heads = ks.shape[1]
+        qs = q.reshape(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim).contiguous()
+        out = torch.ops.kvcore.decode_attention(qs, ks, vs, plan.meta.seq_lens_t, plan.meta.scale)
+        return out.view(num_seqs, num_heads, head_dim)
+
+
+@hookimpl
+def kvcore_register_backends(register):
+    register(CPUDecodeBackend)

@@ -1,0 +1,112 @@
+"""kvcore's own CPU kernels (C++ under ``kvcore/csrc``), built on first use with the machine's compiler.
+
+Today one kernel: ``torch.ops.kvcore.decode_attention`` (``csrc/decode_attention.cpp``), the decode-step
+attention of the ``cpu_decode`` backend. It is an ordinary torch operator (registered from C++ with a fake
+implementation for ``torch.compile``), so compiled decode steps call it directly.
+
+Build: one ``c++`` call (``$CXX``, else ``g++``, else ``clang++``) against torch's headers and libraries, with
+the widest vector ISA this CPU and ATen's ``Vectorized`` both support (:func:`vector_isa`: AVX-512, else AVX2,
+else portable code); a few seconds, once. The library is cached under ``$KVCORE_CACHE_DIR/kernels`` (else
+``$XDG_CACHE_HOME/kvcore/kernels``, else ``~/.cache/kvcore/kernels``) keyed by the sources, the flags, the
+compiler and torch's version, so an upgrade or another CPU builds afresh.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from kvcore.cpu import cpu_features
+from kvcore.errors import BackendUnavailableError
+
+__all__ = ["cxx_compiler", "kernel_reasons", "load_kernels", "vector_isa"]
+
+_SOURCES = ("decode_attention.cpp",)
+_CSRC = Path(__file__).with_name("csrc")
+#: ISA -> (ATen's CPU_CAPABILITY macro, compiler flags), widest first; the CPU must report every flag in the set
+_ISAS = {
+    "avx512": ("CPU_CAPABILITY_AVX512", ("-mavx512f", "-mavx512dq", "-mavx512vl", "-mavx512bw", "-mfma"),
+               {"avx512f", "avx512dq", "avx512vl", "avx512bw", "fma"}),
+    "avx2": ("CPU_CAPABILITY_AVX2", ("-mavx2", "-mfma", "-mf16c"), {"avx2", "fma", "f16c"}),
+}
+
+
+def cxx_compiler() -> str | None:
+    """The C++ compiler torch.compile and kvcore's kernels use: ``$CXX``, else ``g++``, else ``clang++``."""
+    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("clang++")
+
+
+def vector_isa() -> str:
+    """``"avx512"``, ``"avx2"`` or ``"portable"``: what the kernels are built for on this CPU."""
+    flags = set(cpu_features().flags)
+    for name, (_, _, needs) in _ISAS.items():
+        if needs <= flags:
+            return name
+    return "portable"
+
+
+def kernel_reasons() -> list[str]:
+    """Why kvcore's CPU kernels cannot be built here ([] = they can be; building may still fail)."""
+    reasons = []
+    if not cxx_compiler():
+        reasons.append("kvcore's CPU kernels are C++ built on first use: no g++ or clang++ on PATH (or set CXX)")
+    if not (Path(torch.__file__).parent / "include" / "ATen" / "ATen.h").is_file():
+        reasons.append("this torch install has no C++ headers (torch/include) to build kvcore's CPU kernels")
+    return reasons
+
+
+def _cache_root() -> Path:
+    root = os.environ.get("KVCORE_CACHE_DIR")
+    if not root:
+        xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        root = os.path.join(xdg, "kvcore")
+    return Path(root) / "kernels"
+
+
+def _command(cxx: str, sources: list[Path], out: Path) -> list[str]:
+    torch_dir = Path(torch.__file__).parent
+    isa = vector_isa()
+    macro, isa_flags, _ = _ISAS.get(isa, ("", (), set()))
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    return [cxx, "-O3", "-std=c++20", "-shared", "-fPIC", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+            *([f"-D{macro}"] if macro else []), *isa_flags,
+            "-isystem", str(torch_dir / "include"), *map(str, sources),
+            f"-L{torch_dir / 'lib'}", "-lc10", "-ltorch_cpu", "-o", str(out)]
+
+
+@functools.cache
+def load_kernels() -> str:
+    """Build (once per machine and torch version) and load the kernels; returns the library's path.
+    Raises :class:`~kvcore.errors.BackendUnavailableError` with the reason when they cannot be built."""
+    reasons = kernel_reasons()
+    if reasons:
+        raise BackendUnavailableError("; ".join(reasons))
+    cxx = cxx_compiler()
+    sources = [_CSRC / name for name in _SOURCES]
+    command = _command(cxx, sources, Path("OUT"))
+    key = hashlib.sha256("\0".join([torch.__version__, *command, *(s.read_text() for s in sources)]).encode())
+    library = _cache_root() / key.hexdigest()[:16] / "kvcore_cpu_kernels.so"
+    if not library.is_file():
+        library.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=library.parent) as tmp:
+            built = Path(tmp) / library.name
+            done = subprocess.run(_command(cxx, sources, built), capture_output=True, text=True)
+            if done.returncode != 0:
+                errors = [line for line in done.stderr.splitlines() if "error" in line] or done.stderr.splitlines()
+                raise BackendUnavailableError(f"building kvcore's CPU kernels failed ({cxx}): "
+                                              f"{(errors or ['no output'])[0][:300]}")
+            os.replace(built, library)  # atomic: a concurrent build of the same key writes the same bytes
+    torch.ops.load_library(str(library))
+    torch.library.register_fake("kvcore::decode_attention")(_decode_attention_fake)
+    return str(library)
+
+
+def _decode_attention_fake(q, k, v, seq_lens, scale):
+    return torch.empty_like(q)

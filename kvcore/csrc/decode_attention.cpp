@@ -1,0 +1,226 @@
+// kvcore::decode_attention: one decode step's attention over a contiguous KV cache, on CPU.
+//
+// Each sequence has one new query token; its H query heads form H_kv groups of G = H / H_kv rows that
+// share one KV head (grouped-query attention). The work is split over (sequence, KV head, key chunk)
+// ("split-K", as flash-decoding does on GPUs) so that even one sequence with few KV heads keeps every
+// thread busy; each chunk keeps a running max and sum per query row (online softmax) and the chunks are
+// merged at the end. Each key and value row is read once for the whole group and widened to float32 once;
+// all arithmetic is float32, vectorised with ATen's Vectorized<float> for the ISA the build targets.
+//
+//   q        [B, H_kv, G, D]   float32 or bfloat16, contiguous
+//   k, v     [B, H_kv, L, D]   same dtype; any strides on the first three dims, rows contiguous
+//   seq_lens [B]               int32, keys of sequence b: 0 .. seq_lens[b] - 1 (1 <= seq_lens[b] <= L)
+//   returns  [B, H_kv, G, D]   dtype of q
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t kMaxGroup = 16;
+constexpr int64_t kMaxHeadDim = 256;
+constexpr int64_t kBlock = 32;      // keys scored before their values are accumulated
+constexpr int64_t kAhead = 64;     // prefetch distance in keys
+constexpr int64_t kMinChunk = 256;  // fewer keys per work item cost more in merging than they save
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+inline void load_vec(const float* src, Vec& dst) { dst = Vec::loadu(src); }
+inline void load_vec(const c10::BFloat16* src, Vec& dst) { at::vec::load_to_float(src, dst); }
+
+// One row of D elements as NV float32 vectors, zero-padded past D (zeros change no dot product or sum).
+template <int64_t NV, typename T>
+inline void load_row(const T* src, int64_t D, Vec* dst) {
+  if (D == NV * Vec::size()) {  // the common case, unrolled
+    for (int64_t i = 0; i < NV; ++i) load_vec(src + i * Vec::size(), dst[i]);
+    return;
+  }
+  const int64_t full = D / Vec::size();
+  for (int64_t i = 0; i < full; ++i) load_vec(src + i * Vec::size(), dst[i]);
+  alignas(64) float tail[Vec::size()] = {0};
+  for (int64_t d = full * Vec::size(); d < D; ++d) tail[d - full * Vec::size()] = static_cast<float>(src[d]);
+  for (int64_t i = full; i < NV; ++i) dst[i] = i == full ? Vec::loadu(tail) : Vec(0.f);
+}
+
+inline float sum(const Vec& v) {
+  return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, v);
+}
+
+// Keys [begin, end) of one (sequence, KV head): unnormalised output rows acc[G][NV * Vec::size()], running
+// max m[G] and sum l[G] of exp(score - m). Each block of keys and values is widened to float32 once into
+// buffers that stay in L1; the per-row loops then keep their query and accumulator vectors in registers.
+template <typename T, int64_t NV>
+void attend_chunk(const T* q, const T* k, const T* v, int64_t k_stride, int64_t v_stride, int64_t begin,
+                  int64_t end, int64_t G, int64_t D, float scale, float* acc, float* m, float* l) {
+  constexpr int64_t W = NV * Vec::size();
+  alignas(64) float kf[kBlock][W];
+  alignas(64) float vf[kBlock][W];
+  alignas(64) float qf[kMaxGroup][W];
+  alignas(64) float p[kMaxGroup][kBlock];
+  for (int64_t g = 0; g < G; ++g) {
+    Vec row[NV];
+    load_row<NV>(q + g * D, D, row);
+    for (int64_t i = 0; i < NV; ++i) (row[i] * Vec(scale)).store(qf[g] + i * Vec::size());
+    std::fill(acc + g * W, acc + (g + 1) * W, 0.f);
+    m[g] = kNegInf;
+    l[g] = 0.f;
+  }
+  for (int64_t b0 = begin; b0 < end; b0 += kBlock) {
+    const int64_t n = std::min(kBlock, end - b0);
+    for (int64_t j = 0; j < n; ++j) {
+      if (b0 + kAhead + j < end) {  // rows kAhead keys on: the loop waits on memory more than on arithmetic
+        for (int64_t byte = 0; byte < D * int64_t(sizeof(T)); byte += 64) {
+          __builtin_prefetch(reinterpret_cast<const char*>(k + (b0 + kAhead + j) * k_stride) + byte);
+          __builtin_prefetch(reinterpret_cast<const char*>(v + (b0 + kAhead + j) * v_stride) + byte);
+        }
+      }
+      Vec row[NV];
+      load_row<NV>(k + (b0 + j) * k_stride, D, row);
+      for (int64_t i = 0; i < NV; ++i) row[i].store(kf[j] + i * Vec::size());
+      load_row<NV>(v + (b0 + j) * v_stride, D, row);
+      for (int64_t i = 0; i < NV; ++i) row[i].store(vf[j] + i * Vec::size());
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      Vec qv[NV], out[NV];
+      for (int64_t i = 0; i < NV; ++i) qv[i] = Vec::loadu(qf[g] + i * Vec::size());
+      for (int64_t j = 0; j < n; ++j) {
+        Vec s = qv[0] * Vec::loadu(kf[j]);
+        for (int64_t i = 1; i < NV; ++i) s = at::vec::fmadd(qv[i], Vec::loadu(kf[j] + i * Vec::size()), s);
+        p[g][j] = sum(s);
+      }
+      for (int64_t j = n; j < kBlock; ++j) p[g][j] = kNegInf;  // padding: exp gives 0
+      Vec top = Vec::loadu(p[g]);
+      for (int64_t j = Vec::size(); j < kBlock; j += Vec::size()) top = at::vec::maximum(top, Vec::loadu(p[g] + j));
+      const float new_max = std::max(m[g], at::vec::vec_reduce_all<float>(
+                                               [](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, top));
+      const float correction = std::exp(m[g] - new_max);  // 0 on the first block (m = -inf)
+      Vec total(0.f);
+      for (int64_t j = 0; j < kBlock; j += Vec::size()) {
+        Vec e = (Vec::loadu(p[g] + j) - Vec(new_max)).exp_u20();
+        e.store(p[g] + j);
+        total = total + e;
+      }
+      l[g] = l[g] * correction + sum(total);
+      m[g] = new_max;
+      for (int64_t i = 0; i < NV; ++i) out[i] = Vec::loadu(acc + g * W + i * Vec::size()) * Vec(correction);
+      for (int64_t j = 0; j < n; ++j) {
+        const Vec pj(p[g][j]);
+        for (int64_t i = 0; i < NV; ++i) out[i] = at::vec::fmadd(pj, Vec::loadu(vf[j] + i * Vec::size()), out[i]);
+      }
+      for (int64_t i = 0; i < NV; ++i) out[i].store(acc + g * W + i * Vec::size());
+    }
+  }
+}
+
+template <typename T, int64_t NV>
+void decode_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const int32_t* seq_lens,
+                           float scale, at::Tensor& out) {
+  const int64_t B = q.size(0), H = q.size(1), G = q.size(2), D = q.size(3), W = NV * Vec::size();
+  int64_t max_len = 0;
+  for (int64_t b = 0; b < B; ++b) max_len = std::max<int64_t>(max_len, seq_lens[b]);
+  // Enough chunks per (sequence, KV head) for about eight work items per thread, none under kMinChunk keys.
+  const int64_t want = (8 * at::get_num_threads() + B * H - 1) / (B * H);
+  const int64_t chunks = std::max<int64_t>(1, std::min(want, (max_len + kMinChunk - 1) / kMinChunk));
+  const int64_t chunk = (max_len + chunks - 1) / chunks;
+  std::vector<float> acc(B * H * chunks * G * W), m(B * H * chunks * G), l(B * H * chunks * G);
+
+  const T* qp = q.data_ptr<T>();
+  const T* kp = k.data_ptr<T>();
+  const T* vp = v.data_ptr<T>();
+  at::parallel_for(0, B * H * chunks, 1, [&](int64_t first, int64_t last) {
+    for (int64_t item = first; item < last; ++item) {
+      const int64_t c = item % chunks, bh = item / chunks, b = bh / H, h = bh % H;
+      const int64_t begin = c * chunk, end = std::min<int64_t>(seq_lens[b], begin + chunk);
+      float* ms = m.data() + item * G;
+      float* ls = l.data() + item * G;
+      if (begin >= end) {  // a short sequence of a ragged batch: no keys in this chunk
+        std::fill(ms, ms + G, kNegInf);
+        std::fill(ls, ls + G, 0.f);
+        continue;
+      }
+      attend_chunk<T, NV>(qp + bh * G * D, kp + b * k.stride(0) + h * k.stride(1),
+                          vp + b * v.stride(0) + h * v.stride(1), k.stride(2), v.stride(2), begin, end, G, D, scale,
+                          acc.data() + item * G * W, ms, ls);
+    }
+  });
+
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, B * H * G, 1, [&](int64_t first, int64_t last) {
+    for (int64_t r = first; r < last; ++r) {
+      const int64_t bh = r / G, g = r % G;
+      float top = kNegInf;
+      for (int64_t c = 0; c < chunks; ++c) top = std::max(top, m[(bh * chunks + c) * G + g]);
+      float total = 0.f, merged[NV * Vec::size()] = {0};
+      for (int64_t c = 0; c < chunks; ++c) {
+        const int64_t at = (bh * chunks + c) * G + g;
+        if (l[at] == 0.f) continue;  // an empty chunk
+        const float w = std::exp(m[at] - top);
+        total += w * l[at];
+        for (int64_t d = 0; d < D; ++d) merged[d] += w * acc[at * W + d];
+      }
+      for (int64_t d = 0; d < D; ++d) op[r * D + d] = static_cast<T>(merged[d] / total);
+    }
+  });
+}
+
+// NV = vectors per row, rounded up to an instantiated count (extra vectors are zero padding).
+template <typename T>
+void dispatch_head_dim(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const int32_t* lens,
+                       float scale, at::Tensor& out) {
+  const int64_t nv = (q.size(3) + Vec::size() - 1) / Vec::size();
+  if (nv <= 1) return decode_attention_impl<T, 1>(q, k, v, lens, scale, out);
+  if (nv <= 2) return decode_attention_impl<T, 2>(q, k, v, lens, scale, out);
+  if (nv <= 3) return decode_attention_impl<T, 3>(q, k, v, lens, scale, out);
+  if (nv <= 4) return decode_attention_impl<T, 4>(q, k, v, lens, scale, out);
+  if (nv <= 5) return decode_attention_impl<T, 5>(q, k, v, lens, scale, out);
+  if (nv <= 6) return decode_attention_impl<T, 6>(q, k, v, lens, scale, out);
+  if (nv <= 7) return decode_attention_impl<T, 7>(q, k, v, lens, scale, out);
+  if (nv <= 8) return decode_attention_impl<T, 8>(q, k, v, lens, scale, out);
+  if (nv <= 12) return decode_attention_impl<T, 12>(q, k, v, lens, scale, out);
+  if (nv <= 16) return decode_attention_impl<T, 16>(q, k, v, lens, scale, out);
+  if (nv <= 24) return decode_attention_impl<T, 24>(q, k, v, lens, scale, out);
+  return decode_attention_impl<T, 32>(q, k, v, lens, scale, out);
+}
+
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            const at::Tensor& seq_lens, double scale) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "decode_attention: q, k, v must be 4-d");
+  TORCH_CHECK(q.is_contiguous(), "decode_attention: q must be contiguous");
+  TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1, "decode_attention: K/V rows must be contiguous");
+  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
+              "decode_attention: q, k, v must share a dtype");
+  TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) == q.size(0) && k.size(1) == q.size(1) && k.size(3) == q.size(3),
+              "decode_attention: shapes must be q [B, H_kv, G, D], k = v [B, H_kv, L, D]");
+  TORCH_CHECK(q.size(2) <= kMaxGroup, "decode_attention: at most 16 query heads per KV head");
+  TORCH_CHECK(q.size(3) >= 1 && q.size(3) <= kMaxHeadDim, "decode_attention: head_dim must be 1..256");
+  TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.dim() == 1 && seq_lens.size(0) == q.size(0) &&
+              seq_lens.is_contiguous(), "decode_attention: seq_lens must be int32 [B]");
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  for (int64_t b = 0; b < q.size(0); ++b)
+    TORCH_CHECK(lens[b] >= 1 && lens[b] <= k.size(2), "decode_attention: seq_lens out of range 1..L");
+  at::Tensor out = at::empty_like(q);
+  if (q.scalar_type() == at::kFloat) {
+    dispatch_head_dim<float>(q, k, v, lens, static_cast<float>(scale), out);
+  } else {
+    TORCH_CHECK(q.scalar_type() == at::kBFloat16, "decode_attention: dtype must be float32 or bfloat16");
+    dispatch_head_dim<c10::BFloat16>(q, k, v, lens, static_cast<float>(scale), out);
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kvcore, m) {
+  m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor seq_lens, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(kvcore, CPU, m) { m.impl("decode_attention", &decode_attention); }

@@ -1,0 +1,111 @@
+"""kvcore's own CPU decode-attention kernel (kvcore/csrc/decode_attention.cpp) and the ``cpu_decode`` backend."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import make_random_model
+
+from kvcore import Engine, EngineConfig, SamplingParams
+from kvcore.backends.cpu_decode import CPUDecodeBackend
+from kvcore.conformance.results import PASS
+from kvcore.conformance.runner import run_suite
+from kvcore.conformance.settings import SuiteConfig
+from kvcore.errors import BackendUnavailableError
+from kvcore.plugins import PluginRegistry
+
+pytestmark = pytest.mark.skipif(CPUDecodeBackend.availability() is not None, reason="no C++ toolchain here")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernels():
+    import kvcore.cpu_kernels
+
+    return kvcore.cpu_kernels.load_kernels()
+
+
+def _reference(q, k, v, lens, scale):
+    """float64 softmax(q k^T * scale) v per sequence over its first ``lens[b]`` keys: ``[B, H_kv, G, D]``."""
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for b, n in enumerate(lens.tolist()):
+        scores = torch.einsum("hgd,hld->hgl", q[b].double(), k[b, :, :n].double()) * scale
+        out[b] = torch.einsum("hgl,hld->hgd", scores.softmax(-1), v[b, :, :n].double())
+    return out
+
+
+@pytest.mark.parametrize("dtype, atol", [(torch.float32, 2e-6), (torch.bfloat16, 8e-3)])
+@pytest.mark.parametrize("kv_heads, group, head_dim", [(3, 3, 64), (2, 1, 40), (1, 8, 128), (2, 16, 24)])
+def test_kernel_matches_float64_attention(dtype, atol, kv_heads, group, head_dim):
+    """Ragged lengths from 1 key to several split-K chunks (merged by the online-softmax rescaling), read through
+    a strided view of a larger cache (as the backend passes it); head sizes off the vector width use the padded
+    tail. Error against float64 stays at the output's own rounding."""
+    g = torch.Generator().manual_seed(head_dim)
+    lens = torch.tensor([1, 700, 37, 2050], dtype=torch.int32)
+    cache_k = torch.randn(6, kv_heads, 2100, head_dim, generator=g).to(dtype)
+    cache_v = torch.randn(6, kv_heads, 2100, head_dim, generator=g).to(dtype)
+    k, v = cache_k[1:5, :, :2050], cache_v[1:5, :, :2050]
+    q = torch.randn(4, kv_heads, group, head_dim, generator=g).to(dtype)
+    out = torch.ops.kvcore.decode_attention(q, k, v, lens, head_dim**-0.5)
+    assert out.dtype == dtype and out.shape == q.shape
+    err = (out.double() - _reference(q, k, v, lens, head_dim**-0.5)).abs().max().item()
+    assert err <= atol
+
+
+def test_kernel_rejects_bad_inputs_with_a_message():
+    q = torch.randn(2, 1, 2, 64)
+    k = v = torch.randn(2, 1, 10, 64)
+    op = torch.ops.kvcore.decode_attention
+    with pytest.raises(RuntimeError, match="seq_lens out of range"):
+        op(q, k, v, torch.tensor([3, 11], dtype=torch.int32), 0.125)
+    with pytest.raises(RuntimeError, match="seq_lens must be int32"):
+        op(q, k, v, torch.tensor([3, 4]), 0.125)
+    with pytest.raises(RuntimeError, match="must share a dtype"):
+        op(q, k.bfloat16(), v, torch.tensor([3, 4], dtype=torch.int32), 0.125)
+    with pytest.raises(RuntimeError, match="head_dim must be 1..256"):
+        op(torch.randn(2, 1, 2, 264), torch.randn(2, 1, 10, 264), torch.randn(2, 1, 10, 264),
+           torch.tensor([3, 4], dtype=torch.int32), 0.125)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_greedy_streams_equal_sdpa(dtype):
+    """A ragged batch, eager and compiled: the same tokens as the sdpa backend (the decode kernel is the only
+    difference). bfloat16 too, on this small random model, whose logits have no near-ties."""
+    model = make_random_model(num_layers=2).to(getattr(torch, dtype))
+    prompts = [[5, 9, 200, 31, 7], [8, 8, 120], [250, 3, 14, 15, 92, 65, 35]]
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    streams = {}
+    for backend, compile_ in (("sdpa", False), ("cpu_decode", False), ("cpu_decode", True)):
+        config = EngineConfig(backend=backend, dtype=dtype, max_num_seqs=3, max_model_len=64, compile=compile_)
+        engine = Engine(model, None, config)
+        streams[backend, compile_] = [r.token_ids for r in engine.generate(prompts, params)]
+    assert streams["cpu_decode", False] == streams["sdpa", False]
+    assert streams["cpu_decode", True] == streams["sdpa", False]
+
+
+def test_passes_the_quick_conformance_suite():
+    registry = PluginRegistry(load_entrypoints=False)
+    report = run_suite("cpu_decode", SuiteConfig(quick=True, models=("tiny",)), registry=registry)
+    assert report.status == PASS
+    op = [r for r in report.results if r.tier == "op" and r.status == PASS]
+    assert {r.case[-5:] for r in op} >= {"-bf16"}  # bfloat16 cases ran, float16 ones are declared unsupported
+    assert any("compiled" in r.case for r in report.results if r.tier == "stream" and r.status == PASS)
+
+
+def test_a_failed_build_is_one_clear_line(monkeypatch, tmp_path):
+    import kvcore.cpu_kernels as ck
+
+    (tmp_path / "decode_attention.cpp").write_text("this is not C++\n")
+    monkeypatch.setattr(ck, "_CSRC", tmp_path)
+    monkeypatch.setenv("KVCORE_CACHE_DIR", str(tmp_path / "cache"))
+    with pytest.raises(BackendUnavailableError, match=r"building kvcore's CPU kernels failed \(.*\): .*error") as e:
+        ck.load_kernels.__wrapped__()
+    assert "\n" not in str(e.value)
+
+
+def test_no_compiler_makes_the_backend_unavailable_with_the_reason(monkeypatch):
+    import kvcore.cpu_kernels as ck
+
+    monkeypatch.delenv("CXX", raising=False)
+    monkeypatch.setattr(ck.shutil, "which", lambda name: None)
+    assert "no g++ or clang++ on PATH" in CPUDecodeBackend.availability()
+    assert ck.vector_isa() in ("avx512", "avx2", "portable")
