@@ -91,7 +91,12 @@ def _kernels(engine) -> str:
         matmul += "; LM head int4 (_weight_int4pack_mm_for_cpu), top 64 rescored dense"
     compiled = getattr(engine, "compiled_decode", None) is not None
     compiled = "; decode steps torch.compile'd (inductor, C++ wrapper)" if compiled else ""
-    return (f"attention prefill={engine.prefill_backend.name} decode={engine.decode_backend.name}, "
+    decode = engine.decode_backend.name
+    if decode == "cpu_decode":
+        from kvcore.cpu_kernels import vector_isa
+
+        decode += f" (kvcore C++ kernel, {vector_isa()})"
+    return (f"attention prefill={engine.prefill_backend.name} decode={decode}, "
             f"KV cache {engine.cache.name}; matmuls {matmul}{compiled}")
 
 
