@@ -82,6 +82,15 @@ def test_greedy_streams_equal_sdpa(dtype):
     assert streams["cpu_decode", True] == streams["sdpa", False]
 
 
+@pytest.mark.slow
+def test_smollm2_matches_transformers(smollm2):
+    """float32 greedy streams of all golden prompts, batched (ragged decode batches through the kernel), equal
+    transformers' token for token, as every backend's must."""
+    from test_golden import check_against_golden, load_golden
+
+    check_against_golden(smollm2, load_golden("golden_smollm2.json"), "cpu_decode", 11)
+
+
 def test_passes_the_quick_conformance_suite():
     registry = PluginRegistry(load_entrypoints=False)
     report = run_suite("cpu_decode", SuiteConfig(quick=True, models=("tiny",)), registry=registry)
