@@ -1,12 +1,13 @@
 """``cpu_decode``: torch SDPA for prefill, kvcore's own C++ kernel for decode steps (CPU).
 
-A decode step's attention is one query row per head against the whole cache: little arithmetic per byte
-of K/V read, in shapes fused prefill kernels are not built for. torch's CPU flash-attention kernel runs
-it through its blocked GEMM machinery at a fraction of the speed the same bytes allow, and it is most of a
-long-context decode step. ``torch.ops.kvcore.decode_attention`` (:mod:`kvcore.cpu_kernels`, built on first
-use) reads each key and value row once for the ``H / H_kv`` query heads sharing it, splits long contexts
-into chunks so every thread has work even at batch 1 ("split-K", merged with the online-softmax rescaling)
-and computes in float32 (benchmarks/README.md has its measured speed).
+A decode step's attention is one query row per head against the whole cache, a shape fused prefill kernels
+are not built for: torch's CPU flash-attention kernel runs it through its blocked GEMM machinery, whose
+per-call and per-block overhead dominates at short contexts, and with three KV heads it gives two threads
+three work items. ``torch.ops.kvcore.decode_attention`` (:mod:`kvcore.cpu_kernels`, built on first use)
+reads each key and value row once for the ``H / H_kv`` query heads sharing it, splits long contexts into
+chunks so every thread has work even at batch 1 ("split-K", merged with the online-softmax rescaling) and
+computes in float32. At long contexts with many sequences both kernels wait on memory (measured speed:
+benchmarks/README.md, "Decode attention kernel").
 
 Everything else is the ``sdpa`` backend's: the same contiguous cache, cache writes and prefill path; a
 decode batch whose sequences are not on consecutive slots also falls back to it.

@@ -4,11 +4,11 @@ Today one kernel: ``torch.ops.kvcore.decode_attention`` (``csrc/decode_attention
 attention of the ``cpu_decode`` backend. It is an ordinary torch operator (registered from C++ with a fake
 implementation for ``torch.compile``), so compiled decode steps call it directly.
 
-Build: one ``c++`` call (``$CXX``, else ``g++``, else ``clang++``) against torch's headers and libraries, with
-the widest vector ISA this CPU and ATen's ``Vectorized`` both support (:func:`vector_isa`: AVX-512, else AVX2,
-else portable code); a few seconds, once. The library is cached under ``$KVCORE_CACHE_DIR/kernels`` (else
-``$XDG_CACHE_HOME/kvcore/kernels``, else ``~/.cache/kvcore/kernels``) keyed by the sources, the flags, the
-compiler and torch's version, so an upgrade or another CPU builds afresh.
+Build: one ``c++`` call (``$CXX``, else ``g++``, else ``clang++``) against torch's headers and libraries, with the
+widest vector ISA this CPU and ATen's ``Vectorized`` both support (:func:`vector_isa`: AVX-512, else AVX2, else
+portable code): about 20 s on a 2-core machine, once (nothing is printed meanwhile). The library is cached under
+``$KVCORE_CACHE_DIR/kernels`` (else ``$XDG_CACHE_HOME/kvcore/kernels``, else ``~/.cache/kvcore/kernels``) keyed by
+the sources, the flags, the compiler and torch's version, so an upgrade or another CPU builds afresh.
 """
 
 from __future__ import annotations
