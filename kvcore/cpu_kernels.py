@@ -25,6 +25,7 @@ import torch
 
 from kvcore.cpu import cpu_features
 from kvcore.errors import BackendUnavailableError
+from kvcore.model_cache import cache_root
 
 __all__ = ["cxx_compiler", "kernel_reasons", "load_kernels", "vector_isa"]
 
@@ -62,14 +63,6 @@ def kernel_reasons() -> list[str]:
     return reasons
 
 
-def _cache_root() -> Path:
-    root = os.environ.get("KVCORE_CACHE_DIR")
-    if not root:
-        xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-        root = os.path.join(xdg, "kvcore")
-    return Path(root) / "kernels"
-
-
 def _command(cxx: str, sources: list[Path], out: Path) -> list[str]:
     torch_dir = Path(torch.__file__).parent
     isa = vector_isa()
@@ -92,7 +85,7 @@ def load_kernels() -> str:
     sources = [_CSRC / name for name in _SOURCES]
     command = _command(cxx, sources, Path("OUT"))
     key = hashlib.sha256("\0".join([torch.__version__, *command, *(s.read_text() for s in sources)]).encode())
-    library = _cache_root() / key.hexdigest()[:16] / "kvcore_cpu_kernels.so"
+    library = cache_root() / "kernels" / key.hexdigest()[:16] / "kvcore_cpu_kernels.so"
     if not library.is_file():
         library.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=library.parent) as tmp:

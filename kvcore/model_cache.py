@@ -37,7 +37,7 @@ from kvcore.model_config import ModelConfig
 from kvcore.rope import RopeScaling
 from kvcore.tokenizer import Tokenizer
 
-__all__ = ["CACHE_FORMAT", "MAX_ENTRIES", "cache_dir", "cache_enabled", "clear", "load_pretrained"]
+__all__ = ["CACHE_FORMAT", "MAX_ENTRIES", "cache_dir", "cache_root", "cache_enabled", "clear", "load_pretrained"]
 
 #: bumped whenever what an entry holds or how the decoder stores its weights changes
 CACHE_FORMAT = 1
@@ -46,13 +46,18 @@ MAX_ENTRIES = 4
 _HEADER_BYTES = 1 << 20
 
 
-def cache_dir() -> Path:
-    """The folder the entries live in (see the module docstring)."""
+def cache_root() -> Path:
+    """kvcore's on-disk cache: ``$KVCORE_CACHE_DIR``, else ``$XDG_CACHE_HOME/kvcore``, else ``~/.cache/kvcore``."""
     root = os.environ.get("KVCORE_CACHE_DIR")
     if not root:
         xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
         root = os.path.join(xdg, "kvcore")
-    return Path(root) / "models"
+    return Path(root)
+
+
+def cache_dir() -> Path:
+    """The folder the entries live in (see the module docstring)."""
+    return cache_root() / "models"
 
 
 def cache_enabled(option: bool | None = None) -> bool:
