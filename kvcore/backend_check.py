@@ -66,7 +66,7 @@ class BackendGuard:
 class _StepCheck:
     def __init__(self, guard: BackendGuard, meta: AttentionMetadata, cache: KVCache, verify: bool, kind: str):
         self.guard, self.meta, self.cache, self.verify, self.kind = guard, meta, cache, verify, kind
-        self.finite: torch.Tensor | None = None  # 0-dim bool on the device: layer 0's output was finite
+        self.out0: torch.Tensor | None = None  # layer 0's attention output
 
     def _fail(self, message: str) -> BackendOutputError:
         return BackendOutputError(f"backend '{self.guard.backend.name}' {message}")
@@ -80,7 +80,7 @@ class _StepCheck:
             want = f"{list(q.shape)} {str(q.dtype).removeprefix('torch.')} on {q.device}"
             raise self._fail(f"returned {got} from forward at layer {layer}; the contract is [T, H, D] = {want}")
         if layer == 0:
-            self.finite = torch.isfinite(out).all()
+            self.out0 = out
             if self.verify:
                 self._verify(q, out)
 
@@ -107,12 +107,14 @@ class _StepCheck:
 
     def finish(self, logits: torch.Tensor) -> None:
         """One host sync per step: layer 0's attention output and the logits must be finite."""
-        if self.finite is None:
+        if self.out0 is None:
             return
-        flags = torch.stack([self.finite, torch.isfinite(logits).all()]).tolist()
-        if not flags[0]:
+        # A tensor's sum is finite only if every element is (a NaN or inf propagates), so one reduction per
+        # tensor usually settles it; a non-finite sum is checked element-wise (finite values may overflow it).
+        flags = torch.stack([self.out0.sum().isfinite(), logits.sum().isfinite()]).tolist()
+        if not (flags[0] or bool(torch.isfinite(self.out0).all())):
             raise self._fail(f"returned NaN or inf from forward ({self.kind}, layer 0)")
-        if not flags[1]:
+        if not (flags[1] or bool(torch.isfinite(logits).all())):
             raise BackendOutputError(
                 f"NaN or inf logits with backend '{self.guard.backend.name}' ({self.kind}): its layer-0 output was "
                 "finite, so a later layer's attention output or the model's activations are not (in float16, "

@@ -174,3 +174,24 @@ def test_cli_exit_code_and_one_line(capsys, tmp_path):
     assert rc == 4 == BackendOutputError.exit_code
     assert err.strip().splitlines()[-1].startswith(
         "kvcore: error: backend 'planted-nan' returned NaN or inf from forward (prefill")
+
+
+def test_finite_check_is_not_fooled_by_a_sum_that_overflows(random_model):
+    """The per-step check reduces each tensor to its sum first; finite values whose sum overflows must pass,
+    and one NaN or inf anywhere must still fail."""
+    from kvcore.backend_check import _StepCheck
+
+    engine = Engine(random_model, None, EngineConfig(backend="sdpa", max_model_len=64))
+    guard = engine._guards[id(engine.decode_backend)]
+    big = torch.full((2, 4, 8), 3e38)  # finite, sum is inf
+    check = _StepCheck(guard, None, None, verify=False, kind="decode")
+    check.observe(0, big, big.clone())
+    check.finish(torch.full((2, 50), 3e38))  # no error
+    cases = (("out", r"returned NaN or inf from forward \(decode, layer 0\)"), ("logits", "NaN or inf logits"))
+    for spoil, message in cases:
+        out, logits = big.clone(), torch.zeros(2, 50)
+        (out if spoil == "out" else logits)[1, 0].fill_(float("nan"))
+        check = _StepCheck(guard, None, None, verify=False, kind="decode")
+        check.observe(0, big, out)
+        with pytest.raises(BackendOutputError, match=message):
+            check.finish(logits)
