@@ -68,7 +68,7 @@ def _command(cxx: str, sources: list[Path], out: Path) -> list[str]:
     isa = vector_isa()
     macro, isa_flags, _ = _ISAS.get(isa, ("", (), set()))
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    return [cxx, "-O3", "-std=c++20", "-shared", "-fPIC", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+    return [cxx, "-O3", "-std=c++20", "-shared", "-fPIC", "-fopenmp", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
             *([f"-D{macro}"] if macro else []), *isa_flags,
             "-isystem", str(torch_dir / "include"), *map(str, sources),
             f"-L{torch_dir / 'lib'}", "-lc10", "-ltorch_cpu", "-o", str(out)]

@@ -32,6 +32,7 @@ constexpr int64_t kMaxHeadDim = 256;
 constexpr int64_t kBlock = 32;      // keys scored before their values are accumulated
 constexpr int64_t kAhead = 64;     // prefetch distance in keys
 constexpr int64_t kMinChunk = 256;  // fewer keys per work item cost more in merging than they save
+constexpr int64_t kSerialRows = 512;  // key rows (all sequences and KV heads) below which one thread does it all
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 inline void load_vec(const float* src, Vec& dst) { dst = Vec::loadu(src); }
@@ -138,7 +139,9 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
   const T* qp = q.data_ptr<T>();
   const T* kp = k.data_ptr<T>();
   const T* vp = v.data_ptr<T>();
-  at::parallel_for(0, B * H * chunks, 1, [&](int64_t first, int64_t last) {
+  // Little work (short contexts) runs on the calling thread: waking the pool costs more than it saves.
+  const int64_t items = B * H * chunks, grain = B * H * max_len < kSerialRows ? items : 1;
+  at::parallel_for(0, items, grain, [&](int64_t first, int64_t last) {
     for (int64_t item = first; item < last; ++item) {
       const int64_t c = item % chunks, bh = item / chunks, b = bh / H, h = bh % H;
       const int64_t begin = c * chunk, end = std::min<int64_t>(seq_lens[b], begin + chunk);
@@ -156,7 +159,7 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
   });
 
   T* op = out.data_ptr<T>();
-  at::parallel_for(0, B * H * G, 1, [&](int64_t first, int64_t last) {
+  at::parallel_for(0, B * H * G, grain == 1 ? 1 : B * H * G, [&](int64_t first, int64_t last) {
     for (int64_t r = first; r < last; ++r) {
       const int64_t bh = r / G, g = r % G;
       float top = kNegInf;
