@@ -68,6 +68,8 @@ def _command(cxx: str, sources: list[Path], out: Path) -> list[str]:
     isa = vector_isa()
     macro, isa_flags, _ = _ISAS.get(isa, ("", (), set()))
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    # -fopenmp: at::parallel_for is inline OpenMP code compiled here (without it, one thread); the library then
+    # needs libgomp.so.1, which resolves to the copy torch has already loaded, with torch's thread count
     return [cxx, "-O3", "-std=c++20", "-shared", "-fPIC", "-fopenmp", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
             *([f"-D{macro}"] if macro else []), *isa_flags,
             "-isystem", str(torch_dir / "include"), *map(str, sources),
