@@ -14,7 +14,9 @@ Per format (bfloat16 activations for all but the reference):
     python benchmarks/quant_accuracy.py                        # writes benchmarks/results/quant_accuracy.{md,json}
     python benchmarks/quant_accuracy.py --formats int4 --out /tmp/acc
 
-Formats: ``bf16`` (dense bfloat16), ``int4`` (the file's Q4_1 blocks as stored, ``weights="auto"``), ``int8``
+Formats: ``bf16`` (dense bfloat16), ``int4`` (the file's Q4_1 blocks as stored, ``weights="auto"``), ``int4a8``
+(the same blocks with int8 activations, measured with that arithmetic at every position, as decode steps
+compute; ``+head``: with the int4 LM head), ``int8``
 (per-channel, re-quantized from the dequantized weights), ``int4-g128`` (re-quantized in groups of 128).
 """
 
@@ -40,6 +42,8 @@ FORMATS = {  # name -> (dtype, weights, group size, LM head)
     "bf16": (torch.bfloat16, "float", 32, "dense"),
     "int4": (torch.bfloat16, "auto", 32, "dense"),
     "int4+head": (torch.bfloat16, "auto", 32, "int4"),
+    "int4a8": (torch.bfloat16, "int4a8", 32, "dense"),
+    "int4a8+head": (torch.bfloat16, "int4a8", 32, "int4"),
     "int8": (torch.bfloat16, "int8", 32, "dense"),
     "int4-g128": (torch.bfloat16, "int4-requantized", 128, "dense"),
 }
@@ -107,7 +111,10 @@ def main() -> None:
         if weights == "int4-requantized":  # from the dequantized float weights, not the file's blocks
             model = build_model(dense, dtype, max_model_len=1024, weights="int4", group_size=group)
         else:
-            model = build_model(blocks if weights == "auto" else dense, dtype, max_model_len=1024, weights=weights)
+            model = build_model(blocks if weights in ("auto", "int4a8") else dense, dtype, max_model_len=1024,
+                                weights=weights)
+        if model.weight_format == "int4a8":  # the decode steps' int8-activation arithmetic on every text position
+            model._quantized = {name: [f.a8 for f in fns] for name, fns in model._quantized.items()}
         logits = text_logits(model, text_ids, lm_head)
         err = (logits - ref_logits).abs().amax(-1)  # per position: the largest logit error
         logp = logits.log_softmax(-1)

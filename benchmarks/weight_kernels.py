@@ -9,7 +9,8 @@ memory traffic of a real decode step), configurations interleaved pass by pass. 
 
 Configurations: ``fp32 split GEMV`` (kvcore's float32 one-row path), ``fp32 oneDNN`` (its multi-row path),
 ``bf16 F.linear`` (plain), ``bf16 oneDNN`` (prepacked: kvcore's bfloat16 path), ``int4`` (groups of 32,
-bfloat16 activations), ``int8`` (per-channel, bfloat16 activations); ``head:`` rows time the LM head alone.
+bfloat16 activations), ``int8`` (per-channel, bfloat16 activations), ``int4a8`` (the int4 weights with int8
+activations for up to 16 rows, where the CPU has AVX512-VNNI); ``head:`` rows time the LM head alone.
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ import torch
 import torch.nn.functional as F
 
 from kvcore.cpu import cpu_features
+from kvcore.cpu_kernels import int4a8_reasons
 from kvcore.linear import linear
-from kvcore.quant import Int4Groups, Int4Linear, Int8Linear
+from kvcore.quant import Int4A8Linear, Int4Groups, Int4Linear, Int8Linear
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
 HEAD = (49152, 576)
@@ -51,6 +53,8 @@ def main() -> None:
         kernels[f"{label}: bf16 oneDNN"] = [("packed", torch.ops.mkldnn._reorder_linear_weight(w, 8)) for w in bf16]
         kernels[f"{label}: int4 g32"] = [("call", Int4Linear(Int4Groups.from_float(w, 32))) for w in ws]
         kernels[f"{label}: int8"] = [("call", Int8Linear(w)) for w in ws]
+        if not int4a8_reasons():
+            kernels[f"{label}: int4a8"] = [("call", Int4A8Linear(Int4Groups.from_float(w, 32))) for w in ws]
 
     def run(entries, rows):
         for kind, w in entries:

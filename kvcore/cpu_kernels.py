@@ -1,12 +1,13 @@
 """kvcore's own CPU kernels (C++ under ``kvcore/csrc``), built on first use with the machine's compiler.
 
-Today one kernel: ``torch.ops.kvcore.decode_attention`` (``csrc/decode_attention.cpp``), the decode-step
-attention of the ``cpu_decode`` backend. It is an ordinary torch operator (registered from C++ with a fake
-implementation for ``torch.compile``), so compiled decode steps call it directly.
+Two kernels: ``torch.ops.kvcore.decode_attention`` (``csrc/decode_attention.cpp``), the decode-step attention of
+the ``cpu_decode`` backend, and ``torch.ops.kvcore.int4_linear`` (``csrc/int4_linear.cpp``), the few-row matmul of
+the ``int4a8`` weight format (:class:`kvcore.quant.Int4A8Linear`). They are ordinary torch operators (registered
+from C++ with fake implementations for ``torch.compile``), so compiled decode steps call them directly.
 
 Build: one ``c++`` call (``$CXX``, else ``g++``, else ``clang++``) against torch's headers and libraries, with the
 widest vector ISA this CPU and ATen's ``Vectorized`` both support (:func:`vector_isa`: AVX-512, else AVX2, else
-portable code): about 20 s on a 2-core machine, once (nothing is printed meanwhile). The library is cached under
+portable code): about 30 s on a 2-core machine, once (nothing is printed meanwhile). The library is cached under
 ``$KVCORE_CACHE_DIR/kernels`` (else ``$XDG_CACHE_HOME/kvcore/kernels``, else ``~/.cache/kvcore/kernels``) keyed by
 the sources, the flags, the compiler and torch's version, so an upgrade or another CPU builds afresh.
 """
@@ -27,9 +28,9 @@ from kvcore.cpu import cpu_features
 from kvcore.errors import BackendUnavailableError
 from kvcore.model_cache import cache_root
 
-__all__ = ["cxx_compiler", "kernel_reasons", "load_kernels", "vector_isa"]
+__all__ = ["cxx_compiler", "int4a8_reasons", "kernel_reasons", "load_kernels", "vector_isa"]
 
-_SOURCES = ("decode_attention.cpp",)
+_SOURCES = ("decode_attention.cpp", "int4_linear.cpp")
 _CSRC = Path(__file__).with_name("csrc")
 #: ISA -> (ATen's CPU_CAPABILITY macro, compiler flags), widest first; the CPU must report every flag in the set
 _ISAS = {
@@ -67,6 +68,8 @@ def _command(cxx: str, sources: list[Path], out: Path) -> list[str]:
     torch_dir = Path(torch.__file__).parent
     isa = vector_isa()
     macro, isa_flags, _ = _ISAS.get(isa, ("", (), set()))
+    if isa == "avx512" and "avx512_vnni" in cpu_features().flags:
+        isa_flags = (*isa_flags, "-mavx512vnni")  # the int4 x int8 dot products of int4_linear.cpp
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     # -fopenmp: at::parallel_for is inline OpenMP code compiled here (without it, one thread); the library then
     # needs libgomp.so.1, which resolves to the copy torch has already loaded, with torch's thread count
@@ -100,8 +103,22 @@ def load_kernels() -> str:
             os.replace(built, library)  # atomic: a concurrent build of the same key writes the same bytes
     torch.ops.load_library(str(library))
     torch.library.register_fake("kvcore::decode_attention")(_decode_attention_fake)
+    torch.library.register_fake("kvcore::int4_linear")(_int4_linear_fake)
     return str(library)
 
 
 def _decode_attention_fake(q, k, v, seq_lens, scale):
     return torch.empty_like(q)
+
+
+def _int4_linear_fake(x, codes, dm):
+    return x.new_empty(x.shape[0], codes.shape[0] * 16)
+
+
+def int4a8_reasons() -> list[str]:
+    """Why the ``int4a8`` weight format's kernel cannot run here ([] = it can)."""
+    reasons = kernel_reasons()
+    if "avx512_vnni" not in cpu_features().flags or vector_isa() != "avx512":
+        reasons.append("int4a8 needs a CPU with AVX512-VNNI (its int4 x int8 dot products); this one reports "
+                       f"{', '.join(cpu_features().flags) or 'no SIMD flags'}")
+    return reasons

@@ -43,7 +43,7 @@ class EngineConfig:
     dtype: str = "float32"
     device: str = "cpu"
     #: matmul weight format (kvcore.quant.WEIGHT_FORMATS): "auto" (int4 for a Q4_0/Q4_1 GGUF in bfloat16 on
-    #: CPU, else float), "float", "int8" or "int4"; quantized formats need dtype bfloat16 on CPU
+    #: CPU, else float), "float", "int8", "int4" or "int4a8"; quantized formats need dtype bfloat16 on CPU
     weights: str = "auto"
     #: LM head format (kvcore.lm_head.LM_HEAD_FORMATS): "dense", or "int4" (int4 scores, the top 64 rescored
     #: densely; bfloat16 on CPU)

@@ -102,7 +102,7 @@ class DecoderModel(nn.Module):
             c.head_dim, max_positions, c.rope_theta, c.rope_scaling, c.max_position_embeddings
         )
         self.act = _ACTIVATIONS[c.hidden_act]
-        #: "float", or "int4"/"int8" when the layer matmuls run on quantized weights (:mod:`kvcore.quant`)
+        #: "float", or "int4"/"int4a8"/"int8" when the layer matmuls run on quantized weights (:mod:`kvcore.quant`)
         self.weight_format = "float"
         self._quantized: dict[str, list] | None = None  # {"qkv"|"o"|"gate_up"|"down": [per layer]}
         self._dense = DenseMatmuls()
@@ -165,7 +165,7 @@ class DecoderModel(nn.Module):
     ) -> DecoderModel:
         """Build from kvcore's canonical weight names (:func:`kvcore.loaders.expected_shapes`: Hugging Face
         Llama's, ``model.layers.0.self_attn.q_proj.weight``..., plus the optional biases and norms). Values are
-        float tensors or GGUF blocks (:mod:`kvcore.loaders.gguf_blocks`). ``weight_format`` "int4"/"int8"
+        float tensors or GGUF blocks (:mod:`kvcore.loaders.gguf_blocks`). ``weight_format`` "int4"/"int4a8"/"int8"
         (resolved: see :func:`kvcore.weights.resolve_weights`) runs the layer matmuls on quantized weights
         (int4 groups of ``group_size`` input columns where the weights are not GGUF Q4 blocks already)."""
         model = cls(config, dtype, max_positions)

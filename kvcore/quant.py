@@ -30,6 +30,7 @@ from kvcore.errors import ConfigError
 __all__ = [
     "WEIGHT_FORMATS", "QUANTIZED_FORMATS", "DEFAULT_GROUP_SIZE", "Int4Groups", "Int4Linear", "Int8Linear",
     "check_weight_format", "check_runnable", "quantized_reasons", "unpack_codes", "int4_dense", "unpacks_here",
+    "Int4A8Linear", "pack_int4a8", "A8_MAX_ROWS",
 ]
 
 #: every value of ``EngineConfig.weights`` with what it means (the CLI help and errors list them)
@@ -38,8 +39,9 @@ WEIGHT_FORMATS = {
     "float": "dense weights in the model dtype (exact reference)",
     "int8": "int8 per-output-channel weight-only (quantized at load)",
     "int4": "int4 group-wise weight-only (GGUF Q4_0/Q4_1 as stored, others quantized at load)",
+    "int4a8": "int4 weights as int4, decode matmuls with int8 activations per group of 32 (AVX512-VNNI)",
 }
-QUANTIZED_FORMATS = ("int8", "int4")
+QUANTIZED_FORMATS = ("int8", "int4", "int4a8")
 #: llama.cpp's block length: Q4_0/Q4_1/Q8_0 blocks are groups of 32
 DEFAULT_GROUP_SIZE = 32
 _GROUP_SIZES = (32, 64, 128, 256)  # what the int4 kernel accepts
@@ -67,6 +69,10 @@ def quantized_reasons(fmt: str, dtype: torch.dtype, device: torch.device | str) 
     reasons = []
     if torch.device(device).type != "cpu":
         reasons.append(f"{fmt} weights run on CPU only (kvcore has no {torch.device(device).type} packing for them)")
+    if fmt == "int4a8":
+        from kvcore.cpu_kernels import int4a8_reasons
+
+        reasons += int4a8_reasons()
     if dtype != torch.bfloat16:
         reasons.append(
             f"{fmt} weights need dtype bfloat16 (torch's fast {fmt} kernels take bfloat16 activations; "
@@ -160,6 +166,62 @@ class Int4Linear:
         back through the kernel itself (``I @ W.T``: exact, every sum has one non-zero term)."""
         eye = torch.eye(self.shape[1], dtype=self.dtype)
         return self(eye).float().t().contiguous()
+
+
+class Int4A8Linear(Int4Linear):
+    """An :class:`Int4Linear` whose matmuls of up to :data:`A8_MAX_ROWS` rows (decode steps) run kvcore's own
+    kernel, ``torch.ops.kvcore.int4_linear`` (``kvcore/csrc/int4_linear.cpp``): activations quantized to int8 per
+    row and group of 32 (as llama.cpp's Q8 blocks), weight codes times activation codes summed by AVX512-VNNI,
+    scales applied per group in float32. ``d`` and ``m`` (``W = d q + m``) are kept in float16, exact for GGUF
+    Q4_0 / Q4_1 blocks. Longer matmuls (prefill) run torch's int4 kernel on its own packed copy (bfloat16
+    activations), as :class:`Int4Linear` does: the weights are held twice."""
+
+    format = "int4a8"
+
+    def __init__(self, groups: Int4Groups, dtype: torch.dtype = torch.bfloat16) -> None:
+        super().__init__(groups, dtype)
+        if groups.group_size != A8_GROUP:
+            raise ValueError(f"int4a8 takes groups of {A8_GROUP} columns, not {groups.group_size}")
+        from kvcore.cpu_kernels import load_kernels
+
+        load_kernels()
+        self.codes, self.dm = pack_int4a8(groups)
+
+    @property
+    def nbytes(self) -> int:
+        return super().nbytes + self.codes.nbytes + self.dm.nbytes
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [T, K]`` in ``self.dtype`` -> ``[T, N]``."""
+        if x.shape[0] <= A8_MAX_ROWS:
+            return torch.ops.kvcore.int4_linear(x.contiguous(), self.codes, self.dm)
+        return super().__call__(x)
+
+    def a8(self, x: torch.Tensor) -> torch.Tensor:
+        """The int8-activation arithmetic for any number of rows (in slices of :data:`A8_MAX_ROWS`; rows are
+        quantized independently, so a row's result does not depend on the others): what decode steps compute,
+        for measuring it over a whole text at once."""
+        return torch.cat([torch.ops.kvcore.int4_linear(part.contiguous(), self.codes, self.dm)
+                          for part in x.split(A8_MAX_ROWS)])
+
+
+#: rows up to which :class:`Int4A8Linear` runs its own kernel (one register of accumulators per row)
+A8_MAX_ROWS = 16
+A8_GROUP = 32
+
+
+def pack_int4a8(groups: Int4Groups) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(codes [N / 16, K / 32, 256] uint8, dm [N / 16, K / 32, 2, 16] float16)`` in the int4a8 kernel's layout:
+    per block of 16 output rows and group of 32 columns, byte ``64 j + 4 row + i`` holds code ``4 j + i`` of that
+    row in its low nibble and code ``16 + 4 j + i`` in its high one; then ``d`` and ``m`` of the 16 rows
+    (``W = d q + m``: ``d = s`` and ``m = z - 8 s`` of :class:`Int4Groups`)."""
+    n, k = groups.shape
+    q = groups.q.view(n // 16, 16, k // A8_GROUP, 2, 4, 4)  # block, row, group, half, j, i
+    q = q.permute(0, 2, 3, 4, 1, 5)  # block, group, half, j, row, i
+    codes = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(n // 16, k // A8_GROUP, 256).contiguous()
+    d, m = groups.scales, groups.zeros - 8 * groups.scales
+    dm = torch.stack([t.view(n // 16, 16, -1).permute(0, 2, 1) for t in (d, m)], dim=2)
+    return codes, dm.to(torch.float16).contiguous()
 
 
 #: the CPU int4 kernel's packed layout (torch 2.13): blocks of 64 output rows; for each block and input column,

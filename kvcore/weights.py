@@ -15,7 +15,9 @@ from kvcore.cpu import cpu_features
 from kvcore.linear import DenseLinear, prepack
 from kvcore.model_config import ModelConfig
 from kvcore.quant import (
+    A8_GROUP,
     DEFAULT_GROUP_SIZE,
+    Int4A8Linear,
     Int4Groups,
     Int4Linear,
     Int8Linear,
@@ -49,7 +51,7 @@ def _linear_weights(config: ModelConfig, weights: Mapping[str, Any]):
 
 def uses_quantized_blocks(requested: str, dtype: torch.dtype, device: torch.device | str) -> bool:
     """Whether a loader should keep Q4_0/Q4_1 GGUF blocks for this request (else it may dequantize all)."""
-    if requested == "int4":
+    if requested in ("int4", "int4a8"):
         return True
     return requested == "auto" and not quantized_reasons("int4", dtype, device)
 
@@ -74,12 +76,13 @@ def quantized_linears(
     dtype: torch.dtype = torch.bfloat16,
     group_size: int = DEFAULT_GROUP_SIZE,
 ) -> dict[str, list[Callable[[torch.Tensor], torch.Tensor]]]:
-    """``{"qkv" | "o" | "gate_up" | "down": [one callable per layer]}`` in ``fmt`` (``int4`` or ``int8``).
+    """``{"qkv" | "o" | "gate_up" | "down": [one callable per layer]}`` in ``fmt`` (``int4``, ``int4a8``, ``int8``).
 
     int4: GGUF Q4_0/Q4_1 blocks as stored (groups of 32); other weights quantized per ``group_size`` columns.
+    int4a8: the same int4 weights, always in groups of 32 (its kernel's activation groups).
     A matrix the kernel cannot take (output rows not a multiple of 16, input columns not whole groups) stays
     dense in ``dtype``."""
-    if fmt not in ("int4", "int8"):
+    if fmt not in ("int4", "int4a8", "int8"):
         raise ValueError(f"not a quantized weight format: {fmt!r}")
     out: dict[str, list] = {name: [] for name in LINEAR_PARTS}
     for i in range(config.num_hidden_layers):
@@ -91,12 +94,13 @@ def quantized_linears(
 
 def _quantize(values: list[Any], fmt: str, dtype: torch.dtype, group_size: int):
     rows, cols = sum(v.shape[0] for v in values), values[0].shape[1]
-    if fmt == "int4":
-        if all(getattr(v, "int4_exact", False) for v in values) and Int4Linear.fits(rows, cols, 32):
-            return Int4Linear(Int4Groups.cat([v.int4_groups() for v in values]), dtype)
-        if Int4Linear.fits(rows, cols, group_size):
+    if fmt in ("int4", "int4a8"):
+        cls, group_size = (Int4Linear, group_size) if fmt == "int4" else (Int4A8Linear, A8_GROUP)
+        if all(getattr(v, "int4_exact", False) for v in values) and cls.fits(rows, cols, 32):
+            return cls(Int4Groups.cat([v.int4_groups() for v in values]), dtype)
+        if cls.fits(rows, cols, group_size):
             w = torch.cat([dense(v) for v in values])
-            return Int4Linear(Int4Groups.from_float(w, group_size, dtype), dtype)
+            return cls(Int4Groups.from_float(w, group_size, dtype), dtype)
     elif Int8Linear.fits(rows, cols):
         return Int8Linear(torch.cat([dense(v) for v in values]), dtype)
     w = torch.cat([dense(v) for v in values]).to(dtype).contiguous()

@@ -103,7 +103,8 @@ def test_passes_the_quick_conformance_suite():
 def test_a_failed_build_is_one_clear_line(monkeypatch, tmp_path):
     import kvcore.cpu_kernels as ck
 
-    (tmp_path / "decode_attention.cpp").write_text("this is not C++\n")
+    for name in ck._SOURCES:
+        (tmp_path / name).write_text("this is not C++\n")
     monkeypatch.setattr(ck, "_CSRC", tmp_path)
     monkeypatch.setenv("KVCORE_CACHE_DIR", str(tmp_path / "cache"))
     with pytest.raises(BackendUnavailableError, match=r"building kvcore's CPU kernels failed \(.*\): .*error") as e:

@@ -1,0 +1,186 @@
+// kvcore::int4_linear: y = x @ W.T for a few rows of x (decode steps), W in 4-bit groups of 32 input columns
+// (W[n, k] = d[n, g] * q[n, k] + m[n, g], q in 0..15, g = k / 32: llama.cpp's Q4_1; Q4_0 is m = -8 d).
+//
+// Activations are quantized per row and group of 32 to int8 (a = max|x| / 127, p = round(x / a)), as
+// llama.cpp does with Q8 blocks, so that one AVX512-VNNI instruction (vpdpbusd) multiplies 64 weight codes by
+// 64 activation codes and sums them in groups of four. Per row r, output n and group g:
+//
+//   sum_k W[n, k] x[r, k] ~= d[n, g] * a[r, g] * sum_k q[n, k] p[r, k]  +  m[n, g] * sum_k x[r, k]
+//
+// (the second term from the exact float sum of x over the group). Float32 accumulation, output rounded once.
+//
+// Layout (kvcore.quant.pack_int4a8 packs it): output rows in blocks of 16, for each block and group 256 bytes:
+// byte (j, l) of the 4 x 64-byte vectors j = 0..3, l = 4 * row + i holds q[row, 4 j + i] in its low nibble
+// and q[row, 16 + 4 j + i] in its high one: each 32-bit lane of a vector is one output row's four
+// consecutive codes, vpdpbusd's operand shape. Scales: float16 d and m, [blocks, groups, 2, 16].
+//
+//   x       [M, K]                  float32 or bfloat16, M <= 16, K a multiple of 32
+//   packed  [N / 16, K / 32, 256]   uint8
+//   dm      [N / 16, K / 32, 2, 16] float16
+//   returns [M, N]                  dtype of x
+//
+// Without AVX512-VNNI (and AVX512BW) at build time the same arithmetic runs as plain loops (slow; tests).
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define KVCORE_VNNI 1
+#endif
+
+namespace {
+
+constexpr int64_t kGroup = 32;
+constexpr int64_t kRows = 16;  // output rows per block
+constexpr int64_t kMaxM = 16;
+
+// Per row and group: int8 codes (stored with +0 offset as signed bytes), scale a and the exact sum of x.
+template <typename T>
+void quantize_rows(const T* x, int64_t M, int64_t K, int8_t* p, float* a, float* sx) {
+  const int64_t G = K / kGroup;
+  for (int64_t r = 0; r < M; ++r) {
+    for (int64_t g = 0; g < G; ++g) {
+      const T* src = x + r * K + g * kGroup;
+      float v[kGroup], amax = 0.f, sum = 0.f;
+      for (int64_t i = 0; i < kGroup; ++i) {
+        v[i] = static_cast<float>(src[i]);
+        amax = std::max(amax, std::fabs(v[i]));
+        sum += v[i];
+      }
+      const float scale = amax / 127.f;
+      const float inv = amax > 0.f ? 127.f / amax : 0.f;
+      for (int64_t i = 0; i < kGroup; ++i) p[(r * G + g) * kGroup + i] = static_cast<int8_t>(std::nearbyint(v[i] * inv));
+      a[r * G + g] = scale;
+      sx[r * G + g] = sum;
+    }
+  }
+}
+
+// Output block nb (16 rows) for all M rows into out_f[M][16]. M is a template parameter so that the M
+// accumulators stay in registers and the M dot-product chains interleave (one chain would wait on
+// vpdpbusd's latency).
+template <int64_t M>
+void block_dot(const uint8_t* packed, const c10::Half* dm, const int8_t* p, const float* a, const float* sx,
+               int64_t G, float* out_f) {
+#ifdef KVCORE_VNNI
+  __m512 acc[M];
+  for (int64_t r = 0; r < M; ++r) acc[r] = _mm512_setzero_ps();
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* w = packed + g * 256;
+    for (int64_t line = 0; line < 256; line += 64)  // four groups ahead (a prefetch past the end is harmless)
+      _mm_prefetch(reinterpret_cast<const char*>(w + 4 * 256 + line), _MM_HINT_T0);
+    __m512i q[8];
+    for (int64_t j = 0; j < 4; ++j) {
+      const __m512i v = _mm512_loadu_si512(w + 64 * j);
+      q[j] = _mm512_and_si512(v, low);                            // codes 4j .. 4j+3 of every row
+      q[4 + j] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);  // codes 16+4j .. 16+4j+3
+    }
+    __m512i s[M];
+    for (int64_t r = 0; r < M; ++r) s[r] = _mm512_setzero_si512();
+    for (int64_t j = 0; j < 8; ++j)
+      for (int64_t r = 0; r < M; ++r) {
+        const int32_t* pr = reinterpret_cast<const int32_t*>(p + (r * G + g) * kGroup);
+        s[r] = _mm512_dpbusd_epi32(s[r], q[j], _mm512_set1_epi32(pr[j]));
+      }
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dm + g * 32)));
+    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dm + g * 32 + 16)));
+    for (int64_t r = 0; r < M; ++r) {
+      const __m512 da = _mm512_mul_ps(d, _mm512_set1_ps(a[r * G + g]));
+      acc[r] = _mm512_fmadd_ps(da, _mm512_cvtepi32_ps(s[r]), acc[r]);
+      acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[r * G + g]), acc[r]);
+    }
+  }
+  for (int64_t r = 0; r < M; ++r) _mm512_storeu_ps(out_f + r * kRows, acc[r]);
+#else
+  for (int64_t r = 0; r < M; ++r)
+    for (int64_t n = 0; n < kRows; ++n) out_f[r * kRows + n] = 0.f;
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* w = packed + g * 256;
+    for (int64_t n = 0; n < kRows; ++n) {
+      int32_t codes[kGroup];
+      for (int64_t j = 0; j < 4; ++j)
+        for (int64_t i = 0; i < 4; ++i) {
+          const uint8_t byte = w[64 * j + 4 * n + i];
+          codes[4 * j + i] = byte & 0x0F;
+          codes[16 + 4 * j + i] = byte >> 4;
+        }
+      const float d = static_cast<float>(dm[g * 32 + n]), m = static_cast<float>(dm[g * 32 + 16 + n]);
+      for (int64_t r = 0; r < M; ++r) {
+        int32_t s = 0;
+        for (int64_t k = 0; k < kGroup; ++k) s += codes[k] * p[(r * G + g) * kGroup + k];
+        out_f[r * kRows + n] += d * a[r * G + g] * static_cast<float>(s) + m * sx[r * G + g];
+      }
+    }
+  }
+#endif
+}
+
+using BlockDot = void (*)(const uint8_t*, const c10::Half*, const int8_t*, const float*, const float*, int64_t,
+                          float*);
+constexpr BlockDot kBlockDots[kMaxM] = {block_dot<1>, block_dot<2>, block_dot<3>, block_dot<4>,
+                                        block_dot<5>, block_dot<6>, block_dot<7>, block_dot<8>,
+                                        block_dot<9>, block_dot<10>, block_dot<11>, block_dot<12>,
+                                        block_dot<13>, block_dot<14>, block_dot<15>, block_dot<16>};
+
+template <typename T>
+at::Tensor int4_linear_impl(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& dm) {
+  const int64_t M = x.size(0), K = x.size(1), G = K / kGroup, blocks = packed.size(0);
+  std::vector<int8_t> p(M * K);
+  std::vector<float> a(M * G), sx(M * G);
+  quantize_rows<T>(x.data_ptr<T>(), M, K, p.data(), a.data(), sx.data());
+  at::Tensor out = at::empty({M, blocks * kRows}, x.options());
+  T* op = out.data_ptr<T>();
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  const c10::Half* sp = dm.data_ptr<c10::Half>();
+  const BlockDot dot = kBlockDots[M - 1];
+  at::parallel_for(0, blocks, 1, [&](int64_t first, int64_t last) {
+    float block[kMaxM * kRows];
+    for (int64_t nb = first; nb < last; ++nb) {
+      dot(wp + nb * G * 256, sp + nb * G * 32, p.data(), a.data(), sx.data(), G, block);
+      for (int64_t r = 0; r < M; ++r)
+        for (int64_t n = 0; n < kRows; ++n) op[r * blocks * kRows + nb * kRows + n] = static_cast<T>(block[r * kRows + n]);
+    }
+  });
+  return out;
+}
+
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& dm) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "int4_linear: x must be a contiguous [M, K] matrix");
+  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= kMaxM, "int4_linear: 1..16 rows, got ", x.size(0));
+  TORCH_CHECK(x.size(1) % kGroup == 0, "int4_linear: K must be a multiple of 32");
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.is_contiguous() &&
+              packed.size(1) == x.size(1) / kGroup && packed.size(2) == 256,
+              "int4_linear: packed must be uint8 [N / 16, K / 32, 256]");
+  TORCH_CHECK(dm.scalar_type() == at::kHalf && dm.is_contiguous() && dm.numel() == packed.size(0) * packed.size(1) * 32,
+              "int4_linear: dm must be float16 [N / 16, K / 32, 2, 16]");
+  if (x.scalar_type() == at::kFloat) return int4_linear_impl<float>(x, packed, dm);
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "int4_linear: x must be float32 or bfloat16");
+  return int4_linear_impl<c10::BFloat16>(x, packed, dm);
+}
+
+bool int4_linear_vectorized() {
+#ifdef KVCORE_VNNI
+  return true;
+#else
+  return false;
+#endif
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kvcore, m) {
+  m.def("int4_linear(Tensor x, Tensor packed, Tensor dm) -> Tensor");
+  m.def("int4_linear_vectorized() -> bool", &int4_linear_vectorized);
+}
+
+TORCH_LIBRARY_IMPL(kvcore, CPU, m) { m.impl("int4_linear", &int4_linear); }

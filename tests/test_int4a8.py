@@ -1,0 +1,78 @@
+"""The ``int4a8`` weight format: int4 weights, decode matmuls with int8 activations (kvcore/csrc/int4_linear.cpp)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import full_attention, make_random_model, weights_of
+
+from kvcore import Engine, EngineConfig, LlamaModel, SamplingParams
+from kvcore.cpu_kernels import int4a8_reasons
+from kvcore.errors import ConfigError
+from kvcore.quant import A8_MAX_ROWS, Int4A8Linear, Int4Groups, Int4Linear
+
+needs_kernel = pytest.mark.skipif(bool(int4a8_reasons()), reason="; ".join(int4a8_reasons()))
+
+
+def _emulated(groups: Int4Groups, x: torch.Tensor) -> torch.Tensor:
+    """The kernel's arithmetic in float64: x quantized per row and group of 32 (a = max|x| / 127, p = round(x / a)),
+    W = d q + m with d and m rounded to float16; sum_g d a (q . p) + m sum(x)."""
+    n, k = groups.shape
+    xs = x.double().view(x.shape[0], k // 32, 32)
+    a = xs.abs().amax(-1, keepdim=True) / 127
+    p = torch.where(a > 0, xs / a, torch.zeros_like(xs)).round()
+    d = groups.scales.half().double()  # [N, G]
+    m = (groups.zeros - 8 * groups.scales).half().double()
+    q = groups.q.double().view(n, k // 32, 32)
+    dots = torch.einsum("rgk,ngk->rng", p, q)  # [M, N, G]
+    return (dots * d[None] * a.squeeze(-1)[:, None] + m[None] * xs.sum(-1)[:, None]).sum(-1)
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 5, A8_MAX_ROWS])
+@pytest.mark.parametrize("kind", ["q4_1", "q4_0"])
+def test_kernel_equals_its_arithmetic(rows, kind):
+    """Every code, scale and offset lands where the kernel reads it (a layout slip is an O(1) error); what is
+    left is the output's bfloat16 rounding and the float32 sums."""
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(48, 96, generator=g) * 0.05
+    groups = Int4Groups.from_float(w)
+    if kind == "q4_0":  # symmetric blocks: m = -8 d
+        groups = Int4Groups(groups.q, groups.scales, torch.zeros_like(groups.zeros))
+    x = torch.randn(rows, 96, generator=g).to(torch.bfloat16)
+    x[0, :32] = 0  # an all-zero activation group (scale 0)
+    got = Int4A8Linear(groups)(x).double()
+    want = _emulated(groups, x)
+    assert got.shape == (rows, 48)
+    assert bool(((got - want).abs() <= 2.0**-7 * want.abs() + 1e-3).all())
+
+
+@needs_kernel
+def test_longer_matmuls_run_the_int4_kernel():
+    groups = Int4Groups.from_float(torch.randn(32, 64, generator=torch.Generator().manual_seed(0)))
+    x = torch.randn(A8_MAX_ROWS + 1, 64).to(torch.bfloat16)
+    assert torch.equal(Int4A8Linear(groups)(x), Int4Linear(groups)(x))
+
+
+@needs_kernel
+def test_a_model_runs_close_to_int4():
+    """The tiny random model in int4a8 against the same int4 weights with bfloat16 activations: a forward of 8 rows
+    (the int4a8 kernel) stays within a fifth of the logits' scale (the activations' int8 rounding, compounded over
+    the layers of an untrained model; a layout or scale slip gives errors of the logits' own size) and picks the
+    same top token at most positions; a greedy stream runs through the engine (prefill and decode on the kernel)."""
+    base = make_random_model(num_layers=2)
+    models = {fmt: LlamaModel.from_weights(base.config, weights_of(base), torch.bfloat16, weight_format=fmt)
+              for fmt in ("int4", "int4a8")}
+    ids, pos = torch.tensor([5, 9, 200, 31, 7, 8, 120, 3]), torch.arange(8)
+    logits = {fmt: m.compute_logits(m(ids, pos, full_attention)).float() for fmt, m in models.items()}
+    scale = float(logits["int4"].abs().max())
+    assert 0 < float((logits["int4a8"] - logits["int4"]).abs().max()) <= 0.2 * scale
+    assert int((logits["int4a8"].argmax(-1) == logits["int4"].argmax(-1)).sum()) >= 6
+    engine = Engine(models["int4a8"], None, EngineConfig(backend="sdpa", dtype="bfloat16", max_model_len=64))
+    result = engine.generate([[5, 9, 200, 31, 7]], SamplingParams(max_new_tokens=8, ignore_eos=True))[0]
+    assert result.error is None and len(result.token_ids) == 8
+
+
+def test_option_errors():
+    with pytest.raises(ConfigError, match="weights 'int4a8' cannot run here: .*need dtype bfloat16"):
+        EngineConfig(weights="int4a8")  # float32 default
