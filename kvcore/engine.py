@@ -115,7 +115,7 @@ class Engine(EngineStep):
         if config.lm_head == "int4":
             from kvcore.lm_head import RescoredInt4Head
 
-            self.lm_head = RescoredInt4Head(model.lm_head)
+            self.lm_head = RescoredInt4Head(model.lm_head, a8=getattr(model, "weight_format", "") == "int4a8")
         self.sampler = sampler or registry.create_sampler(config.sampler, config.sampler_options.get(config.sampler))
         window = mc.max_position_embeddings
         check_max_model_len(config.max_model_len, window)

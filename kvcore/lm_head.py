@@ -10,7 +10,9 @@
   top-k up to 64 and the reported top logprobs read exact logits whenever the exact best candidates are
   among the int4 top 64 (benchmarks/results/quant_accuracy.md measures streams and perplexity).
   Batches of more than :data:`INT4_MAX_ROWS` rows run the dense head: the int4 kernel's cost grows with the
-  rows, and from about four rows oneDNN's bfloat16 GEMM is as fast.
+  rows, and from about four rows oneDNN's bfloat16 GEMM is as fast. With ``int4a8`` weights the scores come
+  from that format's int8-activation kernel (:class:`~kvcore.quant.Int4A8Linear`), for up to 16 rows; the
+  rescored top 64 stay exact.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from kvcore.errors import ConfigError
-from kvcore.quant import Int4Groups, Int4Linear, quantized_reasons
+from kvcore.quant import A8_MAX_ROWS, Int4A8Linear, Int4Groups, Int4Linear, quantized_reasons
 
 __all__ = ["LM_HEAD_FORMATS", "INT4_MAX_ROWS", "RescoredInt4Head", "check_lm_head"]
 
@@ -48,15 +50,16 @@ class RescoredInt4Head:
     :param weight: the dense head ``[V, d]`` (the model's own tensor: read at call time, not copied).
     """
 
-    def __init__(self, weight: torch.Tensor, top_k: int = 64, group_size: int = 32) -> None:
+    def __init__(self, weight: torch.Tensor, top_k: int = 64, group_size: int = 32, a8: bool = False) -> None:
         vocab, width = weight.shape
         if not Int4Linear.fits(vocab, width, group_size):
             raise ConfigError(f"lm_head 'int4' cannot take this model's head: the int4 kernel needs a vocabulary "
                               f"in multiples of 16 and a hidden size in multiples of {group_size}, got "
                               f"[{vocab}, {width}]")
         self.weight, self.top_k = weight, min(top_k, vocab)
-        self.max_rows = INT4_MAX_ROWS
-        self.int4 = Int4Linear(Int4Groups.from_float(weight, group_size, weight.dtype), weight.dtype)
+        # a8 (the model's weights are int4a8): scores from kvcore's int8-activation kernel, up to its row limit
+        linear, self.max_rows = (Int4A8Linear, A8_MAX_ROWS) if a8 else (Int4Linear, INT4_MAX_ROWS)
+        self.int4 = linear(Int4Groups.from_float(weight, group_size, weight.dtype), weight.dtype)
 
     @property
     def nbytes(self) -> int:

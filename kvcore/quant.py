@@ -1,4 +1,5 @@
-"""Weight-only quantized linear weights: int4 group-wise and int8 per-channel, run with torch's CPU kernels.
+"""Quantized linear weights: int4 group-wise and int8 per-channel (torch's CPU weight-only kernels), and int4
+with int8 activations for decode steps (kvcore's own kernel).
 
 A decoder's matmul weights can be stored in one of these formats (``EngineConfig.weights``, ``--weights``):
 
@@ -7,12 +8,15 @@ A decoder's matmul weights can be stored in one of these formats (``EngineConfig
   ``W = (q - 8) * s + z``, run by ``aten._weight_int4pack_mm_for_cpu``. llama.cpp's Q4_0 / Q4_1 blocks map
   onto it exactly (:mod:`kvcore.loaders.gguf_blocks`); float weights are quantized at load with each group's
   min/max (gpt-fast's scheme).
+* ``int4a8``: the ``int4`` weights; matmuls of up to 16 rows (decode steps) run kvcore's own kernel with the
+  activations quantized to int8 per row and group of 32 (:class:`Int4A8Linear`; AVX512-VNNI), longer ones the
+  int4 kernel. Faster than ``int4`` and less exact (benchmarks/results/quant_accuracy.md).
 * ``int8``: int8 codes with one scale per output row, symmetric (``W = q * s``, ``s = max|w| / 127``),
   run by ``aten._weight_int8pack_mm``; always quantized at load from the float (or dequantized) weights.
 * ``auto``: ``int4`` for a GGUF whose layer weights are all Q4_0 / Q4_1 when the model runs in bfloat16
   on CPU (the file's own values, no extra rounding), ``float`` otherwise: float32 always stays exact.
 
-Both kernels take bfloat16 activations and scales on CPU (their float32 paths are reference loops, several
+torch's kernels take bfloat16 activations and scales on CPU (their float32 paths are reference loops, several
 times slower than float32 dense weights), so the quantized formats need ``dtype = "bfloat16"`` and a CPU
 device. The embedding table and the LM head stay dense in the model dtype: the lookup needs dense rows, and
 an int8 head measured no faster than oneDNN's bfloat16 one (benchmarks/results/weights.md) for less accuracy.

@@ -76,3 +76,21 @@ def test_a_model_runs_close_to_int4():
 def test_option_errors():
     with pytest.raises(ConfigError, match="weights 'int4a8' cannot run here: .*need dtype bfloat16"):
         EngineConfig(weights="int4a8")  # float32 default
+
+
+@needs_kernel
+def test_the_int4_head_scores_with_the_a8_kernel_for_int4a8_models():
+    """With int4a8 weights the rescored int4 head takes up to 16 rows through the int8-activation kernel; its top
+    candidates still carry the dense head's logits, so the best token is the dense best."""
+    from kvcore.lm_head import RescoredInt4Head
+
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(512, 64, generator=g) * 0.1).to(torch.bfloat16)
+    head = RescoredInt4Head(w, top_k=16, a8=True)
+    assert isinstance(head.int4, Int4A8Linear) and head.max_rows == A8_MAX_ROWS
+    hidden = torch.randn(10, 64, generator=g).to(torch.bfloat16)
+    logits, exact = head(hidden).float(), hidden.float() @ w.float().t()
+    assert torch.equal(logits.argmax(-1), exact.argmax(-1))
+    best = exact.argmax(-1, keepdim=True)
+    assert bool(((logits.gather(1, best) - exact.gather(1, best)).abs() <= 2.0**-7 * exact.gather(1, best).abs()
+                 + 1e-3).all())
