@@ -90,8 +90,10 @@ def _kernels(engine) -> str:
         matmul = f"float32 split GEMV (1 row), {multi_row} (2+ rows)"
     else:
         matmul = f"{str(model.dtype).removeprefix('torch.')} F.linear"
-    if getattr(engine, "lm_head", None) is not None:
-        matmul += "; LM head int4 (_weight_int4pack_mm_for_cpu), top 64 rescored dense"
+    head = getattr(engine, "lm_head", None)
+    if head is not None:
+        scores = "kvcore int4_linear" if getattr(head.int4, "format", "") == "int4a8" else "_weight_int4pack_mm_for_cpu"
+        matmul += f"; LM head int4 ({scores}), top 64 rescored dense"
     compiled = getattr(engine, "compiled_decode", None) is not None
     compiled = "; decode steps torch.compile'd (inductor, C++ wrapper)" if compiled else ""
     decode = engine.decode_backend.name
