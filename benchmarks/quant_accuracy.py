@@ -60,7 +60,8 @@ def full_attention(layer, q, k, v):
 def text_logits(model, ids: list[int], lm_head: str = "dense") -> torch.Tensor:
     """``[T, V]`` float32 logits of every position of ``ids`` in one forward (the head one row at a time, as
     decode steps run it)."""
-    head = RescoredInt4Head(model.lm_head) if lm_head == "int4" else None
+    a8 = model.weight_format == "int4a8"  # as the engine builds it: int4a8 weights score with their kernel
+    head = RescoredInt4Head(model.lm_head, a8=a8) if lm_head == "int4" else None
     with torch.no_grad():
         hidden = model(torch.tensor(ids), torch.arange(len(ids)), full_attention)
         return torch.cat([model.compute_logits(row, head) for row in hidden.split(1)])
