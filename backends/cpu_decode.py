@@ -62,15 +62,8 @@ class CPUDecodeBackend(SDPABackend):
         return None  # the kernel reads each row's length instead
 
     @staticmethod
-    def _decode_batched(q, k_cache, v_cache, plan: SDPAPlan) -> torch.Tensor:
-        num_seqs, num_heads, head_dim = q.shape
-        first, max_len = plan.decode_slot, plan.decode_len
-        ks = k_cache[first : first + num_seqs, :, :max_len]  # (B, H_kv, max_len, D) view
-        vs = v_cache[first : first + num_seqs, :, :max_len]
-        num_kv_heads = ks.shape[1]
-        qs = q.reshape(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim).contiguous()
-        out = torch.ops.kvcore.decode_attention(qs, ks, vs, plan.meta.seq_lens_t, plan.meta.scale)
-        return out.view(num_seqs, num_heads, head_dim)
+    def _decode_attend(qs, ks, vs, plan: SDPAPlan) -> torch.Tensor:
+        return torch.ops.kvcore.decode_attention(qs.contiguous(), ks, vs, plan.meta.seq_lens_t, plan.meta.scale)
 
 
 @hookimpl

@@ -114,17 +114,20 @@ class SDPABackend(AttentionBackend[SDPAPlan]):
             out[starts[i] : starts[i + 1]] = oi[0].transpose(0, 1)
         return out
 
-    @staticmethod
-    def _decode_batched(q, k_cache, v_cache, plan: SDPAPlan) -> torch.Tensor:
+    def _decode_batched(self, q, k_cache, v_cache, plan: SDPAPlan) -> torch.Tensor:
         """One kernel call for a decode batch whose sequences occupy consecutive cache slots."""
         num_seqs, num_heads, head_dim = q.shape
         first, max_len = plan.decode_slot, plan.decode_len
         ks = k_cache[first : first + num_seqs, :, :max_len]  # (B, H_kv, max_len, D) view
         vs = v_cache[first : first + num_seqs, :, :max_len]
         num_kv_heads = ks.shape[1]
-        qs = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)  # (B, H_kv, G, D): group = rows
-        out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=plan.decode_mask, scale=plan.meta.scale)
-        return out.view(num_seqs, num_heads, head_dim)
+        qs = q.reshape(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)  # (B, H_kv, G, D): group = rows
+        return self._decode_attend(qs, ks, vs, plan).view(num_seqs, num_heads, head_dim)
+
+    @staticmethod
+    def _decode_attend(qs, ks, vs, plan: SDPAPlan) -> torch.Tensor:
+        """``qs [B, H_kv, G, D]`` against the cache views ``ks``/``vs [B, H_kv, max_len, D]`` -> ``[B, H_kv, G, D]``."""
+        return F.scaled_dot_product_attention(qs, ks, vs, attn_mask=plan.decode_mask, scale=plan.meta.scale)
 
 
 @hookimpl

@@ -94,3 +94,10 @@ def test_the_int4_head_scores_with_the_a8_kernel_for_int4a8_models():
     best = exact.argmax(-1, keepdim=True)
     assert bool(((logits.gather(1, best) - exact.gather(1, best)).abs() <= 2.0**-7 * exact.gather(1, best).abs()
                  + 1e-3).all())
+
+
+@needs_kernel
+def test_the_kernel_was_built_with_its_vnni_path():
+    """Where int4a8 is offered, the library must hold the AVX512-VNNI code, not the portable loops (correct but
+    many times slower)."""
+    assert torch.ops.kvcore.int4_linear_vectorized()
