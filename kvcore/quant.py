@@ -79,8 +79,9 @@ def quantized_reasons(fmt: str, dtype: torch.dtype, device: torch.device | str) 
         reasons += int4a8_reasons()
     if dtype != torch.bfloat16:
         reasons.append(
-            f"{fmt} weights need dtype bfloat16 (torch's fast {fmt} kernels take bfloat16 activations; "
-            f"with {str(dtype).removeprefix('torch.')} they run a slow reference loop): use --dtype bfloat16"
+            f"{fmt} weights need dtype bfloat16 (torch's fast {fmt.removesuffix('a8')} kernels take bfloat16 "
+            f"activations; with {str(dtype).removeprefix('torch.')} they run a slow reference loop): "
+            "use --dtype bfloat16"
         )
     return reasons
 
