@@ -9,8 +9,15 @@ chunks so every thread has work even at batch 1 ("split-K", merged with the onli
 computes in float32. At long contexts with many sequences both kernels wait on memory (measured speed:
 benchmarks/README.md, "Decode attention kernel").
 
-Everything else is the ``sdpa`` backend's: the same contiguous cache, cache writes and prefill path; a
-decode batch whose sequences are not on consecutive slots also falls back to it.
+In bfloat16 on CPUs with AVX512_BF16, prefill attention is kvcore's too: ``torch.ops.kvcore.prefill_attention``
+multiplies bfloat16 pairs into float32 sums with ``vdpbf16ps``, flash-attention style (tiles of 4 query rows
+against blocks of 32 keys, online softmax, probabilities rounded to bfloat16 before they weight the values, as
+GPU flash attention does), after repacking each KV head's keys and values so one vector load feeds 16 lanes.
+torch's CPU flash-attention kernel runs bfloat16 no faster than float32 here (benchmarks/README.md, "Prefill
+attention kernel"). float32 prefill stays torch's, the exact path.
+
+Everything else is the ``sdpa`` backend's: the same contiguous cache and cache writes; a decode batch whose
+sequences are not on consecutive slots goes through the prefill path.
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ MAX_GROUP = 16
 
 class CPUDecodeBackend(SDPABackend):
     name = "cpu_decode"
-    description = "torch SDPA prefill + kvcore's C++ split-K decode kernel (CPU; built on first use)"
+    description = "kvcore's C++ attention kernels: split-K decode, bfloat16 prefill (CPU; built on first use)"
     priority = 5  # never picked over sdpa unasked: its first use runs the C++ compiler
     capabilities = BackendCapabilities(
         devices=frozenset({"cpu"}),
@@ -43,6 +50,7 @@ class CPUDecodeBackend(SDPABackend):
     def __init__(self, **options) -> None:
         super().__init__(**options)
         load_kernels()
+        self._bf16_prefill = torch.ops.kvcore.prefill_attention_available()  # built for AVX512_BF16
 
     @classmethod
     def availability(cls) -> str | None:
@@ -60,6 +68,11 @@ class CPUDecodeBackend(SDPABackend):
     @staticmethod
     def _decode_mask(meta: AttentionMetadata, dtype: torch.dtype) -> None:
         return None  # the kernel reads each row's length instead
+
+    def _prefill_attend(self, q, k, v, context_len: int, scale: float) -> torch.Tensor:
+        if self._bf16_prefill and q.dtype == torch.bfloat16:
+            return torch.ops.kvcore.prefill_attention(q, k, v, context_len, scale)
+        return super()._prefill_attend(q, k, v, context_len, scale)
 
     @staticmethod
     def _decode_attend(qs, ks, vs, plan: SDPAPlan) -> torch.Tensor:

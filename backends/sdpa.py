@@ -100,19 +100,25 @@ class SDPABackend(AttentionBackend[SDPAPlan]):
         starts = meta.cu_seqlens_q.tolist()
         for i, (slot, ctx, q_len) in enumerate(zip(meta.slots, meta.context_lens, meta.query_lens)):
             seq_len = ctx + q_len
-            qi = q[starts[i] : starts[i + 1]].transpose(0, 1).unsqueeze(0)  # (1, H, q_len, D)
-            ki = k_cache[slot, :, :seq_len].unsqueeze(0)  # (1, H_kv, seq_len, D) view
-            vi = v_cache[slot, :, :seq_len].unsqueeze(0)
-            mask, causal = None, False
-            if q_len > 1 and ctx == 0:
-                causal = True  # square: top-left and bottom-right alignment coincide
-            elif q_len > 1:
-                mask = causal_mask(ctx, q_len, q.device)  # SDPA's is_causal would align it top-left
-            oi = F.scaled_dot_product_attention(
-                qi, ki, vi, attn_mask=mask, is_causal=causal, scale=meta.scale, enable_gqa=True
-            )  # (1, H, q_len, D)
-            out[starts[i] : starts[i + 1]] = oi[0].transpose(0, 1)
+            rows = slice(starts[i], starts[i + 1])
+            out[rows] = self._prefill_attend(q[rows], k_cache[slot, :, :seq_len], v_cache[slot, :, :seq_len],
+                                             ctx, meta.scale)
         return out
+
+    def _prefill_attend(self, q, k, v, context_len: int, scale: float) -> torch.Tensor:
+        """One sequence's query rows ``q [q_len, H, D]`` (positions ``context_len ..``) against its cache views
+        ``k``/``v [H_kv, context_len + q_len, D]``, causal -> ``[q_len, H, D]``."""
+        q_len = q.shape[0]
+        mask, causal = None, False
+        if q_len > 1 and context_len == 0:
+            causal = True  # square: top-left and bottom-right alignment coincide
+        elif q_len > 1:
+            mask = causal_mask(context_len, q_len, q.device)  # SDPA's is_causal would align it top-left
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1).unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
+            attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True,
+        )  # (1, H, q_len, D)
+        return out[0].transpose(0, 1)
 
     def _decode_batched(self, q, k_cache, v_cache, plan: SDPAPlan) -> torch.Tensor:
         """One kernel call for a decode batch whose sequences occupy consecutive cache slots."""

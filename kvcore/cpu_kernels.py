@@ -1,9 +1,16 @@
 """kvcore's own CPU kernels (C++ under ``kvcore/csrc``), built on first use with the machine's compiler.
 
-Two kernels: ``torch.ops.kvcore.decode_attention`` (``csrc/decode_attention.cpp``), the decode-step attention of
-the ``cpu_decode`` backend, and ``torch.ops.kvcore.int4_linear`` (``csrc/int4_linear.cpp``), the few-row matmul of
-the ``int4a8`` weight format (:class:`kvcore.quant.Int4A8Linear`). They are ordinary torch operators (registered
-from C++ with fake implementations for ``torch.compile``), so compiled decode steps call them directly.
+Three kernels:
+
+* ``torch.ops.kvcore.decode_attention`` (``csrc/decode_attention.cpp``): the decode-step attention of the
+  ``cpu_decode`` backend;
+* ``torch.ops.kvcore.prefill_attention`` (``csrc/prefill_attention.cpp``): its bfloat16 prefill attention, built
+  only for CPUs with AVX512_BF16 (``torch.ops.kvcore.prefill_attention_available()`` says whether it was);
+* ``torch.ops.kvcore.int4_linear`` (``csrc/int4_linear.cpp``): the few-row matmul of the ``int4a8`` weight format
+  (:class:`kvcore.quant.Int4A8Linear`).
+
+They are ordinary torch operators (registered from C++ with fake implementations for ``torch.compile``), so
+compiled decode steps call them directly.
 
 Build: one ``c++`` call (``$CXX``, else ``g++``, else ``clang++``) against torch's headers and libraries, with the
 widest vector ISA this CPU and ATen's ``Vectorized`` both support (:func:`vector_isa`: AVX-512, else AVX2, else
@@ -30,7 +37,7 @@ from kvcore.model_cache import cache_root
 
 __all__ = ["cxx_compiler", "int4a8_reasons", "kernel_reasons", "load_kernels", "vector_isa"]
 
-_SOURCES = ("decode_attention.cpp", "int4_linear.cpp")
+_SOURCES = ("decode_attention.cpp", "int4_linear.cpp", "prefill_attention.cpp")
 _CSRC = Path(__file__).with_name("csrc")
 #: ISA -> (ATen's CPU_CAPABILITY macro, compiler flags), widest first; the CPU must report every flag in the set
 _ISAS = {
@@ -68,8 +75,10 @@ def _command(cxx: str, sources: list[Path], out: Path) -> list[str]:
     torch_dir = Path(torch.__file__).parent
     isa = vector_isa()
     macro, isa_flags, _ = _ISAS.get(isa, ("", (), set()))
-    if isa == "avx512" and "avx512_vnni" in cpu_features().flags:
-        isa_flags = (*isa_flags, "-mavx512vnni")  # the int4 x int8 dot products of int4_linear.cpp
+    if isa == "avx512":  # extensions some kernels use where the CPU has them
+        flags = cpu_features().flags
+        isa_flags += ("-mavx512vnni",) * ("avx512_vnni" in flags)  # int4 x int8 dot products (int4_linear.cpp)
+        isa_flags += ("-mavx512bf16",) * ("avx512_bf16" in flags)  # bfloat16 dot products (prefill_attention.cpp)
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     # -fopenmp: at::parallel_for is inline OpenMP code compiled here (without it, one thread); the library then
     # needs libgomp.so.1, which resolves to the copy torch has already loaded, with torch's thread count
@@ -104,10 +113,15 @@ def load_kernels() -> str:
     torch.ops.load_library(str(library))
     torch.library.register_fake("kvcore::decode_attention")(_decode_attention_fake)
     torch.library.register_fake("kvcore::int4_linear")(_int4_linear_fake)
+    torch.library.register_fake("kvcore::prefill_attention")(_prefill_attention_fake)
     return str(library)
 
 
 def _decode_attention_fake(q, k, v, seq_lens, scale):
+    return torch.empty_like(q)
+
+
+def _prefill_attention_fake(q, k, v, context_len, scale):
     return torch.empty_like(q)
 
 

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from helpers import make_random_model
 
 from kvcore import Engine, EngineConfig, SamplingParams
+from kvcore.attention import causal_mask
 from kvcore.backends.cpu_decode import CPUDecodeBackend
 from kvcore.conformance.results import PASS
 from kvcore.conformance.runner import run_suite
@@ -49,6 +51,58 @@ def test_kernel_matches_float64_attention(dtype, atol, kv_heads, group, head_dim
     assert out.dtype == dtype and out.shape == q.shape
     err = (out.double() - _reference(q, k, v, lens, head_dim**-0.5)).abs().max().item()
     assert err <= atol
+
+
+def _prefill_reference(q, k, v, context_len, scale):
+    """float64 causal attention of ``q [T, H, D]`` at positions ``context_len ..`` over ``k``/``v [H_kv, L, D]``."""
+    group = q.shape[1] // k.shape[0]
+    keys, values = k.double().repeat_interleave(group, 0), v.double().repeat_interleave(group, 0)
+    scores = torch.einsum("thd,hld->htl", q.double(), keys) * scale
+    hidden = torch.arange(k.shape[1])[None, :] > context_len + torch.arange(q.shape[0])[:, None]
+    return torch.einsum("htl,hld->thd", scores.masked_fill(hidden, float("-inf")).softmax(-1), values)
+
+
+@pytest.fixture
+def bf16_prefill(kernels):
+    if not torch.ops.kvcore.prefill_attention_available():
+        pytest.skip("kvcore's kernels were built without AVX512_BF16 (no bfloat16 prefill kernel)")
+
+
+@pytest.mark.usefixtures("bf16_prefill")
+@pytest.mark.parametrize("q_len, context_len, heads, kv_heads, head_dim",
+                         [(5, 0, 9, 3, 64), (37, 11, 4, 2, 40), (64, 100, 8, 8, 128), (130, 0, 6, 1, 24),
+                          (1, 7, 2, 1, 256), (300, 0, 9, 3, 64), (3, 61, 16, 1, 64)])
+def test_prefill_kernel_matches_float64_attention(q_len, context_len, heads, kv_heads, head_dim):
+    """Fresh and continued prefills (the causal mask aligned bottom-right), tiles and key blocks cut short, head
+    sizes off the vector width, K/V read through strided views of a larger cache as the backend passes them: the
+    error against float64 is that of bfloat16 outputs and probabilities, no larger than torch's bfloat16 SDPA's."""
+    g = torch.Generator().manual_seed(q_len)
+    seq_len = context_len + q_len
+    q = torch.randn(q_len, heads, head_dim, generator=g).bfloat16()
+    k = torch.randn(2, kv_heads, seq_len + 9, head_dim, generator=g).bfloat16()[1, :, :seq_len]
+    v = torch.randn(2, kv_heads, seq_len + 9, head_dim, generator=g).bfloat16()[1, :, :seq_len]
+    out = torch.ops.kvcore.prefill_attention(q, k, v, context_len, head_dim**-0.5)
+    assert out.dtype == torch.bfloat16 and out.shape == q.shape
+    ref = _prefill_reference(q, k, v, context_len, head_dim**-0.5)
+    err = (out.double() - ref).abs()
+    assert (err <= ref.abs() * 2**-8 + 4e-3).all()
+    mask = causal_mask(context_len, q_len, q.device) if q_len > 1 else None
+    torch_out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k[None], v[None], attn_mask=mask,
+                                               scale=head_dim**-0.5, enable_gqa=True)[0].transpose(0, 1)
+    assert err.max() <= 1.25 * (torch_out.double() - ref).abs().max()
+
+
+@pytest.mark.usefixtures("bf16_prefill")
+def test_prefill_kernel_rejects_bad_inputs_with_a_message():
+    op = torch.ops.kvcore.prefill_attention
+    q, k = torch.randn(4, 2, 64).bfloat16(), torch.randn(1, 6, 64).bfloat16()
+    with pytest.raises(RuntimeError, match="L must be context_len \\+ T"):
+        op(q, k, k, 1, 0.125)
+    with pytest.raises(RuntimeError, match="bfloat16 only"):
+        op(q.float(), k.float(), k.float(), 2, 0.125)
+    with pytest.raises(RuntimeError, match="H a multiple of H_kv"):
+        op(torch.randn(4, 3, 64).bfloat16(), torch.randn(2, 6, 64).bfloat16(), torch.randn(2, 6, 64).bfloat16(), 2,
+           0.125)
 
 
 def test_kernel_rejects_bad_inputs_with_a_message():
