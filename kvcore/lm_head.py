@@ -11,8 +11,9 @@
   among the int4 top 64 (benchmarks/results/quant_accuracy.md measures streams and perplexity).
   Batches of more than :data:`INT4_MAX_ROWS` rows run the dense head: the int4 kernel's cost grows with the
   rows, and from about four rows oneDNN's bfloat16 GEMM is as fast. With ``int4a8`` weights the scores come
-  from that format's int8-activation kernel (:class:`~kvcore.quant.Int4A8Linear`), for up to 16 rows; the
-  rescored top 64 stay exact.
+  from that format's int8-activation kernel (:class:`~kvcore.quant.Int4A8Linear`) for up to
+  :data:`A8_MAX_ROWS` rows (the batch sizes of decode steps, where it was measured faster than the dense head:
+  ``python benchmarks/weight_kernels.py --rows 1,8``); the rescored top 64 stay exact.
 """
 
 from __future__ import annotations
@@ -21,9 +22,9 @@ import torch
 import torch.nn.functional as F
 
 from kvcore.errors import ConfigError
-from kvcore.quant import A8_MAX_ROWS, Int4A8Linear, Int4Groups, Int4Linear, quantized_reasons
+from kvcore.quant import Int4A8Linear, Int4Groups, Int4Linear, quantized_reasons
 
-__all__ = ["LM_HEAD_FORMATS", "INT4_MAX_ROWS", "RescoredInt4Head", "check_lm_head"]
+__all__ = ["LM_HEAD_FORMATS", "INT4_MAX_ROWS", "A8_MAX_ROWS", "RescoredInt4Head", "check_lm_head"]
 
 #: every value of ``EngineConfig.lm_head`` with what it means
 LM_HEAD_FORMATS = {
@@ -32,6 +33,7 @@ LM_HEAD_FORMATS = {
 }
 #: more rows than this run the dense head (see the module docstring)
 INT4_MAX_ROWS = 4
+A8_MAX_ROWS = 16
 
 
 def check_lm_head(fmt: str, dtype: torch.dtype, device: torch.device | str) -> str:

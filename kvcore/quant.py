@@ -1,5 +1,5 @@
 """Quantized linear weights: int4 group-wise and int8 per-channel (torch's CPU weight-only kernels), and int4
-with int8 activations for decode steps (kvcore's own kernel).
+with int8 activations (kvcore's own kernel).
 
 A decoder's matmul weights can be stored in one of these formats (``EngineConfig.weights``, ``--weights``):
 
@@ -8,9 +8,9 @@ A decoder's matmul weights can be stored in one of these formats (``EngineConfig
   ``W = (q - 8) * s + z``, run by ``aten._weight_int4pack_mm_for_cpu``. llama.cpp's Q4_0 / Q4_1 blocks map
   onto it exactly (:mod:`kvcore.loaders.gguf_blocks`); float weights are quantized at load with each group's
   min/max (gpt-fast's scheme).
-* ``int4a8``: the ``int4`` weights; matmuls of up to 16 rows (decode steps) run kvcore's own kernel with the
-  activations quantized to int8 per row and group of 32 (:class:`Int4A8Linear`; AVX512-VNNI), longer ones the
-  int4 kernel. Faster than ``int4`` and less exact (benchmarks/results/quant_accuracy.md).
+* ``int4a8``: the ``int4`` weights (groups of 32), every matmul on kvcore's own kernel with the activations
+  quantized to int8 per row and group of 32 (:class:`Int4A8Linear`; AVX512-VNNI). Faster than ``int4`` and less
+  exact (benchmarks/results/quant_accuracy.md).
 * ``int8``: int8 codes with one scale per output row, symmetric (``W = q * s``, ``s = max|w| / 127``),
   run by ``aten._weight_int8pack_mm``; always quantized at load from the float (or dequantized) weights.
 * ``auto``: ``int4`` for a GGUF whose layer weights are all Q4_0 / Q4_1 when the model runs in bfloat16
@@ -34,7 +34,7 @@ from kvcore.errors import ConfigError
 __all__ = [
     "WEIGHT_FORMATS", "QUANTIZED_FORMATS", "DEFAULT_GROUP_SIZE", "Int4Groups", "Int4Linear", "Int8Linear",
     "check_weight_format", "check_runnable", "quantized_reasons", "unpack_codes", "int4_dense", "unpacks_here",
-    "Int4A8Linear", "pack_int4a8", "A8_MAX_ROWS",
+    "Int4A8Linear", "pack_int4a8",
 ]
 
 #: every value of ``EngineConfig.weights`` with what it means (the CLI help and errors list them)
@@ -43,7 +43,7 @@ WEIGHT_FORMATS = {
     "float": "dense weights in the model dtype (exact reference)",
     "int8": "int8 per-output-channel weight-only (quantized at load)",
     "int4": "int4 group-wise weight-only (GGUF Q4_0/Q4_1 as stored, others quantized at load)",
-    "int4a8": "int4 weights as int4, decode matmuls with int8 activations per group of 32 (AVX512-VNNI)",
+    "int4a8": "int4 weights, matmuls with int8 activations per group of 32 (kvcore's kernel, AVX512-VNNI)",
 }
 QUANTIZED_FORMATS = ("int8", "int4", "int4a8")
 #: llama.cpp's block length: Q4_0/Q4_1/Q8_0 blocks are groups of 32
@@ -77,11 +77,13 @@ def quantized_reasons(fmt: str, dtype: torch.dtype, device: torch.device | str) 
         from kvcore.cpu_kernels import int4a8_reasons
 
         reasons += int4a8_reasons()
-    if dtype != torch.bfloat16:
+    if dtype != torch.bfloat16 and fmt == "int4a8":
+        reasons.append("int4a8 weights need dtype bfloat16 (kvcore's quantized models run in bfloat16; float32 is "
+                       "the exact reference path): use --dtype bfloat16")
+    elif dtype != torch.bfloat16:
         reasons.append(
-            f"{fmt} weights need dtype bfloat16 (torch's fast {fmt.removesuffix('a8')} kernels take bfloat16 "
-            f"activations; with {str(dtype).removeprefix('torch.')} they run a slow reference loop): "
-            "use --dtype bfloat16"
+            f"{fmt} weights need dtype bfloat16 (torch's fast {fmt} kernels take bfloat16 activations; with "
+            f"{str(dtype).removeprefix('torch.')} they run a slow reference loop): use --dtype bfloat16"
         )
     return reasons
 
@@ -173,45 +175,40 @@ class Int4Linear:
         return self(eye).float().t().contiguous()
 
 
-class Int4A8Linear(Int4Linear):
-    """An :class:`Int4Linear` whose matmuls of up to :data:`A8_MAX_ROWS` rows (decode steps) run kvcore's own
-    kernel, ``torch.ops.kvcore.int4_linear`` (``kvcore/csrc/int4_linear.cpp``): activations quantized to int8 per
-    row and group of 32 (as llama.cpp's Q8 blocks), weight codes times activation codes summed by AVX512-VNNI,
-    scales applied per group in float32. ``d`` and ``m`` (``W = d q + m``) are kept in float16, exact for GGUF
-    Q4_0 / Q4_1 blocks. Longer matmuls (prefill) run torch's int4 kernel on its own packed copy (bfloat16
-    activations), as :class:`Int4Linear` does: the weights are held twice."""
+class Int4A8Linear:
+    """``y = x @ W.T`` on kvcore's own kernel, ``torch.ops.kvcore.int4_linear`` (``kvcore/csrc/int4_linear.cpp``),
+    for any number of rows: activations quantized to int8 per row and group of 32 (as llama.cpp's Q8 blocks),
+    weight codes times activation codes summed by AVX512-VNNI, scales applied per group in float32. ``d`` and
+    ``m`` (``W = d q + m``) are kept in float16, exact for GGUF Q4_0 / Q4_1 blocks. Each row is quantized and
+    computed on its own: a row's result does not depend on the others in its batch (decode steps and prefills of
+    the same row agree)."""
 
     format = "int4a8"
 
     def __init__(self, groups: Int4Groups, dtype: torch.dtype = torch.bfloat16) -> None:
-        super().__init__(groups, dtype)
-        if groups.group_size != A8_GROUP:
-            raise ValueError(f"int4a8 takes groups of {A8_GROUP} columns, not {groups.group_size}")
+        n, k = groups.shape
+        if not self.fits(n, k, groups.group_size):
+            raise ValueError(f"int4a8 kernel cannot take a [{n}, {k}] weight in groups of {groups.group_size}")
         from kvcore.cpu_kernels import load_kernels
 
         load_kernels()
+        self.shape, self.group_size, self.dtype = (n, k), groups.group_size, dtype
         self.codes, self.dm = pack_int4a8(groups)
+
+    @staticmethod
+    def fits(n: int, k: int, group_size: int) -> bool:
+        """The kernel's shape rules: output rows in multiples of 16, groups of 32 columns."""
+        return n % 16 == 0 and group_size == A8_GROUP and k % A8_GROUP == 0
 
     @property
     def nbytes(self) -> int:
-        return super().nbytes + self.codes.nbytes + self.dm.nbytes
+        return self.codes.nbytes + self.dm.nbytes
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """``x [T, K]`` in ``self.dtype`` -> ``[T, N]``."""
-        if x.shape[0] <= A8_MAX_ROWS:
-            return torch.ops.kvcore.int4_linear(x.contiguous(), self.codes, self.dm)
-        return super().__call__(x)
-
-    def a8(self, x: torch.Tensor) -> torch.Tensor:
-        """The int8-activation arithmetic for any number of rows (in slices of :data:`A8_MAX_ROWS`; rows are
-        quantized independently, so a row's result does not depend on the others): what decode steps compute,
-        for measuring it over a whole text at once."""
-        return torch.cat([torch.ops.kvcore.int4_linear(part.contiguous(), self.codes, self.dm)
-                          for part in x.split(A8_MAX_ROWS)])
+        return torch.ops.kvcore.int4_linear(x.contiguous(), self.codes, self.dm)
 
 
-#: rows up to which :class:`Int4A8Linear` runs its own kernel (one register of accumulators per row)
-A8_MAX_ROWS = 16
 A8_GROUP = 32
 
 

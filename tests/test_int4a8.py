@@ -1,4 +1,4 @@
-"""The ``int4a8`` weight format: int4 weights, decode matmuls with int8 activations (kvcore/csrc/int4_linear.cpp)."""
+"""The ``int4a8`` weight format: int4 weights, matmuls with int8 activations (kvcore/csrc/int4_linear.cpp)."""
 
 from __future__ import annotations
 
@@ -9,18 +9,21 @@ from helpers import full_attention, make_random_model, weights_of
 from kvcore import Engine, EngineConfig, LlamaModel, SamplingParams
 from kvcore.cpu_kernels import int4a8_reasons
 from kvcore.errors import ConfigError
-from kvcore.quant import A8_MAX_ROWS, Int4A8Linear, Int4Groups, Int4Linear
+from kvcore.lm_head import A8_MAX_ROWS
+from kvcore.quant import Int4A8Linear, Int4Groups
 
 needs_kernel = pytest.mark.skipif(bool(int4a8_reasons()), reason="; ".join(int4a8_reasons()))
 
 
 def _emulated(groups: Int4Groups, x: torch.Tensor) -> torch.Tensor:
-    """The kernel's arithmetic in float64: x quantized per row and group of 32 (a = max|x| / 127, p = round(x / a)),
-    W = d q + m with d and m rounded to float16; sum_g d a (q . p) + m sum(x)."""
+    """The kernel's arithmetic in float64: x quantized per row and group of 32 in float32 (a = max|x| / 127,
+    p = round(x * (127 / max|x|))), W = d q + m with d and m rounded to float16; sum_g d a (q . p) + m sum(x)."""
     n, k = groups.shape
-    xs = x.double().view(x.shape[0], k // 32, 32)
-    a = xs.abs().amax(-1, keepdim=True) / 127
-    p = torch.where(a > 0, xs / a, torch.zeros_like(xs)).round()
+    xf = x.float().view(x.shape[0], k // 32, 32)
+    amax = xf.abs().amax(-1, keepdim=True)
+    # codes rounded from float32 x * (127 / amax), a true division (torch's 127 / t is 127 * t.reciprocal())
+    inv = torch.where(amax > 0, torch.full_like(amax, 127).div(amax), torch.zeros_like(amax))
+    p, a, xs = (xf * inv).round().double(), (amax / 127).double(), xf.double()
     d = groups.scales.half().double()  # [N, G]
     m = (groups.zeros - 8 * groups.scales).half().double()
     q = groups.q.double().view(n, k // 32, 32)
@@ -29,7 +32,7 @@ def _emulated(groups: Int4Groups, x: torch.Tensor) -> torch.Tensor:
 
 
 @needs_kernel
-@pytest.mark.parametrize("rows", [1, 5, A8_MAX_ROWS])
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 45])  # one tile of all rows (decode); tiles of rows (prefill)
 @pytest.mark.parametrize("kind", ["q4_1", "q4_0"])
 def test_kernel_equals_its_arithmetic(rows, kind):
     """Every code, scale and offset lands where the kernel reads it (a layout slip is an O(1) error); what is
@@ -48,10 +51,15 @@ def test_kernel_equals_its_arithmetic(rows, kind):
 
 
 @needs_kernel
-def test_longer_matmuls_run_the_int4_kernel():
-    groups = Int4Groups.from_float(torch.randn(32, 64, generator=torch.Generator().manual_seed(0)))
-    x = torch.randn(A8_MAX_ROWS + 1, 64).to(torch.bfloat16)
-    assert torch.equal(Int4A8Linear(groups)(x), Int4Linear(groups)(x))
+def test_a_row_gives_the_same_result_alone_and_in_any_batch():
+    """Rows are quantized and summed on their own, in the same order whichever path runs them (few rows: one tile
+    split over output blocks; more: tiles of rows): a prompt's prefill and its decode steps compute the same."""
+    g = torch.Generator().manual_seed(0)
+    lin = Int4A8Linear(Int4Groups.from_float(torch.randn(64, 128, generator=g)))
+    x = torch.randn(50, 128, generator=g).to(torch.bfloat16)
+    together = lin(x)
+    assert all(torch.equal(together[i : i + 1], lin(x[i : i + 1])) for i in range(50))
+    assert torch.equal(together[:16], lin(x[:16]))
 
 
 @needs_kernel

@@ -1,4 +1,4 @@
-// kvcore::int4_linear: y = x @ W.T for a few rows of x (decode steps), W in 4-bit groups of 32 input columns
+// kvcore::int4_linear: y = x @ W.T, W in 4-bit groups of 32 input columns
 // (W[n, k] = d[n, g] * q[n, k] + m[n, g], q in 0..15, g = k / 32: llama.cpp's Q4_1; Q4_0 is m = -8 d).
 //
 // Activations are quantized per row and group of 32 to int8 (a = max|x| / 127, p = round(x / a)), as
@@ -14,7 +14,7 @@
 // and q[row, 16 + 4 j + i] in its high one: each 32-bit lane of a vector is one output row's four
 // consecutive codes, vpdpbusd's operand shape. Scales: float16 d and m, [blocks, groups, 2, 16].
 //
-//   x       [M, K]                  float32 or bfloat16, M <= 16, K a multiple of 32
+//   x       [M, K]                  float32 or bfloat16, K a multiple of 32
 //   packed  [N / 16, K / 32, 256]   uint8
 //   dm      [N / 16, K / 32, 2, 16] float16
 //   returns [M, N]                  dtype of x
@@ -39,27 +39,47 @@
 
 namespace {
 
+#ifdef KVCORE_VNNI
+inline __m512 load16(const float* src) { return _mm512_loadu_ps(src); }
+inline __m512 load16(const c10::BFloat16* src) {  // bfloat16 is the top half of a float32
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+#endif
+
 constexpr int64_t kGroup = 32;
 constexpr int64_t kRows = 16;  // output rows per block
 constexpr int64_t kMaxM = 16;
+constexpr int64_t kTileM = 8;  // rows per tile of a longer matmul: accumulators and codes fit in registers
 
-// Per row and group: int8 codes (stored with +0 offset as signed bytes), scale a and the exact sum of x.
+// Per row and group: int8 codes, scale a and the exact sum of x.
 template <typename T>
 void quantize_rows(const T* x, int64_t M, int64_t K, int8_t* p, float* a, float* sx) {
   const int64_t G = K / kGroup;
   for (int64_t r = 0; r < M; ++r) {
     for (int64_t g = 0; g < G; ++g) {
       const T* src = x + r * K + g * kGroup;
+      int8_t* dst = p + (r * G + g) * kGroup;
+#ifdef KVCORE_VNNI
+      const __m512 v0 = load16(src), v1 = load16(src + 16);
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+      const float sum = _mm512_reduce_add_ps(_mm512_add_ps(v0, v1));
+      const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+      // cvtps rounds to nearest even, as nearbyint does below
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v0, inv))));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16),
+                       _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v1, inv))));
+#else
       float v[kGroup], amax = 0.f, sum = 0.f;
       for (int64_t i = 0; i < kGroup; ++i) {
         v[i] = static_cast<float>(src[i]);
         amax = std::max(amax, std::fabs(v[i]));
         sum += v[i];
       }
-      const float scale = amax / 127.f;
       const float inv = amax > 0.f ? 127.f / amax : 0.f;
-      for (int64_t i = 0; i < kGroup; ++i) p[(r * G + g) * kGroup + i] = static_cast<int8_t>(std::nearbyint(v[i] * inv));
-      a[r * G + g] = scale;
+      for (int64_t i = 0; i < kGroup; ++i) dst[i] = static_cast<int8_t>(std::nearbyint(v[i] * inv));
+#endif
+      a[r * G + g] = amax / 127.f;
       sx[r * G + g] = sum;
     }
   }
@@ -79,19 +99,18 @@ void block_dot(const uint8_t* packed, const c10::Half* dm, const int8_t* p, cons
     const uint8_t* w = packed + g * 256;
     for (int64_t line = 0; line < 256; line += 64)  // four groups ahead (a prefetch past the end is harmless)
       _mm_prefetch(reinterpret_cast<const char*>(w + 4 * 256 + line), _MM_HINT_T0);
-    __m512i q[8];
-    for (int64_t j = 0; j < 4; ++j) {
-      const __m512i v = _mm512_loadu_si512(w + 64 * j);
-      q[j] = _mm512_and_si512(v, low);                            // codes 4j .. 4j+3 of every row
-      q[4 + j] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);  // codes 16+4j .. 16+4j+3
-    }
     __m512i s[M];
     for (int64_t r = 0; r < M; ++r) s[r] = _mm512_setzero_si512();
-    for (int64_t j = 0; j < 8; ++j)
+    for (int64_t j = 0; j < 4; ++j) {  // codes unpacked as used: registers for the row accumulators instead
+      const __m512i v = _mm512_loadu_si512(w + 64 * j);
+      const __m512i lo = _mm512_and_si512(v, low);                       // codes 4j .. 4j+3 of every row
+      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);  // codes 16+4j .. 16+4j+3
       for (int64_t r = 0; r < M; ++r) {
         const int32_t* pr = reinterpret_cast<const int32_t*>(p + (r * G + g) * kGroup);
-        s[r] = _mm512_dpbusd_epi32(s[r], q[j], _mm512_set1_epi32(pr[j]));
+        s[r] = _mm512_dpbusd_epi32(s[r], lo, _mm512_set1_epi32(pr[j]));
+        s[r] = _mm512_dpbusd_epi32(s[r], hi, _mm512_set1_epi32(pr[4 + j]));
       }
+    }
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dm + g * 32)));
     const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dm + g * 32 + 16)));
     for (int64_t r = 0; r < M; ++r) {
@@ -137,18 +156,27 @@ at::Tensor int4_linear_impl(const at::Tensor& x, const at::Tensor& packed, const
   const int64_t M = x.size(0), K = x.size(1), G = K / kGroup, blocks = packed.size(0);
   std::vector<int8_t> p(M * K);
   std::vector<float> a(M * G), sx(M * G);
-  quantize_rows<T>(x.data_ptr<T>(), M, K, p.data(), a.data(), sx.data());
+  const T* xp = x.data_ptr<T>();
+  at::parallel_for(0, M, M > kMaxM ? 1 : M, [&](int64_t r0, int64_t r1) {
+    quantize_rows<T>(xp + r0 * K, r1 - r0, K, p.data() + r0 * K, a.data() + r0 * G, sx.data() + r0 * G);
+  });
   at::Tensor out = at::empty({M, blocks * kRows}, x.options());
   T* op = out.data_ptr<T>();
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const c10::Half* sp = dm.data_ptr<c10::Half>();
-  const BlockDot dot = kBlockDots[M - 1];
-  at::parallel_for(0, blocks, 1, [&](int64_t first, int64_t last) {
+  // Up to 16 rows (decode): one tile of all rows, the work split over output blocks. More rows (prefill): tiles of
+  // kTileM rows, items ordered tile-major so that each thread keeps its tile's activations in L1 and walks the
+  // weights (small enough to stay in L2) once per tile.
+  const int64_t tile_m = M <= kMaxM ? M : kTileM, tiles = (M + tile_m - 1) / tile_m;
+  at::parallel_for(0, tiles * blocks, 1, [&](int64_t first, int64_t last) {
     float block[kMaxM * kRows];
-    for (int64_t nb = first; nb < last; ++nb) {
-      dot(wp + nb * G * 256, sp + nb * G * 32, p.data(), a.data(), sx.data(), G, block);
-      for (int64_t r = 0; r < M; ++r)
-        for (int64_t n = 0; n < kRows; ++n) op[r * blocks * kRows + nb * kRows + n] = static_cast<T>(block[r * kRows + n]);
+    for (int64_t item = first; item < last; ++item) {
+      const int64_t t = item / blocks, nb = item % blocks, r0 = t * tile_m, rows = std::min(tile_m, M - r0);
+      kBlockDots[rows - 1](wp + nb * G * 256, sp + nb * G * 32, p.data() + r0 * K, a.data() + r0 * G,
+                           sx.data() + r0 * G, G, block);
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t n = 0; n < kRows; ++n)
+          op[(r0 + r) * blocks * kRows + nb * kRows + n] = static_cast<T>(block[r * kRows + n]);
     }
   });
   return out;
@@ -156,7 +184,7 @@ at::Tensor int4_linear_impl(const at::Tensor& x, const at::Tensor& packed, const
 
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& dm) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "int4_linear: x must be a contiguous [M, K] matrix");
-  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= kMaxM, "int4_linear: 1..16 rows, got ", x.size(0));
+  TORCH_CHECK(x.size(0) >= 1, "int4_linear: x has no rows");
   TORCH_CHECK(x.size(1) % kGroup == 0, "int4_linear: K must be a multiple of 32");
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.is_contiguous() &&
               packed.size(1) == x.size(1) / kGroup && packed.size(2) == 256,
