@@ -116,17 +116,15 @@ void tile(const c10::BFloat16* const* qrows, const int64_t* pos, const uint16_t*
         x1 = _mm512_mask_mov_ps(x1, _mm512_cmpgt_epi32_mask(key1, row), _mm512_set1_ps(kNegInf));
       }
       const float block_max = _mm512_reduce_max_ps(_mm512_max_ps(x0, x1));
-      const float new_max = std::max(m[r], block_max);  // finite: key 0 is always visible
-      const float correction = std::exp(m[r] - new_max);
-      const __m512 e0 = exp16(_mm512_sub_ps(x0, _mm512_set1_ps(new_max)));
-      const __m512 e1 = exp16(_mm512_sub_ps(x1, _mm512_set1_ps(new_max)));
-      m[r] = new_max;
-      if (correction != 1.f) {  // the running max moved: rescale what was accumulated
-        const __m512 c = _mm512_set1_ps(correction);
+      if (block_max > m[r]) {  // the running max moved: rescale what was accumulated (rare after the first blocks)
+        const __m512 c = _mm512_set1_ps(std::exp(m[r] - block_max));  // 0 for the first block (m = -inf)
         l[r] = _mm512_mul_ps(l[r], c);
         _Pragma("GCC unroll 16")
         for (int64_t i = 0; i < NV; ++i) o[r][i] = _mm512_mul_ps(o[r][i], c);
+        m[r] = block_max;
       }
+      const __m512 e0 = exp16(_mm512_sub_ps(x0, _mm512_set1_ps(m[r])));  // m is finite: key 0 is always visible
+      const __m512 e1 = exp16(_mm512_sub_ps(x1, _mm512_set1_ps(m[r])));
       l[r] = _mm512_add_ps(l[r], _mm512_add_ps(e0, e1));
       _mm512_storeu_si512(pw[r], (__m512i)_mm512_cvtne2ps_pbh(e1, e0));  // keys 0..31 as bfloat16 pairs
     }
