@@ -96,14 +96,13 @@ class SDPABackend(AttentionBackend[SDPAPlan]):
         k_cache, v_cache = cache.k_rows.view(shape)[layer_idx], cache.v_rows.view(shape)[layer_idx]  # [S, H_kv, S, D]
         if plan.decode_slot is not None:
             return self._decode_batched(q, k_cache, v_cache, plan)
-        out = torch.empty_like(q)
         starts = meta.cu_seqlens_q.tolist()
-        for i, (slot, ctx, q_len) in enumerate(zip(meta.slots, meta.context_lens, meta.query_lens)):
-            seq_len = ctx + q_len
-            rows = slice(starts[i], starts[i + 1])
-            out[rows] = self._prefill_attend(q[rows], k_cache[slot, :, :seq_len], v_cache[slot, :, :seq_len],
-                                             ctx, meta.scale)
-        return out
+        outs = [
+            self._prefill_attend(q[starts[i] : starts[i + 1]], k_cache[slot, :, : ctx + q_len],
+                                 v_cache[slot, :, : ctx + q_len], ctx, meta.scale)
+            for i, (slot, ctx, q_len) in enumerate(zip(meta.slots, meta.context_lens, meta.query_lens))
+        ]
+        return outs[0] if len(outs) == 1 else torch.cat(outs)  # one sequence: its output as it is, no copy
 
     def _prefill_attend(self, q, k, v, context_len: int, scale: float) -> torch.Tensor:
         """One sequence's query rows ``q [q_len, H, D]`` (positions ``context_len ..``) against its cache views

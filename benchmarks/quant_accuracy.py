@@ -15,8 +15,7 @@ Per format (bfloat16 activations for all but the reference):
     python benchmarks/quant_accuracy.py --formats int4 --out /tmp/acc
 
 Formats: ``bf16`` (dense bfloat16), ``int4`` (the file's Q4_1 blocks as stored, ``weights="auto"``), ``int4a8``
-(the same blocks with int8 activations, measured with that arithmetic at every position, as decode steps
-compute; ``+head``: with the int4 LM head), ``int8``
+(the same blocks with int8 activations in every matmul; ``+head``: with the int4 LM head), ``int8``
 (per-channel, re-quantized from the dequantized weights), ``int4-g128`` (re-quantized in groups of 128).
 """
 
@@ -114,8 +113,6 @@ def main() -> None:
         else:
             model = build_model(blocks if weights in ("auto", "int4a8") else dense, dtype, max_model_len=1024,
                                 weights=weights)
-        if model.weight_format == "int4a8":  # the decode steps' int8-activation arithmetic on every text position
-            model._quantized = {name: [f.a8 for f in fns] for name, fns in model._quantized.items()}
         logits = text_logits(model, text_ids, lm_head)
         err = (logits - ref_logits).abs().amax(-1)  # per position: the largest logit error
         logp = logits.log_softmax(-1)

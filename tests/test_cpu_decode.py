@@ -100,6 +100,8 @@ def test_prefill_kernel_rejects_bad_inputs_with_a_message():
         op(q, k, k, 1, 0.125)
     with pytest.raises(RuntimeError, match="bfloat16 only"):
         op(q.float(), k.float(), k.float(), 2, 0.125)
+    with pytest.raises(RuntimeError, match="scale must be positive"):
+        op(q, k, k, 2, 0.0)
     with pytest.raises(RuntimeError, match="H a multiple of H_kv"):
         op(torch.randn(4, 3, 64).bfloat16(), torch.randn(2, 6, 64).bfloat16(), torch.randn(2, 6, 64).bfloat16(), 2,
            0.125)

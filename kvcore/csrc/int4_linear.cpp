@@ -30,7 +30,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <vector>
+#include <memory>
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #include <immintrin.h>
@@ -154,11 +154,12 @@ constexpr BlockDot kBlockDots[kMaxM] = {block_dot<1>, block_dot<2>, block_dot<3>
 template <typename T>
 at::Tensor int4_linear_impl(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& dm) {
   const int64_t M = x.size(0), K = x.size(1), G = K / kGroup, blocks = packed.size(0);
-  std::vector<int8_t> p(M * K);
-  std::vector<float> a(M * G), sx(M * G);
+  // every element is written by quantize_rows before it is read
+  std::unique_ptr<int8_t[]> p(new int8_t[M * K]);
+  std::unique_ptr<float[]> a(new float[M * G]), sx(new float[M * G]);
   const T* xp = x.data_ptr<T>();
   at::parallel_for(0, M, M > kMaxM ? 1 : M, [&](int64_t r0, int64_t r1) {
-    quantize_rows<T>(xp + r0 * K, r1 - r0, K, p.data() + r0 * K, a.data() + r0 * G, sx.data() + r0 * G);
+    quantize_rows<T>(xp + r0 * K, r1 - r0, K, p.get() + r0 * K, a.get() + r0 * G, sx.get() + r0 * G);
   });
   at::Tensor out = at::empty({M, blocks * kRows}, x.options());
   T* op = out.data_ptr<T>();
@@ -172,8 +173,8 @@ at::Tensor int4_linear_impl(const at::Tensor& x, const at::Tensor& packed, const
     float block[kMaxM * kRows];
     for (int64_t item = first; item < last; ++item) {
       const int64_t t = item / blocks, nb = item % blocks, r0 = t * tile_m, rows = std::min(tile_m, M - r0);
-      kBlockDots[rows - 1](wp + nb * G * 256, sp + nb * G * 32, p.data() + r0 * K, a.data() + r0 * G,
-                           sx.data() + r0 * G, G, block);
+      kBlockDots[rows - 1](wp + nb * G * 256, sp + nb * G * 32, p.get() + r0 * K, a.get() + r0 * G,
+                           sx.get() + r0 * G, G, block);
       for (int64_t r = 0; r < rows; ++r)
         for (int64_t n = 0; n < kRows; ++n)
           op[(r0 + r) * blocks * kRows + nb * kRows + n] = static_cast<T>(block[r * kRows + n]);

@@ -26,7 +26,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
-#include <vector>
+#include <memory>
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include <immintrin.h>
@@ -106,8 +106,7 @@ void tile(const c10::BFloat16* const* qrows, const int64_t* pos, const uint16_t*
     const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     _Pragma("GCC unroll 4")
     for (int64_t r = 0; r < R; ++r) {
-      __m512 x0 = _mm512_mul_ps(s[r][0], _mm512_set1_ps(scale));
-      __m512 x1 = _mm512_mul_ps(s[r][1], _mm512_set1_ps(scale));
+      __m512 x0 = s[r][0], x1 = s[r][1];  // unscaled: the scale (> 0) is applied inside the exponent
       if ((b + 1) * kKeys - 1 > pos[r]) {  // the block reaches past this row's position: mask those keys
         const __m512i key0 = _mm512_add_epi32(lanes, _mm512_set1_epi32(static_cast<int32_t>(b * kKeys)));
         const __m512i key1 = _mm512_add_epi32(key0, _mm512_set1_epi32(16));
@@ -117,14 +116,15 @@ void tile(const c10::BFloat16* const* qrows, const int64_t* pos, const uint16_t*
       }
       const float block_max = _mm512_reduce_max_ps(_mm512_max_ps(x0, x1));
       if (block_max > m[r]) {  // the running max moved: rescale what was accumulated (rare after the first blocks)
-        const __m512 c = _mm512_set1_ps(std::exp(m[r] - block_max));  // 0 for the first block (m = -inf)
+        const __m512 c = _mm512_set1_ps(std::exp((m[r] - block_max) * scale));  // 0 for the first block (m = -inf)
         l[r] = _mm512_mul_ps(l[r], c);
         _Pragma("GCC unroll 16")
         for (int64_t i = 0; i < NV; ++i) o[r][i] = _mm512_mul_ps(o[r][i], c);
         m[r] = block_max;
       }
-      const __m512 e0 = exp16(_mm512_sub_ps(x0, _mm512_set1_ps(m[r])));  // m is finite: key 0 is always visible
-      const __m512 e1 = exp16(_mm512_sub_ps(x1, _mm512_set1_ps(m[r])));
+      const __m512 shift = _mm512_set1_ps(-m[r] * scale);  // m is finite: key 0 is always visible
+      const __m512 e0 = exp16(_mm512_fmadd_ps(x0, _mm512_set1_ps(scale), shift));  // exp(scale (s - m))
+      const __m512 e1 = exp16(_mm512_fmadd_ps(x1, _mm512_set1_ps(scale), shift));
       l[r] = _mm512_add_ps(l[r], _mm512_add_ps(e0, e1));
       _mm512_storeu_si512(pw[r], (__m512i)_mm512_cvtne2ps_pbh(e1, e0));  // keys 0..31 as bfloat16 pairs
     }
@@ -167,7 +167,9 @@ void prefill_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2), Hkv = k.size(0), L = k.size(1), G = H / Hkv;
   constexpr int64_t Dp = NV * 16;
   const int64_t blocks = (L + kKeys - 1) / kKeys, per_head = blocks * Dp * kKeys;
-  std::vector<uint16_t> kp(Hkv * per_head), vp(Hkv * per_head);
+  std::unique_ptr<uint16_t[]> kp_buf(new uint16_t[Hkv * per_head]), vp_buf(new uint16_t[Hkv * per_head]);
+  uint16_t* kp = kp_buf.get();  // pack_kv writes every element, zero padding included
+  uint16_t* vp = vp_buf.get();
   const c10::BFloat16* qd = q.data_ptr<c10::BFloat16>();
   const c10::BFloat16* kd = k.data_ptr<c10::BFloat16>();
   const c10::BFloat16* vd = v.data_ptr<c10::BFloat16>();
@@ -175,7 +177,7 @@ void prefill_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   at::parallel_for(0, Hkv, 1, [&](int64_t h0, int64_t h1) {
     for (int64_t h = h0; h < h1; ++h)
       pack_kv(kd + h * k.stride(0), vd + h * v.stride(0), k.stride(1), v.stride(1), L, D, Dp,
-              kp.data() + h * per_head, vp.data() + h * per_head);
+              kp + h * per_head, vp + h * per_head);
   });
   // Work items (KV head, tile of 4 rows, query head of its group), in that order: consecutive items read the
   // same packed keys and values while they are in cache. Later tiles see more keys, so tiles are taken
@@ -194,7 +196,7 @@ void prefill_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
         orows[r] = od + (row0 + r) * out.stride(0) + h * out.stride(1);
         pos[r] = context_len + row0 + r;
       }
-      run_tile<NV>(rows, qrows, pos, kp.data() + hk * per_head, vp.data() + hk * per_head, D, scale, orows);
+      run_tile<NV>(rows, qrows, pos, kp + hk * per_head, vp + hk * per_head, D, scale, orows);
     }
   });
 }
@@ -212,6 +214,7 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
               "prefill_attention: shapes must be q [T, H, D], k = v [H_kv, L, D] with H a multiple of H_kv");
   TORCH_CHECK(context_len >= 0 && k.size(1) == context_len + q.size(0), "prefill_attention: L must be context_len + T");
   TORCH_CHECK(q.size(2) >= 1 && q.size(2) <= 256, "prefill_attention: head_dim must be 1..256");
+  TORCH_CHECK(scale > 0, "prefill_attention: scale must be positive");
   at::Tensor out = at::empty(q.sizes(), q.options());
   const int64_t nv = (q.size(2) + 15) / 16;
   const float s = static_cast<float>(scale);
