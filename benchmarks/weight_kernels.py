@@ -6,11 +6,13 @@ memory traffic of a real decode step), configurations interleaved pass by pass. 
 
     python benchmarks/weight_kernels.py                     # rows 1, 8, 64; torch's default threads
     python benchmarks/weight_kernels.py --rows 1 --threads 1
+    python benchmarks/weight_kernels.py --rows 2048 --threads 2 --passes 3 \
+        --only "layers: bf16 oneDNN,layers: int4a8"                       # a 2048-token prefill's matmuls
 
 Configurations: ``fp32 split GEMV`` (kvcore's float32 one-row path), ``fp32 oneDNN`` (its multi-row path),
 ``bf16 F.linear`` (plain), ``bf16 oneDNN`` (prepacked: kvcore's bfloat16 path), ``int4`` (groups of 32,
 bfloat16 activations), ``int8`` (per-channel, bfloat16 activations), ``int4a8`` (the int4 weights with int8
-activations for up to 16 rows, where the CPU has AVX512-VNNI); ``head:`` rows time the LM head alone.
+activations, where the CPU has AVX512-VNNI); ``head:`` rows time the LM head alone.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ def main() -> None:
     ap.add_argument("--rows", default="1,8,64")
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--passes", type=int, default=7)
+    ap.add_argument("--only", default="", help="comma-separated configuration names to time (default: all), "
+                    "e.g. 'layers: bf16 oneDNN,layers: int4a8' for prefill-sized --rows 2048")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -55,6 +59,13 @@ def main() -> None:
         kernels[f"{label}: int8"] = [("call", Int8Linear(w)) for w in ws]
         if not int4a8_reasons():
             kernels[f"{label}: int4a8"] = [("call", Int4A8Linear(Int4Groups.from_float(w, 32))) for w in ws]
+
+    if args.only:
+        wanted = [name.strip() for name in args.only.split(",")]
+        unknown = [name for name in wanted if name not in kernels]
+        if unknown:
+            raise SystemExit(f"--only: unknown {unknown}; choose from {list(kernels)}")
+        kernels = {name: kernels[name] for name in wanted}
 
     def run(entries, rows):
         for kind, w in entries:

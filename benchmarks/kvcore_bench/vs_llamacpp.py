@@ -78,8 +78,7 @@ def _kernels(engine) -> str:
     elif fmt == "int4":
         matmul = "int4 group-wise weight-only (_weight_int4pack_mm_for_cpu, bfloat16 activations)"
     elif fmt == "int4a8":
-        matmul = ("int4 group-wise; up to 16 rows kvcore int4_linear (int8 activations per group of 32, "
-                  "AVX512-VNNI), more rows _weight_int4pack_mm_for_cpu (bfloat16 activations)")
+        matmul = "int4 group-wise, kvcore int4_linear (int8 activations per group of 32, AVX512-VNNI)"
     elif fmt == "int8":
         matmul = "int8 per-channel weight-only (_weight_int8pack_mm, bfloat16 activations)"
     elif model.dtype == torch.bfloat16 and model.device.type == "cpu" and cpu_features().bf16_matmul:
@@ -97,11 +96,14 @@ def _kernels(engine) -> str:
     compiled = getattr(engine, "compiled_decode", None) is not None
     compiled = "; decode steps torch.compile'd (inductor, C++ wrapper)" if compiled else ""
     decode = engine.decode_backend.name
+    prefill = engine.prefill_backend.name
     if decode == "cpu_decode":
         from kvcore.cpu_kernels import vector_isa
 
         decode += f" (kvcore C++ kernel, {vector_isa()})"
-    return (f"attention prefill={engine.prefill_backend.name} decode={decode}, "
+    if prefill == "cpu_decode" and model.dtype == torch.bfloat16 and torch.ops.kvcore.prefill_attention_available():
+        prefill += " (kvcore C++ kernel, AVX512_BF16)"
+    return (f"attention prefill={prefill} decode={decode}, "
             f"KV cache {engine.cache.name}; matmuls {matmul}{compiled}")
 
 

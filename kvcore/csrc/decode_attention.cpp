@@ -18,10 +18,15 @@
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
+#if defined(CPU_CAPABILITY_AVX512)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -55,6 +60,28 @@ inline void load_row(const T* src, int64_t D, Vec* dst) {
 inline float sum(const Vec& v) {
   return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, v);
 }
+
+#if defined(CPU_CAPABILITY_AVX512)
+// The 16 horizontal sums of s[0..15] as one vector (lane t = sum of s[t]): pairs merged by interleaving and
+// adding, 32-bit then 64-bit elements within each 128-bit lane, then 128-bit lanes across vectors; 45
+// instructions instead of 16 separate reductions.
+inline __m512 sum16(const __m512* s) {
+  __m512 a[8], b[4];
+  for (int t = 0; t < 8; ++t)  // per 128-bit lane: [s2t, s2t+1, s2t, s2t+1] partial sums
+    a[t] = _mm512_add_ps(_mm512_unpacklo_ps(s[2 * t], s[2 * t + 1]), _mm512_unpackhi_ps(s[2 * t], s[2 * t + 1]));
+  for (int u = 0; u < 4; ++u) {  // per 128-bit lane: keys 4u .. 4u + 3, that lane's share of each sum
+    const __m512d lo = _mm512_unpacklo_pd(_mm512_castps_pd(a[2 * u]), _mm512_castps_pd(a[2 * u + 1]));
+    const __m512d hi = _mm512_unpackhi_pd(_mm512_castps_pd(a[2 * u]), _mm512_castps_pd(a[2 * u + 1]));
+    b[u] = _mm512_add_ps(_mm512_castpd_ps(lo), _mm512_castpd_ps(hi));
+  }
+  const __m512 c01 = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_f32x4(b[0], b[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 c23 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_f32x4(b[2], b[3], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(c01, c23, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(c01, c23, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+#endif
 
 // Keys [begin, end) of one (sequence, KV head): unnormalised output rows acc[G][NV * Vec::size()], running
 // max m[G] and sum l[G] of exp(score - m). Each block of keys and values is widened to float32 once into
@@ -95,7 +122,19 @@ void attend_chunk(const T* q, const T* k, const T* v, int64_t k_stride, int64_t 
     for (int64_t g = 0; g < G; ++g) {
       Vec qv[NV], out[NV];
       for (int64_t i = 0; i < NV; ++i) qv[i] = Vec::loadu(qf[g] + i * Vec::size());
-      for (int64_t j = 0; j < n; ++j) {
+      int64_t j = 0;
+#if defined(CPU_CAPABILITY_AVX512)
+      for (; j + 16 <= n; j += 16) {  // 16 keys' products, summed by one transposing reduction
+        __m512 s[16];
+        for (int64_t t = 0; t < 16; ++t) {
+          Vec acc_t = qv[0] * Vec::loadu(kf[j + t]);
+          for (int64_t i = 1; i < NV; ++i) acc_t = at::vec::fmadd(qv[i], Vec::loadu(kf[j + t] + i * Vec::size()), acc_t);
+          s[t] = acc_t;
+        }
+        _mm512_storeu_ps(p[g] + j, sum16(s));
+      }
+#endif
+      for (; j < n; ++j) {
         Vec s = qv[0] * Vec::loadu(kf[j]);
         for (int64_t i = 1; i < NV; ++i) s = at::vec::fmadd(qv[i], Vec::loadu(kf[j] + i * Vec::size()), s);
         p[g][j] = sum(s);
@@ -123,6 +162,89 @@ void attend_chunk(const T* q, const T* k, const T* v, int64_t k_stride, int64_t 
     }
   }
 }
+
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
+#define KVCORE_BF16_DECODE 1
+// attend_chunk for bfloat16 rows of D = 32 NB on CPUs with AVX512_BF16: no widening to float32 buffers. A
+// score is vdpbf16ps of the query row with the key row as read (pairs of products summed into float32
+// lanes), 16 keys' lanes summed at once (sum16); the values of two consecutive keys are interleaved (the
+// bfloat16-pair operand of vdpbf16ps) and weighted by the two keys' probabilities rounded to bfloat16, as the
+// prefill kernel and GPU flash attention do. The accumulators hold the dimensions in unpacklo/unpackhi order
+// (per 128-bit lane: 4 dims from the low half, 4 from the high half) until the chunk is written out.
+template <int64_t NB>
+void attend_chunk_bf16(const c10::BFloat16* q, const c10::BFloat16* k, const c10::BFloat16* v, int64_t k_stride,
+                       int64_t v_stride, int64_t begin, int64_t end, int64_t G, float scale, float* acc, float* m,
+                       float* l) {
+  constexpr int64_t D = 32 * NB;
+  alignas(64) float p[kMaxGroup][kBlock];
+  alignas(64) uint32_t pw[kMaxGroup][kBlock / 2];     // probabilities of key pairs as bfloat16 pairs
+  alignas(64) float ob[kMaxGroup][2 * NB][16];         // unnormalised outputs, interleaved dimension order
+  alignas(64) uint16_t vi[kBlock / 2][2 * NB][32];    // values of key pairs, interleaved
+  for (int64_t g = 0; g < G; ++g) {
+    std::fill(&ob[g][0][0], &ob[g][0][0] + 2 * NB * 16, 0.f);
+    m[g] = kNegInf;
+    l[g] = 0.f;
+  }
+  for (int64_t b0 = begin; b0 < end; b0 += kBlock) {
+    const int64_t n = std::min(kBlock, end - b0);
+    for (int64_t j = 0; j < n; ++j)  // as attend_chunk: rows kAhead keys on into the outer caches
+      if (b0 + kAhead + j < end)
+        for (int64_t byte = 0; byte < D * 2; byte += 64) {
+          __builtin_prefetch(reinterpret_cast<const char*>(k + (b0 + kAhead + j) * k_stride) + byte, 0, 1);
+          __builtin_prefetch(reinterpret_cast<const char*>(v + (b0 + kAhead + j) * v_stride) + byte, 0, 1);
+        }
+    for (int64_t jp = 0; jp < (n + 1) / 2; ++jp) {
+      const c10::BFloat16* v0 = v + (b0 + 2 * jp) * v_stride;
+      const c10::BFloat16* v1 = v0 + v_stride;
+      const bool pair = 2 * jp + 1 < n;
+      for (int64_t i = 0; i < NB; ++i) {
+        const __m512i x0 = _mm512_loadu_si512(v0 + 32 * i);
+        const __m512i x1 = pair ? _mm512_loadu_si512(v1 + 32 * i) : _mm512_setzero_si512();
+        _mm512_store_si512(vi[jp][2 * i], _mm512_unpacklo_epi16(x0, x1));
+        _mm512_store_si512(vi[jp][2 * i + 1], _mm512_unpackhi_epi16(x0, x1));
+      }
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      __m512bh qv[NB];
+      for (int64_t i = 0; i < NB; ++i) qv[i] = (__m512bh)_mm512_loadu_si512(q + g * D + 32 * i);
+      for (int64_t j0 = 0; j0 < n; j0 += 16) {
+        __m512 sc[16];
+        for (int64_t t = 0; t < 16; ++t) {
+          sc[t] = _mm512_setzero_ps();
+          if (j0 + t < n)
+            for (int64_t i = 0; i < NB; ++i)
+              sc[t] = _mm512_dpbf16_ps(sc[t], qv[i], (__m512bh)_mm512_loadu_si512(k + (b0 + j0 + t) * k_stride + 32 * i));
+        }
+        _mm512_store_ps(p[g] + j0, _mm512_mul_ps(sum16(sc), _mm512_set1_ps(scale)));
+      }
+      for (int64_t j = n; j < kBlock; ++j) p[g][j] = kNegInf;  // padding: exp gives 0
+      const __m512 s0 = _mm512_load_ps(p[g]), s1 = _mm512_load_ps(p[g] + 16);
+      const float block_max = _mm512_reduce_max_ps(_mm512_max_ps(s0, s1));
+      if (block_max > m[g]) {  // the running max moved: rescale what was accumulated
+        const __m512 c = _mm512_set1_ps(std::exp(m[g] - block_max));  // 0 on the first block (m = -inf)
+        l[g] *= _mm512_cvtss_f32(c);
+        for (int64_t i = 0; i < 2 * NB; ++i) _mm512_store_ps(ob[g][i], _mm512_mul_ps(_mm512_load_ps(ob[g][i]), c));
+        m[g] = block_max;
+      }
+      const __m512 e0 = Vec(_mm512_sub_ps(s0, _mm512_set1_ps(m[g]))).exp_u20();
+      const __m512 e1 = Vec(_mm512_sub_ps(s1, _mm512_set1_ps(m[g]))).exp_u20();
+      l[g] += _mm512_reduce_add_ps(_mm512_add_ps(e0, e1));
+      _mm512_store_si512(pw[g], (__m512i)_mm512_cvtne2ps_pbh(e1, e0));  // keys 0..31 as bfloat16 pairs
+      __m512 o[2 * NB];
+      for (int64_t i = 0; i < 2 * NB; ++i) o[i] = _mm512_load_ps(ob[g][i]);
+      for (int64_t jp = 0; jp < (n + 1) / 2; ++jp) {
+        const __m512bh pp = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(pw[g][jp]));
+        for (int64_t i = 0; i < 2 * NB; ++i) o[i] = _mm512_dpbf16_ps(o[i], pp, (__m512bh)_mm512_load_si512(vi[jp][i]));
+      }
+      for (int64_t i = 0; i < 2 * NB; ++i) _mm512_store_ps(ob[g][i], o[i]);
+    }
+  }
+  for (int64_t g = 0; g < G; ++g)  // back to dimension order: lane f of vector (i, half) is dim 32 i + 8 (f / 4) + 4 half + f % 4
+    for (int64_t i = 0; i < NB; ++i)
+      for (int64_t half = 0; half < 2; ++half)
+        for (int64_t f = 0; f < 16; ++f) acc[g * D + 32 * i + 8 * (f / 4) + 4 * half + f % 4] = ob[g][2 * i + half][f];
+}
+#endif
 
 template <typename T, int64_t NV>
 void decode_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const int32_t* seq_lens,
@@ -152,6 +274,16 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
         std::fill(ls, ls + G, 0.f);
         continue;
       }
+#ifdef KVCORE_BF16_DECODE
+      if constexpr (std::is_same_v<T, c10::BFloat16> && NV % 2 == 0) {
+        if (D == W) {  // whole 32-dim bfloat16 vectors
+          attend_chunk_bf16<NV / 2>(qp + bh * G * D, kp + b * k.stride(0) + h * k.stride(1),
+                                    vp + b * v.stride(0) + h * v.stride(1), k.stride(2), v.stride(2), begin, end, G,
+                                    scale, acc.data() + item * G * W, ms, ls);
+          continue;
+        }
+      }
+#endif
       attend_chunk<T, NV>(qp + bh * G * D, kp + b * k.stride(0) + h * k.stride(1),
                           vp + b * v.stride(0) + h * v.stride(1), k.stride(2), v.stride(2), begin, end, G, D, scale,
                           acc.data() + item * G * W, ms, ls);
