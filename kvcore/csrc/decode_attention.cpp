@@ -165,9 +165,10 @@ void attend_chunk(const T* q, const T* k, const T* v, int64_t k_stride, int64_t 
 
 #if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
 #define KVCORE_BF16_DECODE 1
-// attend_chunk for bfloat16 rows of D = 32 NB on CPUs with AVX512_BF16: no widening to float32 buffers. A
-// score is vdpbf16ps of the query row with the key row as read (pairs of products summed into float32
-// lanes), 16 keys' lanes summed at once (sum16); the values of two consecutive keys are interleaved (the
+// attend_chunk for bfloat16 rows of D = 32 NB on CPUs with AVX512_BF16: no widening to float32. Each block's
+// key and value rows are read in one pass (keys copied as they are, values interleaved, into L1 buffers). A
+// score is vdpbf16ps of the query row with the key row (pairs of products summed into float32 lanes), 16
+// keys' lanes summed at once (sum16); the values of two consecutive keys are interleaved (the
 // bfloat16-pair operand of vdpbf16ps) and weighted by the two keys' probabilities rounded to bfloat16, as the
 // prefill kernel and GPU flash attention do. The accumulators hold the dimensions in unpacklo/unpackhi order
 // (per 128-bit lane: 4 dims from the low half, 4 from the high half) until the chunk is written out.
@@ -180,6 +181,7 @@ void attend_chunk_bf16(const c10::BFloat16* q, const c10::BFloat16* k, const c10
   alignas(64) uint32_t pw[kMaxGroup][kBlock / 2];     // probabilities of key pairs as bfloat16 pairs
   alignas(64) float ob[kMaxGroup][2 * NB][16];         // unnormalised outputs, interleaved dimension order
   alignas(64) uint16_t vi[kBlock / 2][2 * NB][32];    // values of key pairs, interleaved
+  alignas(64) uint16_t kb[kBlock][D];                  // the block's key rows, read with its values in one pass
   for (int64_t g = 0; g < G; ++g) {
     std::fill(&ob[g][0][0], &ob[g][0][0] + 2 * NB * 16, 0.f);
     m[g] = kNegInf;
@@ -197,7 +199,10 @@ void attend_chunk_bf16(const c10::BFloat16* q, const c10::BFloat16* k, const c10
       const c10::BFloat16* v0 = v + (b0 + 2 * jp) * v_stride;
       const c10::BFloat16* v1 = v0 + v_stride;
       const bool pair = 2 * jp + 1 < n;
+      const c10::BFloat16* k0 = k + (b0 + 2 * jp) * k_stride;
       for (int64_t i = 0; i < NB; ++i) {
+        _mm512_store_si512(kb[2 * jp] + 32 * i, _mm512_loadu_si512(k0 + 32 * i));
+        if (pair) _mm512_store_si512(kb[2 * jp + 1] + 32 * i, _mm512_loadu_si512(k0 + k_stride + 32 * i));
         const __m512i x0 = _mm512_loadu_si512(v0 + 32 * i);
         const __m512i x1 = pair ? _mm512_loadu_si512(v1 + 32 * i) : _mm512_setzero_si512();
         _mm512_store_si512(vi[jp][2 * i], _mm512_unpacklo_epi16(x0, x1));
@@ -213,7 +218,7 @@ void attend_chunk_bf16(const c10::BFloat16* q, const c10::BFloat16* k, const c10
           sc[t] = _mm512_setzero_ps();
           if (j0 + t < n)
             for (int64_t i = 0; i < NB; ++i)
-              sc[t] = _mm512_dpbf16_ps(sc[t], qv[i], (__m512bh)_mm512_loadu_si512(k + (b0 + j0 + t) * k_stride + 32 * i));
+              sc[t] = _mm512_dpbf16_ps(sc[t], qv[i], (__m512bh)_mm512_load_si512(kb[j0 + t] + 32 * i));
         }
         _mm512_store_ps(p[g] + j0, _mm512_mul_ps(sum16(sc), _mm512_set1_ps(scale)));
       }
