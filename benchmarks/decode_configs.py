@@ -1,5 +1,6 @@
-"""Batch-1 decode step time of several engine configurations side by side (SmolLM2, sdpa), alternating in
-one process so that the machine's load hits them alike; the first configuration is the baseline.
+"""Batch-1 decode step time of several engine configurations side by side (SmolLM2; backend sdpa unless a
+configuration names another), alternating in one process so that the machine's load hits them alike; the first
+configuration is the baseline.
 
     python benchmarks/decode_configs.py '{"dtype": "float32"}' \
         '{"dtype": "bfloat16", "weights": "float"}' '{"dtype": "bfloat16", "weights": "float", "compile": true}'
@@ -33,7 +34,7 @@ def main() -> None:
     configs = [json.loads(c) for c in args.configs]
     engines, warmups = [], []
     for config in configs:
-        engine = Engine.from_pretrained("smollm2", EngineConfig(backend="sdpa", max_model_len=1024, **config))
+        engine = Engine.from_pretrained("smollm2", EngineConfig(**{"backend": "sdpa", "max_model_len": 1024, **config}))
         engine.add_request(list(range(100, 164)), SamplingParams(
             max_new_tokens=args.rounds * args.steps + 8, ignore_eos=True))
         start = time.perf_counter()
