@@ -46,8 +46,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="torch device (default cpu)")
     p.add_argument("--weights", default=None, choices=["auto", "float", "int8", "int4", "int4a8"],
                    help="matmul weights: auto (default: int4 for a Q4 GGUF in bfloat16, else float), float, "
-                        "int8 or int4 (weight-only quantized), int4a8 (int4 with int8 activations in decode "
-                        "steps, AVX512-VNNI); quantized formats need --dtype bfloat16 on CPU")
+                        "int8 or int4 (weight-only quantized), int4a8 (int4 with int8 activations, kvcore's "
+                        "kernel, AVX512-VNNI); quantized formats need --dtype bfloat16 on CPU")
     p.add_argument("--lm-head", default=None, choices=["dense", "int4"],
                    help="LM head: dense (default) or int4 (int4 scores, the top 64 candidates rescored with the "
                         "dense head; needs --dtype bfloat16 on CPU)")
