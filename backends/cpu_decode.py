@@ -1,4 +1,4 @@
-"""``cpu_decode``: torch SDPA for prefill, kvcore's own C++ kernel for decode steps (CPU).
+"""``cpu_decode``: kvcore's own C++ attention kernels on CPU: every decode step, and bfloat16 prefills.
 
 A decode step's attention is one query row per head against the whole cache, a shape fused prefill kernels
 are not built for: torch's CPU flash-attention kernel runs it through its blocked GEMM machinery, whose
@@ -6,8 +6,9 @@ per-call and per-block overhead dominates at short contexts, and with three KV h
 three work items. ``torch.ops.kvcore.decode_attention`` (:mod:`kvcore.cpu_kernels`, built on first use)
 reads each key and value row once for the ``H / H_kv`` query heads sharing it, splits long contexts into
 chunks so every thread has work even at batch 1 ("split-K", merged with the online-softmax rescaling) and
-computes in float32. At long contexts with many sequences both kernels wait on memory (measured speed:
-benchmarks/README.md, "Decode attention kernel").
+computes in float32 (bfloat16 rows on AVX512_BF16 CPUs: products of bfloat16 pairs summed in float32 by
+``vdpbf16ps``, probabilities rounded to bfloat16 as in prefill). At long contexts with many sequences both
+kernels wait on memory (measured speed: benchmarks/README.md, "Decode attention kernel").
 
 In bfloat16 on CPUs with AVX512_BF16, prefill attention is kvcore's too: ``torch.ops.kvcore.prefill_attention``
 multiplies bfloat16 pairs into float32 sums with ``vdpbf16ps``, flash-attention style (tiles of 4 query rows

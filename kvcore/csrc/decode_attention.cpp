@@ -5,7 +5,9 @@
 // ("split-K", as flash-decoding does on GPUs) so that even one sequence with few KV heads keeps every
 // thread busy; each chunk keeps a running max and sum per query row (online softmax) and the chunks are
 // merged at the end. Each key and value row is read once for the whole group and widened to float32 once;
-// all arithmetic is float32, vectorised with ATen's Vectorized<float> for the ISA the build targets.
+// all arithmetic is float32, vectorised with ATen's Vectorized<float> for the ISA the build targets. Built
+// with AVX512_BF16, bfloat16 rows whose size is a multiple of 32 take attend_chunk_bf16 instead (vdpbf16ps on
+// the rows as they are).
 //
 //   q        [B, H_kv, G, D]   float32 or bfloat16, contiguous
 //   k, v     [B, H_kv, L, D]   same dtype; any strides on the first three dims, rows contiguous
