@@ -85,6 +85,27 @@ inline __m512 sum16(const __m512* s) {
 }
 #endif
 
+// One block's online-softmax step for one query row: its n scores p[0..n) become exp(score - max) in place
+// (p[n..kBlock) are set to 0), and its running max m and sum l take the block in. Returns the factor for what
+// was accumulated before: exp(old max - new max), 1 when the max did not move, 0 on the first block (m = -inf).
+inline float softmax_block(float* p, int64_t n, float& m, float& l) {
+  std::fill(p + n, p + kBlock, kNegInf);  // padding: exp gives 0
+  Vec top = Vec::loadu(p);
+  for (int64_t j = Vec::size(); j < kBlock; j += Vec::size()) top = at::vec::maximum(top, Vec::loadu(p + j));
+  const float new_max =
+      std::max(m, at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, top));
+  const float correction = new_max > m ? std::exp(m - new_max) : 1.f;  // exp(0) is 1: no call when unmoved
+  Vec total(0.f);
+  for (int64_t j = 0; j < kBlock; j += Vec::size()) {
+    Vec e = (Vec::loadu(p + j) - Vec(new_max)).exp_u20();
+    e.store(p + j);
+    total = total + e;
+  }
+  l = l * correction + sum(total);
+  m = new_max;
+  return correction;
+}
+
 // Keys [begin, end) of one (sequence, KV head): unnormalised output rows acc[G][NV * Vec::size()], running
 // max m[G] and sum l[G] of exp(score - m). Each block of keys and values is widened to float32 once into
 // buffers that stay in L1; the per-row loops then keep their query and accumulator vectors in registers.
@@ -141,20 +162,7 @@ void attend_chunk(const T* q, const T* k, const T* v, int64_t k_stride, int64_t 
         for (int64_t i = 1; i < NV; ++i) s = at::vec::fmadd(qv[i], Vec::loadu(kf[j] + i * Vec::size()), s);
         p[g][j] = sum(s);
       }
-      for (int64_t j = n; j < kBlock; ++j) p[g][j] = kNegInf;  // padding: exp gives 0
-      Vec top = Vec::loadu(p[g]);
-      for (int64_t j = Vec::size(); j < kBlock; j += Vec::size()) top = at::vec::maximum(top, Vec::loadu(p[g] + j));
-      const float new_max = std::max(m[g], at::vec::vec_reduce_all<float>(
-                                               [](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, top));
-      const float correction = std::exp(m[g] - new_max);  // 0 on the first block (m = -inf)
-      Vec total(0.f);
-      for (int64_t j = 0; j < kBlock; j += Vec::size()) {
-        Vec e = (Vec::loadu(p[g] + j) - Vec(new_max)).exp_u20();
-        e.store(p[g] + j);
-        total = total + e;
-      }
-      l[g] = l[g] * correction + sum(total);
-      m[g] = new_max;
+      const float correction = softmax_block(p[g], n, m[g], l[g]);
       for (int64_t i = 0; i < NV; ++i) out[i] = Vec::loadu(acc + g * W + i * Vec::size()) * Vec(correction);
       for (int64_t j = 0; j < n; ++j) {
         const Vec pj(p[g][j]);
@@ -224,19 +232,12 @@ void attend_chunk_bf16(const c10::BFloat16* q, const c10::BFloat16* k, const c10
         }
         _mm512_store_ps(p[g] + j0, _mm512_mul_ps(sum16(sc), _mm512_set1_ps(scale)));
       }
-      for (int64_t j = n; j < kBlock; ++j) p[g][j] = kNegInf;  // padding: exp gives 0
-      const __m512 s0 = _mm512_load_ps(p[g]), s1 = _mm512_load_ps(p[g] + 16);
-      const float block_max = _mm512_reduce_max_ps(_mm512_max_ps(s0, s1));
-      if (block_max > m[g]) {  // the running max moved: rescale what was accumulated
-        const __m512 c = _mm512_set1_ps(std::exp(m[g] - block_max));  // 0 on the first block (m = -inf)
-        l[g] *= _mm512_cvtss_f32(c);
+      const float correction = softmax_block(p[g], n, m[g], l[g]);
+      if (correction != 1.f) {  // the running max moved: rescale what was accumulated
+        const __m512 c = _mm512_set1_ps(correction);
         for (int64_t i = 0; i < 2 * NB; ++i) _mm512_store_ps(ob[g][i], _mm512_mul_ps(_mm512_load_ps(ob[g][i]), c));
-        m[g] = block_max;
       }
-      const __m512 e0 = Vec(_mm512_sub_ps(s0, _mm512_set1_ps(m[g]))).exp_u20();
-      const __m512 e1 = Vec(_mm512_sub_ps(s1, _mm512_set1_ps(m[g]))).exp_u20();
-      l[g] += _mm512_reduce_add_ps(_mm512_add_ps(e0, e1));
-      _mm512_store_si512(pw[g], (__m512i)_mm512_cvtne2ps_pbh(e1, e0));  // keys 0..31 as bfloat16 pairs
+      _mm512_store_si512(pw[g], (__m512i)_mm512_cvtne2ps_pbh(_mm512_load_ps(p[g] + 16), _mm512_load_ps(p[g])));
       __m512 o[2 * NB];
       for (int64_t i = 0; i < 2 * NB; ++i) o[i] = _mm512_load_ps(ob[g][i]);
       for (int64_t jp = 0; jp < (n + 1) / 2; ++jp) {
