@@ -130,8 +130,7 @@ class CompiledDecode:
     def prefill_matmuls(self, model, num_rows: int) -> dict | None:
         """For a prefill of ``num_rows`` rows: the model's matmuls with its int4 layer weights dequantized per
         call (None: run the model's own, as for fewer rows or weights the unpacking cannot read)."""
-        int4 = getattr(model, "weight_format", "float") == "int4"
-        if num_rows < DENSE_PREFILL_ROWS or not int4 or self.failed:
+        if num_rows < DENSE_PREFILL_ROWS or getattr(model, "weight_format", "float") != "int4" or self.failed:
             return None
         key = id(model)
         if key not in self._prefill:

@@ -6,8 +6,8 @@ Three kernels:
   ``cpu_decode`` backend;
 * ``torch.ops.kvcore.prefill_attention`` (``csrc/prefill_attention.cpp``): its bfloat16 prefill attention, built
   only for CPUs with AVX512_BF16 (``torch.ops.kvcore.prefill_attention_available()`` says whether it was);
-* ``torch.ops.kvcore.int4_linear`` (``csrc/int4_linear.cpp``): the few-row matmul of the ``int4a8`` weight format
-  (:class:`kvcore.quant.Int4A8Linear`).
+* ``torch.ops.kvcore.int4_linear`` (``csrc/int4_linear.cpp``): every matmul of the ``int4a8`` weight format
+  (:class:`kvcore.quant.Int4A8Linear`), decode steps and prefills.
 
 They are ordinary torch operators (registered from C++ with fake implementations for ``torch.compile``), so
 compiled decode steps call them directly.

@@ -77,14 +77,11 @@ def quantized_reasons(fmt: str, dtype: torch.dtype, device: torch.device | str) 
         from kvcore.cpu_kernels import int4a8_reasons
 
         reasons += int4a8_reasons()
-    if dtype != torch.bfloat16 and fmt == "int4a8":
-        reasons.append("int4a8 weights need dtype bfloat16 (kvcore's quantized models run in bfloat16; float32 is "
-                       "the exact reference path): use --dtype bfloat16")
-    elif dtype != torch.bfloat16:
-        reasons.append(
-            f"{fmt} weights need dtype bfloat16 (torch's fast {fmt} kernels take bfloat16 activations; with "
-            f"{str(dtype).removeprefix('torch.')} they run a slow reference loop): use --dtype bfloat16"
-        )
+    if dtype != torch.bfloat16:
+        why = ("kvcore's quantized models run in bfloat16; float32 is the exact reference path" if fmt == "int4a8"
+               else f"torch's fast {fmt} kernels take bfloat16 activations; with "
+                    f"{str(dtype).removeprefix('torch.')} they run a slow reference loop")
+        reasons.append(f"{fmt} weights need dtype bfloat16 ({why}): use --dtype bfloat16")
     return reasons
 
 
