@@ -1,13 +1,15 @@
 """kvcore's own CPU kernels (C++ under ``kvcore/csrc``), built on first use with the machine's compiler.
 
-Three kernels:
+Four kernels:
 
 * ``torch.ops.kvcore.decode_attention`` (``csrc/decode_attention.cpp``): the decode-step attention of the
   ``cpu_decode`` backend;
 * ``torch.ops.kvcore.prefill_attention`` (``csrc/prefill_attention.cpp``): its bfloat16 prefill attention, built
   only for CPUs with AVX512_BF16 (``torch.ops.kvcore.prefill_attention_available()`` says whether it was);
 * ``torch.ops.kvcore.int4_linear`` (``csrc/int4_linear.cpp``): every matmul of the ``int4a8`` weight format
-  (:class:`kvcore.quant.Int4A8Linear`), decode steps and prefills.
+  (:class:`kvcore.quant.Int4A8Linear`), decode steps and prefills;
+* ``torch.ops.kvcore.rescore_top_k`` (``csrc/rescore_top_k.cpp``): the int4 LM head's exact rescoring of each
+  row's top candidates (:class:`kvcore.lm_head.RescoredInt4Head`), run eagerly.
 
 They are ordinary torch operators (registered from C++ with fake implementations for ``torch.compile``), so
 compiled decode steps call them directly.
@@ -37,7 +39,7 @@ from kvcore.model_cache import cache_root
 
 __all__ = ["cxx_compiler", "int4a8_reasons", "kernel_reasons", "load_kernels", "vector_isa"]
 
-_SOURCES = ("decode_attention.cpp", "int4_linear.cpp", "prefill_attention.cpp")
+_SOURCES = ("decode_attention.cpp", "int4_linear.cpp", "prefill_attention.cpp", "rescore_top_k.cpp")
 _CSRC = Path(__file__).with_name("csrc")
 #: ISA -> (ATen's CPU_CAPABILITY macro, compiler flags), widest first; the CPU must report every flag in the set
 _ISAS = {

@@ -3,12 +3,14 @@
 * ``dense``: ``hidden @ W.T`` in the model dtype (the default; the reference).
 * ``int4``: an int4 copy of the head (groups of 32 input columns, :class:`~kvcore.quant.Int4Linear`) scores the
   whole vocabulary, then the ``top_k`` (64) best candidates of each row are scored again with the dense
-  weights and those exact logits replace theirs. For a batch-1 decode step of a small model the head is the
-  biggest single matmul (SmolLM2-135M: 49,152 x 576, 56 MB in bfloat16 per token); int4 reads a quarter of
-  that. What stays approximate is the tail: a logit outside the top 64 carries int4 rounding (on SmolLM2 a
-  median error of about one logit), which shifts the sampled distribution's far tail only. Greedy decoding,
-  top-k up to 64 and the reported top logprobs read exact logits whenever the exact best candidates are
-  among the int4 top 64 (benchmarks/results/quant_accuracy.md measures streams and perplexity).
+  weights and those exact logits replace theirs (kvcore's C++ kernel ``rescore_top_k``: one pass over the
+  row's estimates, then 64 dot products; it needs kvcore's CPU kernels, :mod:`kvcore.cpu_kernels`). For a
+  batch-1 decode step of a small model the head is the biggest single matmul (SmolLM2-135M: 49,152 x 576, 56 MB
+  in bfloat16 per token); int4 reads a quarter of that. What stays approximate is the tail: a logit outside the
+  top 64 carries int4 rounding (on SmolLM2 a median error of about one logit), which shifts the sampled
+  distribution's far tail only. Greedy decoding, top-k up to 64 and the reported top logprobs read exact logits
+  whenever the exact best candidates are among the int4 top 64 (benchmarks/results/quant_accuracy.md measures
+  streams and perplexity).
   Batches of more than :data:`INT4_MAX_ROWS` rows run the dense head: the int4 kernel's cost grows with the
   rows, and from about four rows oneDNN's bfloat16 GEMM is as fast. With ``int4a8`` weights the scores come
   from that format's int8-activation kernel (:class:`~kvcore.quant.Int4A8Linear`) for up to
@@ -19,7 +21,6 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from kvcore.errors import ConfigError
 from kvcore.quant import Int4A8Linear, Int4Groups, Int4Linear, quantized_reasons
@@ -40,7 +41,11 @@ def check_lm_head(fmt: str, dtype: torch.dtype, device: torch.device | str) -> s
     """``fmt`` if it is an LM head format that runs with ``dtype`` on ``device``, else ConfigError saying why."""
     if fmt not in LM_HEAD_FORMATS:
         raise ConfigError(f"unknown lm_head format '{fmt}' (choose from: {', '.join(LM_HEAD_FORMATS)})")
-    reasons = quantized_reasons("int4", dtype, device) if fmt == "int4" else []
+    reasons = []
+    if fmt == "int4":
+        from kvcore.cpu_kernels import kernel_reasons
+
+        reasons = quantized_reasons("int4", dtype, device) + kernel_reasons()
     if reasons:
         raise ConfigError(f"lm_head '{fmt}' cannot run here: {'; '.join(reasons)}")
     return fmt
@@ -58,6 +63,9 @@ class RescoredInt4Head:
             raise ConfigError(f"lm_head 'int4' cannot take this model's head: the int4 kernel needs a vocabulary "
                               f"in multiples of 16 and a hidden size in multiples of {group_size}, got "
                               f"[{vocab}, {width}]")
+        from kvcore.cpu_kernels import load_kernels
+
+        load_kernels()
         self.weight, self.top_k = weight, min(top_k, vocab)
         # a8 (the model's weights are int4a8): scores from kvcore's int8-activation kernel, up to its row limit
         linear, self.max_rows = (Int4A8Linear, A8_MAX_ROWS) if a8 else (Int4Linear, INT4_MAX_ROWS)
@@ -69,7 +77,5 @@ class RescoredInt4Head:
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[N, V]`` in the model dtype (as the dense head returns them)."""
-        logits = self.int4(hidden)  # [N, V]
-        top = logits.topk(self.top_k, dim=-1, sorted=False).indices  # [N, k]
-        exact = torch.bmm(F.embedding(top, self.weight), hidden.unsqueeze(-1)).squeeze(-1)  # [N, k]
-        return logits.scatter_(1, top, exact)
+        hidden = hidden.contiguous()
+        return torch.ops.kvcore.rescore_top_k(self.int4(hidden), hidden, self.weight, self.top_k)

@@ -32,6 +32,45 @@ def test_int4_head_rescores_its_top_candidates_with_the_dense_head():
         assert torch.equal(logits.argmax(-1), exact.argmax(-1))
 
 
+@pytest.mark.parametrize("vocab,k", [(1000, 64), (4096 + 37, 64), (200, 1), (96, 96)])
+def test_rescore_top_k_replaces_exactly_each_rows_k_largest(vocab, k):
+    """The kernel behind the int4 head: per row, the k largest estimates (the same set as torch.topk) become
+    the float32 dot product rounded to bfloat16; nothing else changes. The head's weight is a strided view (row
+    stride above d) and the vocabulary need not be a multiple of the kernel's 64-logit blocks."""
+    from kvcore.cpu_kernels import load_kernels
+
+    load_kernels()
+    g = torch.Generator().manual_seed(vocab + k)
+    d = 72
+    weight = torch.randn(vocab, d + 8, generator=g).to(torch.bfloat16)[:, :d]
+    hidden = torch.randn(3, d, generator=g).to(torch.bfloat16)
+    # distinct positive estimates (distinct bit patterns: no ties), shuffled so the best are spread over the row
+    bits = torch.stack([torch.randperm(8192, generator=g)[:vocab] + 0x3000 for _ in range(3)])
+    est = bits.to(torch.int16).view(torch.bfloat16)
+    est[1, 5] = float("nan")  # never selected
+    got = torch.ops.kvcore.rescore_top_k(est.clone(), hidden, weight, k)
+    ranked = est.float().nan_to_num(nan=float("-inf"))
+    top = ranked.topk(k, dim=-1).indices
+    picked = torch.zeros_like(est, dtype=torch.bool).scatter_(1, top, True)
+    exact = (hidden.double() @ weight.double().t()).to(torch.bfloat16)
+    assert torch.equal(got[~picked].view(torch.int16), est[~picked].view(torch.int16))
+    diff = (got[picked].float() - exact[picked].float()).abs()
+    assert bool((diff <= 2.0**-7 * exact[picked].float().abs() + 1e-6).all())  # one float32 sum apart at most
+
+
+def test_rescore_top_k_rejects_bad_input():
+    from kvcore.cpu_kernels import load_kernels
+
+    load_kernels()
+    w, h = torch.zeros(64, 8, dtype=torch.bfloat16), torch.zeros(2, 8, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="k must be 1..V"):
+        torch.ops.kvcore.rescore_top_k(torch.zeros(2, 64, dtype=torch.bfloat16), h, w, 65)
+    with pytest.raises(RuntimeError, match="shapes must be"):
+        torch.ops.kvcore.rescore_top_k(torch.zeros(2, 32, dtype=torch.bfloat16), h, w, 4)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        torch.ops.kvcore.rescore_top_k(torch.zeros(2, 64), h, w, 4)
+
+
 def test_lm_head_option_errors():
     with pytest.raises(ConfigError, match="lm_head 'int4' cannot run here: .*need dtype bfloat16"):
         EngineConfig(lm_head="int4")  # float32 default

@@ -1,0 +1,118 @@
+// kvcore::rescore_top_k: the second pass of the int4 LM head (kvcore/lm_head.py). Per row r, the k largest
+// estimated logits are found and replaced by the exact hidden[r] . weight[j] (float32 sums of the bfloat16
+// products, rounded once), in place.
+//
+//   logits  [N, V]  bfloat16, contiguous; the estimates, overwritten at each row's top k
+//   hidden  [N, d]  bfloat16, contiguous
+//   weight  [V, d]  bfloat16, rows contiguous (the dense head)
+//   returns logits
+//
+// Selection keeps a min-heap of the k best seen so far and skips whole blocks of 64 logits whose maximum
+// (one vectorised pass) does not beat the heap's smallest: after the first few thousand logits almost every
+// block is skipped, so a row costs about one read of its logits (torch.topk sorts far more). Which of equal
+// values at the k-th place is kept is unspecified (as for torch.topk); NaN estimates are never selected. Rows run
+// in parallel.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <functional>
+#include <limits>
+#include <utility>
+#include <vector>
+
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+using Entry = std::pair<float, int64_t>;  // (logit, index); std::greater on it makes a min-heap by logit
+constexpr int64_t kBlock = 64;
+
+// Indices of the k largest of x[0..V) (any order).
+void top_k(const c10::BFloat16* x, int64_t V, int64_t k, std::vector<Entry>& heap) {
+  heap.clear();
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  for (int64_t j = 0; j < k; ++j) {
+    const float v = static_cast<float>(x[j]);
+    heap.emplace_back(std::isnan(v) ? neg_inf : v, j);
+  }
+  const auto cmp = [](const Entry& a, const Entry& b) { return a.first > b.first; };
+  std::make_heap(heap.begin(), heap.end(), cmp);
+  const auto offer = [&](int64_t j) {
+    const float v = static_cast<float>(x[j]);
+    if (v > heap.front().first) {  // false for NaN
+      std::pop_heap(heap.begin(), heap.end(), cmp);
+      heap.back() = {v, j};
+      std::push_heap(heap.begin(), heap.end(), cmp);
+    }
+  };
+  int64_t j = k;
+  for (; j + kBlock <= V; j += kBlock) {
+    Vec best(neg_inf), part;
+    for (int64_t i = 0; i < kBlock; i += Vec::size()) {
+      at::vec::load_to_float(x + j + i, part);
+      best = at::vec::maximum(best, part);  // a NaN propagates: its lane fails the test below, the block is scanned
+    }
+    // a lane where !(best <= threshold) (zero in the comparison's mask) may hold a candidate
+    if ((best <= Vec(heap.front().first)).zero_mask() != 0)
+      for (int64_t i = j; i < j + kBlock; ++i) offer(i);
+  }
+  for (; j < V; ++j) offer(j);
+}
+
+float dot(const c10::BFloat16* a, const c10::BFloat16* b, int64_t d) {
+  Vec acc(0.f), va, vb;
+  int64_t i = 0;
+  for (; i + Vec::size() <= d; i += Vec::size()) {
+    at::vec::load_to_float(a + i, va);
+    at::vec::load_to_float(b + i, vb);
+    acc = at::vec::fmadd(va, vb, acc);
+  }
+  float sum = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, acc);
+  for (; i < d; ++i) sum += static_cast<float>(a[i]) * static_cast<float>(b[i]);
+  return sum;
+}
+
+at::Tensor rescore_top_k(at::Tensor logits, const at::Tensor& hidden, const at::Tensor& weight, int64_t k) {
+  TORCH_CHECK(logits.scalar_type() == at::kBFloat16 && hidden.scalar_type() == at::kBFloat16 &&
+              weight.scalar_type() == at::kBFloat16, "rescore_top_k: bfloat16 logits, hidden and weight");
+  TORCH_CHECK(logits.dim() == 2 && hidden.dim() == 2 && weight.dim() == 2 && logits.is_contiguous() &&
+              hidden.is_contiguous() && weight.stride(1) == 1,
+              "rescore_top_k: contiguous logits [N, V] and hidden [N, d], weight [V, d] with contiguous rows");
+  const int64_t N = logits.size(0), V = logits.size(1), d = hidden.size(1);
+  TORCH_CHECK(hidden.size(0) == N && weight.size(0) == V && weight.size(1) == d,
+              "rescore_top_k: shapes must be logits [N, V], hidden [N, d], weight [V, d]");
+  TORCH_CHECK(k >= 1 && k <= V, "rescore_top_k: k must be 1..V");
+  c10::BFloat16* lp = logits.data_ptr<c10::BFloat16>();
+  const c10::BFloat16* hp = hidden.data_ptr<c10::BFloat16>();
+  const c10::BFloat16* wp = weight.data_ptr<c10::BFloat16>();
+  const int64_t w_stride = weight.stride(0);
+  at::parallel_for(0, N, 1, [&](int64_t r0, int64_t r1) {
+    std::vector<Entry> heap;
+    heap.reserve(k);
+    for (int64_t r = r0; r < r1; ++r) {
+      top_k(lp + r * V, V, k, heap);
+      // the k weight rows are scattered over the head and rarely cached: request them all before the first
+      // dot product needs one, so their cache misses overlap
+      for (const Entry& e : heap)
+        for (int64_t byte = 0; byte < d * 2; byte += 64)
+          __builtin_prefetch(reinterpret_cast<const char*>(wp + e.second * w_stride) + byte);
+      for (const Entry& e : heap) lp[r * V + e.second] = c10::BFloat16(dot(hp + r * d, wp + e.second * w_stride, d));
+    }
+  });
+  return logits;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kvcore, m) {
+  m.def("rescore_top_k(Tensor(a!) logits, Tensor hidden, Tensor weight, int k) -> Tensor(a!)");
+}
+
+TORCH_LIBRARY_IMPL(kvcore, CPU, m) { m.impl("rescore_top_k", &rescore_top_k); }
