@@ -16,7 +16,7 @@ from torch.nn.utils.rnn import pad_sequence
 if TYPE_CHECKING:
     from kvcore.sampling import SamplingRow
 
-__all__ = ["apply_penalties", "min_p_mask", "uniform_noise", "token_logprobs"]
+__all__ = ["apply_penalties", "argmax_rows", "min_p_mask", "uniform_noise", "token_logprobs"]
 
 
 def _padded(seqs: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
@@ -61,6 +61,25 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
         q = torch.tensor(pres, dtype=x.dtype, device=device)[:, None]
         x = x - f * counts - q * (counts > 0).to(x.dtype)
     logits[index] = x.to(logits.dtype)
+
+
+#: logits per block of :func:`argmax_rows`
+_ARGMAX_BLOCK = 256
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(-1)`` for ``[B, V]`` logits: the same indices (the first maximum; NaN counts as the
+    largest, as in ``torch.argmax``), found block by block. On CPU torch's argmax along a row is a scalar loop,
+    several times slower than the vectorised ``amax``: each row's blocks of 256 are reduced with ``amax``, the
+    first block holding the maximum is picked, and ``argmax`` runs over that block only. A vocabulary that is not a
+    multiple of 256 takes ``argmax`` directly."""
+    rows, vocab = logits.shape
+    if vocab % _ARGMAX_BLOCK:
+        return logits.argmax(-1)
+    blocks = logits.reshape(rows, vocab // _ARGMAX_BLOCK, _ARGMAX_BLOCK)
+    best = blocks.amax(-1).argmax(-1)  # [B]: the first block holding the row's maximum (or its first NaN)
+    within = blocks[torch.arange(rows, device=logits.device), best].argmax(-1)
+    return best * _ARGMAX_BLOCK + within
 
 
 def min_p_mask(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,7 @@ import torch
 
 from kvcore.errors import ConfigError, InvalidRequestError, KVCoreError, SamplerError
 from kvcore.hookspecs import hookimpl
-from kvcore.logits_processors import apply_penalties, min_p_mask, token_logprobs, uniform_noise
+from kvcore.logits_processors import apply_penalties, argmax_rows, min_p_mask, token_logprobs, uniform_noise
 
 __all__ = [
     "MAX_LOGPROBS", "SamplingParams", "SamplingRow", "Sampler", "DefaultSampler", "sample_checked", "uniform_noise"
@@ -230,7 +230,7 @@ class DefaultSampler(Sampler):
 
     def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         apply_penalties(logits, rows)
-        next_ids = logits.argmax(dim=-1)  # [B]
+        next_ids = argmax_rows(logits)  # [B]
         sampled = [i for i, r in enumerate(rows) if not r.params.is_greedy]
         if not sampled:
             return next_ids

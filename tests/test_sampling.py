@@ -40,6 +40,25 @@ def test_greedy_rows_are_argmax():
     assert torch.equal(sampler.sample(logits.clone(), rows), want)
 
 
+def test_argmax_rows_equals_torch_argmax_on_ties_infinities_and_nan():
+    """The blocked argmax behind greedy rows returns torch.argmax's index: the first maximum, a NaN as the
+    largest, ties across and inside blocks, every block -inf, and vocabularies that are not a multiple of its
+    256-logit blocks."""
+    from kvcore.logits_processors import argmax_rows
+
+    logits = random_logits(8, seed=5, vocab=1024)
+    logits[1, 700] = logits[1, 300] = 50.0  # tie across blocks: the first wins
+    logits[2, 10] = logits[2, 11] = 50.0  # tie inside a block
+    logits[3] = float("-inf")
+    logits[4, 900] = float("nan")
+    logits[5, 5], logits[5, 600] = float("nan"), float("inf")
+    logits[6, 1023] = float("inf")
+    assert torch.equal(argmax_rows(logits), logits.argmax(-1))
+    assert argmax_rows(logits).tolist()[1:7] == [300, 10, 0, 900, 5, 1023]
+    odd = random_logits(3, seed=6, vocab=V)  # 300: not a multiple of 256
+    assert torch.equal(argmax_rows(odd), odd.argmax(-1))
+
+
 def test_top_k_one_equals_greedy():
     logits = random_logits(64, seed=1)
     rows = [
