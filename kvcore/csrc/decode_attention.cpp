@@ -238,13 +238,22 @@ void attend_chunk_bf16(const c10::BFloat16* q, const c10::BFloat16* k, const c10
         for (int64_t i = 0; i < 2 * NB; ++i) _mm512_store_ps(ob[g][i], _mm512_mul_ps(_mm512_load_ps(ob[g][i]), c));
       }
       _mm512_store_si512(pw[g], (__m512i)_mm512_cvtne2ps_pbh(_mm512_load_ps(p[g] + 16), _mm512_load_ps(p[g])));
-      __m512 o[2 * NB];
-      for (int64_t i = 0; i < 2 * NB; ++i) o[i] = _mm512_load_ps(ob[g][i]);
-      for (int64_t jp = 0; jp < (n + 1) / 2; ++jp) {
+      __m512 o[2 * NB], o2[2 * NB];  // even and odd key pairs: two dependency chains
+      for (int64_t i = 0; i < 2 * NB; ++i) o[i] = _mm512_load_ps(ob[g][i]), o2[i] = _mm512_setzero_ps();
+      int64_t jp = 0;
+      for (; jp + 1 < (n + 1) / 2; jp += 2) {
+        const __m512bh pp = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(pw[g][jp]));
+        const __m512bh pq = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(pw[g][jp + 1]));
+        for (int64_t i = 0; i < 2 * NB; ++i) {
+          o[i] = _mm512_dpbf16_ps(o[i], pp, (__m512bh)_mm512_load_si512(vi[jp][i]));
+          o2[i] = _mm512_dpbf16_ps(o2[i], pq, (__m512bh)_mm512_load_si512(vi[jp + 1][i]));
+        }
+      }
+      if (jp < (n + 1) / 2) {
         const __m512bh pp = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(pw[g][jp]));
         for (int64_t i = 0; i < 2 * NB; ++i) o[i] = _mm512_dpbf16_ps(o[i], pp, (__m512bh)_mm512_load_si512(vi[jp][i]));
       }
-      for (int64_t i = 0; i < 2 * NB; ++i) _mm512_store_ps(ob[g][i], o[i]);
+      for (int64_t i = 0; i < 2 * NB; ++i) _mm512_store_ps(ob[g][i], _mm512_add_ps(o[i], o2[i]));
     }
   }
   for (int64_t g = 0; g < G; ++g)  // back to dimension order: lane f of vector (i, half) is dim 32 i + 8 (f / 4) + 4 half + f % 4
@@ -269,12 +278,14 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
   const T* qp = q.data_ptr<T>();
   const T* kp = k.data_ptr<T>();
   const T* vp = v.data_ptr<T>();
+  T* op = out.data_ptr<T>();
   // Little work (short contexts) runs on the calling thread: waking the pool costs more than it saves.
   const int64_t items = B * H * chunks, grain = B * H * max_len < kSerialRows ? items : 1;
   at::parallel_for(0, items, grain, [&](int64_t first, int64_t last) {
     for (int64_t item = first; item < last; ++item) {
       const int64_t c = item % chunks, bh = item / chunks, b = bh / H, h = bh % H;
       const int64_t begin = c * chunk, end = std::min<int64_t>(seq_lens[b], begin + chunk);
+      float* as = acc.data() + item * G * W;
       float* ms = m.data() + item * G;
       float* ls = l.data() + item * G;
       if (begin >= end) {  // a short sequence of a ragged batch: no keys in this chunk
@@ -282,23 +293,28 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
         std::fill(ls, ls + G, 0.f);
         continue;
       }
+      bool done = false;
 #ifdef KVCORE_BF16_DECODE
       if constexpr (std::is_same_v<T, c10::BFloat16> && NV % 2 == 0) {
         if (D == W) {  // whole 32-dim bfloat16 vectors
           attend_chunk_bf16<NV / 2>(qp + bh * G * D, kp + b * k.stride(0) + h * k.stride(1),
                                     vp + b * v.stride(0) + h * v.stride(1), k.stride(2), v.stride(2), begin, end, G,
-                                    scale, acc.data() + item * G * W, ms, ls);
-          continue;
+                                    scale, as, ms, ls);
+          done = true;
         }
       }
 #endif
-      attend_chunk<T, NV>(qp + bh * G * D, kp + b * k.stride(0) + h * k.stride(1),
-                          vp + b * v.stride(0) + h * v.stride(1), k.stride(2), v.stride(2), begin, end, G, D, scale,
-                          acc.data() + item * G * W, ms, ls);
+      if (!done)
+        attend_chunk<T, NV>(qp + bh * G * D, kp + b * k.stride(0) + h * k.stride(1),
+                            vp + b * v.stride(0) + h * v.stride(1), k.stride(2), v.stride(2), begin, end, G, D, scale,
+                            as, ms, ls);
+      if (chunks == 1)  // the whole row in one item: normalise here, no merge pass (the same values: w = 1)
+        for (int64_t g = 0; g < G; ++g)
+          for (int64_t d = 0; d < D; ++d) op[(bh * G + g) * D + d] = static_cast<T>(as[g * W + d] / ls[g]);
     }
   });
+  if (chunks == 1) return;
 
-  T* op = out.data_ptr<T>();
   at::parallel_for(0, B * H * G, grain == 1 ? 1 : B * H * G, [&](int64_t first, int64_t last) {
     for (int64_t r = first; r < last; ++r) {
       const int64_t bh = r / G, g = r % G;
