@@ -3,8 +3,8 @@
 // Each sequence has one new query token; its H query heads form H_kv groups of G = H / H_kv rows that
 // share one KV head (grouped-query attention). The work is split over (sequence, KV head, key chunk)
 // ("split-K", as flash-decoding does on GPUs) so that even one sequence with few KV heads keeps every
-// thread busy; each chunk keeps a running max and sum per query row (online softmax) and the chunks are
-// merged at the end. Each key and value row is read once for the whole group and widened to float32 once;
+// thread busy; each chunk keeps a running max and sum per query row (online softmax) and the chunks of a split
+// row are merged at the end. Each key and value row is read once for the whole group and widened to float32 once;
 // all arithmetic is float32, vectorised with ATen's Vectorized<float> for the ISA the build targets. Built
 // with AVX512_BF16, bfloat16 rows whose size is a multiple of 32 take attend_chunk_bf16 instead (vdpbf16ps on
 // the rows as they are).
