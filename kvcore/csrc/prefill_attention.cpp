@@ -41,7 +41,23 @@ constexpr int64_t kKeys = 32;  // keys per block
 constexpr int64_t kRows = 4;   // query rows per tile
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-inline __m512 exp16(__m512 x) { return at::vec::Vectorized<float>(x).exp_u20(); }
+// 2^y for y <= 0 (the scaled score minus the running max, in base 2): y = n + f with n an integer and
+// |f| <= 1/2, 2^f by its degree-5 Taylor polynomial (relative error below 4e-6, far under the bfloat16
+// rounding the probabilities then get), 2^n applied by vscalefps. Eight vector operations, a third of a general
+// float32 exp; y below -126 (masked keys: -inf) is clamped there, giving ~1e-38 instead of 0, which no sum or
+// bfloat16 product can tell apart.
+inline __m512 exp2_16(__m512 y) {
+  y = _mm512_max_ps(y, _mm512_set1_ps(-126.f));
+  const __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(y, n);
+  __m512 p = _mm512_set1_ps(1.3333558e-3f);  // ln(2)^k / k!, k = 5 .. 0
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
 
 // Keys of one KV head as [blocks][Dp / 2][32][2] and values as [blocks][16][Dp][2]; zero past L and D.
 void pack_kv(const c10::BFloat16* k, const c10::BFloat16* v, int64_t row_stride_k, int64_t row_stride_v,
@@ -67,6 +83,7 @@ template <int64_t R, int64_t NV>
 void tile(const c10::BFloat16* const* qrows, const int64_t* pos, const uint16_t* kp, const uint16_t* vp,
           int64_t D, float scale, c10::BFloat16* const* orows) {
   constexpr int64_t Dp = NV * 16;
+  const float scale2 = scale * 1.44269504f;  // exp(scale x) = 2^(scale log2(e) x)
   __m512 o[R][NV];
   __m512 l[R];  // running softmax denominators, lane-wise (summed once at the end)
   float m[R];
@@ -114,17 +131,19 @@ void tile(const c10::BFloat16* const* qrows, const int64_t* pos, const uint16_t*
         x0 = _mm512_mask_mov_ps(x0, _mm512_cmpgt_epi32_mask(key0, row), _mm512_set1_ps(kNegInf));
         x1 = _mm512_mask_mov_ps(x1, _mm512_cmpgt_epi32_mask(key1, row), _mm512_set1_ps(kNegInf));
       }
-      const float block_max = _mm512_reduce_max_ps(_mm512_max_ps(x0, x1));
-      if (block_max > m[r]) {  // the running max moved: rescale what was accumulated (rare after the first blocks)
+      const __m512 top = _mm512_max_ps(x0, x1);
+      // the running max moved (rare after the first blocks; one compare tells): rescale what was accumulated
+      if (_mm512_cmp_ps_mask(top, _mm512_set1_ps(m[r]), _CMP_GT_OQ)) {
+        const float block_max = _mm512_reduce_max_ps(top);
         const __m512 c = _mm512_set1_ps(std::exp((m[r] - block_max) * scale));  // 0 for the first block (m = -inf)
         l[r] = _mm512_mul_ps(l[r], c);
         _Pragma("GCC unroll 16")
         for (int64_t i = 0; i < NV; ++i) o[r][i] = _mm512_mul_ps(o[r][i], c);
         m[r] = block_max;
       }
-      const __m512 shift = _mm512_set1_ps(-m[r] * scale);  // m is finite: key 0 is always visible
-      const __m512 e0 = exp16(_mm512_fmadd_ps(x0, _mm512_set1_ps(scale), shift));  // exp(scale (s - m))
-      const __m512 e1 = exp16(_mm512_fmadd_ps(x1, _mm512_set1_ps(scale), shift));
+      const __m512 shift = _mm512_set1_ps(-m[r] * scale2);  // m is finite: key 0 is always visible
+      const __m512 e0 = exp2_16(_mm512_fmadd_ps(x0, _mm512_set1_ps(scale2), shift));  // exp(scale (s - m))
+      const __m512 e1 = exp2_16(_mm512_fmadd_ps(x1, _mm512_set1_ps(scale2), shift));
       l[r] = _mm512_add_ps(l[r], _mm512_add_ps(e0, e1));
       _mm512_storeu_si512(pw[r], (__m512i)_mm512_cvtne2ps_pbh(e1, e0));  // keys 0..31 as bfloat16 pairs
     }
