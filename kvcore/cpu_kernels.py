@@ -1,6 +1,6 @@
 """kvcore's own CPU kernels (C++ under ``kvcore/csrc``), built on first use with the machine's compiler.
 
-Four kernels:
+Five kernels:
 
 * ``torch.ops.kvcore.decode_attention`` (``csrc/decode_attention.cpp``): the decode-step attention of the
   ``cpu_decode`` backend;
@@ -8,6 +8,9 @@ Four kernels:
   only for CPUs with AVX512_BF16 (``torch.ops.kvcore.prefill_attention_available()`` says whether it was);
 * ``torch.ops.kvcore.int4_linear`` (``csrc/int4_linear.cpp``): every matmul of the ``int4a8`` weight format
   (:class:`kvcore.quant.Int4A8Linear`), decode steps and prefills;
+* ``torch.ops.kvcore.bf16_linear`` (``csrc/bf16_linear.cpp``): dense bfloat16 matmuls of up to 16 rows (decode
+  steps) on weights repacked for ``vdpbf16ps`` (:mod:`kvcore.linear`), built only for CPUs with AVX512_BF16
+  (``torch.ops.kvcore.bf16_linear_available()``);
 * ``torch.ops.kvcore.rescore_top_k`` (``csrc/rescore_top_k.cpp``): the int4 LM head's exact rescoring of each
   row's top candidates (:class:`kvcore.lm_head.RescoredInt4Head`), run eagerly.
 
@@ -37,9 +40,10 @@ from kvcore.cpu import cpu_features
 from kvcore.errors import BackendUnavailableError
 from kvcore.model_cache import cache_root
 
-__all__ = ["cxx_compiler", "int4a8_reasons", "kernel_reasons", "load_kernels", "vector_isa"]
+__all__ = ["bf16_linear_ready", "cxx_compiler", "int4a8_reasons", "kernel_reasons", "load_kernels", "vector_isa"]
 
-_SOURCES = ("decode_attention.cpp", "int4_linear.cpp", "prefill_attention.cpp", "rescore_top_k.cpp")
+_SOURCES = ("bf16_linear.cpp", "decode_attention.cpp", "int4_linear.cpp", "prefill_attention.cpp",
+            "rescore_top_k.cpp")
 _CSRC = Path(__file__).with_name("csrc")
 #: ISA -> (ATen's CPU_CAPABILITY macro, compiler flags), widest first; the CPU must report every flag in the set
 _ISAS = {
@@ -80,7 +84,7 @@ def _command(cxx: str, sources: list[Path], out: Path) -> list[str]:
     if isa == "avx512":  # extensions some kernels use where the CPU has them
         flags = cpu_features().flags
         isa_flags += ("-mavx512vnni",) * ("avx512_vnni" in flags)  # int4 x int8 dot products (int4_linear.cpp)
-        isa_flags += ("-mavx512bf16",) * ("avx512_bf16" in flags)  # bfloat16 dot products (prefill_attention.cpp)
+        isa_flags += ("-mavx512bf16",) * ("avx512_bf16" in flags)  # bfloat16 dot products (bf16_linear.cpp...)
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     # -fopenmp: at::parallel_for is inline OpenMP code compiled here (without it, one thread); the library then
     # needs libgomp.so.1, which resolves to the copy torch has already loaded, with torch's thread count
@@ -116,6 +120,7 @@ def load_kernels() -> str:
     torch.library.register_fake("kvcore::decode_attention")(_decode_attention_fake)
     torch.library.register_fake("kvcore::int4_linear")(_int4_linear_fake)
     torch.library.register_fake("kvcore::prefill_attention")(_prefill_attention_fake)
+    torch.library.register_fake("kvcore::bf16_linear")(_bf16_linear_fake)
     return str(library)
 
 
@@ -125,6 +130,10 @@ def _decode_attention_fake(q, k, v, seq_lens, scale):
 
 def _prefill_attention_fake(q, k, v, context_len, scale):
     return torch.empty_like(q)
+
+
+def _bf16_linear_fake(x, packed):
+    return x.new_empty(x.shape[0], packed.shape[0] * 16)
 
 
 def _int4_linear_fake(x, codes, dm):
@@ -138,3 +147,15 @@ def int4a8_reasons() -> list[str]:
         reasons.append("int4a8 needs a CPU with AVX512-VNNI (its int4 x int8 dot products); this one reports "
                        f"{', '.join(cpu_features().flags) or 'no SIMD flags'}")
     return reasons
+
+
+@functools.cache
+def bf16_linear_ready() -> bool:
+    """Whether ``torch.ops.kvcore.bf16_linear`` runs here: a CPU with AVX512_BF16 and kernels that build (once)."""
+    if "avx512_bf16" not in cpu_features().flags or vector_isa() != "avx512" or kernel_reasons():
+        return False
+    try:
+        load_kernels()
+    except BackendUnavailableError:
+        return False
+    return bool(torch.ops.kvcore.bf16_linear_available())

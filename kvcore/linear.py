@@ -6,9 +6,16 @@ picks, per forward, how each dense weight runs:
 
 * float32 on CPU, one row: ``parts`` partial GEMVs over the column-major weight (:func:`linear`);
 * float32 on CPU, 2+ rows: oneDNN on a copy prepacked for ~8-row inputs;
-* bfloat16 on a CPU with native bfloat16 dot products (:func:`kvcore.cpu.cpu_features`), any rows: oneDNN
-  on a prepacked copy (plain bfloat16 ``F.linear`` reads its weights at a fraction of the memory bandwidth);
+* bfloat16 on a CPU with AVX512_BF16, up to :data:`BF16_KERNEL_MAX_ROWS` rows: kvcore's ``bf16_linear`` kernel
+  on a copy repacked for ``vdpbf16ps`` (:class:`Bf16Linear`; a decode step's weights stream at close to the memory
+  bandwidth); more rows: ``F.linear`` (oneDNN's GEMM, as fast as on a prepacked copy at those sizes);
+* bfloat16 on other CPUs with native bfloat16 dot products (:func:`kvcore.cpu.cpu_features`: AMX without
+  kvcore's kernels), any rows: oneDNN on a prepacked copy (plain bfloat16 ``F.linear`` reads its weights at a
+  fraction of the memory bandwidth);
 * anything else: ``F.linear``.
+
+Weights below :data:`COLUMN_MAJOR_MIN_NUMEL` elements, and for the kernel weights whose shape it cannot take
+(output rows not a multiple of 16, input columns not of 32), always run ``F.linear``.
 """
 
 from __future__ import annotations
@@ -20,13 +27,19 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvcore.cpu import cpu_features
+from kvcore.cpu_kernels import bf16_linear_ready
 
-__all__ = ["COLUMN_MAJOR_MIN_NUMEL", "DenseLinear", "DenseMatmuls", "prepack", "row_bucket", "weight_version",
-           "linear", "packed_linear", "set_layout"]
+__all__ = ["BF16_KERNEL_MAX_ROWS", "COLUMN_MAJOR_MIN_NUMEL", "Bf16Linear", "DenseLinear", "DenseMatmuls", "prepack",
+           "pack_bf16", "row_bucket", "weight_version", "linear", "packed_linear", "set_layout"]
 
 #: weights smaller than this (elements; 512 KiB in float32, about a core's L2) keep row-major and are not
 #: prepacked: cache-resident GEMVs gain nothing, and small test models keep their exact historical numerics
 COLUMN_MAJOR_MIN_NUMEL = 1 << 17
+
+
+#: bfloat16 forwards of up to this many rows run kvcore's bf16_linear kernel (where it runs); from about here on
+#: oneDNN's GEMM is as fast or faster (``python benchmarks/weight_kernels.py``)
+BF16_KERNEL_MAX_ROWS = 128
 
 
 def prepack(p: torch.Tensor) -> torch.Tensor | None:
@@ -106,11 +119,41 @@ class DenseLinear:
         return self.weight.nbytes + (self.packed.nbytes if self.packed is not None else 0)
 
 
+def pack_bf16(p: torch.Tensor) -> torch.Tensor | None:
+    """A big bfloat16 ``[N, K]`` weight in the bf16_linear kernel's layout ``[N / 16, K / 2, 16, 2]`` (per block of
+    16 output rows and pair of input columns, the 16 rows' pairs), or None where the kernel does not apply (a small
+    weight, or N not a multiple of 16 or K of 32)."""
+    n, k = p.shape
+    if p.numel() < COLUMN_MAJOR_MIN_NUMEL or n % 16 or k % 32:
+        return None
+    return p.detach().reshape(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+class Bf16Linear:
+    """A dense bfloat16 ``[out, in]`` weight on kvcore's ``bf16_linear`` kernel (``kvcore/csrc/bf16_linear.cpp``),
+    ``x [T, in] -> [T, out]``: float32 sums of bfloat16 products rounded once, each row on its own (a row's result
+    does not depend on the others in its batch)."""
+
+    __slots__ = ("weight", "packed")
+    format = "float"
+
+    def __init__(self, weight: torch.Tensor, packed: torch.Tensor) -> None:
+        self.weight, self.packed = weight, packed
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.kvcore.bf16_linear(x.contiguous(), self.packed)
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.nbytes + self.packed.nbytes
+
+
 class DenseMatmuls:
     """The :class:`DenseLinear` callables of a model's dense weight lists for a forward of ``num_rows`` rows.
 
-    Prepacked copies are built on first use (~0.7 s for SmolLM2-135M in float32) and rebuilt when a weight
-    changes (storage or in-place version); they cost one extra copy of those weights in memory. Multi-row
+    Prepacked copies (oneDNN's, or the bf16_linear kernel's) are built on first use (~0.7 s for SmolLM2-135M in
+    float32) and rebuilt when a weight changes (storage or in-place version); they cost one extra copy of those
+    weights in memory. Multi-row
     float32 GEMMs on them run 1.5-2.3x faster than MKL at 2-16 rows on a 2-core AVX2 machine (MKL repacks
     the whole weight on every small-M call), bfloat16 ones also at one row (benchmarks/matmul_kernels.py)."""
 
@@ -122,12 +165,14 @@ class DenseMatmuls:
         self._cache.clear()
 
     def mode(self, p: torch.Tensor, num_rows: int, use_packed: bool) -> str:
-        """``packed``, ``gemv`` or ``plain``: how weights like ``p`` run for ``num_rows`` rows."""
+        """``kernel``, ``packed``, ``gemv`` or ``plain``: how weights like ``p`` run for ``num_rows`` rows."""
         if p.device.type != "cpu":
             return "plain"
         packs = use_packed and self.can_prepack
         if p.dtype == torch.float32:
             return "packed" if packs and num_rows >= 2 else "gemv" if num_rows == 1 else "plain"
+        if p.dtype == torch.bfloat16 and use_packed and bf16_linear_ready():
+            return "kernel" if num_rows <= BF16_KERNEL_MAX_ROWS else "plain"
         if p.dtype == torch.bfloat16 and packs and cpu_features().bf16_matmul:
             return "packed"
         return "plain"
@@ -137,7 +182,7 @@ class DenseMatmuls:
         first = next(iter(lists.values()))[0]
         mode = self.mode(first, num_rows, use_packed)
         params = [p for plist in lists.values() for p in plist]
-        if mode == "packed":
+        if mode in ("packed", "kernel"):
             key: tuple = tuple((p.data_ptr(), weight_version(p)) for p in params)
         else:  # the callables read their Parameter at call time: only a replaced Parameter matters
             key = (torch.get_num_threads() if mode == "gemv" else 1, *map(id, params))
@@ -145,7 +190,10 @@ class DenseMatmuls:
         if cached is not None and cached[0] == key:
             return cached[1]
         self._cache.pop(mode, None)  # free an outdated packed copy before building the next
-        if mode == "packed":
+        if mode == "kernel":
+            with torch.no_grad():
+                built = {n: [_kernel_linear(p) for p in plist] for n, plist in lists.items()}
+        elif mode == "packed":
             try:
                 with torch.no_grad():
                     built = {n: [DenseLinear(p, prepack(p)) for p in plist] for n, plist in lists.items()}
@@ -156,6 +204,11 @@ class DenseMatmuls:
             built = {n: [DenseLinear(p, None, key[0]) for p in plist] for n, plist in lists.items()}
         self._cache[mode] = (key, built)
         return built
+
+
+def _kernel_linear(p: torch.Tensor) -> Bf16Linear | DenseLinear:
+    packed = pack_bf16(p)
+    return DenseLinear(p) if packed is None else Bf16Linear(p, packed)
 
 
 def set_layout(p: nn.Parameter, column_major: bool) -> None:

@@ -29,3 +29,67 @@ def test_prepacked_linear_returns_exactly_the_rows_it_was_given(rows):
     out = kv_linear(x, w, packed)
     assert out.shape == (rows, 640) and out.is_contiguous()
     torch.testing.assert_close(out, F.linear(x, w), rtol=1e-5, atol=1e-4)
+
+
+def _bf16_kernel_or_skip():
+    from kvcore.cpu_kernels import bf16_linear_ready
+
+    if not bf16_linear_ready():
+        pytest.skip("kvcore's bf16_linear kernel needs a CPU with AVX512_BF16 and a C++ compiler")
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16, 17, 40, 130])
+def test_bf16_kernel_matches_float64_within_one_rounding(rows):
+    """kvcore's bf16_linear (decode steps of dense bfloat16 models): float32 sums of the bfloat16 products,
+    rounded once, at one tile (up to 16 rows) and in tiles of up to 16 (17 = 9 + 8, 130 = 9 x ~15)."""
+    _bf16_kernel_or_skip()
+    from kvcore.linear import Bf16Linear, pack_bf16
+
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(1040, 288, generator=g).to(torch.bfloat16)  # 65 blocks of 16 rows, 9 groups of 32 columns
+    x = torch.randn(rows, 288, generator=g).to(torch.bfloat16)
+    out = Bf16Linear(w, pack_bf16(w))(x)
+    exact = x.double() @ w.double().t()
+    assert out.shape == (rows, 1040) and out.dtype == torch.bfloat16
+    # one bfloat16 rounding of the result, plus float32 summation of 288 products
+    bound = 2.0**-8 * exact.abs() + 1e-5 * (x.double().abs() @ w.double().abs().t())
+    assert bool(((out.double() - exact).abs() <= bound).all())
+
+
+def test_bf16_kernel_rows_do_not_depend_on_their_batch():
+    """Each row is computed on its own: a token's projections are the same bits in a decode step of one, in a
+    batch of 8 and inside a 40-row prefill (so decode and prefill of the same row agree)."""
+    _bf16_kernel_or_skip()
+    from kvcore.linear import Bf16Linear, pack_bf16
+
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(512, 576, generator=g).to(torch.bfloat16)
+    lin = Bf16Linear(w, pack_bf16(w))
+    x = torch.randn(40, 576, generator=g).to(torch.bfloat16)
+    alone = torch.cat([lin(x[i : i + 1]) for i in range(40)])
+    assert torch.equal(lin(x[:8]), alone[:8])
+    assert torch.equal(lin(x), alone)
+
+
+def test_bf16_kernel_shapes_and_dense_matmul_modes():
+    """Weights the kernel cannot take (output rows not in 16s, input columns not in 32s, small ones) stay on
+    F.linear; a bfloat16 forward of up to BF16_KERNEL_MAX_ROWS rows runs the kernel, beyond that F.linear."""
+    _bf16_kernel_or_skip()
+    from kvcore.linear import BF16_KERNEL_MAX_ROWS, Bf16Linear, DenseLinear, DenseMatmuls, pack_bf16
+
+    assert pack_bf16(torch.zeros(1000, 576, dtype=torch.bfloat16)) is None  # 1000 rows: not in blocks of 16
+    assert pack_bf16(torch.zeros(1024, 600, dtype=torch.bfloat16)) is None  # 600 columns: not in 32s
+    assert pack_bf16(torch.zeros(64, 64, dtype=torch.bfloat16)) is None  # small: cache-resident, plain F.linear
+    big = torch.zeros(1024, 576, dtype=torch.bfloat16)
+    odd = torch.zeros(1000, 576, dtype=torch.bfloat16)
+    mm = DenseMatmuls()
+    built = mm.get({"a": [big, odd]}, BF16_KERNEL_MAX_ROWS)
+    assert isinstance(built["a"][0], Bf16Linear) and type(built["a"][1]) is DenseLinear
+    assert built["a"][1].packed is None
+    assert mm.mode(big, BF16_KERNEL_MAX_ROWS + 1, True) == "plain"
+    assert mm.mode(big, 1, use_packed=False) == "plain"
+    bf16 = torch.bfloat16
+    with pytest.raises(RuntimeError, match="K must be a multiple of 32"):
+        torch.ops.kvcore.bf16_linear(torch.zeros(2, 48, dtype=bf16), torch.zeros(1, 24, 16, 2, dtype=bf16))
+    with pytest.raises(RuntimeError, match="packed must be"):
+        torch.ops.kvcore.bf16_linear(torch.zeros(2, 64, dtype=bf16), torch.zeros(1, 16, 16, 2, dtype=bf16))

@@ -195,7 +195,8 @@ def test_auto_picks_int4_only_for_exact_gguf_blocks_in_bf16():
 
 
 def test_bf16_dense_matmuls_match_plain_linear():
-    """bfloat16 models run oneDNN-prepacked copies (where the CPU has bfloat16 dot products): the same
+    """bfloat16 models run prepacked copies (kvcore's bf16_linear kernel where the CPU has AVX512_BF16, else
+    oneDNN's where it has bfloat16 dot products): the same
     outputs as plain ``F.linear`` within bfloat16 rounding, at one row and at many."""
     model = make_random_model(num_heads=8, head_dim=64, num_layers=1, vocab_size=512).to(torch.bfloat16)
     plain = make_random_model(num_heads=8, head_dim=64, num_layers=1, vocab_size=512).to(torch.bfloat16)
