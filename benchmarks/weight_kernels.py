@@ -10,7 +10,8 @@ memory traffic of a real decode step), configurations interleaved pass by pass. 
         --only "layers: bf16 oneDNN,layers: int4a8"                       # a 2048-token prefill's matmuls
 
 Configurations: ``fp32 split GEMV`` (kvcore's float32 one-row path), ``fp32 oneDNN`` (its multi-row path),
-``bf16 F.linear`` (plain), ``bf16 oneDNN`` (prepacked: kvcore's bfloat16 path), ``int4`` (groups of 32,
+``bf16 F.linear`` (plain), ``bf16 oneDNN`` (prepacked: kvcore's bfloat16 path on CPUs without AVX512_BF16),
+``bf16 kvcore`` (kvcore's bf16_linear kernel, where the CPU has AVX512_BF16), ``int4`` (groups of 32,
 bfloat16 activations), ``int8`` (per-channel, bfloat16 activations), ``int4a8`` (the int4 weights with int8
 activations, where the CPU has AVX512-VNNI); ``head:`` rows time the LM head alone.
 """
@@ -25,8 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from kvcore.cpu import cpu_features
-from kvcore.cpu_kernels import int4a8_reasons
-from kvcore.linear import linear
+from kvcore.cpu_kernels import bf16_linear_ready, int4a8_reasons
+from kvcore.linear import Bf16Linear, linear, pack_bf16
 from kvcore.quant import Int4A8Linear, Int4Groups, Int4Linear, Int8Linear
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
@@ -55,6 +56,8 @@ def main() -> None:
         kernels[f"{label}: fp32 oneDNN"] = [("packed", torch.ops.mkldnn._reorder_linear_weight(w, 8)) for w in ws]
         kernels[f"{label}: bf16 F.linear"] = [("plain", w) for w in bf16]
         kernels[f"{label}: bf16 oneDNN"] = [("packed", torch.ops.mkldnn._reorder_linear_weight(w, 8)) for w in bf16]
+        if bf16_linear_ready():
+            kernels[f"{label}: bf16 kvcore"] = [("call", Bf16Linear(w, pack_bf16(w))) for w in bf16]
         kernels[f"{label}: int4 g32"] = [("call", Int4Linear(Int4Groups.from_float(w, 32))) for w in ws]
         kernels[f"{label}: int8"] = [("call", Int8Linear(w)) for w in ws]
         if not int4a8_reasons():

@@ -38,7 +38,7 @@ COLUMN_MAJOR_MIN_NUMEL = 1 << 17
 
 
 #: bfloat16 forwards of up to this many rows run kvcore's bf16_linear kernel (where it runs); from about here on
-#: oneDNN's GEMM is as fast or faster (``python benchmarks/weight_kernels.py``)
+#: plain F.linear (oneDNN's GEMM) is as fast (benchmarks/results/weight_kernels-bf16.txt)
 BF16_KERNEL_MAX_ROWS = 128
 
 
@@ -142,6 +142,10 @@ class Bf16Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.kvcore.bf16_linear(x.contiguous(), self.packed)
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.weight.shape
 
     @property
     def nbytes(self) -> int:
