@@ -71,9 +71,16 @@ def test_rescore_top_k_rejects_bad_input():
         torch.ops.kvcore.rescore_top_k(torch.zeros(2, 64), h, w, 4)
 
 
-def test_lm_head_option_errors():
+def test_lm_head_option_errors(monkeypatch):
     with pytest.raises(ConfigError, match="lm_head 'int4' cannot run here: .*need dtype bfloat16"):
         EngineConfig(lm_head="int4")  # float32 default
+    import kvcore.cpu_kernels
+
+    # the rescoring is a kvcore kernel: without a compiler to build it, the int4 head is unavailable, and says why
+    monkeypatch.setattr(kvcore.cpu_kernels, "kernel_reasons", lambda: ["no g++ or clang++ on PATH"])
+    with pytest.raises(ConfigError, match="lm_head 'int4' cannot run here: no g\\+\\+ or clang\\+\\+ on PATH"):
+        EngineConfig(lm_head="int4", dtype="bfloat16")
+    monkeypatch.undo()
     with pytest.raises(ConfigError, match="unknown lm_head format 'int3'"):
         EngineConfig(lm_head="int3", dtype="bfloat16")
     odd_vocab = make_random_model(vocab_size=300).to(torch.bfloat16)  # 300 rows: not a multiple of 16
