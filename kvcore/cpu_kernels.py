@@ -5,12 +5,12 @@ Five kernels:
 * ``torch.ops.kvcore.decode_attention`` (``csrc/decode_attention.cpp``): the decode-step attention of the
   ``cpu_decode`` backend;
 * ``torch.ops.kvcore.prefill_attention`` (``csrc/prefill_attention.cpp``): its bfloat16 prefill attention, built
-  only for CPUs with AVX512_BF16 (``torch.ops.kvcore.prefill_attention_available()`` says whether it was);
+  only for CPUs with AVX512_BF16 (``torch.ops.kvcore.avx512_bf16_built()`` says whether it was);
 * ``torch.ops.kvcore.int4_linear`` (``csrc/int4_linear.cpp``): every matmul of the ``int4a8`` weight format
   (:class:`kvcore.quant.Int4A8Linear`), decode steps and prefills;
 * ``torch.ops.kvcore.bf16_linear`` (``csrc/bf16_linear.cpp``): dense bfloat16 matmuls of up to 16 rows (decode
   steps) on weights repacked for ``vdpbf16ps`` (:mod:`kvcore.linear`), built only for CPUs with AVX512_BF16
-  (``torch.ops.kvcore.bf16_linear_available()``);
+  (``torch.ops.kvcore.avx512_bf16_built()``);
 * ``torch.ops.kvcore.rescore_top_k`` (``csrc/rescore_top_k.cpp``): the int4 LM head's exact rescoring of each
   row's top candidates (:class:`kvcore.lm_head.RescoredInt4Head`), run eagerly.
 
@@ -158,4 +158,4 @@ def bf16_linear_ready() -> bool:
         load_kernels()
     except BackendUnavailableError:
         return False
-    return bool(torch.ops.kvcore.bf16_linear_available())
+    return bool(torch.ops.kvcore.avx512_bf16_built())

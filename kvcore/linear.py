@@ -153,7 +153,8 @@ class Bf16Linear:
 
 
 class DenseMatmuls:
-    """The :class:`DenseLinear` callables of a model's dense weight lists for a forward of ``num_rows`` rows.
+    """The callables (:class:`DenseLinear`, :class:`Bf16Linear`) of a model's dense weight lists for a forward of
+    ``num_rows`` rows.
 
     Prepacked copies (oneDNN's, or the bf16_linear kernel's) are built on first use (~0.7 s for SmolLM2-135M in
     float32) and rebuilt when a weight changes (storage or in-place version); they cost one extra copy of those

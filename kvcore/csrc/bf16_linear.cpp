@@ -11,8 +11,8 @@
 //   packed  [N / 16, K / 2, 16, 2] bfloat16 (kvcore.linear.pack_bf16)
 //   returns [M, N]                 bfloat16
 //
-// Built only where the compiler targets AVX512_BF16 (kvcore/cpu_kernels.py); bf16_linear_available() says
-// whether it was.
+// Built only where the compiler targets AVX512_BF16 (kvcore/cpu_kernels.py), as prefill_attention.cpp is;
+// avx512_bf16_built() says whether the library was (whether both kernels exist).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -96,7 +96,7 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed) {
 #endif
 }
 
-bool bf16_linear_available() {
+bool avx512_bf16_built() {
 #ifdef KVCORE_BF16_LINEAR
   return true;
 #else
@@ -108,7 +108,7 @@ bool bf16_linear_available() {
 
 TORCH_LIBRARY_FRAGMENT(kvcore, m) {
   m.def("bf16_linear(Tensor x, Tensor packed) -> Tensor");
-  m.def("bf16_linear_available() -> bool", &bf16_linear_available);
+  m.def("avx512_bf16_built() -> bool", &avx512_bf16_built);
 }
 
 TORCH_LIBRARY_IMPL(kvcore, CPU, m) { m.impl("bf16_linear", &bf16_linear); }

@@ -13,7 +13,7 @@
 //   returns [T, H, D]      bfloat16
 //
 // Built only where the compiler targets AVX512_BF16 (kvcore/cpu_kernels.py); callers check
-// prefill_attention_available() and use torch's SDPA otherwise.
+// avx512_bf16_built() (bf16_linear.cpp) and use torch's SDPA otherwise.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -247,19 +247,10 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
 #endif
 }
 
-bool prefill_attention_available() {
-#ifdef KVCORE_BF16_PREFILL
-  return true;
-#else
-  return false;
-#endif
-}
-
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvcore, m) {
   m.def("prefill_attention(Tensor q, Tensor k, Tensor v, int context_len, float scale) -> Tensor");
-  m.def("prefill_attention_available() -> bool", &prefill_attention_available);
 }
 
 TORCH_LIBRARY_IMPL(kvcore, CPU, m) { m.impl("prefill_attention", &prefill_attention); }
