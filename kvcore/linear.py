@@ -6,9 +6,10 @@ picks, per forward, how each dense weight runs:
 
 * float32 on CPU, one row: ``parts`` partial GEMVs over the column-major weight (:func:`linear`);
 * float32 on CPU, 2+ rows: oneDNN on a copy prepacked for ~8-row inputs;
-* bfloat16 on a CPU with AVX512_BF16, up to :data:`BF16_KERNEL_MAX_ROWS` rows: kvcore's ``bf16_linear`` kernel
-  on a copy repacked for ``vdpbf16ps`` (:class:`Bf16Linear`; a decode step's weights stream at close to the memory
-  bandwidth); more rows: ``F.linear`` (oneDNN's GEMM, as fast as on a prepacked copy at those sizes);
+* bfloat16 on a CPU with AVX512_BF16, up to :data:`BF16_KERNEL_MAX_ROWS` rows (:data:`BF16_KERNEL_MAX_ROWS_AMX` with
+  AMX): kvcore's ``bf16_linear`` kernel on a copy repacked for ``vdpbf16ps`` (:class:`Bf16Linear`; a decode step's
+  weights stream at close to the memory bandwidth); more rows: ``F.linear`` (oneDNN's GEMM, as fast as on a
+  prepacked copy at those sizes);
 * bfloat16 on other CPUs with native bfloat16 dot products (:func:`kvcore.cpu.cpu_features`: AMX without
   kvcore's kernels), any rows: oneDNN on a prepacked copy (plain bfloat16 ``F.linear`` reads its weights at a
   fraction of the memory bandwidth);
@@ -29,8 +30,9 @@ from torch import nn
 from kvcore.cpu import cpu_features
 from kvcore.cpu_kernels import bf16_linear_ready
 
-__all__ = ["BF16_KERNEL_MAX_ROWS", "COLUMN_MAJOR_MIN_NUMEL", "Bf16Linear", "DenseLinear", "DenseMatmuls", "prepack",
-           "pack_bf16", "row_bucket", "weight_version", "linear", "packed_linear", "set_layout"]
+__all__ = ["BF16_KERNEL_MAX_ROWS", "BF16_KERNEL_MAX_ROWS_AMX", "COLUMN_MAJOR_MIN_NUMEL", "Bf16Linear", "DenseLinear",
+           "DenseMatmuls", "prepack", "pack_bf16", "row_bucket", "weight_version", "linear", "packed_linear",
+           "set_layout"]
 
 #: weights smaller than this (elements; 512 KiB in float32, about a core's L2) keep row-major and are not
 #: prepacked: cache-resident GEMVs gain nothing, and small test models keep their exact historical numerics
@@ -38,8 +40,11 @@ COLUMN_MAJOR_MIN_NUMEL = 1 << 17
 
 
 #: bfloat16 forwards of up to this many rows run kvcore's bf16_linear kernel (where it runs); from about here on
-#: plain F.linear (oneDNN's GEMM) is as fast (benchmarks/results/weight_kernels-bf16.txt)
+#: plain F.linear (oneDNN's GEMM) is as fast (benchmarks/results/weight_kernels-bf16.txt, a CPU without AMX)
 BF16_KERNEL_MAX_ROWS = 128
+#: the same limit on CPUs with AMX, whose tiles oneDNN uses for bfloat16 GEMMs: only decode-sized batches (memory-bound
+#: streams over the weights) stay on the kernel; not measured here (no AMX on this project's machines)
+BF16_KERNEL_MAX_ROWS_AMX = 16
 
 
 def prepack(p: torch.Tensor) -> torch.Tensor | None:
@@ -177,7 +182,8 @@ class DenseMatmuls:
         if p.dtype == torch.float32:
             return "packed" if packs and num_rows >= 2 else "gemv" if num_rows == 1 else "plain"
         if p.dtype == torch.bfloat16 and use_packed and bf16_linear_ready():
-            return "kernel" if num_rows <= BF16_KERNEL_MAX_ROWS else "plain"
+            limit = BF16_KERNEL_MAX_ROWS_AMX if cpu_features().amx else BF16_KERNEL_MAX_ROWS
+            return "kernel" if num_rows <= limit else "plain"
         if p.dtype == torch.bfloat16 and packs and cpu_features().bf16_matmul:
             return "packed"
         return "plain"

@@ -93,3 +93,18 @@ def test_bf16_kernel_shapes_and_dense_matmul_modes():
         torch.ops.kvcore.bf16_linear(torch.zeros(2, 48, dtype=bf16), torch.zeros(1, 24, 16, 2, dtype=bf16))
     with pytest.raises(RuntimeError, match="packed must be"):
         torch.ops.kvcore.bf16_linear(torch.zeros(2, 64, dtype=bf16), torch.zeros(1, 16, 16, 2, dtype=bf16))
+
+
+def test_bf16_kernel_keeps_to_decode_batches_on_amx_cpus(monkeypatch):
+    """Where the CPU has AMX (oneDNN multiplies bfloat16 tiles there), only up to 16 rows take the kernel."""
+    _bf16_kernel_or_skip()
+    import types
+
+    import kvcore.linear
+    from kvcore.linear import BF16_KERNEL_MAX_ROWS_AMX, DenseMatmuls
+
+    big = torch.zeros(1024, 576, dtype=torch.bfloat16)
+    monkeypatch.setattr(kvcore.linear, "cpu_features", lambda: types.SimpleNamespace(amx=True, bf16_matmul=True))
+    mm = DenseMatmuls()
+    assert mm.mode(big, BF16_KERNEL_MAX_ROWS_AMX, True) == "kernel"
+    assert mm.mode(big, BF16_KERNEL_MAX_ROWS_AMX + 1, True) == "plain"
