@@ -10,9 +10,9 @@ picks, per forward, how each dense weight runs:
   AMX): kvcore's ``bf16_linear`` kernel on a copy repacked for ``vdpbf16ps`` (:class:`Bf16Linear`; a decode step's
   weights stream at close to the memory bandwidth); more rows: ``F.linear`` (oneDNN's GEMM, as fast as on a
   prepacked copy at those sizes);
-* bfloat16 on other CPUs with native bfloat16 dot products (:func:`kvcore.cpu.cpu_features`: AMX without
-  kvcore's kernels), any rows: oneDNN on a prepacked copy (plain bfloat16 ``F.linear`` reads its weights at a
-  fraction of the memory bandwidth);
+* bfloat16 where the kernel cannot run (no C++ compiler to build it) on a CPU with native bfloat16 dot products
+  (:func:`kvcore.cpu.cpu_features`), any rows: oneDNN on a prepacked copy (plain bfloat16 ``F.linear`` reads its
+  weights at a fraction of the memory bandwidth);
 * anything else: ``F.linear``.
 
 Weights below :data:`COLUMN_MAJOR_MIN_NUMEL` elements, and for the kernel weights whose shape it cannot take
@@ -163,9 +163,9 @@ class DenseMatmuls:
 
     Prepacked copies (oneDNN's, or the bf16_linear kernel's) are built on first use (~0.7 s for SmolLM2-135M in
     float32) and rebuilt when a weight changes (storage or in-place version); they cost one extra copy of those
-    weights in memory. Multi-row
-    float32 GEMMs on them run 1.5-2.3x faster than MKL at 2-16 rows on a 2-core AVX2 machine (MKL repacks
-    the whole weight on every small-M call), bfloat16 ones also at one row (benchmarks/matmul_kernels.py)."""
+    weights in memory. Multi-row float32 GEMMs on them run 1.5-2.3x faster than MKL at 2-16 rows on a 2-core AVX2
+    machine (MKL repacks the whole weight on every small-M call), bfloat16 ones also at one row
+    (benchmarks/matmul_kernels.py)."""
 
     def __init__(self) -> None:
         self._cache: dict[str, tuple[tuple, dict[str, list[DenseLinear]]]] = {}
