@@ -51,7 +51,7 @@ class CPUDecodeBackend(SDPABackend):
     def __init__(self, **options) -> None:
         super().__init__(**options)
         load_kernels()
-        self._bf16_prefill = torch.ops.kvcore.avx512_bf16_built()  # built for AVX512_BF16
+        self._bf16_prefill = torch.ops.kvcore.built_with("avx512_bf16")  # built for AVX512_BF16
 
     @classmethod
     def availability(cls) -> str | None:

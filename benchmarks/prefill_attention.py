@@ -32,7 +32,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     load_kernels()
-    if not torch.ops.kvcore.avx512_bf16_built():
+    if not torch.ops.kvcore.built_with("avx512_bf16"):
         raise SystemExit("kvcore's kernels were built without AVX512_BF16: no bfloat16 prefill kernel on this CPU")
     print(f"{cpu_features().describe()}; kernels built for {vector_isa()} + AVX512_BF16; bfloat16; "
           f"medians of {args.rounds} alternating rounds")

@@ -5,14 +5,18 @@ Five kernels:
 * ``torch.ops.kvcore.decode_attention`` (``csrc/decode_attention.cpp``): the decode-step attention of the
   ``cpu_decode`` backend;
 * ``torch.ops.kvcore.prefill_attention`` (``csrc/prefill_attention.cpp``): its bfloat16 prefill attention, built
-  only for CPUs with AVX512_BF16 (``torch.ops.kvcore.avx512_bf16_built()`` says whether it was);
+  only for CPUs with AVX512_BF16;
 * ``torch.ops.kvcore.int4_linear`` (``csrc/int4_linear.cpp``): every matmul of the ``int4a8`` weight format
   (:class:`kvcore.quant.Int4A8Linear`), decode steps and prefills;
-* ``torch.ops.kvcore.bf16_linear`` (``csrc/bf16_linear.cpp``): dense bfloat16 matmuls of up to 16 rows (decode
-  steps) on weights repacked for ``vdpbf16ps`` (:mod:`kvcore.linear`), built only for CPUs with AVX512_BF16
-  (``torch.ops.kvcore.avx512_bf16_built()``);
+* ``torch.ops.kvcore.bf16_linear`` (``csrc/bf16_linear.cpp``): dense bfloat16 matmuls of up to 128 rows (decode
+  steps, short prefills) on weights repacked for ``vdpbf16ps`` (:mod:`kvcore.linear`), built only for CPUs with
+  AVX512_BF16;
 * ``torch.ops.kvcore.rescore_top_k`` (``csrc/rescore_top_k.cpp``): the int4 LM head's exact rescoring of each
   row's top candidates (:class:`kvcore.lm_head.RescoredInt4Head`), run eagerly.
+
+``torch.ops.kvcore.built_with("avx512_vnni" | "avx512_bf16")`` (``csrc/isa.cpp``) says whether the library was
+compiled with an extension (``csrc/isa.h`` decides it for every kernel file): :func:`extension_reasons` says
+whether it will be.
 
 They are ordinary torch operators (registered from C++ with fake implementations for ``torch.compile``), so
 compiled decode steps call them directly.
@@ -40,10 +44,12 @@ from kvcore.cpu import cpu_features
 from kvcore.errors import BackendUnavailableError
 from kvcore.model_cache import cache_root
 
-__all__ = ["bf16_linear_ready", "cxx_compiler", "int4a8_reasons", "kernel_reasons", "load_kernels", "vector_isa"]
+__all__ = ["bf16_linear_ready", "cxx_compiler", "extension_reasons", "int4a8_reasons", "kernel_reasons", "load_kernels",
+           "vector_isa"]
 
-_SOURCES = ("bf16_linear.cpp", "decode_attention.cpp", "int4_linear.cpp", "prefill_attention.cpp",
+_SOURCES = ("bf16_linear.cpp", "decode_attention.cpp", "int4_linear.cpp", "isa.cpp", "prefill_attention.cpp",
             "rescore_top_k.cpp")
+_HEADERS = ("isa.h",)  # included by the sources: part of the build's cache key
 _CSRC = Path(__file__).with_name("csrc")
 #: ISA -> (ATen's CPU_CAPABILITY macro, compiler flags), widest first; the CPU must report every flag in the set
 _ISAS = {
@@ -81,10 +87,9 @@ def _command(cxx: str, sources: list[Path], out: Path) -> list[str]:
     torch_dir = Path(torch.__file__).parent
     isa = vector_isa()
     macro, isa_flags, _ = _ISAS.get(isa, ("", (), set()))
-    if isa == "avx512":  # extensions some kernels use where the CPU has them
-        flags = cpu_features().flags
-        isa_flags += ("-mavx512vnni",) * ("avx512_vnni" in flags)  # int4 x int8 dot products (int4_linear.cpp)
-        isa_flags += ("-mavx512bf16",) * ("avx512_bf16" in flags)  # bfloat16 dot products (bf16_linear.cpp...)
+    # extensions some kernels use where the CPU has them (csrc/isa.h)
+    isa_flags += ("-mavx512vnni",) * (not extension_reasons("avx512_vnni"))  # int4 x int8 dot products
+    isa_flags += ("-mavx512bf16",) * (not extension_reasons("avx512_bf16"))  # bfloat16 pair products
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     # -fopenmp: at::parallel_for is inline OpenMP code compiled here (without it, one thread); the library then
     # needs libgomp.so.1, which resolves to the copy torch has already loaded, with torch's thread count
@@ -104,7 +109,8 @@ def load_kernels() -> str:
     cxx = cxx_compiler()
     sources = [_CSRC / name for name in _SOURCES]
     command = _command(cxx, sources, Path("OUT"))
-    key = hashlib.sha256("\0".join([torch.__version__, *command, *(s.read_text() for s in sources)]).encode())
+    texts = [(_CSRC / name).read_text() for name in (*_SOURCES, *_HEADERS)]
+    key = hashlib.sha256("\0".join([torch.__version__, *command, *texts]).encode())
     library = cache_root() / "kernels" / key.hexdigest()[:16] / "kvcore_cpu_kernels.so"
     if not library.is_file():
         library.parent.mkdir(parents=True, exist_ok=True)
@@ -140,10 +146,19 @@ def _int4_linear_fake(x, codes, dm):
     return x.new_empty(x.shape[0], codes.shape[0] * 16)
 
 
+def extension_reasons(feature: str) -> list[str]:
+    """Why the kernels are not compiled with ``feature`` (``"avx512_vnni"`` or ``"avx512_bf16"``) on this CPU
+    ([] = they are): the CPU must report it, on top of the AVX-512 build."""
+    if feature in cpu_features().flags and vector_isa() == "avx512":
+        return []
+    return [f"this CPU does not report {feature} with AVX-512; it reports "
+            f"{', '.join(cpu_features().flags) or 'no SIMD flags'}"]
+
+
 def int4a8_reasons() -> list[str]:
     """Why the ``int4a8`` weight format's kernel cannot run here ([] = it can)."""
     reasons = kernel_reasons()
-    if "avx512_vnni" not in cpu_features().flags or vector_isa() != "avx512":
+    if extension_reasons("avx512_vnni"):
         reasons.append("int4a8 needs a CPU with AVX512-VNNI (its int4 x int8 dot products); this one reports "
                        f"{', '.join(cpu_features().flags) or 'no SIMD flags'}")
     return reasons
@@ -152,10 +167,10 @@ def int4a8_reasons() -> list[str]:
 @functools.cache
 def bf16_linear_ready() -> bool:
     """Whether ``torch.ops.kvcore.bf16_linear`` runs here: a CPU with AVX512_BF16 and kernels that build (once)."""
-    if "avx512_bf16" not in cpu_features().flags or vector_isa() != "avx512" or kernel_reasons():
+    if extension_reasons("avx512_bf16") or kernel_reasons():
         return False
     try:
         load_kernels()
     except BackendUnavailableError:
         return False
-    return bool(torch.ops.kvcore.avx512_bf16_built())
+    return bool(torch.ops.kvcore.built_with("avx512_bf16"))

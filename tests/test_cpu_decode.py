@@ -64,7 +64,7 @@ def _prefill_reference(q, k, v, context_len, scale):
 
 @pytest.fixture
 def bf16_prefill(kernels):
-    if not torch.ops.kvcore.avx512_bf16_built():
+    if not torch.ops.kvcore.built_with("avx512_bf16"):
         pytest.skip("kvcore's kernels were built without AVX512_BF16 (no bfloat16 prefill kernel)")
 
 
@@ -105,6 +105,19 @@ def test_prefill_kernel_rejects_bad_inputs_with_a_message():
     with pytest.raises(RuntimeError, match="H a multiple of H_kv"):
         op(torch.randn(4, 3, 64).bfloat16(), torch.randn(2, 6, 64).bfloat16(), torch.randn(2, 6, 64).bfloat16(), 2,
            0.125)
+
+
+def test_the_library_is_built_with_the_extensions_python_chose():
+    """csrc/isa.h decides per extension for every kernel file; built_with reports it, and it must agree with what
+    cpu_kernels passed to the compiler for this CPU (a mismatch would run the slow paths, or crash on an
+    instruction the CPU lacks). An unknown name is an error, not False."""
+    from kvcore.cpu_kernels import extension_reasons, load_kernels
+
+    load_kernels()
+    for feature in ("avx512_vnni", "avx512_bf16"):
+        assert torch.ops.kvcore.built_with(feature) == (not extension_reasons(feature))
+    with pytest.raises(RuntimeError, match="unknown feature 'avx512_fp16'"):
+        torch.ops.kvcore.built_with("avx512_fp16")
 
 
 def test_kernel_rejects_bad_inputs_with_a_message():
@@ -159,7 +172,7 @@ def test_passes_the_quick_conformance_suite():
 def test_a_failed_build_is_one_clear_line(monkeypatch, tmp_path):
     import kvcore.cpu_kernels as ck
 
-    for name in ck._SOURCES:
+    for name in (*ck._SOURCES, *ck._HEADERS):
         (tmp_path / name).write_text("this is not C++\n")
     monkeypatch.setattr(ck, "_CSRC", tmp_path)
     monkeypatch.setenv("KVCORE_CACHE_DIR", str(tmp_path / "cache"))

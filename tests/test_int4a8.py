@@ -108,4 +108,4 @@ def test_the_int4_head_scores_with_the_a8_kernel_for_int4a8_models():
 def test_the_kernel_was_built_with_its_vnni_path():
     """Where int4a8 is offered, the library must hold the AVX512-VNNI code, not the portable loops (correct but
     many times slower)."""
-    assert torch.ops.kvcore.int4_linear_vectorized()
+    assert torch.ops.kvcore.built_with("avx512_vnni")

@@ -101,7 +101,7 @@ def _kernels(engine) -> str:
         from kvcore.cpu_kernels import vector_isa
 
         decode += f" (kvcore C++ kernel, {vector_isa()})"
-    if prefill == "cpu_decode" and model.dtype == torch.bfloat16 and torch.ops.kvcore.avx512_bf16_built():
+    if prefill == "cpu_decode" and model.dtype == torch.bfloat16 and torch.ops.kvcore.built_with("avx512_bf16"):
         prefill += " (kvcore C++ kernel, AVX512_BF16)"
     return (f"attention prefill={prefill} decode={decode}, "
             f"KV cache {engine.cache.name}; matmuls {matmul}{compiled}")

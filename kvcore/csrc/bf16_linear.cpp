@@ -1,5 +1,5 @@
 // kvcore::bf16_linear: y = x @ W.T for the few rows of a decode step, bfloat16 weights and activations,
-// float32 sums rounded once to bfloat16 (kvcore/linear.py uses it for dense bfloat16 weights up to 16 rows).
+// float32 sums rounded once to bfloat16 (kvcore/linear.py uses it for dense bfloat16 weights of up to 128 rows).
 //
 // A decode step's matmuls are a stream over the weights: each weight is read once per step and used by a few
 // rows. The weights are repacked so that one 64-byte load is the operand of one vdpbf16ps for every row:
@@ -11,8 +11,7 @@
 //   packed  [N / 16, K / 2, 16, 2] bfloat16 (kvcore.linear.pack_bf16)
 //   returns [M, N]                 bfloat16
 //
-// Built only where the compiler targets AVX512_BF16 (kvcore/cpu_kernels.py), as prefill_attention.cpp is;
-// avx512_bf16_built() says whether the library was (whether both kernels exist).
+// Built only where the compiler targets AVX512_BF16 (isa.h); built_with("avx512_bf16") says whether it was.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -22,14 +21,11 @@
 #include <algorithm>
 #include <cstdint>
 
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
-#include <immintrin.h>
-#define KVCORE_BF16_LINEAR 1
-#endif
+#include "isa.h"
 
 namespace {
 
-#ifdef KVCORE_BF16_LINEAR
+#ifdef KVCORE_BF16
 
 constexpr int64_t kRows = 16;  // output rows per block
 constexpr int64_t kMaxM = 16;
@@ -65,10 +61,10 @@ constexpr BlockDot kBlockDots[kMaxM] = {block_dot<1>, block_dot<2>, block_dot<3>
                                         block_dot<9>, block_dot<10>, block_dot<11>, block_dot<12>,
                                         block_dot<13>, block_dot<14>, block_dot<15>, block_dot<16>};
 
-#endif  // KVCORE_BF16_LINEAR
+#endif  // KVCORE_BF16
 
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed) {
-#ifdef KVCORE_BF16_LINEAR
+#ifdef KVCORE_BF16
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16,
               "bf16_linear: x and packed must be bfloat16");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(0) >= 1, "bf16_linear: x must be a contiguous [M, K] matrix");
@@ -96,19 +92,10 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed) {
 #endif
 }
 
-bool avx512_bf16_built() {
-#ifdef KVCORE_BF16_LINEAR
-  return true;
-#else
-  return false;
-#endif
-}
-
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvcore, m) {
   m.def("bf16_linear(Tensor x, Tensor packed) -> Tensor");
-  m.def("avx512_bf16_built() -> bool", &avx512_bf16_built);
 }
 
 TORCH_LIBRARY_IMPL(kvcore, CPU, m) { m.impl("bf16_linear", &bf16_linear); }

@@ -31,6 +31,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "isa.h"
+
 namespace {
 
 using Vec = at::vec::Vectorized<float>;
@@ -173,7 +175,7 @@ void attend_chunk(const T* q, const T* k, const T* v, int64_t k_stride, int64_t 
   }
 }
 
-#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
+#if defined(CPU_CAPABILITY_AVX512) && defined(KVCORE_BF16)
 #define KVCORE_BF16_DECODE 1
 // attend_chunk for bfloat16 rows of D = 32 NB on CPUs with AVX512_BF16: no widening to float32. Each block's
 // key and value rows are read in one pass (keys copied as they are, values interleaved, into L1 buffers). A

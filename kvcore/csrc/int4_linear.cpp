@@ -32,10 +32,7 @@
 #include <cstdint>
 #include <memory>
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-#include <immintrin.h>
-#define KVCORE_VNNI 1
-#endif
+#include "isa.h"
 
 namespace {
 
@@ -197,19 +194,10 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   return int4_linear_impl<c10::BFloat16>(x, packed, dm);
 }
 
-bool int4_linear_vectorized() {
-#ifdef KVCORE_VNNI
-  return true;
-#else
-  return false;
-#endif
-}
-
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvcore, m) {
   m.def("int4_linear(Tensor x, Tensor packed, Tensor dm) -> Tensor");
-  m.def("int4_linear_vectorized() -> bool", &int4_linear_vectorized);
 }
 
 TORCH_LIBRARY_IMPL(kvcore, CPU, m) { m.impl("int4_linear", &int4_linear); }

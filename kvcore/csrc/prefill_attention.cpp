@@ -13,7 +13,7 @@
 //   returns [T, H, D]      bfloat16
 //
 // Built only where the compiler targets AVX512_BF16 (kvcore/cpu_kernels.py); callers check
-// avx512_bf16_built() (bf16_linear.cpp) and use torch's SDPA otherwise.
+// built_with("avx512_bf16") (isa.cpp) and use torch's SDPA otherwise.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -28,14 +28,11 @@
 #include <limits>
 #include <memory>
 
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
-#include <immintrin.h>
-#define KVCORE_BF16_PREFILL 1
-#endif
+#include "isa.h"
 
 namespace {
 
-#ifdef KVCORE_BF16_PREFILL
+#ifdef KVCORE_BF16
 
 constexpr int64_t kKeys = 32;  // keys per block
 constexpr int64_t kRows = 4;   // query rows per tile
@@ -220,11 +217,11 @@ void prefill_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   });
 }
 
-#endif  // KVCORE_BF16_PREFILL
+#endif  // KVCORE_BF16
 
 at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t context_len,
                              double scale) {
-#ifdef KVCORE_BF16_PREFILL
+#ifdef KVCORE_BF16
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "prefill_attention: q [T, H, D], k/v [H_kv, L, D]");
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 &&
               v.scalar_type() == at::kBFloat16, "prefill_attention: bfloat16 only");

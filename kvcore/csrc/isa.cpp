@@ -1,0 +1,31 @@
+// kvcore::built_with(feature): whether the kernels were compiled with an ISA extension (isa.h), "avx512_vnni"
+// (the int4a8 kernel's fast path; without it int4_linear runs portable loops) or "avx512_bf16" (the bf16_linear
+// and prefill_attention kernels, the bfloat16 decode path). Callers check it before using those kernels.
+
+#include <torch/library.h>
+
+#include <string>
+
+#include "isa.h"
+
+namespace {
+
+bool built_with(const std::string& feature) {
+  if (feature == "avx512_vnni") {
+#ifdef KVCORE_VNNI
+    return true;
+#else
+    return false;
+#endif
+  }
+  TORCH_CHECK(feature == "avx512_bf16", "built_with: unknown feature '", feature, "' (avx512_vnni, avx512_bf16)");
+#ifdef KVCORE_BF16
+  return true;
+#else
+  return false;
+#endif
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kvcore, m) { m.def("built_with(str feature) -> bool", &built_with); }
