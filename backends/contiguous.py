@@ -12,9 +12,9 @@ from typing import Any
 
 import torch
 
-from kvcore.attention import AttentionMetadata
 from kvcore.hookspecs import hookimpl
-from kvcore.kv_cache import CacheCapabilities, CacheSpec, KVCache, copy_block_rows
+from kvcore.interfaces.kv_cache import CacheCapabilities, CacheSpec, KVCache, copy_block_rows
+from kvcore.interfaces.metadata import AttentionMetadata
 
 __all__ = ["ContiguousKVCache", "ALL_DTYPES"]
 

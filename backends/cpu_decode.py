@@ -3,7 +3,7 @@
 A decode step's attention is one query row per head against the whole cache, a shape fused prefill kernels
 are not built for: torch's CPU flash-attention kernel runs it through its blocked GEMM machinery, whose
 per-call and per-block overhead dominates at short contexts, and with three KV heads it gives two threads
-three work items. ``torch.ops.kvcore.decode_attention`` (:mod:`kvcore.cpu_kernels`, built on first use)
+three work items. ``torch.ops.kvcore.decode_attention`` (:mod:`kvcore.kernels.cpu_kernels`, built on first use)
 reads each key and value row once for the ``H / H_kv`` query heads sharing it, splits long contexts into
 chunks so every thread has work even at batch 1 ("split-K", merged with the online-softmax rescaling) and
 computes in float32 (bfloat16 rows on AVX512_BF16 CPUs: products of bfloat16 pairs summed in float32 by
@@ -25,9 +25,10 @@ from __future__ import annotations
 
 import torch
 
-from kvcore.attention import AttentionMetadata, BackendCapabilities
-from kvcore.cpu_kernels import kernel_reasons, load_kernels
 from kvcore.hookspecs import hookimpl
+from kvcore.interfaces.attention import BackendCapabilities
+from kvcore.interfaces.metadata import AttentionMetadata
+from kvcore.kernels.cpu_kernels import kernel_reasons, load_kernels
 
 from .sdpa import SDPABackend, SDPAPlan
 

@@ -38,10 +38,11 @@ from typing import Any
 
 import torch
 
-from kvcore.attention import AttentionBackend, AttentionMetadata, BackendCapabilities, cu_seqlens
 from kvcore.errors import BackendError, ConfigError
 from kvcore.hookspecs import hookimpl
-from kvcore.kv_cache import KVCache
+from kvcore.interfaces.attention import AttentionBackend, BackendCapabilities
+from kvcore.interfaces.kv_cache import KVCache
+from kvcore.interfaces.metadata import AttentionMetadata, cu_seqlens
 
 from .contiguous import ContiguousKVCache
 

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from kvcore.attention import AttentionBackend, AttentionMetadata, BackendCapabilities, causal_mask
 from kvcore.hookspecs import hookimpl
+from kvcore.interfaces.attention import AttentionBackend, BackendCapabilities, causal_mask
+from kvcore.interfaces.metadata import AttentionMetadata
 
 from .contiguous import ALL_DTYPES, ContiguousKVCache
 

@@ -31,10 +31,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from kvcore.attention import AttentionBackend, AttentionMetadata, BackendCapabilities, causal_mask
 from kvcore.errors import ConfigError
 from kvcore.hookspecs import hookimpl
-from kvcore.kv_cache import CacheCapabilities, CacheSpec, KVCache, copy_block_rows
+from kvcore.interfaces.attention import AttentionBackend, BackendCapabilities, causal_mask
+from kvcore.interfaces.kv_cache import CacheCapabilities, CacheSpec, KVCache, copy_block_rows
+from kvcore.interfaces.metadata import AttentionMetadata
 
 from .contiguous import ALL_DTYPES
 

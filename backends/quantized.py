@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
-from kvcore.attention import AttentionMetadata
 from kvcore.hookspecs import hookimpl
-from kvcore.kv_cache import CacheCapabilities, CacheSpec
+from kvcore.interfaces.kv_cache import CacheCapabilities, CacheSpec
+from kvcore.interfaces.metadata import AttentionMetadata
 
 from .contiguous import ALL_DTYPES
 from .paged import PagedKVCache

@@ -12,7 +12,7 @@ On CPU this runs PyTorch's fused flash-attention kernel. Details that matter:
   forward call in :meth:`SDPABackend.plan`; every layer then does one ``index_copy_`` per K and V and
   one attention call.
 * The decode path touches only the plan's tensors and ints and the cache's ``k_rows`` / ``v_rows``, so
-  ``torch.compile`` can trace it (``capabilities.compilable``; see :mod:`kvcore.compile`).
+  ``torch.compile`` can trace it (``capabilities.compilable``; see :mod:`kvcore.execution.compile`).
 
 Everything read from the cache is a view (no copy, no concatenation): a decode step reads exactly the
 live ``[:max_seq_len]`` prefix of each slot.
@@ -25,8 +25,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvcore.attention import AttentionBackend, AttentionMetadata, BackendCapabilities, causal_mask
 from kvcore.hookspecs import hookimpl
+from kvcore.interfaces.attention import AttentionBackend, BackendCapabilities, causal_mask
+from kvcore.interfaces.metadata import AttentionMetadata
 
 from .contiguous import ALL_DTYPES, ContiguousKVCache
 

@@ -33,9 +33,9 @@ from types import SimpleNamespace
 
 import torch
 
-from kvcore.attention import BackendCapabilities
 from kvcore.hookspecs import hookimpl
-from kvcore.kv_cache import KVCache
+from kvcore.interfaces.attention import BackendCapabilities
+from kvcore.interfaces.kv_cache import KVCache
 
 from .flash_attn2 import KernelBackend, SlotPlan, cuda_availability, kv_views
 

@@ -1,4 +1,4 @@
-"""Cost of the backend-boundary check (kvcore/backend_check.py) on decode steps.
+"""Cost of the backend-boundary check (kvcore/execution/backend_check.py) on decode steps.
 
 One engine decodes one request; blocks of steps alternate between the check on (the engine's guards) and
 off, so machine load drifts over both alike. Reports the median step time of each (wall and process CPU

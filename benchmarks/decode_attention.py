@@ -18,8 +18,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from kvcore.cpu import cpu_features
-from kvcore.cpu_kernels import load_kernels, vector_isa
+from kvcore.kernels.cpu import cpu_features
+from kvcore.kernels.cpu_kernels import load_kernels, vector_isa
 
 GRID = ((1, 128), (1, 2048), (8, 120), (8, 512), (8, 2048))
 LAYERS, KV_HEADS, GROUP, HEAD_DIM = 30, 3, 3, 64

@@ -20,7 +20,7 @@ import time
 import torch
 
 from kvcore import Engine, EngineConfig, SamplingParams
-from kvcore.cpu import cpu_features
+from kvcore.kernels.cpu import cpu_features
 
 
 def main() -> None:

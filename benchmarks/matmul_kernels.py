@@ -1,4 +1,4 @@
-"""The GEMM kernel choices behind kvcore.model, measured on a full SmolLM2-135M-sized weight set.
+"""The GEMM kernel choices behind kvcore.model.decoder, measured on a full SmolLM2-135M-sized weight set.
 
 Each configuration runs every projection of 30 layers (qkv 960x576, o 576x576, gate_up 3072x576,
 down 576x1536) plus the 49152x576 LM head once, with distinct random weights (540 MB in float32, so

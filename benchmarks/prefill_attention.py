@@ -17,9 +17,9 @@ import time
 import torch
 import torch.nn.functional as F
 
-from kvcore.attention import causal_mask
-from kvcore.cpu import cpu_features
-from kvcore.cpu_kernels import load_kernels, vector_isa
+from kvcore.interfaces.attention import causal_mask
+from kvcore.kernels.cpu import cpu_features
+from kvcore.kernels.cpu_kernels import load_kernels, vector_isa
 
 GRID = ((128, 0), (512, 0), (2048, 0), (256, 1792))  # (new query rows, keys already in the cache)
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64

@@ -16,7 +16,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from kvcore import Engine, EngineConfig, SamplingParams
 from kvcore.loaders import build_model, load_model
-from kvcore.weights import uses_quantized_blocks
+from kvcore.model.weights import uses_quantized_blocks
 
 
 def main() -> None:

@@ -30,11 +30,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kvcore.cpu import cpu_features
-from kvcore.engine import Engine, EngineConfig
-from kvcore.lm_head import RescoredInt4Head
+from kvcore.engine.core import Engine, EngineConfig
+from kvcore.interfaces.sampler import SamplingParams
+from kvcore.kernels.cpu import cpu_features
 from kvcore.loaders import build_model, load_model
-from kvcore.sampling import SamplingParams
+from kvcore.model.lm_head import RescoredInt4Head
 
 ROOT = Path(__file__).resolve().parent.parent
 FORMATS = {  # name -> (dtype, weights, group size, LM head)

@@ -20,10 +20,10 @@ from pathlib import Path
 
 import torch
 
-from kvcore.cpu import cpu_features
-from kvcore.engine import Engine, EngineConfig
+from kvcore.engine.core import Engine, EngineConfig
+from kvcore.interfaces.sampler import SamplingParams
+from kvcore.kernels.cpu import cpu_features
 from kvcore.loaders import build_model, load_model
-from kvcore.sampling import SamplingParams
 
 ROOT = Path(__file__).resolve().parent.parent
 FORMATS = {"fp32": ("float32", "float"), "bf16": ("bfloat16", "float"), "int4": ("bfloat16", "int4"),

@@ -19,7 +19,7 @@ from kvcore.conformance.results import FAIL, CaseResult
 from kvcore.conformance.settings import SuiteConfig
 from kvcore.conformance.target import Target
 from kvcore.conformance.tolerances import cache_tolerance, tie_rule
-from kvcore.kv_manager import KVCacheManager
+from kvcore.scheduling.kv_manager import KVCacheManager
 
 __all__ = ["NAME", "cases", "tolerance", "skip_reasons", "check"]
 

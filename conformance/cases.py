@@ -4,7 +4,7 @@ A case is a head layout (query heads over KV heads), a head size, a block size (
 *scenario*: a script of forward calls over a few sequences. Each call lists ``(sequence, new tokens)``
 pairs in the order they are packed; a sequence's first call is its prefill, later calls with one token
 are decode steps, later calls with more continue its cache (chunked prefill). A :class:`Fork` step forks
-a sequence through :meth:`~kvcore.kv_manager.KVCacheManager.fork_sequence` (the child shares the
+a sequence through :meth:`~kvcore.scheduling.kv_manager.KVCacheManager.fork_sequence` (the child shares the
 parent's blocks; the first append on either side copies the shared partial block). Every call runs on
 two layers with fresh random q/k/v.
 

@@ -1,4 +1,4 @@
-"""Running a model: through the real :class:`~kvcore.engine.Engine` (stream and sampling tiers), or call by
+"""Running a model: through the real :class:`~kvcore.engine.core.Engine` (stream and sampling tiers), or call by
 call over a cache (cache tier)."""
 
 from __future__ import annotations
@@ -9,15 +9,15 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcore.attention import AttentionBackend
 from kvcore.conformance.models import ConformanceModel
 from kvcore.conformance.settings import SuiteConfig
 from kvcore.conformance.target import Target
-from kvcore.engine import Engine, EngineConfig
-from kvcore.kv_cache import CacheSpec
-from kvcore.kv_manager import KVCacheManager
-from kvcore.model_runner import last_token_logits
-from kvcore.sampling import Sampler, SamplingParams, SamplingRow
+from kvcore.engine.core import Engine, EngineConfig
+from kvcore.execution.runner import last_token_logits
+from kvcore.interfaces.attention import AttentionBackend
+from kvcore.interfaces.kv_cache import CacheSpec
+from kvcore.interfaces.sampler import Sampler, SamplingParams, SamplingRow
+from kvcore.scheduling.kv_manager import KVCacheManager
 
 __all__ = ["Stream", "RecordingSampler", "run_engine", "run_churn", "ChurnRequest", "cache_spec", "forward_logits"]
 

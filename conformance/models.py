@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcore.model import LlamaModel
-from kvcore.model_config import ModelConfig
+from kvcore.model.config import ModelConfig
+from kvcore.model.decoder import LlamaModel
 
 __all__ = ["ConformanceModel", "get_model", "model_problem", "TINY_CONFIG"]
 

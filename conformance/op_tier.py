@@ -20,8 +20,8 @@ from kvcore.conformance.results import FAIL, CaseResult
 from kvcore.conformance.settings import SuiteConfig
 from kvcore.conformance.target import Target
 from kvcore.conformance.tolerances import op_tolerance
-from kvcore.kv_cache import CacheSpec
-from kvcore.kv_manager import KVCacheManager
+from kvcore.interfaces.kv_cache import CacheSpec
+from kvcore.scheduling.kv_manager import KVCacheManager
 
 __all__ = ["NAME", "cases", "tolerance", "skip_reasons", "check"]
 

@@ -11,13 +11,14 @@ from types import ModuleType
 
 import torch
 
-from kvcore.attention import AttentionBackend
 from kvcore.conformance import cache_tier, op_tier, sampling_tier, stream_tier
 from kvcore.conformance.coverage import tier_coverage
 from kvcore.conformance.results import FAIL, PASS, SKIP, CaseResult, SuiteReport
 from kvcore.conformance.settings import SuiteConfig
 from kvcore.conformance.target import BrokenTargetError, Target, resolve_target
-from kvcore.plugins import PluginRegistry
+from kvcore.interfaces.attention import AttentionBackend
+from kvcore.plugins.registry import PluginRegistry
+from kvcore.version import __version__
 
 __all__ = ["TIER_MODULES", "run_suite", "tier_cases", "run_case", "stderr_progress"]
 
@@ -70,14 +71,12 @@ def stderr_progress(tier: str, index: int, total: int, case, result: CaseResult 
 
 
 def environment(target: Target) -> dict:
-    import kvcore
-
     plugin = None
     entry = target.registry.backends.get(target.name)
     if entry is not None:
         plugin = entry.plugin
     return {
-        "kvcore": kvcore.__version__,
+        "kvcore": __version__,
         "torch": torch.__version__,
         "python": platform.python_version(),
         "platform": platform.platform(),

@@ -16,7 +16,7 @@ from kvcore.conformance.settings import SuiteConfig
 from kvcore.conformance.stream_tier import compare_streams, reference_streams
 from kvcore.conformance.target import Target
 from kvcore.conformance.tolerances import TieRule
-from kvcore.sampling import SamplingParams
+from kvcore.interfaces.sampler import SamplingParams
 
 __all__ = ["NAME", "cases", "tolerance", "skip_reasons", "check"]
 

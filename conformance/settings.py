@@ -6,7 +6,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from kvcore.engine import parse_dtype
+from kvcore.engine.core import parse_dtype
 from kvcore.errors import ConfigError
 
 __all__ = ["SuiteConfig", "TIERS", "DEFAULT_MODELS", "ALL_DTYPES"]

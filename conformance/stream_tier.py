@@ -1,7 +1,7 @@
 """Token-stream tier: greedy streams through the real engine vs the reference backend.
 
 Each case runs the backend under test and ``naive`` (same model, dtype and device) through
-:class:`~kvcore.engine.Engine` with ``ignore_eos`` and compares the generated ids. float32 must match
+:class:`~kvcore.engine.core.Engine` with ``ignore_eos`` and compares the generated ids. float32 must match
 exactly; reduced precision is tie-aware (see :mod:`kvcore.conformance.tolerances`): at the first
 divergence both tokens must be in each other's top-k with a small logit gap, and the comparison stops
 there. Variants: ``single-<i>`` (prompt ``i`` alone), ``batch`` (all prompts, one ragged batch) and
@@ -20,7 +20,6 @@ import dataclasses
 
 import torch
 
-from kvcore.compile import compile_reasons
 from kvcore.conformance.driver import ChurnRequest, Stream, run_churn, run_engine
 from kvcore.conformance.model_cases import ModelCase, dtype_plan, tier_models
 from kvcore.conformance.model_cases import skip_reasons as model_skip_reasons
@@ -29,7 +28,8 @@ from kvcore.conformance.results import FAIL, CaseResult
 from kvcore.conformance.settings import SuiteConfig
 from kvcore.conformance.target import Target, reference_target
 from kvcore.conformance.tolerances import TieRule, tie_rule
-from kvcore.sampling import SamplingParams
+from kvcore.execution.compile import compile_reasons
+from kvcore.interfaces.sampler import SamplingParams
 
 __all__ = ["NAME", "cases", "tolerance", "skip_reasons", "check", "compare_streams", "reference_streams"]
 

@@ -10,12 +10,12 @@ import types
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvcore.attention import AttentionBackend
 from kvcore.errors import ConfigError, KVCoreError, UnknownBackendError
 from kvcore.hookspecs import hookimpl
-from kvcore.kv_cache import CacheSpec, KVCache
-from kvcore.plugins import KV_CACHE, SAMPLER, PluginRegistry, get_registry
-from kvcore.sampling import Sampler
+from kvcore.interfaces.attention import AttentionBackend
+from kvcore.interfaces.kv_cache import CacheSpec, KVCache
+from kvcore.interfaces.sampler import Sampler
+from kvcore.plugins.registry import KV_CACHE, SAMPLER, PluginRegistry, get_registry
 
 __all__ = [
     "Target", "resolve_target", "reference_target", "REFERENCE_BACKEND", "backend_for_cache", "BrokenTargetError",
@@ -55,12 +55,12 @@ def traceback_summary(exc: BaseException, frames: int = 4) -> str:
 
 #: the oracle every backend is compared with (over the lossless "contiguous" cache, default sampler)
 REFERENCE_BACKEND = "naive"
-_REFERENCE_PLUGINS = ("kvcore.backends.contiguous", "kvcore.backends.naive", "kvcore.sampling")
+_REFERENCE_PLUGINS = ("kvcore.backends.contiguous", "kvcore.backends.naive", "kvcore.sampling.sampler")
 
 
 @dataclass
 class Target:
-    """A backend class plus the registry an :class:`~kvcore.engine.Engine` can find it (and the caches and
+    """A backend class plus the registry an :class:`~kvcore.engine.core.Engine` can find it (and the caches and
     samplers) in by name. ``kv_cache`` / ``sampler`` name the cache and sampler under test (``None``: every
     canonical cache of the backend's layouts; the default sampler)."""
 

@@ -5,43 +5,50 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
+from kvcore.version import __version__ as __version__  # re-exported
+
 # The public names load on first use (PEP 562): `import kvcore.cli` or `kvcore.errors` stays light (no
 # torch), so the CLI can answer --help at once and handle a Ctrl-C while torch loads.
 _EXPORTS = {
-    "AttentionBackend": "kvcore.attention",
-    "AttentionMetadata": "kvcore.attention",
-    "BackendCapabilities": "kvcore.attention",
-    "causal_mask": "kvcore.attention",
-    "Engine": "kvcore.engine",
-    "EngineConfig": "kvcore.engine",
+    "AttentionBackend": "kvcore.interfaces.attention",
+    "AttentionMetadata": "kvcore.interfaces.metadata",
+    "BackendCapabilities": "kvcore.interfaces.attention",
+    "causal_mask": "kvcore.interfaces.attention",
+    "Engine": "kvcore.engine.core",
+    "EngineConfig": "kvcore.engine.config",
+    "Settings": "kvcore.engine.settings",
+    "load_settings": "kvcore.engine.settings",
     "KVCoreError": "kvcore.errors",
     "hookimpl": "kvcore.hookspecs",
-    "CacheCapabilities": "kvcore.kv_cache",
-    "CacheSpec": "kvcore.kv_cache",
-    "KVCache": "kvcore.kv_cache",
-    "LlamaModel": "kvcore.model",
-    "ModelConfig": "kvcore.model_config",
-    "FinishReason": "kvcore.request",
-    "GenerationResult": "kvcore.request",
-    "TokenEvent": "kvcore.request",
-    "DefaultSampler": "kvcore.sampling",
-    "Sampler": "kvcore.sampling",
-    "SamplingParams": "kvcore.sampling",
-    "SamplingRow": "kvcore.sampling",
+    "CacheCapabilities": "kvcore.interfaces.kv_cache",
+    "CacheSpec": "kvcore.interfaces.kv_cache",
+    "KVCache": "kvcore.interfaces.kv_cache",
+    "LlamaModel": "kvcore.model.decoder",
+    "ModelConfig": "kvcore.model.config",
+    "FinishReason": "kvcore.scheduling.request",
+    "GenerationResult": "kvcore.scheduling.request",
+    "TokenEvent": "kvcore.scheduling.request",
+    "DefaultSampler": "kvcore.sampling.sampler",
+    "Sampler": "kvcore.interfaces.sampler",
+    "SamplingParams": "kvcore.interfaces.sampler",
+    "SamplingRow": "kvcore.interfaces.sampler",
 }
 
 if TYPE_CHECKING:
-    from kvcore.attention import AttentionBackend, AttentionMetadata, BackendCapabilities, causal_mask
-    from kvcore.engine import Engine, EngineConfig
+    from kvcore.engine.config import EngineConfig
+    from kvcore.engine.core import Engine
+    from kvcore.engine.settings import Settings, load_settings
     from kvcore.errors import KVCoreError
     from kvcore.hookspecs import hookimpl
-    from kvcore.kv_cache import CacheCapabilities, CacheSpec, KVCache
-    from kvcore.model import LlamaModel
-    from kvcore.model_config import ModelConfig
-    from kvcore.request import FinishReason, GenerationResult, TokenEvent
-    from kvcore.sampling import DefaultSampler, Sampler, SamplingParams, SamplingRow
+    from kvcore.interfaces.attention import AttentionBackend, BackendCapabilities, causal_mask
+    from kvcore.interfaces.kv_cache import CacheCapabilities, CacheSpec, KVCache
+    from kvcore.interfaces.metadata import AttentionMetadata
+    from kvcore.interfaces.sampler import Sampler, SamplingParams, SamplingRow
+    from kvcore.model.config import ModelConfig
+    from kvcore.model.decoder import LlamaModel
+    from kvcore.sampling.sampler import DefaultSampler
+    from kvcore.scheduling.request import FinishReason, GenerationResult, TokenEvent
 
-__version__ = "0.1.0"
 
 __all__ = [
     "AttentionBackend",
@@ -61,9 +68,11 @@ __all__ = [
     "Sampler",
     "SamplingParams",
     "SamplingRow",
+    "Settings",
     "TokenEvent",
     "causal_mask",
     "hookimpl",
+    "load_settings",
 ]
 
 

@@ -51,7 +51,7 @@ class ContextLengthError(InvalidRequestError):
 
 class ChatTemplateError(ConfigError):
     """The model's chat template is not valid Jinja, or rendering it hit the time or size limit
-    (:mod:`kvcore.chat_template`)."""
+    (:mod:`kvcore.text.chat_template`)."""
 
 
 class ModelLoadError(KVCoreError):
@@ -72,7 +72,7 @@ class BackendError(KVCoreError):
 
 class BackendOutputError(BackendError):
     """An attention backend returned an output that breaks its contract: NaN or inf, a wrong shape, dtype or
-    device, or values that disagree with the reference attention (kvcore/backend_check.py). The requests of
+    device, or values that disagree with the reference attention (kvcore/execution/backend_check.py). The requests of
     that forward fail; the others go on."""
 
 

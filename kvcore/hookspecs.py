@@ -50,7 +50,7 @@ def kvcore_register_backends(register: Register) -> None:
     names both. Import heavy or optional packages (flash-attn, xformers) inside the backend's methods,
     not at module import, so listing backends stays cheap and never fails.
 
-    :param register: callback that records one :class:`~kvcore.attention.AttentionBackend` class.
+    :param register: callback that records one :class:`~kvcore.interfaces.attention.AttentionBackend` class.
     """
 
 
@@ -63,7 +63,7 @@ def kvcore_register_kv_caches(register: Register) -> None:
     (the contract backends read, e.g. "contiguous" or "paged") and ``capabilities``. Users select it
     with ``kv_cache = "name"`` / ``--kv-cache name``; its options come from ``[kv_caches.<name>]``.
 
-    :param register: callback that records one :class:`~kvcore.kv_cache.KVCache` class.
+    :param register: callback that records one :class:`~kvcore.interfaces.kv_cache.KVCache` class.
     """
 
 
@@ -75,7 +75,7 @@ def kvcore_register_samplers(register: Register) -> None:
     class must subclass :class:`kvcore.Sampler` and implement :meth:`~kvcore.Sampler.sample`. Users
     select it with ``sampler = "name"`` / ``--sampler name``; its options come from ``[samplers.<name>]``.
 
-    :param register: callback that records one :class:`~kvcore.sampling.Sampler` class.
+    :param register: callback that records one :class:`~kvcore.sampling.sampler.Sampler` class.
     """
 
 
@@ -84,12 +84,12 @@ def kvcore_register_architectures(register: Register) -> None:
     """Register model architectures.
 
     Call ``register(ArchitectureClass)`` once per family; ``name`` defaults to ``ArchitectureClass.name``.
-    The class must subclass :class:`kvcore.architectures.Architecture` and declares which checkpoints it
+    The class must subclass :class:`kvcore.model.architectures.Architecture` and declares which checkpoints it
     reads (Hugging Face ``architectures`` / ``model_type``, GGUF ``general.architecture``), its decoder
     options and its weight names; the loaders pick it for a matching ``config.json`` or GGUF file and
     ``kvcore models`` lists it.
 
-    :param register: callback that records one :class:`~kvcore.architectures.Architecture` class.
+    :param register: callback that records one :class:`~kvcore.model.architectures.Architecture` class.
     """
 
 

@@ -120,7 +120,7 @@ availability() { # prints the backend's availability reason, or nothing when it 
     "$PY" - "$1" <<'EOF'
 import sys
 
-from kvcore.plugins import BackendRegistry
+from kvcore.plugins.registry import BackendRegistry
 
 entry = BackendRegistry(load_entrypoints=False).backends.get(sys.argv[1])
 print("not registered" if entry is None else (entry.availability() or ""))
@@ -188,7 +188,7 @@ import torch
 from kvcore.backends.flash_attn2 import FlashAttn2Backend
 from kvcore.backends.naive import NaiveBackend
 from kvcore.backends.xformers import XFormersBackend
-from kvcore.kv_cache import CacheSpec, ContiguousKVCache, create_cache
+from kvcore.interfaces.kv_cache import CacheSpec, ContiguousKVCache, create_cache
 
 name = sys.argv[1]
 cls = {"flash_attn2": FlashAttn2Backend, "xformers": XFormersBackend}[name]

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvcore import LlamaModel, ModelConfig, SamplingParams, hookimpl
-from kvcore.plugins import PluginRegistry
+from kvcore.plugins.registry import PluginRegistry
 
 
 def make_random_model(
@@ -107,7 +107,7 @@ def last_json(out: str) -> dict:
 
 @dataclass
 class Row:
-    """A :class:`~kvcore.sampling.SamplingRow` built by hand."""
+    """A :class:`~kvcore.sampling.sampler.SamplingRow` built by hand."""
 
     params: SamplingParams
     seed: int = 0

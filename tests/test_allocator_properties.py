@@ -1,7 +1,7 @@
 """Stateful property tests of the block allocator and the core's block bookkeeping over real caches.
 
 Random programs of add / append(n) / batched append / fork / free run against a small cache (CPU, one
-layer, one KV head of width 1) driven through a :class:`~kvcore.kv_manager.KVCacheManager`, next to a
+layer, one KV head of width 1) driven through a :class:`~kvcore.scheduling.kv_manager.KVCacheManager`, next to a
 plain-Python model of every sequence's content. Each token written gets a unique value, so reading a
 sequence back proves no other sequence's write (and no copy-on-write) corrupted it. After every step the
 block accounting invariants are checked. The same program runs on the paged cache (blocks of 4 tokens)
@@ -24,10 +24,10 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from kvcore.backends.contiguous import ContiguousKVCache
 from kvcore.backends.paged import PagedKVCache
-from kvcore.block_manager import BlockAllocator
 from kvcore.errors import ContextLengthError, KVCoreError, OutOfBlocksError
-from kvcore.kv_cache import CacheSpec
-from kvcore.kv_manager import KVCacheManager
+from kvcore.interfaces.kv_cache import CacheSpec
+from kvcore.scheduling.block_manager import BlockAllocator
+from kvcore.scheduling.kv_manager import KVCacheManager
 
 SETTINGS = settings(
     max_examples=60, stateful_step_count=30, deadline=None, suppress_health_check=[HealthCheck.too_slow]

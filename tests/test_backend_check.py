@@ -8,12 +8,12 @@ import torch
 from helpers import make_plugin, registered
 
 from kvcore import Engine, EngineConfig, SamplingParams
-from kvcore.backend_check import reference_attention
 from kvcore.backends.sdpa import SDPABackend
 from kvcore.cli import main
 from kvcore.errors import BackendOutputError
-from kvcore.plugins import get_registry
-from kvcore.request import FinishReason
+from kvcore.execution.backend_check import reference_attention
+from kvcore.plugins.registry import get_registry
+from kvcore.scheduling.request import FinishReason
 
 GREEDY = SamplingParams(max_new_tokens=8, ignore_eos=True)
 
@@ -67,7 +67,7 @@ def engine_with(model, backend, decode_backend=None, **config) -> Engine:
     engine = Engine(model, None, EngineConfig(backend="sdpa", max_model_len=64, **config))
     engine.prefill_backend = backend
     engine.decode_backend = decode_backend or backend
-    from kvcore.backend_check import BackendGuard
+    from kvcore.execution.backend_check import BackendGuard
 
     engine._guards = {id(b): BackendGuard(b) for b in (engine.prefill_backend, engine.decode_backend)}
     return engine
@@ -179,7 +179,7 @@ def test_cli_exit_code_and_one_line(capsys, tmp_path):
 def test_finite_check_is_not_fooled_by_a_sum_that_overflows(random_model):
     """The per-step check reduces each tensor to its sum first; finite values whose sum overflows must pass,
     and one NaN or inf anywhere must still fail."""
-    from kvcore.backend_check import _StepCheck
+    from kvcore.execution.backend_check import _StepCheck
 
     engine = Engine(random_model, None, EngineConfig(backend="sdpa", max_model_len=64))
     guard = engine._guards[id(engine.decode_backend)]

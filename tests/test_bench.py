@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from kvcore.cli import main
-from kvcore.plugins import reset_registry
+from kvcore.plugins.registry import reset_registry
 from kvcore_bench.bench import CASES, Bench, BenchSettings, render_markdown, write_outputs
 
 TINY = str(Path(__file__).parent / "data" / "tiny-llama")

@@ -1,7 +1,7 @@
 """The core's block bookkeeping: allocation order, copy-on-write, prefix caching and all-or-nothing errors.
 
-:class:`~kvcore.block_manager.BlockManager` is tested on its own (no storage), then through a
-:class:`~kvcore.kv_manager.KVCacheManager` where a cache must see the copies, and finally in the engine:
+:class:`~kvcore.scheduling.block_manager.BlockManager` is tested on its own (no storage), then through a
+:class:`~kvcore.scheduling.kv_manager.KVCacheManager` where a cache must see the copies, and finally in the engine:
 prefix caching must change what is computed, never what is generated.
 """
 
@@ -14,11 +14,11 @@ from kvcore import Engine, EngineConfig, SamplingParams
 from kvcore.backends.contiguous import ContiguousKVCache
 from kvcore.backends.paged import PagedKVCache
 from kvcore.backends.quantized import Int8KVCache
-from kvcore.block_manager import BlockManager
 from kvcore.conformance.models import get_model
 from kvcore.errors import ContextLengthError, KVCoreError, OutOfBlocksError
-from kvcore.kv_cache import CacheSpec
-from kvcore.kv_manager import KVCacheManager
+from kvcore.interfaces.kv_cache import CacheSpec
+from kvcore.scheduling.block_manager import BlockManager
+from kvcore.scheduling.kv_manager import KVCacheManager
 
 BS = 4  # tokens per block in the unit tests
 

@@ -1,4 +1,4 @@
-"""Chat-template rendering limits (kvcore/chat_template.py): a hostile template ends in ChatTemplateError
+"""Chat-template rendering limits (kvcore/text/chat_template.py): a hostile template ends in ChatTemplateError
 quickly and without building its huge values; real templates render exactly as before."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import time
 import pytest
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from kvcore.chat_template import MAX_TEMPLATE_CHARS, TemplateRaised, _tojson, compile_template, render_template
 from kvcore.errors import ChatTemplateError, ConfigError
+from kvcore.text.chat_template import MAX_TEMPLATE_CHARS, TemplateRaised, _tojson, compile_template, render_template
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 BIG = 10**9  # far past MAX_TEMPLATE_CHARS: a check that only looked at the result would need a GB first

@@ -163,7 +163,7 @@ def command_plugin(name: str, *, raises_after_adding: bool = False):
 @pytest.fixture
 def with_command_plugins():
     """Register throwaway plugins in the process-wide registry; always unregistered afterwards."""
-    from kvcore.plugins import get_registry
+    from kvcore.plugins.registry import get_registry
 
     registry = get_registry()
     registry.backends  # noqa: B018 - load the built-ins first (registering first would skip them)

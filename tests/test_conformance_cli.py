@@ -60,7 +60,7 @@ def test_planted_bug_exits_1_and_names_tier_case_and_error(capsys):
 
 
 def test_unavailable_backend_exits_3(capsys):
-    from kvcore.plugins import get_registry
+    from kvcore.plugins.registry import get_registry
 
     if "flash_attn2" not in get_registry().backends or get_registry().backends["flash_attn2"].availability() is None:
         pytest.skip("flash_attn2 is not registered, or can run here")

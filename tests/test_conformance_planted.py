@@ -23,7 +23,7 @@ from kvcore.conformance.runner import run_case, tier_cases
 from kvcore.conformance.settings import SuiteConfig
 from kvcore.conformance.target import resolve_target
 from kvcore.hookspecs import hookimpl
-from kvcore.plugins import PluginRegistry
+from kvcore.plugins.registry import PluginRegistry
 
 try:
     from kvcore_example_backend.backend import ChunkedAttentionBackend

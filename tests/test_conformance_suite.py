@@ -33,7 +33,7 @@ from kvcore.conformance.settings import SuiteConfig
 from kvcore.conformance.stream_tier import compare_streams
 from kvcore.conformance.target import resolve_target
 from kvcore.errors import ConfigError, UnknownBackendError
-from kvcore.plugins import PluginRegistry
+from kvcore.plugins.registry import PluginRegistry
 
 QUICK_TINY = SuiteConfig(quick=True, models=("tiny",))
 
@@ -144,8 +144,8 @@ def test_fragmented_paged_cache_gets_shuffled_block_tables(registry):
     """The fragmented scenario really hands the case non-contiguous, out-of-order blocks."""
     from kvcore.backends.paged import PagedKVCache
     from kvcore.conformance.op_tier import _fragment
-    from kvcore.kv_cache import CacheSpec
-    from kvcore.kv_manager import KVCacheManager
+    from kvcore.interfaces.kv_cache import CacheSpec
+    from kvcore.scheduling.kv_manager import KVCacheManager
 
     spec = CacheSpec(num_layers=1, num_kv_heads=1, head_dim=8, dtype=torch.float32, device=torch.device("cpu"),
                      max_num_seqs=6, max_seq_len=80, block_size=16)

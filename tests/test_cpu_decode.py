@@ -1,4 +1,4 @@
-"""kvcore's own CPU decode-attention kernel (kvcore/csrc/decode_attention.cpp) and the ``cpu_decode`` backend."""
+"""kvcore's own CPU decode-attention kernel (kernels/csrc/decode_attention.cpp) and the ``cpu_decode`` backend."""
 
 from __future__ import annotations
 
@@ -8,22 +8,22 @@ import torch.nn.functional as F
 from helpers import make_random_model
 
 from kvcore import Engine, EngineConfig, SamplingParams
-from kvcore.attention import causal_mask
 from kvcore.backends.cpu_decode import CPUDecodeBackend
 from kvcore.conformance.results import PASS
 from kvcore.conformance.runner import run_suite
 from kvcore.conformance.settings import SuiteConfig
 from kvcore.errors import BackendUnavailableError
-from kvcore.plugins import PluginRegistry
+from kvcore.interfaces.attention import causal_mask
+from kvcore.plugins.registry import PluginRegistry
 
 pytestmark = pytest.mark.skipif(CPUDecodeBackend.availability() is not None, reason="no C++ toolchain here")
 
 
 @pytest.fixture(scope="module", autouse=True)
 def kernels():
-    import kvcore.cpu_kernels
+    import kvcore.kernels.cpu_kernels
 
-    return kvcore.cpu_kernels.load_kernels()
+    return kvcore.kernels.cpu_kernels.load_kernels()
 
 
 def _reference(q, k, v, lens, scale):
@@ -111,7 +111,7 @@ def test_the_library_is_built_with_the_extensions_python_chose():
     """csrc/isa.h decides per extension for every kernel file; built_with reports it, and it must agree with what
     cpu_kernels passed to the compiler for this CPU (a mismatch would run the slow paths, or crash on an
     instruction the CPU lacks). An unknown name is an error, not False."""
-    from kvcore.cpu_kernels import extension_reasons, load_kernels
+    from kvcore.kernels.cpu_kernels import extension_reasons, load_kernels
 
     load_kernels()
     for feature in ("avx512_vnni", "avx512_bf16"):
@@ -170,7 +170,7 @@ def test_passes_the_quick_conformance_suite():
 
 
 def test_a_failed_build_is_one_clear_line(monkeypatch, tmp_path):
-    import kvcore.cpu_kernels as ck
+    import kvcore.kernels.cpu_kernels as ck
 
     for name in (*ck._SOURCES, *ck._HEADERS):
         (tmp_path / name).write_text("this is not C++\n")
@@ -182,7 +182,7 @@ def test_a_failed_build_is_one_clear_line(monkeypatch, tmp_path):
 
 
 def test_no_compiler_makes_the_backend_unavailable_with_the_reason(monkeypatch):
-    import kvcore.cpu_kernels as ck
+    import kvcore.kernels.cpu_kernels as ck
 
     monkeypatch.delenv("CXX", raising=False)
     monkeypatch.setattr(ck.shutil, "which", lambda name: None)

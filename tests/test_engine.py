@@ -10,9 +10,9 @@ from kvcore import CacheSpec, Engine, EngineConfig, FinishReason, SamplingParams
 from kvcore.backends.contiguous import ContiguousKVCache
 from kvcore.backends.paged import PagedKVCache
 from kvcore.errors import ConfigError, ContextLengthError, InvalidRequestError
-from kvcore.kv_manager import KVCacheManager
-from kvcore.model_runner import last_token_logits
-from kvcore.plugins import PluginRegistry
+from kvcore.execution.runner import last_token_logits
+from kvcore.plugins.registry import PluginRegistry
+from kvcore.scheduling.kv_manager import KVCacheManager
 
 PROMPTS = [[1, 5, 9, 13, 17], [7, 8], list(range(10, 50)), [9]]
 GREEDY = SamplingParams(max_new_tokens=12, ignore_eos=True)
@@ -53,7 +53,7 @@ def test_cached_decode_equals_full_recompute(backend, cache_cls, cache_options, 
     """The KV cache's central claim, at every step: cached decode logits == recomputation from scratch
     (for the paged cache, with decode steps crossing block boundaries). A model of its own: what other tests
     do to the session's shared model (prepacked weights, layouts) must not move the rounding compared here."""
-    from kvcore.plugins import get_registry
+    from kvcore.plugins.registry import get_registry
 
     model, backend = make_random_model(), get_registry().create(backend)
     c = model.config

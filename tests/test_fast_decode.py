@@ -1,4 +1,5 @@
-"""Decode fast paths: the int4 LM head (kvcore/lm_head.py) and compiled decode steps (kvcore/compile.py)."""
+"""Decode fast paths: the int4 LM head (model/lm_head.py) and compiled
+decode steps (execution/compile.py)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ from helpers import full_attention, make_random_model, weights_of
 
 from kvcore import Engine, EngineConfig, LlamaModel, SamplingParams
 from kvcore.errors import ConfigError
-from kvcore.lm_head import INT4_MAX_ROWS, RescoredInt4Head
-from kvcore.quant import Int4Groups, Int4Linear, int4_dense, unpack_codes, unpacks_here
+from kvcore.kernels.quant import Int4Groups, Int4Linear, int4_dense, unpack_codes, unpacks_here
+from kvcore.model.lm_head import INT4_MAX_ROWS, RescoredInt4Head
 
 
 def test_int4_head_rescores_its_top_candidates_with_the_dense_head():
@@ -37,7 +38,7 @@ def test_rescore_top_k_replaces_exactly_each_rows_k_largest(vocab, k):
     """The kernel behind the int4 head: per row, the k largest estimates (the same set as torch.topk) become
     the float32 dot product rounded to bfloat16; nothing else changes. The head's weight is a strided view (row
     stride above d) and the vocabulary need not be a multiple of the kernel's 64-logit blocks."""
-    from kvcore.cpu_kernels import load_kernels
+    from kvcore.kernels.cpu_kernels import load_kernels
 
     load_kernels()
     g = torch.Generator().manual_seed(vocab + k)
@@ -59,7 +60,7 @@ def test_rescore_top_k_replaces_exactly_each_rows_k_largest(vocab, k):
 
 
 def test_rescore_top_k_rejects_bad_input():
-    from kvcore.cpu_kernels import load_kernels
+    from kvcore.kernels.cpu_kernels import load_kernels
 
     load_kernels()
     w, h = torch.zeros(64, 8, dtype=torch.bfloat16), torch.zeros(2, 8, dtype=torch.bfloat16)
@@ -74,10 +75,10 @@ def test_rescore_top_k_rejects_bad_input():
 def test_lm_head_option_errors(monkeypatch):
     with pytest.raises(ConfigError, match="lm_head 'int4' cannot run here: .*need dtype bfloat16"):
         EngineConfig(lm_head="int4")  # float32 default
-    import kvcore.cpu_kernels
+    import kvcore.kernels.cpu_kernels
 
     # the rescoring is a kvcore kernel: without a compiler to build it, the int4 head is unavailable, and says why
-    monkeypatch.setattr(kvcore.cpu_kernels, "kernel_reasons", lambda: ["no g++ or clang++ on PATH"])
+    monkeypatch.setattr(kvcore.kernels.cpu_kernels, "kernel_reasons", lambda: ["no g++ or clang++ on PATH"])
     with pytest.raises(ConfigError, match="lm_head 'int4' cannot run here: no g\\+\\+ or clang\\+\\+ on PATH"):
         EngineConfig(lm_head="int4", dtype="bfloat16")
     monkeypatch.undo()
@@ -169,7 +170,7 @@ def test_long_int4_prefills_run_on_dequantized_weights(monkeypatch):
     """With compile on, a prefill of DENSE_PREFILL_ROWS rows or more runs the int4 layer matmuls as bfloat16
     GEMMs on compiled-dequantized weights: the hidden states equal the int4 kernel's within bfloat16 rounding;
     shorter prefills and float models keep their own matmuls."""
-    import kvcore.compile as kc
+    import kvcore.execution.compile as kc
 
     monkeypatch.setattr(kc, "DENSE_PREFILL_ROWS", 16)
     base = make_random_model(num_layers=2, vocab_size=512)
@@ -188,7 +189,7 @@ def test_long_int4_prefills_run_on_dequantized_weights(monkeypatch):
 def test_a_failed_compile_warns_once_and_runs_eagerly(monkeypatch):
     """A compile that fails (here: Inductor raising) must not fail request after request: one RuntimeWarning,
     then the engine runs eagerly, with the eager streams; int4 prefills fall back to the int4 kernel."""
-    import kvcore.compile as kc
+    import kvcore.execution.compile as kc
 
     model = make_random_model(num_layers=2)
     prompts = [[5, 9, 200, 31, 7], [8, 8, 120]]

@@ -40,9 +40,9 @@ from kvcore.backends.naive import NaiveBackend
 from kvcore.backends.xformers import XFormersBackend
 from kvcore.errors import BackendUnavailableError, ConfigError
 from kvcore.hookspecs import hookimpl
-from kvcore.kv_cache import CacheSpec
-from kvcore.kv_manager import KVCacheManager
-from kvcore.plugins import KV_CACHE, PluginRegistry, get_registry
+from kvcore.interfaces.kv_cache import CacheSpec
+from kvcore.plugins.registry import KV_CACHE, PluginRegistry, get_registry
+from kvcore.scheduling.kv_manager import KVCacheManager
 
 CPU = torch.device("cpu")
 LAYERS = 2

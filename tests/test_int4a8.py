@@ -1,4 +1,4 @@
-"""The ``int4a8`` weight format: int4 weights, matmuls with int8 activations (kvcore/csrc/int4_linear.cpp)."""
+"""The ``int4a8`` weight format: int4 weights, matmuls with int8 activations (kvcore/kernels/csrc/int4_linear.cpp)."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import torch
 from helpers import full_attention, make_random_model, weights_of
 
 from kvcore import Engine, EngineConfig, LlamaModel, SamplingParams
-from kvcore.cpu_kernels import int4a8_reasons
 from kvcore.errors import ConfigError
-from kvcore.lm_head import A8_MAX_ROWS
-from kvcore.quant import Int4A8Linear, Int4Groups
+from kvcore.kernels.cpu_kernels import int4a8_reasons
+from kvcore.kernels.quant import Int4A8Linear, Int4Groups
+from kvcore.model.lm_head import A8_MAX_ROWS
 
 needs_kernel = pytest.mark.skipif(bool(int4a8_reasons()), reason="; ".join(int4a8_reasons()))
 
@@ -90,7 +90,7 @@ def test_option_errors():
 def test_the_int4_head_scores_with_the_a8_kernel_for_int4a8_models():
     """With int4a8 weights the rescored int4 head takes up to 16 rows through the int8-activation kernel; its top
     candidates still carry the dense head's logits, so the best token is the dense best."""
-    from kvcore.lm_head import RescoredInt4Head
+    from kvcore.model.lm_head import RescoredInt4Head
 
     g = torch.Generator().manual_seed(0)
     w = (torch.randn(512, 64, generator=g) * 0.1).to(torch.bfloat16)

@@ -1,11 +1,11 @@
-"""The decoder's CPU matmul helpers (kvcore/linear.py)."""
+"""The decoder's CPU matmul helpers (kvcore/kernels/linear.py)."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from kvcore.linear import linear as kv_linear
-from kvcore.linear import prepack, row_bucket
+from kvcore.kernels.linear import linear as kv_linear
+from kvcore.kernels.linear import prepack, row_bucket
 
 
 def test_row_buckets_pad_little_and_stay_few():
@@ -32,7 +32,7 @@ def test_prepacked_linear_returns_exactly_the_rows_it_was_given(rows):
 
 
 def _bf16_kernel_or_skip():
-    from kvcore.cpu_kernels import bf16_linear_ready
+    from kvcore.kernels.cpu_kernels import bf16_linear_ready
 
     if not bf16_linear_ready():
         pytest.skip("kvcore's bf16_linear kernel needs a CPU with AVX512_BF16 and a C++ compiler")
@@ -43,7 +43,7 @@ def test_bf16_kernel_matches_float64_within_one_rounding(rows):
     """kvcore's bf16_linear (decode steps of dense bfloat16 models): float32 sums of the bfloat16 products,
     rounded once, at one tile (up to 16 rows) and in tiles of up to 16 (17 = 9 + 8, 130 = 9 x ~15)."""
     _bf16_kernel_or_skip()
-    from kvcore.linear import Bf16Linear, pack_bf16
+    from kvcore.kernels.linear import Bf16Linear, pack_bf16
 
     g = torch.Generator().manual_seed(rows)
     w = torch.randn(1040, 288, generator=g).to(torch.bfloat16)  # 65 blocks of 16 rows, 9 groups of 32 columns
@@ -60,7 +60,7 @@ def test_bf16_kernel_rows_do_not_depend_on_their_batch():
     """Each row is computed on its own: a token's projections are the same bits in a decode step of one, in a
     batch of 8 and inside a 40-row prefill (so decode and prefill of the same row agree)."""
     _bf16_kernel_or_skip()
-    from kvcore.linear import Bf16Linear, pack_bf16
+    from kvcore.kernels.linear import Bf16Linear, pack_bf16
 
     g = torch.Generator().manual_seed(1)
     w = torch.randn(512, 576, generator=g).to(torch.bfloat16)
@@ -75,7 +75,7 @@ def test_bf16_kernel_shapes_and_dense_matmul_modes():
     """Weights the kernel cannot take (output rows not in 16s, input columns not in 32s, small ones) stay on
     F.linear; a bfloat16 forward of up to BF16_KERNEL_MAX_ROWS rows runs the kernel, beyond that F.linear."""
     _bf16_kernel_or_skip()
-    from kvcore.linear import BF16_KERNEL_MAX_ROWS, Bf16Linear, DenseLinear, DenseMatmuls, pack_bf16
+    from kvcore.kernels.linear import BF16_KERNEL_MAX_ROWS, Bf16Linear, DenseLinear, DenseMatmuls, pack_bf16
 
     assert pack_bf16(torch.zeros(1000, 576, dtype=torch.bfloat16)) is None  # 1000 rows: not in blocks of 16
     assert pack_bf16(torch.zeros(1024, 600, dtype=torch.bfloat16)) is None  # 600 columns: not in 32s
@@ -100,11 +100,12 @@ def test_bf16_kernel_keeps_to_decode_batches_on_amx_cpus(monkeypatch):
     _bf16_kernel_or_skip()
     import types
 
-    import kvcore.linear
-    from kvcore.linear import BF16_KERNEL_MAX_ROWS_AMX, DenseMatmuls
+    import kvcore.kernels.linear
+    from kvcore.kernels.linear import BF16_KERNEL_MAX_ROWS_AMX, DenseMatmuls
 
     big = torch.zeros(1024, 576, dtype=torch.bfloat16)
-    monkeypatch.setattr(kvcore.linear, "cpu_features", lambda: types.SimpleNamespace(amx=True, bf16_matmul=True))
+    amx = types.SimpleNamespace(amx=True, bf16_matmul=True)
+    monkeypatch.setattr(kvcore.kernels.linear, "cpu_features", lambda: amx)
     mm = DenseMatmuls()
     assert mm.mode(big, BF16_KERNEL_MAX_ROWS_AMX, True) == "kernel"
     assert mm.mode(big, BF16_KERNEL_MAX_ROWS_AMX + 1, True) == "plain"

@@ -19,8 +19,8 @@ from safetensors.torch import save_file
 from kvcore.errors import ModelLoadError, ModelNotFoundError
 from kvcore.loaders import LoadedModel, expected_shapes, load_model, resolve
 from kvcore.loaders.gguf import _Reader, load_gguf, unpermute_qk
-from kvcore.model_config import ModelConfig
-from kvcore.tokenizer import Tokenizer
+from kvcore.model.config import ModelConfig
+from kvcore.text.tokenizer import Tokenizer
 
 # --------------------------------------------------------------------------- fixtures
 

@@ -1,4 +1,4 @@
-"""The on-disk cache of prepared models (kvcore/model_cache.py): a cached start gives the very model, layout
+"""The on-disk cache of prepared models (kvcore/loaders/model_cache.py): a cached start gives the very model, layout
 and tokenizer a fresh load builds, skips the loader, and notices changed files, damaged entries and options."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from tiny_checkpoints import build_hf, write_gguf
 
 import kvcore.loaders
 from kvcore import Engine, EngineConfig, SamplingParams
-from kvcore.model_cache import MAX_ENTRIES, cache_dir, clear, load_pretrained
+from kvcore.loaders.model_cache import MAX_ENTRIES, cache_dir, clear, load_pretrained
 
 pytest.importorskip("transformers")
 

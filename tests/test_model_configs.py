@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvcore.architectures import for_hf_config
 from kvcore.errors import ModelLoadError
-from kvcore.model import DecoderModel
+from kvcore.model.decoder import DecoderModel
+from kvcore.plugins.architectures import for_hf_config
 
 BASE = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 8192}

@@ -12,10 +12,10 @@ from safetensors.torch import save_file
 from tiny_checkpoints import build_hf, greedy_reference, save_hf
 
 from kvcore import Engine, EngineConfig, SamplingParams, hookimpl
-from kvcore.architectures import Architecture
 from kvcore.errors import ModelLoadError
 from kvcore.loaders import build_model, load_model
-from kvcore.plugins import ARCHITECTURE, get_registry
+from kvcore.model.architectures import Architecture
+from kvcore.plugins.registry import ARCHITECTURE, get_registry
 
 pytest.importorskip("transformers")
 
@@ -46,7 +46,7 @@ def _plugin() -> types.ModuleType:
 def test_builtins_register_through_the_hook():
     entries = get_registry().entries(ARCHITECTURE)
     assert {"llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2"} <= set(entries)
-    assert {entries[n].plugin for n in ("llama", "gemma2")} == {"kvcore.families"}
+    assert {entries[n].plugin for n in ("llama", "gemma2")} == {"kvcore.model.families"}
 
 
 def test_third_party_architecture(tmp_path):
@@ -114,8 +114,8 @@ def test_kvcore_models_lists_families_and_serving_backends(capsys):
 def test_readme_models_table_is_generated():
     from pathlib import Path
 
-    from kvcore.model_support import architecture_rows, markdown_rows
-    from kvcore.plugins import PluginRegistry
+    from kvcore.plugins.model_support import architecture_rows, markdown_rows
+    from kvcore.plugins.registry import PluginRegistry
 
     readme = (Path(__file__).parents[1] / "README.md").read_text()
     table = markdown_rows(architecture_rows(PluginRegistry(load_entrypoints=False)))

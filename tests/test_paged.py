@@ -1,7 +1,7 @@
 """The paged backend and cache against the naive backend (the oracle) on a contiguous cache.
 
-Block bookkeeping lives in the core (:class:`~kvcore.block_manager.BlockManager`), storage in the caches;
-:class:`~kvcore.kv_manager.KVCacheManager` ties one cache to its block tables, so every test here drives a
+Block bookkeeping lives in the core (:class:`~kvcore.scheduling.block_manager.BlockManager`), storage in the caches;
+:class:`~kvcore.scheduling.kv_manager.KVCacheManager` ties one cache to its block tables, so every test here drives a
 cache through a manager, as the engine does.
 """
 
@@ -18,9 +18,9 @@ from kvcore.backends.contiguous import ContiguousKVCache
 from kvcore.backends.naive import NaiveBackend
 from kvcore.backends.paged import PagedBackend, PagedKVCache
 from kvcore.errors import ConfigError, ContextLengthError, KVCoreError, OutOfBlocksError
-from kvcore.kv_cache import CacheSpec
-from kvcore.kv_manager import KVCacheManager
-from kvcore.plugins import KV_CACHE, PluginRegistry, get_registry
+from kvcore.interfaces.kv_cache import CacheSpec
+from kvcore.plugins.registry import KV_CACHE, PluginRegistry, get_registry
+from kvcore.scheduling.kv_manager import KVCacheManager
 
 CPU = torch.device("cpu")
 FP32_ATOL = 1e-5
@@ -386,7 +386,7 @@ def test_add_sequence_to_a_full_pool_is_refused():
 
 
 def test_block_allocator():
-    from kvcore.block_manager import BlockAllocator
+    from kvcore.scheduling.block_manager import BlockAllocator
 
     alloc = BlockAllocator(3)
     a, b, c = alloc.allocate(), alloc.allocate(), alloc.allocate()

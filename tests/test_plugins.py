@@ -23,14 +23,14 @@ from kvcore import (
     SamplingParams,
     hookimpl,
 )
-from kvcore.architectures import for_hf_config
 from kvcore.backends.contiguous import ContiguousKVCache
 from kvcore.backends.paged import PagedKVCache
 from kvcore.backends.quantized import Int8KVCache
 from kvcore.errors import BackendUnavailableError, ConfigError, PluginError, UnknownBackendError
-from kvcore.families import Llama
-from kvcore.plugins import ARCHITECTURE, BACKEND, BUILTIN_PLUGINS, KINDS, KV_CACHE, SAMPLER, PluginRegistry
-from kvcore.sampling import DefaultSampler
+from kvcore.model.families import Llama
+from kvcore.plugins.architectures import for_hf_config
+from kvcore.plugins.registry import ARCHITECTURE, BACKEND, BUILTIN_PLUGINS, KINDS, KV_CACHE, SAMPLER, PluginRegistry
+from kvcore.sampling.sampler import DefaultSampler
 
 CAPS = BackendCapabilities(devices=frozenset({"cpu"}), dtypes=frozenset({torch.float32}), kv_layouts=("contiguous",))
 CACHE_CAPS = CacheCapabilities(devices=frozenset({"cpu"}), dtypes=frozenset({torch.float32}))
@@ -122,7 +122,7 @@ def test_builtins_register_through_the_public_hooks(registry):
             "int8": "kvcore.backends.quantized",
             "flash_contiguous": "kvcore.backends.flash_attn2",
         },
-        SAMPLER: {"default": "kvcore.sampling"},
+        SAMPLER: {"default": "kvcore.sampling.sampler"},
     }
     for kind, names in expected.items():
         for name, plugin in names.items():
@@ -181,7 +181,7 @@ def test_throwaway_plugin_is_gone_after_unregistering(registry):
 DUPLICATES = {  # kind: (a class claiming a built-in's name, the built-in's plugin, another built-in of that kind)
     "backend": (BACKEND, lambda: make_backend("sdpa"), "kvcore.backends.sdpa", "naive"),
     "kv_cache": (KV_CACHE, lambda: make_cache("paged", PagedKVCache), "kvcore.backends.paged", "contiguous"),
-    "sampler": (SAMPLER, lambda: make_sampler("default"), "kvcore.sampling", None),
+    "sampler": (SAMPLER, lambda: make_sampler("default"), "kvcore.sampling.sampler", None),
 }
 
 
@@ -544,7 +544,7 @@ def test_backend_refuses_unsupported_dtype_and_head_size(with_plugin, random_mod
 def test_readme_support_table_is_generated_from_declarations(registry):
     from pathlib import Path
 
-    from kvcore.support import backend_rows, markdown_table
+    from kvcore.plugins.support import backend_rows, markdown_table
 
     readme = (Path(__file__).parents[1] / "README.md").read_text()
     start, end = "<!-- backends-table:start -->\n", "\n<!-- backends-table:end -->"

@@ -1,4 +1,4 @@
-"""Quantized weights (kvcore.quant, kvcore.weights, kvcore.loaders.gguf_blocks): the GGUF mapping is exact, the
+"""Quantized weights (kernels.quant, model.weights, loaders.gguf_blocks): the GGUF mapping is exact, the
 kernels compute what the dequantized weights do, models built on them decode like the float model (up to
 near-ties), and the option's errors are clear."""
 
@@ -11,13 +11,13 @@ import torch
 from gguf import GGMLQuantizationType as QType
 from helpers import full_attention, make_random_model, weights_of
 
-from kvcore.engine import Engine, EngineConfig
+from kvcore.engine.core import Engine, EngineConfig
 from kvcore.errors import ConfigError
+from kvcore.kernels.quant import Int4Groups, Int4Linear, Int8Linear
 from kvcore.loaders.gguf import unpermute_qk
 from kvcore.loaders.gguf_blocks import GGUFBlocks
-from kvcore.model import LlamaModel
-from kvcore.quant import Int4Groups, Int4Linear, Int8Linear
-from kvcore.weights import LINEAR_PARTS, resolve_weights
+from kvcore.model.decoder import LlamaModel
+from kvcore.model.weights import LINEAR_PARTS, resolve_weights
 
 
 def random_blocks(qtype: QType, rows: int, cols: int, seed: int = 0) -> GGUFBlocks:
@@ -172,7 +172,7 @@ def test_weights_option_errors_and_plumbing(tmp_path):
     with pytest.raises(ConfigError, match="run on CPU in bfloat16"):
         quant.float()
     assert quant.dtype == torch.bfloat16 and quant.embed_tokens.dtype == torch.bfloat16  # nothing was moved
-    from kvcore.config import load_config
+    from kvcore.engine.file_config import load_config
 
     (tmp_path / "kvcore.toml").write_text('weights = "int8"\n')
     assert load_config(tmp_path / "kvcore.toml").weights == "int8"
@@ -209,7 +209,7 @@ def test_bf16_dense_matmuls_match_plain_linear():
 
 
 def test_cpu_features_describe():
-    from kvcore.cpu import cpu_features
+    from kvcore.kernels.cpu import cpu_features
 
     f = cpu_features()
     assert f.threads == torch.get_num_threads() and f.torch_capability

@@ -19,10 +19,10 @@ from kvcore.backends.paged import PagedBackend, PagedKVCache
 from kvcore.backends.quantized import Int8KVCache
 from kvcore.conformance.models import get_model
 from kvcore.errors import ConfigError
-from kvcore.kv_cache import CacheSpec
-from kvcore.kv_manager import KVCacheManager
-from kvcore.plugins import KV_CACHE, get_registry
-from kvcore.sampling import DefaultSampler
+from kvcore.interfaces.kv_cache import CacheSpec
+from kvcore.plugins.registry import KV_CACHE, get_registry
+from kvcore.sampling.sampler import DefaultSampler
+from kvcore.scheduling.kv_manager import KVCacheManager
 
 CPU = torch.device("cpu")
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcore.architectures import hf_rope_scaling
 from kvcore.errors import ModelLoadError
-from kvcore.rope import RopeScaling, RotaryEmbedding, inv_freq_and_factor
+from kvcore.model.architectures import hf_rope_scaling
+from kvcore.model.rope import RopeScaling, RotaryEmbedding, inv_freq_and_factor
 
 transformers = pytest.importorskip("transformers")
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: E402

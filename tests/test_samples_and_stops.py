@@ -6,7 +6,7 @@ import pytest
 
 from kvcore import Engine, EngineConfig, FinishReason, SamplingParams
 from kvcore.errors import InvalidRequestError
-from kvcore.outputs import StopStrings
+from kvcore.text.outputs import StopStrings
 
 PROMPT = [1, 5, 9, 13, 17, 21, 25, 29, 33, 37]  # 10 tokens: a partly filled last block of 4 or 16
 

@@ -12,8 +12,9 @@ from helpers import Row, make_plugin
 
 from kvcore import Engine, EngineConfig, FinishReason, SamplingParams
 from kvcore.errors import SamplerError
-from kvcore.plugins import PluginRegistry
-from kvcore.sampling import DefaultSampler, Sampler, uniform_noise
+from kvcore.interfaces.sampler import Sampler
+from kvcore.plugins.registry import PluginRegistry
+from kvcore.sampling.sampler import DefaultSampler, uniform_noise
 
 V = 300  # vocabulary of the synthetic logits (the tiny test model's too)
 
@@ -44,7 +45,7 @@ def test_argmax_rows_equals_torch_argmax_on_ties_infinities_and_nan():
     """The blocked argmax behind greedy rows returns torch.argmax's index: the first maximum, a NaN as the
     largest, ties across and inside blocks, every block -inf, and vocabularies that are not a multiple of its
     256-logit blocks."""
-    from kvcore.logits_processors import argmax_rows
+    from kvcore.sampling.processors import argmax_rows
 
     logits = random_logits(8, seed=5, vocab=1024)
     logits[1, 700] = logits[1, 300] = 50.0  # tie across blocks: the first wins

@@ -20,8 +20,8 @@ from transformers import (
 
 from kvcore import SamplingParams
 from kvcore.errors import InvalidRequestError
-from kvcore.logits_processors import apply_penalties
-from kvcore.sampling import DefaultSampler, sample_checked
+from kvcore.sampling.processors import apply_penalties
+from kvcore.sampling.sampler import DefaultSampler, sample_checked
 
 V = 300
 

@@ -21,10 +21,10 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvcore import Engine, EngineConfig, SamplingParams
-from kvcore.chat_template import MAX_TEMPLATE_CHARS
 from kvcore.serving import AsyncEngine, build_app
 from kvcore.serving.openai_api import MAX_REQUEST_BYTES
 from kvcore.serving.server import ServerThread
+from kvcore.text.chat_template import MAX_TEMPLATE_CHARS
 
 TINY = Path(__file__).parent / "data" / "tiny-llama"
 NAME = "tiny"
@@ -360,7 +360,7 @@ def test_kvcore_serve_command_end_to_end(tmp_path):
 def test_smollm2_greedy_through_the_server_equals_kvcore_generate(capsys, smollm2, monkeypatch):
     import kvcore.loaders
     from kvcore.cli import main
-    from kvcore.model import LlamaModel
+    from kvcore.model.decoder import LlamaModel
 
     monkeypatch.setattr(kvcore.loaders, "load_model", lambda name: smollm2)  # read the GGUF file once per session
     prompt = "The capital of France is"

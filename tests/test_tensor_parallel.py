@@ -21,11 +21,11 @@ from helpers import make_plugin, make_random_model
 
 from kvcore import Engine, EngineConfig, SamplingParams
 from kvcore.backends.naive import NaiveBackend
-from kvcore.distributed import plan_shards
-from kvcore.distributed.sharding import build_local_model, local_config, shard_state
 from kvcore.errors import ConfigError, TensorParallelError
-from kvcore.model_config import ModelConfig
-from kvcore.plugins import PluginRegistry
+from kvcore.execution.distributed import plan_shards
+from kvcore.execution.distributed.sharding import build_local_model, local_config, shard_state
+from kvcore.model.config import ModelConfig
+from kvcore.plugins.registry import PluginRegistry
 
 DATA = Path(__file__).parent / "data"
 

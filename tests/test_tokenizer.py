@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from kvcore.errors import ConfigError, InvalidRequestError, ModelNotFoundError
 from kvcore.loaders import resolve
 from kvcore.loaders.gguf import _Reader, load_gguf_tokenizer
-from kvcore.tokenizer import Tokenizer
+from kvcore.text.tokenizer import Tokenizer
 
 STRINGS = [
     "",

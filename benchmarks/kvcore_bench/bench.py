@@ -193,7 +193,7 @@ def _peak_rss_mib() -> float | None:
 
 def kv_run(engine, prompts: Sequence[Sequence[int]], new_tokens: int) -> RunStats:
     """Submit ``prompts`` together, step the engine to completion, and time every token event."""
-    from kvcore.sampling import SamplingParams
+    from kvcore.interfaces.sampler import SamplingParams
 
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
     _reset_peak_rss()
@@ -373,7 +373,7 @@ class Bench:
 
     def validate_backends(self) -> None:
         """Fail fast (before loading anything big) on an unknown or unusable backend name."""
-        from kvcore.plugins import get_registry
+        from kvcore.plugins.registry import get_registry
 
         registry = get_registry()
         for name in self.s.backends:
@@ -390,7 +390,7 @@ class Bench:
 
     def kv_model(self, dtype):
         if dtype not in self._kv_models:
-            from kvcore.model import LlamaModel
+            from kvcore.model.decoder import LlamaModel
 
             self._kv_models[dtype] = LlamaModel.from_weights(self.loaded.config, self.loaded.weights, dtype)
         return self._kv_models[dtype]
@@ -429,7 +429,7 @@ class Bench:
 
     def engine(self, name: str | None, dtype, **config):
         """An engine on ``name`` for both phases (or on the phases ``config`` names), no tokenizer."""
-        from kvcore.engine import Engine, EngineConfig
+        from kvcore.engine.core import Engine, EngineConfig
 
         if name is not None:
             config["backend"] = name
@@ -573,7 +573,7 @@ class Bench:
 
     @staticmethod
     def _capacity_run(engine, prompts, new_tokens) -> dict[str, Any]:
-        from kvcore.sampling import SamplingParams
+        from kvcore.interfaces.sampler import SamplingParams
 
         params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
         start = time.perf_counter()
@@ -623,7 +623,7 @@ class Bench:
         self.chunked = result
 
     def _gap_run(self, engine, length: int, budget: int) -> dict[str, float]:
-        from kvcore.sampling import SamplingParams
+        from kvcore.interfaces.sampler import SamplingParams
 
         short = SamplingParams(max_new_tokens=8 + length // (budget - 8), ignore_eos=True)
         ids = [engine.add_request(self.prompt(32, salt=5 * i), short) for i in range(4)]
@@ -660,7 +660,7 @@ class Bench:
         """
         import torch
 
-        from kvcore.sampling import SamplingParams
+        from kvcore.interfaces.sampler import SamplingParams
 
         rounds, per_round = (3, 2) if self.s.quick else (5, 3)
         steps = rounds * per_round
@@ -706,13 +706,13 @@ class Bench:
 
     @staticmethod
     def _registry_names() -> list[str]:
-        from kvcore.plugins import get_registry
+        from kvcore.plugins.registry import get_registry
 
         return list(get_registry().backends)
 
     @staticmethod
     def _cache_kind(name: str) -> str:
-        from kvcore.plugins import get_registry
+        from kvcore.plugins.registry import get_registry
 
         return get_registry().backends[name].cls.capabilities.kv_layouts[0]
 

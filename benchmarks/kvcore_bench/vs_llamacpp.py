@@ -2,7 +2,7 @@
 
 llama.cpp runs through ``llama-cpp-python`` (``pip install 'kvcore-bench[llamacpp]'``), on the quantized
 weights as stored (its own kernels); kvcore runs the configuration given on the command line (``--dtype``,
-``--backend``, ``--engine-option KEY=VALUE`` for any other :class:`~kvcore.engine_config.EngineConfig`
+``--backend``, ``--engine-option KEY=VALUE`` for any other :class:`~kvcore.engine.config.EngineConfig`
 field). Every repetition runs each workload once on each side, alternating which side goes first;
 figures are medians over repetitions, ratios medians of the per-repetition ratios (kvcore / llama.cpp for
 throughputs, llama.cpp / kvcore for TTFT: above 1 is kvcore ahead).
@@ -68,7 +68,7 @@ def _kernels(engine) -> str:
     """What kvcore ran: the attention backends and the matmul path of the model."""
     import torch
 
-    from kvcore.cpu import cpu_features
+    from kvcore.kernels.cpu import cpu_features
 
     model = engine.model
     describe = getattr(model, "describe_kernels", None)  # a model that knows its kernels says so
@@ -98,7 +98,7 @@ def _kernels(engine) -> str:
     decode = engine.decode_backend.name
     prefill = engine.prefill_backend.name
     if decode == "cpu_decode":
-        from kvcore.cpu_kernels import vector_isa
+        from kvcore.kernels.cpu_kernels import vector_isa
 
         decode += f" (kvcore C++ kernel, {vector_isa()})"
     if prefill == "cpu_decode" and model.dtype == torch.bfloat16 and torch.ops.kvcore.built_with("avx512_bf16"):
@@ -157,7 +157,7 @@ def alternate(jobs, kv_side, lc_side, reps: int, progress: bool = False):
 def run_llamacpp(args: argparse.Namespace) -> int:
     import torch
 
-    from kvcore.engine import Engine, EngineConfig
+    from kvcore.engine.core import Engine, EngineConfig
     from kvcore.errors import ConfigError
     from kvcore.loaders.resolve import smollm2_path
     from kvcore_bench.llamacpp_runner import LlamaCppRunner, llama_cpp_version

@@ -4,7 +4,7 @@ Modules: ``app`` (main: dispatch, exit codes, Ctrl-C, closed stdout), ``parser``
 command's flags, plugin commands), ``settings`` (flag > environment > config file > defaults, threads,
 the prompt from an argument, standard input or a file), ``generate`` (``generate`` and one-shot ``chat``),
 ``chat`` (the multi-turn REPL), ``serve``, ``listing`` (``backends``, ``plugins``). ``kvcore conformance``
-lives in kvcore.conformance.cli, ``kvcore models`` in kvcore.families, ``kvcore bench`` in kvcore-bench.
+lives in kvcore.conformance.cli, ``kvcore models`` in kvcore.model.families, ``kvcore bench`` in kvcore-bench.
 
 Importing this package is light (no torch): a Ctrl-C while torch loads is handled by :func:`main`.
 """

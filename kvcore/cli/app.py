@@ -50,6 +50,10 @@ def _dispatch(argv: list[str], state: RunState) -> int:
         from kvcore.cli.serve import run_serve
 
         return run_serve(args)
+    if args.command == "kernels":
+        from kvcore.cli.kernels import run_kernels
+
+        return run_kernels(args)
     if args.command in ("backends", "plugins"):
         from kvcore.cli import listing
 

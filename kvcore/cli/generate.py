@@ -43,7 +43,7 @@ def sampling_params(s: dict[str, Any]):
     no effect because decoding is greedy."""
     from dataclasses import fields
 
-    from kvcore.sampling import SamplingParams
+    from kvcore.interfaces.sampler import SamplingParams
 
     keys = {f.name for f in fields(SamplingParams)}
     params = SamplingParams(**{k: v for k, v in s.items() if k in keys and v is not None})
@@ -61,8 +61,8 @@ def load_engine(args: argparse.Namespace) -> Loaded:
     backend choice (likewise), then the model and the engine."""
     from dataclasses import fields
 
-    from kvcore.engine import Engine, EngineConfig
-    from kvcore.plugins import get_registry
+    from kvcore.engine.core import Engine, EngineConfig
+    from kvcore.plugins.registry import get_registry
 
     s = resolve_settings(args)
     threads = apply_threads(s.get("threads"))

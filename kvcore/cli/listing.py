@@ -9,8 +9,8 @@ __all__ = ["run_plugins", "run_backends"]
 
 
 def run_plugins(args: argparse.Namespace) -> int:
-    from kvcore.plugins import get_registry
-    from kvcore.support import format_table, plugin_rows
+    from kvcore.plugins.registry import get_registry
+    from kvcore.plugins.support import format_table, plugin_rows
 
     rows = plugin_rows(get_registry())
     if args.json:
@@ -24,8 +24,8 @@ def run_plugins(args: argparse.Namespace) -> int:
 
 
 def run_backends(args: argparse.Namespace) -> int:
-    from kvcore.plugins import get_registry
-    from kvcore.support import backend_rows, format_table, markdown_table
+    from kvcore.plugins.registry import get_registry
+    from kvcore.plugins.support import backend_rows, format_table, markdown_table
 
     rows = backend_rows(get_registry())
     if args.json:

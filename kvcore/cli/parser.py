@@ -123,6 +123,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--markdown", action="store_true", help="a Markdown table (the README's support matrix)")
     _hidden_debug(p)
 
+    p = sub.add_parser("kernels", help="kvcore's C++ CPU kernels: whether they can run here; build them ahead")
+    p.add_argument("action", nargs="?", choices=["status", "build"], default="status",
+                   help="status (default): report; build: build now (otherwise the first use builds them)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    _hidden_debug(p)
+
     try:
         from kvcore.conformance.cli import add_parser as add_conformance
     except ImportError:
@@ -143,7 +149,7 @@ def _generation_args(p: argparse.ArgumentParser) -> None:
 def _plugin_commands(sub) -> None:
     """Commands from plugins (kvcore_register_commands), e.g. `kvcore bench` from kvcore-bench. A hook that
     raises is skipped with one warning line, and what it added before raising is removed again."""
-    from kvcore.plugins import get_registry
+    from kvcore.plugins.registry import get_registry
 
     registry = get_registry()
     registry.backends  # noqa: B018 - the registry loads its plugins on first use

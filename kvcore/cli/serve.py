@@ -11,7 +11,7 @@ __all__ = ["run_serve"]
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from kvcore.config import load_config
+    from kvcore.engine.file_config import load_config
     from kvcore.serving.server import DEFAULT_MAX_NUM_SEQS, build_engine, run_server
 
     s = resolve_settings(args)

@@ -23,7 +23,7 @@ def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
     config file (``None`` where nothing is given: EngineConfig / SamplingParams then apply their defaults)."""
     from dataclasses import fields
 
-    from kvcore.config import OPTION_TABLES, FileConfig, load_config
+    from kvcore.engine.file_config import OPTION_TABLES, FileConfig, load_config
 
     file_cfg = load_config(args.config) if getattr(args, "config", None) else FileConfig()
     settings: dict[str, Any] = {}

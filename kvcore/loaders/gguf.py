@@ -3,7 +3,7 @@
 What differs from a Hugging Face checkpoint is undone here:
 
 * names: ``blk.3.attn_q.weight`` is ``model.layers.3.self_attn.q_proj.weight``
-  (:data:`kvcore.architectures.GGUF_LAYER_NAMES` and the family's own names and fused tensors);
+  (:data:`kvcore.model.architectures.GGUF_LAYER_NAMES` and the family's own names and fused tensors);
 * quantisation: tensors may be Q4_1, Q8_0, ...; they are dequantised with the ``gguf`` package, except
   Q4_0/Q4_1 layer weights when the caller keeps them quantized (``keep_quantized``: the int4 weight format,
   :mod:`kvcore.loaders.gguf_blocks`);
@@ -11,7 +11,7 @@ What differs from a Hugging Face checkpoint is undone here:
   (its RoPE rotates adjacent pairs, Hugging Face's rotates halves), so :func:`unpermute_qk` restores them;
 * Gemma's norms are stored as ``1 + w``; Llama 3.1 / Phi-3 RoPE factors come as tensors.
 
-Metadata gives the :class:`~kvcore.model_config.ModelConfig` (through the family's declaration) and the
+Metadata gives the :class:`~kvcore.model.config.ModelConfig` (through the family's declaration) and the
 tokenizer: byte-level BPE with the declared pre-tokenizer, or SentencePiece.
 """
 
@@ -28,15 +28,16 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as QType
 
-from kvcore.architectures import Architecture, f32, for_gguf_arch
 from kvcore.errors import ModelLoadError, ModelNotFoundError
-from kvcore.loaders import LoadedModel, check_layer_count, expected_shapes, split_rows, stored_tensors
 from kvcore.loaders.gguf_blocks import INT4_TYPES, GGUFBlocks
 from kvcore.loaders.gguf_tokenizer import gguf_tokenizer
 from kvcore.loaders.gguf_validate import validate_gguf
-from kvcore.model_config import ModelConfig, checked_number, checked_size
-from kvcore.rope import RopeScaling
-from kvcore.tokenizer import Tokenizer
+from kvcore.loaders.loaded import LoadedModel, check_layer_count, expected_shapes, split_rows, stored_tensors
+from kvcore.model.architectures import Architecture, f32
+from kvcore.model.config import ModelConfig, checked_number, checked_size
+from kvcore.model.rope import RopeScaling
+from kvcore.plugins.architectures import for_gguf_arch
+from kvcore.text.tokenizer import Tokenizer
 
 __all__ = ["SUPPORTED_TYPES", "load_gguf", "load_gguf_tokenizer", "unpermute_qk"]
 

@@ -1,4 +1,4 @@
-"""GGUF weights kept as their quantized blocks, for the int4 weight format (:mod:`kvcore.quant`).
+"""GGUF weights kept as their quantized blocks, for the int4 weight format (:mod:`kvcore.kernels.quant`).
 
 llama.cpp's Q4_0 and Q4_1 store each row in blocks of 32 weights: a float16 scale ``d`` (and Q4_1 a float16
 minimum ``m``) and 32 4-bit codes ``q`` (the low nibbles of 16 bytes are weights 0..15, the high nibbles
@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as QType
 
-from kvcore.quant import Int4Groups
+from kvcore.kernels.quant import Int4Groups
 
 __all__ = ["GGUFBlocks", "INT4_TYPES"]
 

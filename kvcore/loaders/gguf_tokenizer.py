@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from kvcore.errors import ModelLoadError
-from kvcore.tokenizer import Tokenizer
+from kvcore.text.tokenizer import Tokenizer
 
 __all__ = ["gguf_tokenizer"]
 

@@ -1,5 +1,5 @@
 """Load a Hugging Face model directory (config.json + safetensors + tokenizer.json) of any registered
-architecture (:mod:`kvcore.architectures`).
+architecture (:mod:`kvcore.model.architectures`).
 
 Expected files::
 
@@ -23,11 +23,12 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from kvcore.architectures import Architecture, for_hf_config
 from kvcore.errors import ModelLoadError, ModelNotFoundError
-from kvcore.loaders import LoadedModel, check_layer_count, expected_shapes, split_rows, stored_tensors
-from kvcore.model_config import ModelConfig
-from kvcore.tokenizer import Tokenizer
+from kvcore.loaders.loaded import LoadedModel, check_layer_count, expected_shapes, split_rows, stored_tensors
+from kvcore.model.architectures import Architecture
+from kvcore.model.config import ModelConfig
+from kvcore.plugins.architectures import for_hf_config
+from kvcore.text.tokenizer import Tokenizer
 
 __all__ = ["load_hf_dir"]
 

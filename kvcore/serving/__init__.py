@@ -1,4 +1,4 @@
-"""Serving: a thread-safe front over one :class:`~kvcore.engine.Engine` and an OpenAI-compatible HTTP API.
+"""Serving: a thread-safe front over one :class:`~kvcore.engine.core.Engine` and an OpenAI-compatible HTTP API.
 
 - :class:`AsyncEngine` (``async_engine.py``): one engine-loop thread owns the engine; requests come in
   through a queue, each gets an async stream of token events out.

@@ -1,4 +1,4 @@
-"""A thread-safe serving front over one :class:`~kvcore.engine.Engine` (vLLM's ``AsyncLLM``, llama.cpp's slot loop).
+"""A thread-safe serving front over one :class:`~kvcore.Engine` (vLLM's ``AsyncLLM``, llama.cpp's slot loop).
 
 One dedicated thread, the *engine loop*, owns the engine: it is the only thread that ever calls it.
 Callers (any thread running an asyncio loop) hand it commands through a locked deque and get their
@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvcore.errors import ConfigError, KVCoreError
-from kvcore.request import TokenEvent
-from kvcore.sampling import SamplingParams
+from kvcore.interfaces.sampler import SamplingParams
+from kvcore.scheduling.request import TokenEvent
 from kvcore.serving.metrics import ServingMetrics
 from kvcore.serving.stream import END, EngineDeadError, EngineStepError, QueueFullError, RequestStream, ServingStats
 
@@ -92,7 +92,7 @@ class AsyncEngine:
         """
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         num_prompt = 0 if isinstance(prompt, str) else len(prompt)
-        stream = RequestStream(self, request_id, params, num_prompt)
+        stream = RequestStream(lambda rid: self._command(("abort", rid)), request_id, params, num_prompt)
         with self._cv:
             if self._stopping or not self._thread.is_alive():
                 raise EngineDeadError(self._dead_reason())

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvcore.errors import ContextLengthError, InvalidRequestError
-from kvcore.sampling import MAX_LOGPROBS, SamplingParams
+from kvcore.interfaces.sampler import MAX_LOGPROBS, SamplingParams
 
 __all__ = ["GenerationJob", "parse_completion", "parse_chat", "error_body", "usage", "MAX_N"]
 

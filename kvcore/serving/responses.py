@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvcore.request import TokenEvent
+from kvcore.scheduling.request import TokenEvent
 from kvcore.serving.protocol import GenerationJob, usage
 
 __all__ = ["Choice", "CompletionFormat", "ChatFormat", "TokenTexts", "finish_reason"]

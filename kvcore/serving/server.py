@@ -18,10 +18,10 @@ DEFAULT_MAX_NUM_SEQS = 16
 
 
 def build_engine(settings: dict[str, Any]):
-    """An :class:`~kvcore.engine.Engine` from ``resolve_settings`` output (model, backends, cache, sampler,
+    """An :class:`~kvcore.engine.core.Engine` from ``resolve_settings`` output (model, backends, cache, sampler,
     dtype, limits, plugin options), validating backend names before the slower model load."""
-    from kvcore.engine import Engine, EngineConfig
-    from kvcore.plugins import get_registry
+    from kvcore.engine.core import Engine, EngineConfig
+    from kvcore.plugins.registry import get_registry
 
     registry = get_registry()
     if settings["plugin_options"]:

@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kvcore.errors import KVCoreError
-from kvcore.request import TokenEvent
-from kvcore.sampling import SamplingParams
-
-if TYPE_CHECKING:
-    from kvcore.serving.async_engine import AsyncEngine
+from kvcore.interfaces.sampler import SamplingParams
+from kvcore.scheduling.request import TokenEvent
 
 __all__ = ["RequestStream", "ServingStats", "QueueFullError", "EngineDeadError", "EngineStepError", "END"]
 
@@ -50,14 +48,16 @@ class RequestStream:
     cancelled task) aborts the request in the engine and frees its KV blocks.
     """
 
-    def __init__(self, front: AsyncEngine, request_id: str, params: SamplingParams, num_prompt_tokens: int) -> None:
+    def __init__(
+        self, abort: Callable[[str], None], request_id: str, params: SamplingParams, num_prompt_tokens: int
+    ) -> None:
         self.request_id = request_id
         self.params = params
         self.num_prompt_tokens = num_prompt_tokens
         self.sample_ids: list[str] = []  # the engine's id of each sample (set when the engine accepts it)
         self.num_cached_tokens = 0  # prompt tokens the prefix cache served (set when the request ends)
         self.is_finished = False
-        self._front = front
+        self._abort = abort  # tells the engine thread to abort a request id
         self._loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue[Any] = asyncio.Queue()
 
@@ -88,7 +88,7 @@ class RequestStream:
         """Stop the request now (no-op once it has ended). Safe to call from a ``finally`` while cancelled."""
         if not self.is_finished:
             self.is_finished = True
-            self._front._command(("abort", self.request_id))
+            self._abort(self.request_id)
 
     async def __aenter__(self) -> RequestStream:
         return self

@@ -29,10 +29,10 @@ import torch  # noqa: E402
 import kvcore.loaders.gguf  # noqa: E402, F401  (imported up front: a permission case drops privileges)
 import kvcore.loaders.hf  # noqa: E402, F401
 from kvcore import errors  # noqa: E402
-from kvcore.engine import Engine  # noqa: E402
-from kvcore.engine_config import EngineConfig  # noqa: E402
+from kvcore.engine.config import EngineConfig  # noqa: E402
+from kvcore.engine.core import Engine  # noqa: E402
+from kvcore.interfaces.sampler import SamplingParams  # noqa: E402
 from kvcore.loaders import load_model  # noqa: E402
-from kvcore.sampling import SamplingParams  # noqa: E402
 
 MEMORY_LIMIT = 1 << 30  # bytes of address space a case may add
 CASE_TIMEOUT_S = 20

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvcore import LlamaModel, ModelConfig
-from kvcore.plugins import PluginRegistry
+from kvcore.plugins.registry import PluginRegistry
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -2,7 +2,7 @@
 
 Each test drives both backends through the same calls (ragged prefills, decode steps, a prefill that
 continues a cache) with the same random q/k/v, through kvcore's own block manager
-(:class:`~kvcore.kv_manager.KVCacheManager`), and compares every layer's output.
+(:class:`~kvcore.scheduling.kv_manager.KVCacheManager`), and compares every layer's output.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from kvcore.backends.naive import NaiveBackend
 from kvcore.backends.paged import PagedBackend, PagedKVCache
 from kvcore.backends.quantized import Int8KVCache
 from kvcore.errors import ConfigError
-from kvcore.kv_manager import KVCacheManager
+from kvcore.scheduling.kv_manager import KVCacheManager
 
 #: (seq_ids, query_lens) of one call each: ragged prefill (one prompt of 1 token), decodes, a prefill
 #: continuing every cache, a decode of a subset

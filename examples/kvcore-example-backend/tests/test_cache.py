@@ -8,10 +8,10 @@ from kvcore_example_backend import Float16KVCache
 
 from kvcore import CacheSpec, EngineConfig
 from kvcore.backends.paged import PagedKVCache
-from kvcore.engine import Engine
+from kvcore.engine.core import Engine
 from kvcore.errors import BackendUnavailableError, ConfigError
-from kvcore.kv_manager import KVCacheManager
-from kvcore.plugins import KV_CACHE
+from kvcore.plugins.registry import KV_CACHE
+from kvcore.scheduling.kv_manager import KVCacheManager
 
 
 def make_spec(*, dtype=torch.float32, block_size=4, num_blocks=None) -> CacheSpec:

@@ -14,7 +14,7 @@ import torch
 
 from kvcore import Engine, EngineConfig, SamplingParams
 from kvcore.errors import ConfigError
-from kvcore.plugins import PluginRegistry
+from kvcore.plugins.registry import PluginRegistry
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[1]
 ALL_THREE = dict(backend="example_chunked", kv_cache="example_fp16", sampler="example_repetition_penalty")

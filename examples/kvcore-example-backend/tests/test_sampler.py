@@ -10,7 +10,7 @@ from kvcore_example_backend import RepetitionPenaltySampler, apply_repetition_pe
 
 from kvcore import DefaultSampler, Sampler, SamplingParams
 from kvcore.errors import ConfigError
-from kvcore.plugins import SAMPLER
+from kvcore.plugins.registry import SAMPLER
 
 
 @dataclass

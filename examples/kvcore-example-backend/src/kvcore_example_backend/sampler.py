@@ -72,7 +72,7 @@ class RepetitionPenaltySampler(Sampler):
             raise ConfigError(f"sampler '{self.name}': base cannot be '{self.name}' itself")
         if not isinstance(base, str):
             raise ConfigError(f"sampler '{self.name}': base must be a sampler name, got {base!r}")
-        from kvcore.plugins import get_registry
+        from kvcore.plugins.registry import get_registry
 
         return get_registry().create_sampler(base)
 

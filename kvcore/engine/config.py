@@ -1,0 +1,230 @@
+"""How an engine runs, and the choice of backends, KV cache and sampler it implies."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvcore.errors import BackendUnavailableError, ConfigError, PluginError
+from kvcore.interfaces.attention import AttentionBackend
+from kvcore.kernels.quant import check_runnable
+from kvcore.model.config import DEFAULT_MAX_MODEL_LEN
+from kvcore.model.lm_head import check_lm_head
+from kvcore.plugins.registry import KV_CACHE, PluginEntry, PluginRegistry
+
+__all__ = ["EngineConfig", "Components", "parse_dtype", "select_components", "check_device", "check_memory",
+           "check_cache_memory", "DTYPES"]
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    aliases = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
+    key = aliases.get(str(name), str(name))
+    if key not in DTYPES:
+        raise ConfigError(f"unknown dtype '{name}' (choose from: {', '.join(DTYPES)})")
+    return DTYPES[key]
+
+
+@dataclass
+class EngineConfig:
+    """How the engine runs. Names left ``None`` mean "pick the best available"."""
+
+    backend: str | None = None  # attention backend for both phases
+    prefill_backend: str | None = None  # overrides ``backend`` for prefill
+    decode_backend: str | None = None  # overrides ``backend`` for decode
+    kv_cache: str | None = None  # KV-cache layout; None = the canonical cache of the backends' layout
+    sampler: str = "default"
+    dtype: str = "float32"
+    device: str = "cpu"
+    #: matmul weight format (kvcore.kernels.quant.WEIGHT_FORMATS): "auto" (int4 for a Q4_0/Q4_1 GGUF in bfloat16 on
+    #: CPU, else float), "float", "int8", "int4" or "int4a8"; quantized formats need dtype bfloat16 on CPU
+    weights: str = "auto"
+    #: LM head format (kvcore.model.lm_head.LM_HEAD_FORMATS): "dense", or "int4" (int4 scores, the top 64 rescored
+    #: densely; bfloat16 on CPU)
+    lm_head: str = "dense"
+    max_num_seqs: int = 8  # requests resident in the KV cache at once
+    max_model_len: int | None = None  # tokens per request; None = the model's context window, capped
+    #: tokens one forward may compute. Chunked: decodes first, prompts split into chunks to fill the rest;
+    #: unchunked: prompt tokens of one prefill step (a lone prompt may exceed it)
+    max_num_batched_tokens: int = 8192
+    #: split long prompts into chunks that share steps with the running decodes (vLLM's default): a long
+    #: prompt then no longer stalls every running stream for its whole prefill
+    enable_chunked_prefill: bool = True
+    block_size: int = 16  # paged caches: tokens per block
+    num_blocks: int | None = None  # paged caches: pool size; None = from kv_cache_bytes, else max_num_seqs × len
+    kv_cache_bytes: int | None = None  # paged caches: a memory budget the pool is sized to
+    enable_prefix_caching: bool = False  # share computed full prompt blocks across requests
+    tensor_parallel_size: int = 1  # processes the model's heads and FFN are split over (kvcore/distributed)
+    #: check every attention output (shape, dtype, finiteness; layer 0 against a reference now and then) and
+    #: fail the batch with BackendOutputError when one breaks the contract (kvcore/execution/backend_check.py)
+    check_backend_outputs: bool = True
+    #: run decode steps through torch.compile (kvcore/execution/compile.py): less per-op overhead once compiled; the
+    #: first decode step compiles (tens of seconds; cached on disk by torch); needs a compilable decode backend
+    compile: bool = False
+    backend_options: dict[str, dict[str, Any]] = field(default_factory=dict)  # [backends.<name>] tables
+    kv_cache_options: dict[str, dict[str, Any]] = field(default_factory=dict)  # [kv_caches.<name>] tables
+    sampler_options: dict[str, dict[str, Any]] = field(default_factory=dict)  # [samplers.<name>] tables
+
+    #: default cap on max_model_len so a contiguous cache does not reserve the full 8K window per slot
+    DEFAULT_MAX_MODEL_LEN = DEFAULT_MAX_MODEL_LEN
+
+    def __post_init__(self) -> None:
+        dtype = parse_dtype(self.dtype)
+        check_runnable(self.weights, dtype, self.device)
+        check_lm_head(self.lm_head, dtype, self.device)
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "tensor_parallel_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        for name in ("num_blocks", "kv_cache_bytes"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        mml = self.max_model_len
+        if mml is not None and (not isinstance(mml, int) or isinstance(mml, bool) or mml <= 1):
+            raise ConfigError(f"max_model_len must be an integer > 1, got {mml!r}")
+        for name in ("enable_chunked_prefill", "enable_prefix_caching", "check_backend_outputs", "compile"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        check_device(self.device)
+
+
+def check_device(name: str) -> torch.device:
+    """``name`` as a torch device this torch build and machine can use, or a ConfigError saying why not."""
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError):
+        raise ConfigError(f"unknown device '{name}' (examples: cpu, cuda, cuda:1)") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device '{name}' is not available: torch.cuda.is_available() is False")
+    if device.type != "cpu":  # mps, xpu, cuda:7 ...: this torch build or machine may lack it
+        try:
+            torch.empty(0, device=device)
+        except (RuntimeError, AssertionError, ValueError) as exc:
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            reason = first.split(". ")[0][:200]  # torch's dispatcher errors run on for a screen
+            raise ConfigError(f"device '{name}' is not available with this torch build or machine: {reason}") from None
+    return device
+
+
+def check_memory(what: str, num_bytes: int, device: torch.device, hint: str) -> None:
+    """Refuse an allocation of ``num_bytes`` that cannot fit the device's total memory (before trying it: a
+    huge request would otherwise fail deep in the allocator, or swap the machine to a halt)."""
+    total = None
+    if device.type == "cpu":
+        try:
+            total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError, AttributeError):
+            total = None
+    elif device.type == "cuda":
+        total = torch.cuda.mem_get_info(device)[1]
+    if total is not None and num_bytes > total:
+        raise ConfigError(
+            f"{what} would take {num_bytes / 2**30:,.1f} GiB but this {device.type} device has "
+            f"{total / 2**30:,.1f} GiB in all; {hint}"
+        )
+
+
+def check_cache_memory(cls: type, spec: Any, options: dict[str, Any] | None) -> None:
+    """A KV cache (class ``cls``, sizes ``spec``) bigger than the device's memory is a ConfigError naming the
+    settings to lower, raised before allocating."""
+    if cls.paged and (options or {}).get("block_size") is not None:
+        spec = dataclasses.replace(spec, block_size=options["block_size"])
+    block_size, num_blocks = cls.geometry(spec)
+    size = cls.token_bytes(spec) * block_size * num_blocks
+    hint = "lower num_blocks, kv_cache_bytes or block_size" if cls.paged else "lower max_num_seqs or max_model_len"
+    unit = "blocks" if cls.paged else "sequence slots"
+    check_memory(f"the '{cls.name}' KV cache ({num_blocks:,} {unit} of {block_size:,} tokens)", size, spec.device, hint)
+
+
+@dataclass(frozen=True)
+class Components:
+    prefill_backend: AttentionBackend
+    decode_backend: AttentionBackend
+    kv_cache: PluginEntry  # the cache class to allocate (both backends read its layout)
+
+
+def select_components(
+    registry: PluginRegistry, config: EngineConfig, *, head_dim: int, num_heads: int, num_kv_heads: int
+) -> Components:
+    """Resolve the prefill and decode backends and the KV cache they share, or raise with the reason."""
+    device, dtype = torch.device(config.device), parse_dtype(config.dtype)
+    shape = dict(device=device, dtype=dtype, head_dim=head_dim, num_heads=num_heads, num_kv_heads=num_kv_heads)
+
+    def make(name: str) -> AttentionBackend:
+        backend = registry.create(name, config.backend_options.get(name))
+        reasons = backend.validate(**shape)
+        if reasons:
+            raise BackendUnavailableError(f"backend '{name}' cannot run this model here: {'; '.join(reasons)}")
+        return backend
+
+    def auto() -> str:
+        usable = [
+            e for e in registry.backends.values()
+            if e.availability() is None and not e.cls.capabilities.reasons_unsupported(**shape)
+        ]
+        if config.kv_cache is not None:
+            layout = registry.get(config.kv_cache, KV_CACHE).cls.layout
+            usable = [e for e in usable if layout in e.cls.capabilities.kv_layouts]
+        if not usable:
+            cache = f" that reads the '{config.kv_cache}' KV cache" if config.kv_cache else ""
+            raise BackendUnavailableError(f"no registered backend{cache} supports {dtype} on {device.type}")
+        return max(usable, key=lambda e: (e.cls.priority, e.name)).name
+
+    prefill_name = config.prefill_backend or config.backend or auto()
+    decode_name = config.decode_backend or config.backend or prefill_name
+    prefill = make(prefill_name)
+    decode = prefill if decode_name == prefill_name else make(decode_name)
+    if not prefill.capabilities.supports_prefill:
+        raise ConfigError(f"backend '{prefill_name}' cannot run prefill")
+    if not decode.capabilities.supports_decode:
+        raise ConfigError(f"backend '{decode_name}' cannot run decode")
+    return Components(prefill, decode, _select_cache(registry, config, prefill, decode, device, dtype))
+
+
+def _select_cache(
+    registry: PluginRegistry,
+    config: EngineConfig,
+    prefill: AttentionBackend,
+    decode: AttentionBackend,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> PluginEntry:
+    layouts = [k for k in decode.capabilities.kv_layouts if k in prefill.capabilities.kv_layouts]
+    pair = f"backend '{prefill.name}'" if prefill is decode else f"backends '{prefill.name}' and '{decode.name}'"
+    if not layouts:
+        raise ConfigError(
+            f"prefill backend '{prefill.name}' (reads {'/'.join(prefill.capabilities.kv_layouts)} caches) and "
+            f"decode backend '{decode.name}' (reads {'/'.join(decode.capabilities.kv_layouts)} caches) "
+            "share no KV-cache layout; pick a compatible pair"
+        )
+    if config.kv_cache is not None:
+        entry = registry.get(config.kv_cache, KV_CACHE)
+        if entry.cls.layout not in layouts:
+            raise ConfigError(
+                f"KV cache '{entry.name}' has layout '{entry.cls.layout}', which {pair} cannot read "
+                f"(reads: {', '.join(layouts)}); pick another --kv-cache or backend"
+            )
+        candidates = [entry]
+    else:  # the canonical cache of each layout (named like it) first, in the backends' order of preference
+        for layout in layouts:
+            if (KV_CACHE.key, layout) in registry.conflicts:
+                raise PluginError(registry.conflicts[(KV_CACHE.key, layout)])
+        caches = registry.kv_caches.values()
+        candidates = [e for lay in layouts for e in sorted(caches, key=lambda e: e.name != lay) if e.cls.layout == lay]
+    reasons = []
+    for entry in candidates:
+        why = entry.availability() or "; ".join(entry.cls.capabilities.reasons_unsupported(device=device, dtype=dtype))
+        if not why:
+            return entry
+        reasons.append(f"'{entry.name}': {why}")
+    if not candidates:
+        raise ConfigError(f"no registered KV cache has a layout {pair} reads ({', '.join(layouts)})")
+    raise BackendUnavailableError(f"no KV cache {pair} can read is usable here: {'; '.join(reasons)}")

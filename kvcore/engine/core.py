@@ -1,0 +1,349 @@
+"""The generation driver: continuous batching over any backend, KV cache and sampler.
+
+One :meth:`Engine.step` is::
+
+    schedule  →  metadata (once)  →  backend plan (once)  →  model  →  sampler  →  post-process
+    Scheduler    KVCacheManager       AttentionBackend         LlamaModel  Sampler    Engine
+                 .prepare              .plan                                          (stop checks, events)
+
+The scheduler fills one forward with rows (see :mod:`kvcore.scheduling.scheduler`): decode rows of the running
+requests and, with chunked prefill, prompt chunks in the same call. Rows that complete their sequence
+are sampled; a partly prefilled request produces no token until its last chunk. A step with any prefill
+row runs on the prefill backend, a pure decode step on the decode backend. Requests leave the batch the
+step they finish, giving their KV blocks back.
+
+``n > 1``: :meth:`Engine.add_request` returns the group id ``rid``; its samples are requests
+``f"{rid}:{i}"`` (:meth:`Engine.sample_ids`). Sample 0 prefills the prompt once; its last position's
+logits give every sample's first token, then the others fork its KV blocks (copy-on-write). Sample
+``i`` uses seed ``seed + i``.
+
+Failures and interruptions: an error of a forward or sampler fails the requests of that forward only
+(a forward mixing decode and prefill rows is retried split by phase first, so a failing prefill cannot
+take the running streams down). An exception or KeyboardInterrupt anywhere inside :meth:`Engine.step`
+leaves every request either untouched, re-queued for recomputation (same stream), or failed, and no
+KV block leaked; events made before the interruption come with the next step.
+
+Threading: an ``Engine`` is not thread-safe. Call every method from one thread (a serving front owns
+the engine in one loop and talks to it through queues).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+import torch
+
+from kvcore.engine.config import EngineConfig, check_cache_memory, parse_dtype, select_components
+from kvcore.engine.settings import Settings
+from kvcore.engine.step import EngineStep
+from kvcore.errors import (
+    ConfigError,
+    ContextLengthError,
+    InvalidRequestError,
+    RequestAbortedError,
+)
+from kvcore.execution.backend_check import BackendGuard
+from kvcore.interfaces.kv_cache import CacheSpec
+from kvcore.interfaces.sampler import Sampler, SamplingParams
+from kvcore.model.config import check_max_model_len
+from kvcore.model.decoder import LlamaModel
+from kvcore.plugins.registry import PluginRegistry, get_registry
+from kvcore.scheduling.kv_manager import KVCacheManager
+from kvcore.scheduling.request import EngineStats, FinishReason, GenerationResult, Request, TokenEvent
+from kvcore.scheduling.scheduler import Scheduler
+from kvcore.text.outputs import StopStrings, TextOutput
+
+__all__ = ["Engine", "EngineConfig", "parse_dtype"]
+
+
+class Engine(EngineStep):
+    """Runs requests through a model with the configured backends, KV cache and sampler.
+
+    Use :meth:`add_request` + :meth:`step` (a serving loop), or the conveniences :meth:`generate` and
+    :meth:`stream`.
+    """
+
+    def __init__(
+        self,
+        model: LlamaModel,
+        tokenizer: Any | None = None,
+        config: EngineConfig | None = None,
+        *,
+        registry: PluginRegistry | None = None,
+        sampler: Sampler | None = None,
+    ) -> None:
+        self.config = config = config or EngineConfig()
+        registry = registry or get_registry()
+        self.model, self.tokenizer = model, tokenizer
+        mc = model.config
+        self.dtype, self.device = parse_dtype(config.dtype), torch.device(config.device)
+        if model.dtype != self.dtype:
+            raise ConfigError(f"model weights are {model.dtype} but the engine was configured for {self.dtype}")
+        weight_format = getattr(model, "weight_format", "float")
+        if config.weights not in ("auto", weight_format):
+            raise ConfigError(f"model weights are {weight_format} but the engine was configured for {config.weights}")
+        self.runner = None  # tensor parallelism: rank 0's side of the group; this process computes rank 0's shard
+        if config.tensor_parallel_size > 1:
+            from kvcore.execution.distributed import TensorParallelRunner
+            from kvcore.execution.distributed.sharding import check_shardable
+
+            check_shardable(model)  # before any process is spawned
+            self.runner = TensorParallelRunner(model, config)
+            mc = self.runner.model.config  # local heads: backends and the KV cache see only this rank's
+        heads = dict(num_heads=mc.num_attention_heads, num_kv_heads=mc.num_key_value_heads)
+        chosen = select_components(registry, config, head_dim=mc.head_dim, **heads)
+        self.prefill_backend, self.decode_backend = chosen.prefill_backend, chosen.decode_backend
+        # one guard per backend instance: it remembers which kinds of forward it verified (one-process runs)
+        checked = config.check_backend_outputs and config.tensor_parallel_size == 1
+        self._guards = {id(b): BackendGuard(b) for b in (self.prefill_backend, self.decode_backend) if checked}
+        self.compiled_decode = self.lm_head = None
+        for option, value in (("compile", config.compile), ("lm_head", config.lm_head != "dense")):
+            if value and self.runner is not None:
+                raise ConfigError(f"{option} runs in one process; it cannot be combined with tensor_parallel_size > 1")
+        if config.compile:
+            from kvcore.execution.compile import CompiledDecode
+
+            self.compiled_decode = CompiledDecode(self.decode_backend, self.device)
+        if config.lm_head == "int4":
+            from kvcore.model.lm_head import RescoredInt4Head
+
+            self.lm_head = RescoredInt4Head(model.lm_head, a8=getattr(model, "weight_format", "") == "int4a8")
+        self.sampler = sampler or registry.create_sampler(config.sampler, config.sampler_options.get(config.sampler))
+        window = mc.max_position_embeddings
+        check_max_model_len(config.max_model_len, window)
+        self.max_model_len = config.max_model_len or min(window, EngineConfig.DEFAULT_MAX_MODEL_LEN)
+        spec = CacheSpec(
+            num_layers=mc.num_hidden_layers,
+            num_kv_heads=mc.num_key_value_heads,
+            head_dim=mc.head_dim,
+            dtype=self.dtype,
+            device=self.device,
+            max_num_seqs=config.max_num_seqs,
+            max_seq_len=self.max_model_len,
+            block_size=config.block_size,
+            num_blocks=config.num_blocks,
+        )
+        cache_name, cache_options = chosen.kv_cache.name, config.kv_cache_options.get(chosen.kv_cache.name)
+        if config.kv_cache_bytes and not config.num_blocks:
+            if not chosen.kv_cache.cls.paged:
+                raise ConfigError(f"kv_cache_bytes sizes a paged cache; '{cache_name}' reserves one slot per sequence")
+            block_size = (cache_options or {}).get("block_size", config.block_size)
+            per_block = chosen.kv_cache.cls.token_bytes(spec) * block_size
+            spec = dataclasses.replace(spec, num_blocks=max(1, config.kv_cache_bytes // per_block))
+        check_cache_memory(chosen.kv_cache.cls, spec, cache_options)
+        cache = registry.create_cache(cache_name, spec, cache_options)
+        if self.runner is not None:
+            self.runner.start(self.prefill_backend, self.decode_backend, cache, config)
+        self.kv = KVCacheManager(cache, enable_prefix_caching=config.enable_prefix_caching)
+        #: counters since construction (prefill / cached / decode / generated tokens, preemptions, ...)
+        self.stats = EngineStats()
+        self.scheduler = Scheduler(
+            self.kv, config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill, self.stats
+        )
+        eos = set(mc.eos_token_ids) | set(getattr(tokenizer, "eos_token_ids", None) or [])
+        self.eos_token_ids = frozenset(eos)
+        self._requests: dict[str, Request] = {}
+        self._groups: dict[str, list[str]] = {}  # n > 1: group id -> its sample ids
+        self._outputs: dict[str, TextOutput] = {}
+        self._events: list[TokenEvent] = []
+        self._ids = itertools.count()
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any (also done when the engine is collected or at exit)."""
+        if self.runner is not None:
+            self.runner.close()
+
+    @property
+    def cache(self):
+        """The KV cache (storage); its blocks are addressed through ``self.kv``."""
+        return self.kv.cache
+
+    # -- construction --------------------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(
+        cls,
+        model: str = "smollm2",
+        config: EngineConfig | None = None,
+        *,
+        model_cache: bool | None = None,
+        **kwargs: Any,
+    ) -> Engine:
+        """Load ``model`` ("smollm2", a .gguf file or a Hugging Face directory) and build an engine.
+
+        :param model_cache: keep the prepared model on disk so the next start skips conversion
+            (:mod:`kvcore.loaders.model_cache`); None = on unless ``KVCORE_MODEL_CACHE=0``.
+        """
+        from kvcore.loaders.model_cache import load_pretrained
+
+        config = config or EngineConfig()
+        decoder, tokenizer = load_pretrained(
+            model, parse_dtype(config.dtype), config.device, config.max_model_len, model_cache, config.weights
+        )
+        return cls(decoder, tokenizer, config, **kwargs)
+
+    @classmethod
+    def from_settings(cls, settings: Settings, *, registry: PluginRegistry | None = None, **kwargs: Any) -> Engine:
+        """The engine a :class:`~kvcore.engine.settings.Settings` describes (e.g. from
+        :func:`~kvcore.engine.settings.load_settings`): its plugin option tables handed to the plugins first,
+        then :meth:`from_pretrained` with its model and engine config. Requests take ``settings.sampling``."""
+        registry = registry or get_registry()
+        if settings.plugin_options:
+            registry.configure(settings.plugin_options)
+        return cls.from_pretrained(settings.model, settings.engine, registry=registry, **kwargs)
+
+    # -- request API ---------------------------------------------------------------------------------
+    def add_request(
+        self, prompt: str | Sequence[int], params: SamplingParams | None = None, request_id: str | None = None
+    ) -> str:
+        """Queue a request; returns its id (with ``params.n > 1`` the group id, see :meth:`sample_ids`).
+        Invalid requests raise and leave the engine untouched."""
+        params = params or SamplingParams()
+        prompt_ids = self._prompt_ids(prompt, params)
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        ids = [request_id] if params.n == 1 else [f"{request_id}:{i}" for i in range(params.n)]
+        taken = [r for r in (request_id, *ids) if r in self._requests or r in self._groups]
+        if taken:
+            raise InvalidRequestError(f"request id '{taken[0]}' is already in use")
+        seed = params.seed if params.seed is not None else time.time_ns() % 2**63
+        reqs = [Request(rid, list(prompt_ids), params, self.eos_token_ids, seed=seed + i) for i, rid in enumerate(ids)]
+        for req in reqs:
+            req.metrics.num_prompt_tokens = len(prompt_ids)
+            decoder = self.tokenizer.stream_decoder() if self.tokenizer is not None else None
+            self._outputs[req.request_id] = TextOutput(decoder, StopStrings(params.stop) if params.stop else None)
+            self._requests[req.request_id] = req
+        if params.n > 1:
+            self._groups[request_id] = ids
+        reqs[0].pending_samples = reqs[1:]  # they fork sample 0's prompt blocks once it is computed
+        self.scheduler.add(reqs[0])
+        return request_id
+
+    def _prompt_ids(self, prompt: str | Sequence[int], params: SamplingParams) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError("this engine has no tokenizer: pass prompt token ids")
+            if not prompt:
+                raise InvalidRequestError("prompt is empty")
+            prompt_ids = self.tokenizer.encode(prompt)
+        else:
+            prompt_ids = [int(t) for t in prompt]
+        if not prompt_ids:
+            raise InvalidRequestError("prompt is empty (no tokens)")
+        vocab = self.model.config.vocab_size
+        bad = [t for t in prompt_ids if not 0 <= t < vocab] + [t for t, _ in params.logit_bias if t >= vocab]
+        if bad:
+            what = "prompt token id" if bad[0] in prompt_ids else "logit_bias token id"
+            raise InvalidRequestError(f"{what} {bad[0]} is outside the vocabulary [0, {vocab})")
+        if params.stop and self.tokenizer is None:
+            raise InvalidRequestError("stop strings need a tokenizer; this engine has none (use stop_token_ids)")
+        if params.n > self.config.max_num_seqs:
+            raise InvalidRequestError(
+                f"n = {params.n} samples cannot run together: max_num_seqs is {self.config.max_num_seqs}")
+        total = len(prompt_ids) + params.max_new_tokens
+        if total > self.max_model_len:
+            raise ContextLengthError(
+                f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({params.max_new_tokens}) = {total} exceeds "
+                f"the context limit of {self.max_model_len} tokens; shorten the prompt or lower max_new_tokens"
+            )
+        return prompt_ids
+
+    def sample_ids(self, request_id: str) -> list[str]:
+        """The request ids of the samples of ``request_id``: ``[f"{rid}:{i}" for i in range(n)]`` for a
+        request added with ``n > 1``, else ``[request_id]``. Each is streamed, aborted and released on its
+        own (:class:`TokenEvent`.request_id is the sample id); :meth:`abort` of the group id aborts all."""
+        return list(self._groups.get(request_id, [request_id]))
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request (or every sample of a group) now; its KV blocks are freed, others are unaffected."""
+        for rid in self.sample_ids(request_id):
+            req = self._requests.get(rid)
+            if req is None or req.is_finished:
+                continue
+            # The caller asked for it, so no event: the previous step's event list stays as it was returned.
+            self._finish(req, FinishReason.ABORT, RequestAbortedError(f"request '{rid}' was aborted"), emit=False)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def result(self, request_id: str) -> GenerationResult:
+        """The state of one request (a sample id for ``n > 1``); final once it finished."""
+        req = self._requests[request_id]
+        out = self._outputs[request_id]
+        if req.params.stop or self.tokenizer is None:
+            text = out.text  # what was streamed: cut before a stop string
+        else:
+            text = self.tokenizer.decode(req.output_ids)
+        with_logprobs = req.params.logprobs is not None
+        return GenerationResult(
+            request_id=req.request_id,
+            prompt_token_ids=list(req.prompt_ids),
+            token_ids=list(req.output_ids),
+            text=text,
+            finish_reason=req.finish_reason,
+            metrics=req.metrics,
+            error=req.error,
+            logprobs=list(req.logprobs) if with_logprobs else None,
+            top_logprobs=[list(t) for t in req.top_logprobs] if with_logprobs else None,
+        )
+
+    def release(self, request_id: str) -> GenerationResult:
+        """Result of a finished request, then forget it."""
+        result = self.result(request_id)
+        if self._requests[request_id].is_finished:
+            del self._requests[request_id]
+            self._outputs.pop(request_id, None)
+            group = request_id.rpartition(":")[0]
+            if group in self._groups and not any(r in self._requests for r in self._groups[group]):
+                del self._groups[group]
+        return result
+
+    # -- conveniences --------------------------------------------------------------------------------
+    def generate(
+        self, prompts: Iterable[str | Sequence[int]], params: SamplingParams | Sequence[SamplingParams] | None = None
+    ) -> list[GenerationResult]:
+        """Run a batch of prompts (any lengths) to completion; results in prompt order (with ``n > 1``,
+        a prompt's n samples in sample order). Interrupted, it aborts and forgets its requests."""
+        prompts = list(prompts)
+        per = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(per) != len(prompts):
+            raise InvalidRequestError(f"got {len(prompts)} prompts but {len(per)} sampling params")
+        ids: list[str] = []
+        try:
+            for prompt, p in zip(prompts, per):
+                ids += self.sample_ids(self.add_request(prompt, p))
+            while any(not self._requests[r].is_finished for r in ids):
+                self.step()
+        except BaseException:
+            self._drop(ids)  # leave the engine as we found it
+            raise
+        return [self.release(r) for r in ids]
+
+    def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> Iterator[TokenEvent]:
+        """Yield the :class:`TokenEvent` of each generated token of one request (of each sample, n > 1).
+        The request is released when the stream ends or is closed; keep the events for its text."""
+        ids = self.sample_ids(self.add_request(prompt, params))
+        try:
+            while any(not self._requests[r].is_finished for r in ids):
+                for event in self.step():
+                    if event.request_id in ids:
+                        yield event
+        finally:
+            self._drop(ids)
+
+    def _drop(self, ids: list[str]) -> None:
+        for rid in ids:
+            if rid in self._requests:
+                self.abort(rid)
+                self.release(rid)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+

@@ -1,0 +1,111 @@
+"""The attention-backend interface and the per-call metadata every backend receives.
+
+Tokens of all sequences in one forward call are *packed* along a single axis (vLLM / flash-attn
+"varlen" layout): for B sequences with ``query_lens = [q_0, ..., q_{B-1}]`` the model's tensors have
+``T = sum(query_lens)`` rows. One call therefore serves
+
+* prefill: ``context_len = 0``, ``query_len = prompt length``, causal mask;
+* decode: ``query_len = 1``, attends to the whole cache with no mask;
+* a prefill that continues an existing cache: ``context_len > 0``, ``query_len > 1``; the causal mask is
+  aligned bottom-right, i.e. query row ``i`` sits at absolute position ``context_len + i``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["AttentionMetadata", "cu_seqlens"]
+
+
+def cu_seqlens(lengths: list[int], device: torch.device | str = "cpu") -> torch.Tensor:
+    """int32 prefix sums ``[0, l0, l0 + l1, ...]`` ``[B + 1]``: row offsets of packed sequences (flash-attn's
+    ``cu_seqlens``)."""
+    out = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    out[1:] = torch.tensor(lengths, dtype=torch.int64).cumsum(0)
+    return out.to(device)
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """Describes one forward call over a packed batch of ``B`` sequences; built once per step by the core.
+
+    Python lists mirror the small integer tensors so backends can shape work without a device sync.
+    Cache addressing is the core's block tables: token ``p`` of sequence ``i`` lives in block
+    ``block_tables[i][p // block_size]`` at offset ``p % block_size``; ``slot_mapping`` is that
+    address flattened (``block * block_size + offset``) for each packed token. A per-sequence (slot)
+    layout has one block per sequence, so ``block_tables[i][0]`` is the sequence's slot.
+    """
+
+    query_lens: list[int]  # new tokens per sequence, length B
+    context_lens: list[int]  # tokens already cached before this call, length B
+    block_tables: list[list[int]]  # [B] physical block ids per sequence, in token order
+    block_size: int  # tokens per block of the cache this call writes
+    positions: torch.Tensor  # [T] int64, absolute position of every packed query token
+    cu_seqlens_q: torch.Tensor  # [B + 1] int32, prefix sums of query_lens (row offsets into T)
+    seq_lens_t: torch.Tensor  # [B] int32, context_len + query_len per sequence
+    block_tables_t: torch.Tensor  # [B, max_blocks] int32, padded with block 0 (masked by seq_lens)
+    slot_mapping: torch.Tensor  # [T] int64, block_id * block_size + offset of every packed token
+    scale: float  # softmax scale, from the model (1 / sqrt(head_dim) for Llama)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.positions.shape[0])
+
+    @property
+    def seq_lens(self) -> list[int]:
+        """Tokens in the cache per sequence once this call has written its K/V."""
+        return [c + q for c, q in zip(self.context_lens, self.query_lens)]
+
+    @property
+    def max_query_len(self) -> int:
+        return max(self.query_lens)
+
+    @property
+    def max_seq_len(self) -> int:
+        return max(self.seq_lens)
+
+    @property
+    def is_decode(self) -> bool:
+        """True when every sequence contributes exactly one query row (a decode step)."""
+        return self.max_query_len == 1 and min(self.context_lens) > 0
+
+    @property
+    def slots(self) -> list[int]:
+        """First block of each sequence: its slot in a per-sequence layout."""
+        return [table[0] for table in self.block_tables]
+
+    @classmethod
+    def build(
+        cls,
+        query_lens: list[int],
+        context_lens: list[int],
+        block_tables: list[list[int]],
+        block_size: int,
+        scale: float,
+        device: torch.device,
+    ) -> AttentionMetadata:
+        """The metadata of one call: ``query_lens[i]`` new tokens after ``context_lens[i]`` cached ones."""
+        positions = torch.cat([torch.arange(c, c + q) for c, q in zip(context_lens, query_lens)])  # [T]
+        seq_lens = torch.tensor([c + q for c, q in zip(context_lens, query_lens)], dtype=torch.int32)
+        max_blocks = max(len(t) for t in block_tables)
+        tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in block_tables], dtype=torch.int32)
+        seq_of_token = torch.repeat_interleave(torch.arange(len(query_lens)), torch.tensor(query_lens))  # [T]
+        blocks = tables.long()[seq_of_token, positions // block_size]
+        return cls(
+            query_lens=list(query_lens),
+            context_lens=list(context_lens),
+            block_tables=[list(t) for t in block_tables],
+            block_size=block_size,
+            positions=positions.to(device),
+            cu_seqlens_q=cu_seqlens(query_lens, device),
+            seq_lens_t=seq_lens.to(device),
+            block_tables_t=tables.to(device),
+            slot_mapping=(blocks * block_size + positions % block_size).to(device),
+            scale=scale,
+        )

@@ -1,0 +1,184 @@
+"""kvcore's own CPU kernels (C++ under ``kvcore/csrc``), built on first use with the machine's compiler.
+
+Five kernels:
+
+* ``torch.ops.kvcore.decode_attention`` (``csrc/decode_attention.cpp``): the decode-step attention of the
+  ``cpu_decode`` backend;
+* ``torch.ops.kvcore.prefill_attention`` (``csrc/prefill_attention.cpp``): its bfloat16 prefill attention, built
+  only for CPUs with AVX512_BF16;
+* ``torch.ops.kvcore.int4_linear`` (``csrc/int4_linear.cpp``): every matmul of the ``int4a8`` weight format
+  (:class:`kvcore.kernels.quant.Int4A8Linear`), decode steps and prefills;
+* ``torch.ops.kvcore.bf16_linear`` (``csrc/bf16_linear.cpp``): dense bfloat16 matmuls of up to 128 rows (decode
+  steps, short prefills) on weights repacked for ``vdpbf16ps`` (:mod:`kvcore.kernels.linear`), built only for CPUs with
+  AVX512_BF16;
+* ``torch.ops.kvcore.rescore_top_k`` (``csrc/rescore_top_k.cpp``): the int4 LM head's exact rescoring of each
+  row's top candidates (:class:`kvcore.model.lm_head.RescoredInt4Head`), run eagerly.
+
+``torch.ops.kvcore.built_with("avx512_vnni" | "avx512_bf16")`` (``csrc/isa.cpp``) says whether the library was
+compiled with an extension (``csrc/isa.h`` decides it for every kernel file): :func:`extension_reasons` says
+whether it will be.
+
+They are ordinary torch operators (registered from C++ with fake implementations for ``torch.compile``), so
+compiled decode steps call them directly.
+
+Build: one ``c++`` call (``$CXX``, else ``g++``, else ``clang++``) against torch's headers and libraries, with the
+widest vector ISA this CPU and ATen's ``Vectorized`` both support (:func:`vector_isa`: AVX-512, else AVX2, else
+portable code), once; the first build says so on stderr (``kvcore kernels build`` does it ahead). The library
+is cached under ``$KVCORE_CACHE_DIR/kernels`` (else ``$XDG_CACHE_HOME/kvcore/kernels``, else
+``~/.cache/kvcore/kernels``) keyed by
+the sources, the flags, the compiler and torch's version, so an upgrade or another CPU builds afresh.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from kvcore.errors import BackendUnavailableError
+from kvcore.kernels.cpu import cpu_features
+from kvcore.paths import cache_root
+
+__all__ = ["bf16_linear_ready", "cxx_compiler", "extension_reasons", "int4a8_reasons", "kernel_reasons", "load_kernels",
+           "vector_isa"]
+
+_SOURCES = ("bf16_linear.cpp", "decode_attention.cpp", "int4_linear.cpp", "isa.cpp", "prefill_attention.cpp",
+            "rescore_top_k.cpp")
+_HEADERS = ("isa.h",)  # included by the sources: part of the build's cache key
+_CSRC = Path(__file__).with_name("csrc")
+#: ISA -> (ATen's CPU_CAPABILITY macro, compiler flags), widest first; the CPU must report every flag in the set
+_ISAS = {
+    "avx512": ("CPU_CAPABILITY_AVX512", ("-mavx512f", "-mavx512dq", "-mavx512vl", "-mavx512bw", "-mfma"),
+               {"avx512f", "avx512dq", "avx512vl", "avx512bw", "fma"}),
+    "avx2": ("CPU_CAPABILITY_AVX2", ("-mavx2", "-mfma", "-mf16c"), {"avx2", "fma", "f16c"}),
+}
+
+
+def cxx_compiler() -> str | None:
+    """The C++ compiler torch.compile and kvcore's kernels use: ``$CXX``, else ``g++``, else ``clang++``."""
+    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("clang++")
+
+
+def vector_isa() -> str:
+    """``"avx512"``, ``"avx2"`` or ``"portable"``: what the kernels are built for on this CPU."""
+    flags = set(cpu_features().flags)
+    for name, (_, _, needs) in _ISAS.items():
+        if needs <= flags:
+            return name
+    return "portable"
+
+
+def kernel_reasons() -> list[str]:
+    """Why kvcore's CPU kernels cannot be built here ([] = they can be; building may still fail)."""
+    reasons = []
+    missing = [name for name in (*_SOURCES, *_HEADERS) if not (_CSRC / name).is_file()]
+    if missing:
+        reasons.append(f"this kvcore install lacks its kernel sources ({', '.join(missing)} under {_CSRC}); "
+                       "reinstall kvcore")
+    if not cxx_compiler():
+        reasons.append("kvcore's CPU kernels are C++ built on first use: no g++ or clang++ on PATH (or set CXX)")
+    if not (Path(torch.__file__).parent / "include" / "ATen" / "ATen.h").is_file():
+        reasons.append("this torch install has no C++ headers (torch/include) to build kvcore's CPU kernels")
+    return reasons
+
+
+def _command(cxx: str, sources: list[Path], out: Path) -> list[str]:
+    torch_dir = Path(torch.__file__).parent
+    isa = vector_isa()
+    macro, isa_flags, _ = _ISAS.get(isa, ("", (), set()))
+    # extensions some kernels use where the CPU has them (csrc/isa.h)
+    isa_flags += ("-mavx512vnni",) * (not extension_reasons("avx512_vnni"))  # int4 x int8 dot products
+    isa_flags += ("-mavx512bf16",) * (not extension_reasons("avx512_bf16"))  # bfloat16 pair products
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    # -fopenmp: at::parallel_for is inline OpenMP code compiled here (without it, one thread); the library then
+    # needs libgomp.so.1, which resolves to the copy torch has already loaded, with torch's thread count
+    return [cxx, "-O3", "-std=c++20", "-shared", "-fPIC", "-fopenmp", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+            *([f"-D{macro}"] if macro else []), *isa_flags,
+            "-isystem", str(torch_dir / "include"), *map(str, sources),
+            f"-L{torch_dir / 'lib'}", "-lc10", "-ltorch_cpu", "-o", str(out)]
+
+
+@functools.cache
+def load_kernels() -> str:
+    """Build (once per machine and torch version) and load the kernels; returns the library's path.
+    Raises :class:`~kvcore.errors.BackendUnavailableError` with the reason when they cannot be built."""
+    reasons = kernel_reasons()
+    if reasons:
+        raise BackendUnavailableError("; ".join(reasons))
+    cxx = cxx_compiler()
+    sources = [_CSRC / name for name in _SOURCES]
+    command = _command(cxx, sources, Path("OUT"))
+    texts = [(_CSRC / name).read_text() for name in (*_SOURCES, *_HEADERS)]
+    key = hashlib.sha256("\0".join([torch.__version__, *command, *texts]).encode())
+    library = cache_root() / "kernels" / key.hexdigest()[:16] / "kvcore_cpu_kernels.so"
+    if not library.is_file():
+        library.parent.mkdir(parents=True, exist_ok=True)
+        print(f"kvcore: building its C++ CPU kernels for this machine with {cxx} (once; up to a few minutes)",
+              file=sys.stderr, flush=True)
+        with tempfile.TemporaryDirectory(dir=library.parent) as tmp:
+            built = Path(tmp) / library.name
+            done = subprocess.run(_command(cxx, sources, built), capture_output=True, text=True)
+            if done.returncode != 0:
+                errors = [line for line in done.stderr.splitlines() if "error" in line] or done.stderr.splitlines()
+                raise BackendUnavailableError(f"building kvcore's CPU kernels failed ({cxx}): "
+                                              f"{(errors or ['no output'])[0][:300]}")
+            os.replace(built, library)  # atomic: a concurrent build of the same key writes the same bytes
+    torch.ops.load_library(str(library))
+    torch.library.register_fake("kvcore::decode_attention")(_decode_attention_fake)
+    torch.library.register_fake("kvcore::int4_linear")(_int4_linear_fake)
+    torch.library.register_fake("kvcore::prefill_attention")(_prefill_attention_fake)
+    torch.library.register_fake("kvcore::bf16_linear")(_bf16_linear_fake)
+    return str(library)
+
+
+def _decode_attention_fake(q, k, v, seq_lens, scale):
+    return torch.empty_like(q)
+
+
+def _prefill_attention_fake(q, k, v, context_len, scale):
+    return torch.empty_like(q)
+
+
+def _bf16_linear_fake(x, packed):
+    return x.new_empty(x.shape[0], packed.shape[0] * 16)
+
+
+def _int4_linear_fake(x, codes, dm):
+    return x.new_empty(x.shape[0], codes.shape[0] * 16)
+
+
+def extension_reasons(feature: str) -> list[str]:
+    """Why the kernels are not compiled with ``feature`` (``"avx512_vnni"`` or ``"avx512_bf16"``) on this CPU
+    ([] = they are): the CPU must report it, on top of the AVX-512 build."""
+    if feature in cpu_features().flags and vector_isa() == "avx512":
+        return []
+    return [f"this CPU does not report {feature} with AVX-512; it reports "
+            f"{', '.join(cpu_features().flags) or 'no SIMD flags'}"]
+
+
+def int4a8_reasons() -> list[str]:
+    """Why the ``int4a8`` weight format's kernel cannot run here ([] = it can)."""
+    reasons = kernel_reasons()
+    if extension_reasons("avx512_vnni"):
+        reasons.append("int4a8 needs a CPU with AVX512-VNNI (its int4 x int8 dot products); this one reports "
+                       f"{', '.join(cpu_features().flags) or 'no SIMD flags'}")
+    return reasons
+
+
+@functools.cache
+def bf16_linear_ready() -> bool:
+    """Whether ``torch.ops.kvcore.bf16_linear`` runs here: a CPU with AVX512_BF16 and kernels that build (once)."""
+    if extension_reasons("avx512_bf16") or kernel_reasons():
+        return False
+    try:
+        load_kernels()
+    except BackendUnavailableError:
+        return False
+    return bool(torch.ops.kvcore.built_with("avx512_bf16"))

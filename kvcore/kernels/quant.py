@@ -1,0 +1,289 @@
+"""Quantized linear weights: int4 group-wise and int8 per-channel (torch's CPU weight-only kernels), and int4
+with int8 activations (kvcore's own kernel).
+
+A decoder's matmul weights can be stored in one of these formats (``EngineConfig.weights``, ``--weights``):
+
+* ``float``: dense in the model dtype (the reference path: float32 equals transformers token for token).
+* ``int4``: 4-bit codes, a scale and an offset per group of ``group_size`` (32) input columns:
+  ``W = (q - 8) * s + z``, run by ``aten._weight_int4pack_mm_for_cpu``. llama.cpp's Q4_0 / Q4_1 blocks map
+  onto it exactly (:mod:`kvcore.loaders.gguf_blocks`); float weights are quantized at load with each group's
+  min/max (gpt-fast's scheme).
+* ``int4a8``: the ``int4`` weights (groups of 32), every matmul on kvcore's own kernel with the activations
+  quantized to int8 per row and group of 32 (:class:`Int4A8Linear`; AVX512-VNNI). Faster than ``int4`` and less
+  exact (benchmarks/results/quant_accuracy.md).
+* ``int8``: int8 codes with one scale per output row, symmetric (``W = q * s``, ``s = max|w| / 127``),
+  run by ``aten._weight_int8pack_mm``; always quantized at load from the float (or dequantized) weights.
+* ``auto``: ``int4`` for a GGUF whose layer weights are all Q4_0 / Q4_1 when the model runs in bfloat16
+  on CPU (the file's own values, no extra rounding), ``float`` otherwise: float32 always stays exact.
+
+torch's kernels take bfloat16 activations and scales on CPU (their float32 paths are reference loops, several
+times slower than float32 dense weights), so the quantized formats need ``dtype = "bfloat16"`` and a CPU
+device. The embedding table and the LM head stay dense in the model dtype: the lookup needs dense rows, and
+an int8 head measured no faster than oneDNN's bfloat16 one (benchmarks/results/weights.md) for less accuracy.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from kvcore.errors import ConfigError
+
+__all__ = [
+    "WEIGHT_FORMATS", "QUANTIZED_FORMATS", "DEFAULT_GROUP_SIZE", "Int4Groups", "Int4Linear", "Int8Linear",
+    "check_weight_format", "check_runnable", "quantized_reasons", "unpack_codes", "int4_dense", "unpacks_here",
+    "Int4A8Linear", "pack_int4a8",
+]
+
+#: every value of ``EngineConfig.weights`` with what it means (the CLI help and errors list them)
+WEIGHT_FORMATS = {
+    "auto": "int4 for a Q4_0/Q4_1 GGUF in bfloat16 on CPU, else float",
+    "float": "dense weights in the model dtype (exact reference)",
+    "int8": "int8 per-output-channel weight-only (quantized at load)",
+    "int4": "int4 group-wise weight-only (GGUF Q4_0/Q4_1 as stored, others quantized at load)",
+    "int4a8": "int4 weights, matmuls with int8 activations per group of 32 (kvcore's kernel, AVX512-VNNI)",
+}
+QUANTIZED_FORMATS = ("int8", "int4", "int4a8")
+#: llama.cpp's block length: Q4_0/Q4_1/Q8_0 blocks are groups of 32
+DEFAULT_GROUP_SIZE = 32
+_GROUP_SIZES = (32, 64, 128, 256)  # what the int4 kernel accepts
+
+
+def check_weight_format(name: str) -> str:
+    """``name`` if it is a weight format, else ConfigError listing them."""
+    if name not in WEIGHT_FORMATS:
+        raise ConfigError(f"unknown weights format '{name}' (choose from: {', '.join(WEIGHT_FORMATS)})")
+    return name
+
+
+def check_runnable(fmt: str, dtype: torch.dtype, device: torch.device | str) -> str:
+    """``fmt`` if it is a weight format that runs with ``dtype`` on ``device``, else ConfigError saying why."""
+    reasons = quantized_reasons(check_weight_format(fmt), dtype, device)
+    if reasons:
+        raise ConfigError(f"weights '{fmt}' cannot run here: {'; '.join(reasons)}")
+    return fmt
+
+
+def quantized_reasons(fmt: str, dtype: torch.dtype, device: torch.device | str) -> list[str]:
+    """Why weights in ``fmt`` cannot run with ``dtype`` activations on ``device`` (empty: they can)."""
+    if fmt not in QUANTIZED_FORMATS:
+        return []
+    reasons = []
+    if torch.device(device).type != "cpu":
+        reasons.append(f"{fmt} weights run on CPU only (kvcore has no {torch.device(device).type} packing for them)")
+    if fmt == "int4a8":
+        from kvcore.kernels.cpu_kernels import int4a8_reasons
+
+        reasons += int4a8_reasons()
+    if dtype != torch.bfloat16:
+        why = ("kvcore's quantized models run in bfloat16; float32 is the exact reference path" if fmt == "int4a8"
+               else f"torch's fast {fmt} kernels take bfloat16 activations; with "
+                    f"{str(dtype).removeprefix('torch.')} they run a slow reference loop")
+        reasons.append(f"{fmt} weights need dtype bfloat16 ({why}): use --dtype bfloat16")
+    return reasons
+
+
+@dataclass
+class Int4Groups:
+    """A ``[N, K]`` weight as 4-bit codes with a scale and an offset per group of ``G`` input columns:
+    ``W[n, k] = (q[n, k] - 8) * scales[n, k // G] + zeros[n, k // G]`` (the int4 kernel's convention)."""
+
+    q: torch.Tensor  # [N, K] uint8 in 0..15
+    scales: torch.Tensor  # [N, K // G] float32
+    zeros: torch.Tensor  # [N, K // G] float32
+
+    @property
+    def group_size(self) -> int:
+        return self.q.shape[1] // self.scales.shape[1]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.q.shape)
+
+    @classmethod
+    def from_float(
+        cls, w: torch.Tensor, group_size: int = DEFAULT_GROUP_SIZE, dtype: torch.dtype = torch.bfloat16
+    ) -> Int4Groups:
+        """Asymmetric min/max quantization per group (gpt-fast's ``group_quantize_tensor``), against the
+        scales and offsets rounded to ``dtype`` as the kernel will read them: every weight is off by at most
+        half a step, plus the offset's rounding (``|z| 2^-9`` in bfloat16) at the group's extremes."""
+        n, k = w.shape
+        g = w.detach().float().reshape(n, k // group_size, group_size)
+        lo, hi = g.amin(-1), g.amax(-1)
+        scales = ((hi - lo) / 15).clamp(min=1e-12).to(dtype).float()  # constant group: any scale, z = its value
+        zeros = (lo + 8 * scales).to(dtype).float()
+        q = ((g - zeros[..., None]) / scales[..., None]).round_().add_(8).clamp_(0, 15)
+        return cls(q.to(torch.uint8).reshape(n, k), scales, zeros)
+
+    @staticmethod
+    def cat(parts: list[Int4Groups]) -> Int4Groups:
+        """Rows of ``parts`` stacked (fused Q/K/V or gate/up projections); same group size."""
+        return Int4Groups(*(torch.cat([getattr(p, f) for p in parts]) for f in ("q", "scales", "zeros")))
+
+    def dequantize(self) -> torch.Tensor:
+        """``[N, K]`` float32."""
+        n, k = self.q.shape
+        q = self.q.float().reshape(n, -1, self.group_size)
+        return ((q - 8) * self.scales[..., None] + self.zeros[..., None]).reshape(n, k)
+
+
+class Int4Linear:
+    """``y = x @ W.T`` with ``W`` in :class:`Int4Groups` form, packed for the CPU int4 kernel.
+
+    The kernel's scales and offsets are in the activation dtype (bfloat16): each is rounded to 8 bits of
+    mantissa, on top of the activations' own bfloat16 rounding."""
+
+    format = "int4"
+
+    def __init__(self, groups: Int4Groups, dtype: torch.dtype = torch.bfloat16) -> None:
+        n, k = groups.shape
+        if not self.fits(n, k, groups.group_size):
+            raise ValueError(f"int4 kernel cannot take a [{n}, {k}] weight in groups of {groups.group_size}")
+        self.shape, self.group_size, self.dtype = (n, k), groups.group_size, dtype
+        # innerKTiles=2: the CPU kernel's layout (it reads 2 x 16 codes per tile)
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(groups.q.to(torch.int32).contiguous(), 2)
+        self.scales_and_zeros = torch.stack([groups.scales.t(), groups.zeros.t()], -1).to(dtype).contiguous()
+
+    @staticmethod
+    def fits(n: int, k: int, group_size: int) -> bool:
+        """The kernel's shape rules: output rows in multiples of 16, whole groups of 32..256 columns."""
+        return n % 16 == 0 and group_size in _GROUP_SIZES and k % group_size == 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.nbytes + self.scales_and_zeros.nbytes
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [T, K]`` in ``self.dtype`` -> ``[T, N]``."""
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), self.packed, self.group_size,
+                                                           self.scales_and_zeros)
+
+    @property
+    def unpackable(self) -> bool:
+        """Whether :func:`int4_dense` can read this weight's packed codes."""
+        return self.shape[0] % _PACK_ROWS == 0 and unpacks_here()
+
+    def dequantize(self) -> torch.Tensor:
+        """``[N, K]`` float32: the weight the kernel multiplies by (scales rounded to ``self.dtype``), read
+        back through the kernel itself (``I @ W.T``: exact, every sum has one non-zero term)."""
+        eye = torch.eye(self.shape[1], dtype=self.dtype)
+        return self(eye).float().t().contiguous()
+
+
+class Int4A8Linear:
+    """``y = x @ W.T`` on kvcore's own kernel, ``torch.ops.kvcore.int4_linear`` (``csrc/int4_linear.cpp``),
+    for any number of rows: activations quantized to int8 per row and group of 32 (as llama.cpp's Q8 blocks),
+    weight codes times activation codes summed by AVX512-VNNI, scales applied per group in float32. ``d`` and
+    ``m`` (``W = d q + m``) are kept in float16, exact for GGUF Q4_0 / Q4_1 blocks. Each row is quantized and
+    computed on its own: a row's result does not depend on the others in its batch (decode steps and prefills of
+    the same row agree)."""
+
+    format = "int4a8"
+
+    def __init__(self, groups: Int4Groups, dtype: torch.dtype = torch.bfloat16) -> None:
+        n, k = groups.shape
+        if not self.fits(n, k, groups.group_size):
+            raise ValueError(f"int4a8 kernel cannot take a [{n}, {k}] weight in groups of {groups.group_size}")
+        from kvcore.kernels.cpu_kernels import load_kernels
+
+        load_kernels()
+        self.shape, self.group_size, self.dtype = (n, k), groups.group_size, dtype
+        self.codes, self.dm = pack_int4a8(groups)
+
+    @staticmethod
+    def fits(n: int, k: int, group_size: int) -> bool:
+        """The kernel's shape rules: output rows in multiples of 16, groups of 32 columns."""
+        return n % 16 == 0 and group_size == A8_GROUP and k % A8_GROUP == 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.nbytes + self.dm.nbytes
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [T, K]`` in ``self.dtype`` -> ``[T, N]``."""
+        return torch.ops.kvcore.int4_linear(x.contiguous(), self.codes, self.dm)
+
+
+A8_GROUP = 32
+
+
+def pack_int4a8(groups: Int4Groups) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(codes [N / 16, K / 32, 256] uint8, dm [N / 16, K / 32, 2, 16] float16)`` in the int4a8 kernel's layout:
+    per block of 16 output rows and group of 32 columns, byte ``64 j + 4 row + i`` holds code ``4 j + i`` of that
+    row in its low nibble and code ``16 + 4 j + i`` in its high one; then ``d`` and ``m`` of the 16 rows
+    (``W = d q + m``: ``d = s`` and ``m = z - 8 s`` of :class:`Int4Groups`)."""
+    n, k = groups.shape
+    q = groups.q.view(n // 16, 16, k // A8_GROUP, 2, 4, 4)  # block, row, group, half, j, i
+    q = q.permute(0, 2, 3, 4, 1, 5)  # block, group, half, j, row, i
+    codes = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(n // 16, k // A8_GROUP, 256).contiguous()
+    d, m = groups.scales, groups.zeros - 8 * groups.scales
+    dm = torch.stack([t.view(n // 16, 16, -1).permute(0, 2, 1) for t in (d, m)], dim=2)
+    return codes, dm.to(torch.float16).contiguous()
+
+
+#: the CPU int4 kernel's packed layout (torch 2.13): blocks of 64 output rows; for each block and input column,
+#: 32 bytes, byte ``j`` holding row ``j`` in its low nibble and row ``j + 32`` in its high one
+_PACK_ROWS = 64
+
+
+def unpack_codes(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """The ``[N, K]`` 4-bit codes (uint8 0..15) of an :class:`Int4Linear`'s ``packed`` weight (see
+    :func:`unpacks_here`: the layout is the kernel's, checked against this torch build once)."""
+    blocks = packed.view(n // _PACK_ROWS, k, _PACK_ROWS // 2)
+    codes = torch.cat([blocks & 15, blocks >> 4], dim=2)  # [N / 64, K, 64]
+    return codes.transpose(1, 2).reshape(n, k)
+
+
+def int4_dense(packed: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int) -> torch.Tensor:
+    """An :class:`Int4Linear`'s weight ``[N, K]`` dense in the dtype of its scales: ``(q - 8) s + z`` computed in
+    float32 as the kernel computes it, rounded once. Pure tensor code, for ``torch.compile`` to fuse."""
+    n, k = packed.shape[0], packed.shape[1] * 2
+    q = unpack_codes(packed, n, k).view(n, k // group_size, group_size).float()
+    scales = scales_and_zeros[..., 0].t().unsqueeze(-1).float()  # [N, K / G, 1]
+    zeros = scales_and_zeros[..., 1].t().unsqueeze(-1).float()
+    return ((q - 8) * scales + zeros).to(scales_and_zeros.dtype).view(n, k)
+
+
+@functools.cache
+def unpacks_here() -> bool:
+    """Whether :func:`unpack_codes` inverts this torch build's packer (a random matrix, packed and unpacked)."""
+    codes = torch.randint(0, 16, (2 * _PACK_ROWS, 64), generator=torch.Generator().manual_seed(0), dtype=torch.int32)
+    try:
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 2)
+        return torch.equal(unpack_codes(packed, *codes.shape).int(), codes)
+    except (RuntimeError, ValueError):  # another layout or size: not ours to read
+        return False
+
+
+class Int8Linear:
+    """``y = x @ W.T`` with ``W = q * s``: int8 codes ``[N, K]``, one scale per output row (symmetric)."""
+
+    format = "int8"
+
+    def __init__(self, w: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> None:
+        n, k = w.shape
+        if not self.fits(n, k):
+            raise ValueError(f"int8 kernel cannot take a [{n}, {k}] weight")
+        w = w.detach().float()
+        self.scales = (w.abs().amax(1) / 127).clamp(min=1e-12).to(dtype)  # [N], as the kernel reads them
+        self.q = (w / self.scales.float()[:, None]).round_().clamp_(-127, 127).to(torch.int8).contiguous()
+        self.shape, self.dtype = (n, k), dtype
+
+    @staticmethod
+    def fits(n: int, k: int) -> bool:
+        """Input widths in multiples of 32 (others read out of bounds in torch 2.13's CPU kernel)."""
+        return k % 32 == 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.nbytes + self.scales.nbytes
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [T, K]`` in ``self.dtype`` -> ``[T, N]``."""
+        return torch.ops.aten._weight_int8pack_mm(x.contiguous(), self.q, self.scales)
+
+    def dequantize(self) -> torch.Tensor:
+        """``[N, K]`` float32 (scales as the kernel reads them)."""
+        return self.q.float() * self.scales.float()[:, None]

@@ -1,0 +1,270 @@
+"""An on-disk cache of prepared models: a GGUF model's second start skips parsing, dequantising and relayout.
+
+A cold start of a GGUF model spends most of its time turning the file into the decoder kvcore runs:
+reading ~100k metadata values, dequantising every tensor to float32, building the decoder and laying its
+weights out for the CPU kernels. :func:`load_pretrained` saves the result once, every parameter and buffer
+of the built :class:`~kvcore.model.decoder.DecoderModel` (with its memory layout) plus the config and tokenizer, and
+later loads it with ``torch.load(mmap=True)``: the weights are then pages of the cache file, read on first
+use, and nothing is copied or converted.
+
+Where: ``$KVCORE_CACHE_DIR/models``, else ``$XDG_CACHE_HOME/kvcore/models``, else
+``~/.cache/kvcore/models``; one folder per entry (``model.pt`` + ``meta.json``). An entry's key covers the
+source file (path, size, mtime and a hash of its first MiB), kvcore's and torch's versions,
+:data:`CACHE_FORMAT`, and every build option (dtype, device, RoPE table length): a changed file or version
+makes a new entry and the stale ones of that file are deleted. At most :data:`MAX_ENTRIES` entries are kept
+(least recently used go first).
+
+Off: ``KVCORE_MODEL_CACHE=0`` in the environment, ``Engine.from_pretrained(..., model_cache=False)``, or
+``kvcore generate --no-model-cache``. Clear: :func:`clear` (or delete the folder). Only GGUF files on the
+CPU are cached (a Hugging Face directory's safetensors already load without conversion).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from kvcore.loaders.load import build_model, load_model
+from kvcore.model.config import ModelConfig, check_max_model_len
+from kvcore.model.rope import RopeScaling
+from kvcore.model.weights import uses_quantized_blocks
+from kvcore.paths import cache_root
+from kvcore.text.tokenizer import Tokenizer
+from kvcore.version import __version__
+
+__all__ = ["CACHE_FORMAT", "MAX_ENTRIES", "cache_dir", "cache_root", "cache_enabled", "clear", "load_pretrained"]
+
+#: bumped whenever what an entry holds or how the decoder stores its weights changes
+CACHE_FORMAT = 1
+#: entries kept (each holds a whole model's weights: ~540 MB for SmolLM2-135M in float32)
+MAX_ENTRIES = 4
+_HEADER_BYTES = 1 << 20
+
+
+def cache_dir() -> Path:
+    """The folder the entries live in (see the module docstring)."""
+    return cache_root() / "models"
+
+
+def cache_enabled(option: bool | None = None) -> bool:
+    """``option`` when given, else whether ``KVCORE_MODEL_CACHE`` leaves the cache on (the default)."""
+    if option is not None:
+        return option
+    return os.environ.get("KVCORE_MODEL_CACHE", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def clear() -> int:
+    """Delete every entry; returns how many there were."""
+    root = cache_dir()
+    entries = [p for p in root.iterdir() if p.is_dir()] if root.is_dir() else []
+    for entry in entries:
+        shutil.rmtree(entry, ignore_errors=True)
+    return len(entries)
+
+
+def load_pretrained(
+    spec: str,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    max_model_len: int | None = None,
+    use_cache: bool | None = None,
+    weights: str = "float",
+) -> tuple[nn.Module, Tokenizer]:
+    """``(decoder, tokenizer)`` of model ``spec`` (as :func:`kvcore.loaders.load_model` reads it), built as
+    :func:`kvcore.loaders.build_model` builds it with matmul weights in the ``weights`` format, through the
+    cache when ``spec`` is a GGUF file on the CPU and the weights stay float (the quantized formats' packed
+    weights are no parameters or buffers: they are rebuilt from the file on every start)."""
+    keep_blocks = uses_quantized_blocks(weights, dtype, device)  # a GGUF's Q4 blocks may run as int4
+
+    def load():
+        loaded = load_model(spec, keep_quantized=True) if keep_blocks else load_model(spec)
+        check_max_model_len(max_model_len, loaded.config.max_position_embeddings)  # before building anything
+        return loaded, build_model(loaded, dtype, device, max_model_len, weights=weights)
+
+    cacheable = weights in ("auto", "float") and not keep_blocks  # then the weights resolve to float
+    on_cpu = torch.device(device).type == "cpu"
+    source = _gguf_source(spec) if cacheable and on_cpu and cache_enabled(use_cache) else None
+    if source is None:
+        loaded, model = load()
+        return model, loaded.tokenizer
+    options = {"dtype": str(dtype), "device": str(torch.device(device)), "max_model_len": max_model_len}
+    key, stamp = _key(source, options)
+    entry = cache_dir() / key
+    hit = _read(entry)
+    if hit is not None:
+        return hit
+    loaded, model = load()
+    _write(entry, model, loaded.tokenizer, {"source": str(source), "stamp": stamp, "options": options})
+    return model, loaded.tokenizer
+
+
+def _gguf_source(spec: str) -> Path | None:
+    """The GGUF file ``spec`` names, or None (a directory, a missing file: not cached)."""
+    from kvcore.errors import KVCoreError
+    from kvcore.loaders import DEFAULT_MODEL
+
+    if str(spec).strip().lower() == DEFAULT_MODEL:
+        from kvcore.loaders.resolve import smollm2_path
+
+        try:
+            return smollm2_path().resolve()
+        except KVCoreError:
+            return None  # load_model raises the same error with its message
+    path = Path(spec).expanduser()
+    if not path.is_file():
+        return None
+    try:
+        with path.open("rb") as f:
+            magic = f.read(4)
+    except OSError:
+        return None
+    return path.resolve() if magic == b"GGUF" else None
+
+
+def _key(source: Path, options: dict[str, Any]) -> tuple[str, str]:
+    """``(entry key, file stamp)``: the stamp identifies the file's version; the key adds everything else."""
+
+    st = source.stat()
+    with source.open("rb") as f:
+        header = hashlib.sha256(f.read(_HEADER_BYTES)).hexdigest()
+    stamp = f"{st.st_size}:{st.st_mtime_ns}:{header}"
+    parts = [str(source), stamp, __version__, torch.__version__, str(CACHE_FORMAT), json.dumps(options, sort_keys=True)]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32], stamp
+
+
+# -- reading --------------------------------------------------------------------------------------------
+def _read(entry: Path) -> tuple[nn.Module, Tokenizer] | None:
+    """The entry's model and tokenizer, or None when it is missing or unreadable (it is then rebuilt)."""
+    try:
+        meta = json.loads((entry / "meta.json").read_text())
+        tensors = torch.load(entry / "model.pt", mmap=True, weights_only=True)
+        model = _assemble(_config_from_json(meta["config"]), meta["dtype"], meta["max_positions"], tensors)
+        tokenizer = _tokenizer_from_json(meta["tokenizer"])
+    except Exception:  # noqa: BLE001 - a damaged entry of any kind: rebuild from the source
+        shutil.rmtree(entry, ignore_errors=True)
+        return None
+    os.utime(entry)  # recency for eviction
+    return model, tokenizer
+
+
+def _assemble(config: ModelConfig, dtype: str, max_positions: int, tensors: dict[str, torch.Tensor]) -> nn.Module:
+    """A decoder whose every parameter and buffer is the saved tensor of that name (no copy).
+
+    The skeleton is built on the meta device (no memory, no weight relayout); tensors that were one object
+    when saved (tied embeddings) become one parameter again."""
+    from kvcore.model.decoder import DecoderModel
+
+    with torch.device("meta"):
+        model = DecoderModel(config, getattr(torch, dtype.removeprefix("torch.")), max_positions)
+    expected = {n for n, _ in model.named_parameters(remove_duplicate=False)} | {n for n, _ in model.named_buffers()}
+    if set(tensors) != expected:
+        raise ValueError("cache entry does not match the decoder's parameters")
+    shared: dict[tuple, nn.Parameter] = {}
+    for name, tensor in tensors.items():
+        owner_name, _, attr = name.rpartition(".")
+        owner = model.get_submodule(owner_name)
+        if attr in owner._buffers:
+            owner._buffers[attr] = tensor
+            continue
+        ident = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape), tensor.stride())
+        param = shared.setdefault(ident, nn.Parameter(tensor, requires_grad=False))
+        owner._parameters[attr] = param
+    if any(t.is_meta for t in (*model.parameters(), *model.buffers())):
+        raise ValueError("cache entry left a tensor unset")
+    return model
+
+
+# -- writing --------------------------------------------------------------------------------------------
+def _write(entry: Path, model: nn.Module, tokenizer: Tokenizer, info: dict[str, Any]) -> None:
+    """Save ``model`` and ``tokenizer`` as ``entry`` (atomically: a folder renamed into place). A cache that
+    cannot be written (read-only or full disk) is skipped: it only ever saves time."""
+    tensors = dict(model.named_parameters(remove_duplicate=False))
+    tensors.update({n: t for n, t in model.named_buffers()})
+    meta = {
+        "format": CACHE_FORMAT,
+        "config": _config_to_json(model.config),
+        "dtype": str(model.dtype),
+        "max_positions": model.config.max_position_embeddings,
+        "tokenizer": _tokenizer_to_json(tokenizer),
+        **info,
+    }
+    tmp = None
+    try:
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=entry.parent))
+        torch.save({n: t.detach() for n, t in tensors.items()}, tmp / "model.pt")
+        (tmp / "meta.json").write_text(json.dumps(meta))
+        os.rename(tmp, entry)
+        tmp = None
+        _evict(entry, info["source"], info["stamp"])
+    except OSError:
+        pass
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _evict(keep: Path, source: str, stamp: str) -> None:
+    """Delete entries of older versions of ``source`` and the least recently used beyond MAX_ENTRIES."""
+    entries = []
+    for path in keep.parent.iterdir():
+        if path == keep or not path.is_dir() or path.name.startswith(".tmp-"):
+            continue
+        try:
+            meta = json.loads((path / "meta.json").read_text())
+        except (OSError, ValueError):
+            shutil.rmtree(path, ignore_errors=True)
+            continue
+        if meta.get("source") == source and meta.get("stamp") != stamp:
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            entries.append((path.stat().st_mtime, path))
+    for _, path in sorted(entries)[: max(0, len(entries) + 1 - MAX_ENTRIES)]:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+# -- config and tokenizer as JSON -----------------------------------------------------------------------
+def _config_to_json(config: ModelConfig) -> dict[str, Any]:
+    return dataclasses.asdict(config)
+
+
+def _tuples(value: Any) -> Any:
+    return tuple(value) if isinstance(value, list) else value
+
+
+def _config_from_json(fields: dict[str, Any]) -> ModelConfig:
+    """Inverse of :func:`_config_to_json`: JSON lists back to the tuples the dataclasses hold."""
+    fields = dict(fields)
+    rope = fields.get("rope_scaling")
+    if rope is not None:
+        fields["rope_scaling"] = RopeScaling(**{k: _tuples(v) for k, v in rope.items()})
+    if fields.get("sliding_window_layers") is not None:
+        fields["sliding_window_layers"] = tuple(fields["sliding_window_layers"])
+    return ModelConfig(**fields)
+
+
+def _tokenizer_to_json(tok: Tokenizer) -> dict[str, Any]:
+    return {
+        "backend": tok.backend.to_str(),
+        "bos_token_id": tok.bos_token_id,
+        "eos_token_ids": list(tok.eos_token_ids),
+        "pad_token_id": tok.pad_token_id,
+        "add_bos": tok.add_bos,
+        "chat_template": tok.chat_template,
+    }
+
+
+def _tokenizer_from_json(state: dict[str, Any]) -> Tokenizer:
+    import tokenizers
+
+    backend = tokenizers.Tokenizer.from_str(state.pop("backend"))
+    return Tokenizer(backend, **state)

@@ -1,0 +1,326 @@
+"""The one decoder kvcore runs (RMSNorm, RoPE, GQA, gated MLP), calling a pluggable attention backend.
+
+Every supported family (see :mod:`kvcore.model.architectures`) is this decoder with options from its
+:class:`~kvcore.model.config.ModelConfig`: Q/K/V biases (Qwen2), per-head Q/K RMSNorm (Qwen3), RMSNorm
+weight offset (Gemma), scaled embeddings, sandwich norms and final-logit soft-capping (Gemma 2), GeLU-tanh
+or SiLU gates, RoPE scaling schemes. Sliding windows and attention-logit soft-capping are attention
+features: the model declares them (:attr:`DecoderModel.sliding_windows`) and refuses what it cannot serve.
+
+Tensors are packed: a forward call carries ``T`` tokens from ``B`` sequences (see
+:class:`~kvcore.interfaces.attention.AttentionMetadata`). Q/K/V and gate/up projections are fused into one matmul each.
+The model knows nothing of caches or backends: it calls the ``attention`` it is handed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvcore.errors import ConfigError, ModelLoadError
+from kvcore.kernels.linear import DenseMatmuls, set_layout
+from kvcore.model.config import ModelConfig
+from kvcore.model.rope import RotaryEmbedding
+from kvcore.model.weights import LINEAR_PARTS, dense, quantized_linears
+
+__all__ = ["DecoderModel", "LlamaModel", "RotaryEmbedding", "rms_norm", "Attention"]
+
+#: ``attention(layer_idx, q [T, H, D], k [T, H_kv, D], v [T, H_kv, D]) -> [T, H, D]``: stores this call's
+#: K/V and attends (a backend bound to its cache and plan by the model runner)
+Attention = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x / rms(x) * weight``, the statistics in float32 (as Hugging Face Llama does).
+
+    One ``F.rms_norm`` call computes ``x * rsqrt(mean(x²) + eps)`` (on CPU ATen runs the same elementwise
+    ops from C++, without a Python dispatch between each); in float32 (weight included) it gives bitwise
+    the values of spelling the ops out (tests/test_model_ops.py). A narrower dtype keeps Hugging Face's
+    rounding: normalised in float32, rounded to the dtype, then scaled by the weight."""
+    shape = (x.shape[-1],)
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        return F.rms_norm(x, shape, weight, eps)
+    normed = F.rms_norm(x.float(), shape, None, eps).to(x.dtype)  # a new tensor
+    if weight.dtype != normed.dtype:
+        return weight * normed  # type promotion
+    return normed.mul_(weight)  # in place (no allocation): same values as ``weight * normed``
+
+
+_ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+
+class DecoderModel(nn.Module):
+    """Decoder weights plus the forward pass. Build it with :meth:`from_weights`.
+
+    :param max_positions: the longest sequence this instance serves (RoPE table length); None: the
+        config's ``max_position_embeddings``. ``model.config.max_position_embeddings`` reports it, so an
+        engine never schedules past the tables.
+    """
+
+    def __init__(
+        self, config: ModelConfig, dtype: torch.dtype = torch.float32, max_positions: int | None = None
+    ) -> None:
+        super().__init__()
+        c = config
+        max_positions = min(max_positions or c.max_position_embeddings, c.max_position_embeddings)
+        self.sliding_windows = _windows(c, max_positions)
+        if c.attn_logit_softcapping is not None:
+            raise ModelLoadError(
+                f"{c.architecture}: attention-logit soft-capping (attn_logit_softcapping="
+                f"{c.attn_logit_softcapping}) is not supported by kvcore's attention backends"
+            )
+        self.config = dataclasses.replace(c, max_position_embeddings=max_positions)
+        L, d = c.num_hidden_layers, c.hidden_size
+        q_size, kv_size = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+        self.q_size, self.kv_size = q_size, kv_size
+
+        def empty(*shape: int) -> nn.Parameter:
+            return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+        def per_layer(*shape: int) -> nn.ParameterList:
+            return nn.ParameterList(empty(*shape) for _ in range(L))
+
+        self.embed_tokens = empty(c.vocab_size, d)  # [V, d]
+        self.input_norm = per_layer(d)
+        self.qkv_proj = per_layer(q_size + 2 * kv_size, d)  # [(H + 2 H_kv) D, d]
+        self.qkv_bias = per_layer(q_size + 2 * kv_size) if c.attention_bias else None
+        self.q_norm = per_layer(c.head_dim) if c.qk_norm else None
+        self.k_norm = per_layer(c.head_dim) if c.qk_norm else None
+        self.o_proj = per_layer(d, q_size)
+        self.o_bias = per_layer(d) if c.attention_output_bias else None
+        self.post_attn_norm = per_layer(d) if c.sandwich_norms else None
+        self.post_norm = per_layer(d)  # the norm before the MLP
+        self.gate_up_proj = per_layer(2 * c.intermediate_size, d)  # [2 I, d]
+        self.down_proj = per_layer(d, c.intermediate_size)
+        self.post_mlp_norm = per_layer(d) if c.sandwich_norms else None
+        self.norm = empty(d)
+        self.lm_head = self.embed_tokens if c.tie_word_embeddings else empty(c.vocab_size, d)
+        self.rotary = RotaryEmbedding(
+            c.head_dim, max_positions, c.rope_theta, c.rope_scaling, c.max_position_embeddings
+        )
+        self.act = _ACTIVATIONS[c.hidden_act]
+        #: "float", or "int4"/"int4a8"/"int8" when the layer matmuls run on quantized weights (kernels.quant)
+        self.weight_format = "float"
+        self._quantized: dict[str, list] | None = None  # {"qkv"|"o"|"gate_up"|"down": [per layer]}
+        self._dense = DenseMatmuls()
+        self._set_weight_layout()
+
+    def _apply(self, fn, recurse=True):  # .to() / .float() / .cuda() ... : re-pick the weight layout
+        if self._quantized is not None:  # probe where fn sends a tensor before moving anything
+            probe = fn(self.embed_tokens[:0])
+            if probe.device.type != "cpu" or probe.dtype != torch.bfloat16:
+                raise ConfigError(f"{self.weight_format} weights run on CPU in bfloat16; cannot move this model "
+                                  f"to {probe.device.type} {str(probe.dtype).removeprefix('torch.')}")
+        super()._apply(fn, recurse)
+        self._set_weight_layout()
+        return self
+
+    def _set_weight_layout(self) -> None:
+        """Store each matmul weight (logical shape ``[out, in]`` always) in the memory order the
+        device/dtype reads fastest: on CPU in float32, column-major (``W.t()`` contiguous), so
+        ``F.linear`` runs MKL's ``x @ Wt`` kernel, measurably faster for the memory-bound 1..8-row decode
+        GEMMs (see benchmarks/README.md); row-major everywhere else (bfloat16 GEMMs on CPU are much
+        slower column-major) and for small weights."""
+        column_major = self.device.type == "cpu" and self.dtype == torch.float32
+        self._dense.reset()
+        with torch.no_grad():
+            for plist in (self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj):
+                for p in plist:
+                    set_layout(p, column_major)
+            set_layout(self.lm_head, column_major)  # tied embeddings: the embedding table too
+
+    #: Dense matmuls on CPU run on oneDNN-prepacked copies of the big weights where that is faster: float32
+    #: at 2+ rows, bfloat16 always (on CPUs with native bfloat16 dot products); see :class:`DenseMatmuls`.
+    #: Set False (on an instance or the class) to keep a single copy of the weights.
+    packed_weights: bool = True
+
+    def matmuls(self, num_rows: int) -> dict[str, list]:
+        """``{"qkv", "o", "gate_up", "down": [per layer], "lm_head": [one]}`` callables ``x -> x @ W.T`` for a
+        forward of ``num_rows`` rows: quantized ones (when the model has them) or dense ones."""
+        if self._quantized is None:
+            lists = {"qkv": self.qkv_proj, "o": self.o_proj, "gate_up": self.gate_up_proj, "down": self.down_proj}
+            return self._dense.get({**lists, "lm_head": [self.lm_head]}, num_rows, self.packed_weights)
+        return {**self._quantized, **self._dense.get({"lm_head": [self.lm_head]}, num_rows, self.packed_weights)}
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.device
+
+    @classmethod
+    def from_weights(
+        cls,
+        config: ModelConfig,
+        weights: dict[str, torch.Tensor],
+        dtype: torch.dtype = torch.float32,
+        max_positions: int | None = None,
+        weight_format: str = "float",
+        group_size: int = 32,
+    ) -> DecoderModel:
+        """Build from kvcore's canonical weight names (:func:`kvcore.loaders.expected_shapes`: Hugging Face
+        Llama's, ``model.layers.0.self_attn.q_proj.weight``..., plus the optional biases and norms). Values are
+        float tensors or GGUF blocks (:mod:`kvcore.loaders.gguf_blocks`). ``weight_format`` "int4"/"int4a8"/"int8"
+        (resolved: see :func:`kvcore.model.weights.resolve_weights`) runs the layer matmuls on quantized weights
+        (int4 groups of ``group_size`` input columns where the weights are not GGUF Q4 blocks already)."""
+        model = cls(config, dtype, max_positions)
+        c = config
+        if weight_format != "float":
+            model._quantized = quantized_linears(c, weights, weight_format, dtype, group_size)
+            model.weight_format = weight_format
+            linear_names = {f"model.layers.{i}.{p}" for i in range(c.num_hidden_layers) for ps in
+                            LINEAR_PARTS.values() for p in ps}
+            weights = {n: v for n, v in weights.items() if n not in linear_names}
+            for plist in (model.qkv_proj, model.o_proj, model.gate_up_proj, model.down_proj):
+                for i in range(c.num_hidden_layers):  # no dense copy: the quantized weights are the model's
+                    plist[i] = nn.Parameter(torch.empty(0, c.hidden_size, dtype=dtype), requires_grad=False)
+
+        def take(name: str) -> torch.Tensor:
+            try:
+                return dense(weights[name])
+            except KeyError:
+                raise ModelLoadError(f"model weights lack '{name}'") from None
+
+        def put(param: torch.Tensor, value: torch.Tensor, name: str, norm: bool = False) -> None:
+            if tuple(param.shape) != tuple(value.shape):
+                raise ModelLoadError(f"weight '{name}' has shape {tuple(value.shape)}, expected {tuple(param.shape)}")
+            if norm and c.norm_offset:  # Gemma scales by (1 + w): folded into the weight once, in float32
+                value = value.float() + c.norm_offset
+            param.copy_(value.to(dtype))
+
+        def put_names(param: torch.Tensor, names: list[str], norm: bool = False) -> None:
+            value = take(names[0]) if len(names) == 1 else torch.cat([take(n) for n in names], 0)
+            put(param, value, names[0] if len(names) == 1 else ", ".join(names), norm)
+
+        with torch.no_grad():
+            put_names(model.embed_tokens, ["model.embed_tokens.weight"])
+            put_names(model.norm, ["model.norm.weight"], norm=True)
+            if not c.tie_word_embeddings:
+                put_names(model.lm_head, ["lm_head.weight"])
+            for i in range(c.num_hidden_layers):
+                p = f"model.layers.{i}."
+                if model._quantized is None:
+                    put_names(model.qkv_proj[i], [p + f"self_attn.{n}_proj.weight" for n in "qkv"])
+                    put_names(model.o_proj[i], [p + "self_attn.o_proj.weight"])
+                    put_names(model.gate_up_proj[i], [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"])
+                    put_names(model.down_proj[i], [p + "mlp.down_proj.weight"])
+                if model.qkv_bias is not None:
+                    put_names(model.qkv_bias[i], [p + f"self_attn.{n}_proj.bias" for n in "qkv"])
+                if model.q_norm is not None:
+                    put_names(model.q_norm[i], [p + "self_attn.q_norm.weight"], norm=True)
+                    put_names(model.k_norm[i], [p + "self_attn.k_norm.weight"], norm=True)
+                if model.o_bias is not None:
+                    put_names(model.o_bias[i], [p + "self_attn.o_proj.bias"])
+                put_names(model.input_norm[i], [p + "input_layernorm.weight"], norm=True)
+                if c.sandwich_norms:  # Gemma 2's names: post_attention_layernorm follows attention
+                    put_names(model.post_attn_norm[i], [p + "post_attention_layernorm.weight"], norm=True)
+                    put_names(model.post_norm[i], [p + "pre_feedforward_layernorm.weight"], norm=True)
+                    put_names(model.post_mlp_norm[i], [p + "post_feedforward_layernorm.weight"], norm=True)
+                else:
+                    put_names(model.post_norm[i], [p + "post_attention_layernorm.weight"], norm=True)
+        return model
+
+    #: ``all_reduce(partial [T, d]) -> [T, d]``, applied to the o_proj and down_proj outputs: under tensor
+    #: parallelism (kvcore/execution/distributed/sharding.py) it sums each rank's partial output; identity otherwise
+    all_reduce: Callable[[torch.Tensor], torch.Tensor] = staticmethod(lambda partial: partial)
+
+    @property
+    def attention_scale(self) -> float:
+        """The softmax scale of every attention layer: ``1 / sqrt(head_dim)``, or Gemma 2's
+        ``1 / sqrt(query_pre_attn_scalar)``."""
+        c = self.config
+        return (c.query_pre_attn_scalar or c.head_dim) ** -0.5
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attention: Attention, matmuls: dict | None = None
+    ) -> torch.Tensor:
+        """Run the decoder over packed tokens.
+
+        :param input_ids: ``[T]`` int64 token ids.
+        :param positions: ``[T]`` int64 absolute position of each token (RoPE), below
+            ``config.max_position_embeddings``.
+        :param attention: stores each layer's K/V and attends (see :data:`Attention`).
+        :param matmuls: ``self.matmuls(T)``, when the caller already has it (a compiled forward resolves it
+            outside the traced code: choosing and caching the kernels is Python bookkeeping).
+        :returns: ``[T, d]`` final hidden states (after the last RMSNorm).
+        """
+        c = self.config
+        num_tokens = input_ids.shape[0]
+        eps = c.rms_norm_eps
+        num_heads, num_kv, head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        qk_size = self.q_size + self.kv_size
+        cos, sin = self.rotary.tables(positions, self.dtype)  # once per call, shared by all layers
+        mm = matmuls or self.matmuls(num_tokens)
+        qkv_w, o_w, gate_up_w, down_w = mm["qkv"], mm["o"], mm["gate_up"], mm["down"]  # x [T, in] -> [T, out]
+        h = F.embedding(input_ids, self.embed_tokens)  # (T, d)
+        if c.embedding_multiplier is not None:
+            h = h * torch.tensor(c.embedding_multiplier, dtype=h.dtype)  # Gemma rounds the factor to the dtype
+        for i in range(c.num_hidden_layers):
+            x = rms_norm(h, self.input_norm[i], eps)
+            qkv = qkv_w[i](x)  # (T, (H + 2 H_kv) D)
+            if self.qkv_bias is not None:
+                qkv = qkv + self.qkv_bias[i]
+            if self.q_norm is None:
+                # Q and K are adjacent in the fused projection: one RoPE over H + H_kv heads.
+                qk = qkv[:, :qk_size].view(num_tokens, num_heads + num_kv, head_dim)
+                qk = self.rotary.rotate(qk, cos, sin)
+                q, k = qk[:, :num_heads], qk[:, num_heads:]  # (T, H, D), (T, H_kv, D) views
+            else:  # Qwen3: each head's Q and K RMS-normalised before RoPE
+                q = rms_norm(qkv[:, : self.q_size].reshape(num_tokens, num_heads, head_dim), self.q_norm[i], eps)
+                k = rms_norm(qkv[:, self.q_size : qk_size].reshape(num_tokens, num_kv, head_dim), self.k_norm[i], eps)
+                q, k = self.rotary.rotate(q, cos, sin), self.rotary.rotate(k, cos, sin)
+            v = qkv[:, qk_size:].view(num_tokens, num_kv, head_dim)  # (T, H_kv, D)
+            attn = attention(i, q, k, v)  # (T, H, D)
+            # all_reduce sums the ranks' partial outputs under tensor parallelism (identity otherwise); a bias
+            # or norm applies once, to the sum
+            out = self.all_reduce(o_w[i](attn.reshape(num_tokens, self.q_size)))
+            if self.o_bias is not None:
+                out = out + self.o_bias[i]
+            if self.post_attn_norm is not None:
+                out = rms_norm(out, self.post_attn_norm[i], eps)
+            # h is this forward's own tensor: residual adds and the gate product run in place, which saves
+            # the prefill a fresh multi-megabyte allocation (page faults) per op; the values are the same.
+            h.add_(out)
+            x = rms_norm(h, self.post_norm[i], eps)
+            gate, up = gate_up_w[i](x).chunk(2, dim=-1)  # (T, I) each
+            out = self.all_reduce(down_w[i](self.act(gate).mul_(up)))
+            if self.post_mlp_norm is not None:
+                out = rms_norm(out, self.post_mlp_norm[i], eps)
+            h.add_(out)
+        return rms_norm(h, self.norm, eps)
+
+    def compute_logits(self, hidden: torch.Tensor, head: Callable | None = None) -> torch.Tensor:
+        """``[N, d]`` hidden states → ``[N, V]`` float32 logits (soft-capped when the config says so).
+
+        :param head: another form of the LM head (:class:`kvcore.model.lm_head.RescoredInt4Head`), used for batches
+            of at most ``head.max_rows`` rows; the dense head otherwise."""
+        if head is not None and hidden.shape[0] <= head.max_rows:
+            logits = head(hidden)
+        else:
+            logits = self.matmuls(hidden.shape[0])["lm_head"][0](hidden)
+        cap = self.config.final_logit_softcapping
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits.float()
+
+
+def _windows(c: ModelConfig, max_positions: int) -> tuple[int | None, ...]:
+    """Each layer's sliding window, or None where it covers every reachable position; a window shorter
+    than ``max_positions`` is refused: kvcore's attention backends attend to the whole sequence."""
+    windows = tuple(c.layer_window(i) for i in range(c.num_hidden_layers))
+    short = sorted({w for w in windows if w is not None and w < max_positions})
+    if short:
+        raise ModelLoadError(
+            f"{c.architecture}: sliding-window attention (window {short[0]} tokens) is not supported by "
+            f"kvcore's attention backends; serve at most {short[0]} tokens per request (max_model_len)"
+        )
+    return tuple(None for _ in windows)
+
+
+#: the historical name: every family runs on the same decoder
+LlamaModel = DecoderModel

@@ -1,0 +1,161 @@
+"""The built-in architectures (registered through ``kvcore_register_architectures``, as a plugin's would be)
+and the ``kvcore models`` command that lists them.
+
+Each class is the whole difference between its family and plain Llama; see :mod:`kvcore.model.architectures`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from kvcore.hookspecs import hookimpl
+from kvcore.model.architectures import Architecture, layer_types_window
+
+__all__ = ["Llama", "Mistral", "Qwen2", "Qwen3", "Phi3", "Gemma2", "BUILTIN_ARCHITECTURES"]
+
+
+class Llama(Architecture):
+    name = "llama"
+    description = "Llama 1/2/3/3.1/3.2, SmolLM, TinyLlama... (RoPE scaling: linear, dynamic, llama3, yarn)"
+    hf_architectures = ("LlamaForCausalLM",)
+    hf_model_types = ("llama",)
+    gguf_arch = "llama"
+    gguf_permute_qk = True
+
+    @classmethod
+    def hf_options(cls, cfg: dict[str, Any]) -> dict[str, Any]:
+        bias = bool(cfg.get("attention_bias", False))  # transformers' Llama: on all four projections
+        return {"attention_bias": bias, "attention_output_bias": bias}
+
+
+class Mistral(Llama):
+    name = "mistral"
+    description = "Mistral 7B v0.1-v0.3 (sliding window up to max_model_len); GGUF files say 'llama'"
+    hf_architectures = ("MistralForCausalLM",)
+    hf_model_types = ("mistral",)
+    gguf_arch = None  # llama.cpp's converter writes Mistral as "llama"
+
+    @classmethod
+    def hf_options(cls, cfg: dict[str, Any]) -> dict[str, Any]:
+        return {**super().hf_options(cfg), **layer_types_window(cfg, default_all=True)}
+
+
+class Qwen2(Architecture):
+    name = "qwen2"
+    description = "Qwen2, Qwen2.5 (Q/K/V biases)"
+    hf_architectures = ("Qwen2ForCausalLM",)
+    hf_model_types = ("qwen2",)
+    gguf_arch = "qwen2"
+    options = {"attention_bias": True}
+
+    @classmethod
+    def hf_options(cls, cfg: dict[str, Any]) -> dict[str, Any]:
+        if not cfg.get("use_sliding_window"):
+            return {}
+        window = layer_types_window(cfg, default_all=False)
+        if window or not cfg.get("sliding_window"):
+            return window
+        first = int(cfg.get("max_window_layers", 0))  # transformers: layers from max_window_layers on slide
+        return {"sliding_window": int(cfg["sliding_window"]),
+                "sliding_window_layers": tuple(range(first, int(cfg["num_hidden_layers"])))}
+
+
+class Qwen3(Qwen2):
+    name = "qwen3"
+    description = "Qwen3 dense (per-head Q/K RMSNorm)"
+    hf_architectures = ("Qwen3ForCausalLM",)
+    hf_model_types = ("qwen3",)
+    gguf_arch = "qwen3"
+    options = {"qk_norm": True}
+
+    @classmethod
+    def hf_options(cls, cfg: dict[str, Any]) -> dict[str, Any]:
+        return {**super().hf_options(cfg), "attention_bias": bool(cfg.get("attention_bias", False))}
+
+
+class Phi3(Architecture):
+    name = "phi3"
+    description = "Phi-3 / Phi-3.5 mini (fused QKV and gate-up weights, longrope)"
+    hf_architectures = ("Phi3ForCausalLM",)
+    hf_model_types = ("phi3",)
+    gguf_arch = "phi3"
+    hf_defaults = {"tie_word_embeddings": False, "rms_norm_eps": 1e-5}
+    hf_fused = {
+        "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+        "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+    }
+    gguf_fused = {
+        "attn_qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+        "ffn_up": ("mlp.gate_proj", "mlp.up_proj"),  # llama.cpp keeps Phi-3's gate_up_proj whole as ffn_up
+    }
+
+    @classmethod
+    def hf_options(cls, cfg: dict[str, Any]) -> dict[str, Any]:
+        return layer_types_window(cfg, default_all=True)
+
+    @classmethod
+    def gguf_options(cls, meta: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+        window = meta.get("attention.sliding_window")
+        return {"sliding_window": int(window)} if window else {}
+
+
+class Gemma2(Architecture):
+    name = "gemma2"
+    description = "Gemma 2 (1 + w norms, sandwich norms, GeLU-tanh, logit soft-capping, alternating windows)"
+    hf_architectures = ("Gemma2ForCausalLM",)
+    hf_model_types = ("gemma2",)
+    gguf_arch = "gemma2"
+    hf_defaults = {"tie_word_embeddings": True, "rms_norm_eps": 1e-6}
+    options = {"norm_offset": 1.0, "sandwich_norms": True, "hidden_act": "gelu_pytorch_tanh"}
+    gguf_names = {
+        "post_attention_norm": "post_attention_layernorm",
+        "ffn_norm": "pre_feedforward_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
+    }
+    gguf_norm_offset_baked = True
+    attention_features = ("attn_logit_softcapping",)
+
+    @classmethod
+    def hf_options(cls, cfg: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "hidden_act": cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh",
+            "embedding_multiplier": math.sqrt(cfg["hidden_size"]),
+            "query_pre_attn_scalar": float(cfg.get("query_pre_attn_scalar", 256)),
+            "final_logit_softcapping": cfg.get("final_logit_softcapping"),
+            "attn_logit_softcapping": cfg.get("attn_logit_softcapping"),
+            **_alternating(cfg.get("sliding_window"), cfg.get("layer_types"), int(cfg["num_hidden_layers"])),
+        }
+
+    @classmethod
+    def gguf_options(cls, meta: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+        layers, hidden, heads = config["num_hidden_layers"], config["hidden_size"], config["num_attention_heads"]
+        # llama.cpp scales queries by 1/sqrt(head_dim), except Gemma 2 27B (46 layers): 1/sqrt(hidden/heads)
+        scalar = hidden // heads if layers == 46 else config["head_dim"]
+        return {
+            "embedding_multiplier": math.sqrt(hidden),
+            "query_pre_attn_scalar": float(scalar),
+            "final_logit_softcapping": meta.get("final_logit_softcapping"),
+            "attn_logit_softcapping": meta.get("attn_logit_softcapping"),
+            **_alternating(meta.get("attention.sliding_window"), None, layers),
+        }
+
+
+def _alternating(window: Any, layer_types: list[str] | None, layers: int) -> dict[str, Any]:
+    """Gemma 2's windows: on the layers ``layer_types`` marks, else every even layer (0, 2, ...)."""
+    if not window:
+        return {}
+    if layer_types:
+        sliding = tuple(i for i, t in enumerate(layer_types) if t == "sliding_attention")
+    else:
+        sliding = tuple(range(0, layers, 2))
+    return {"sliding_window": int(window), "sliding_window_layers": sliding}
+
+
+BUILTIN_ARCHITECTURES = (Llama, Mistral, Qwen2, Qwen3, Phi3, Gemma2)
+
+
+@hookimpl
+def kvcore_register_architectures(register):
+    for arch in BUILTIN_ARCHITECTURES:
+        register(arch)

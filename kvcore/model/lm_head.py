@@ -1,0 +1,81 @@
+"""The LM head formats (``EngineConfig.lm_head``, ``--lm-head``): how hidden states become vocabulary logits.
+
+* ``dense``: ``hidden @ W.T`` in the model dtype (the default; the reference).
+* ``int4``: an int4 copy of the head (groups of 32 input columns, :class:`~kvcore.kernels.quant.Int4Linear`) scores the
+  whole vocabulary, then the ``top_k`` (64) best candidates of each row are scored again with the dense
+  weights and those exact logits replace theirs (kvcore's C++ kernel ``rescore_top_k``: one pass over the
+  row's estimates, then 64 dot products; it needs kvcore's CPU kernels, :mod:`kvcore.kernels.cpu_kernels`). For a
+  batch-1 decode step of a small model the head is the biggest single matmul (SmolLM2-135M: 49,152 x 576, 56 MB
+  in bfloat16 per token); int4 reads a quarter of that. What stays approximate is the tail: a logit outside the
+  top 64 carries int4 rounding (on SmolLM2 a median error of about one logit), which shifts the sampled
+  distribution's far tail only. Greedy decoding, top-k up to 64 and the reported top logprobs read exact logits
+  whenever the exact best candidates are among the int4 top 64 (benchmarks/results/quant_accuracy.md measures
+  streams and perplexity).
+  Batches of more than :data:`INT4_MAX_ROWS` rows run the dense head: the int4 kernel's cost grows with the
+  rows, and from about four rows oneDNN's bfloat16 GEMM is as fast. With ``int4a8`` weights the scores come
+  from that format's int8-activation kernel (:class:`~kvcore.kernels.quant.Int4A8Linear`) for up to
+  :data:`A8_MAX_ROWS` rows (the batch sizes of decode steps, where it was measured faster than the dense head:
+  ``python benchmarks/weight_kernels.py --rows 1,8``); the rescored top 64 stay exact.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvcore.errors import ConfigError
+from kvcore.kernels.quant import Int4A8Linear, Int4Groups, Int4Linear, quantized_reasons
+
+__all__ = ["LM_HEAD_FORMATS", "INT4_MAX_ROWS", "A8_MAX_ROWS", "RescoredInt4Head", "check_lm_head"]
+
+#: every value of ``EngineConfig.lm_head`` with what it means
+LM_HEAD_FORMATS = {
+    "dense": "the head in the model dtype (reference)",
+    "int4": "int4 scores for the whole vocabulary, the top 64 rescored with the dense head",
+}
+#: more rows than this run the dense head (see the module docstring)
+INT4_MAX_ROWS = 4
+A8_MAX_ROWS = 16
+
+
+def check_lm_head(fmt: str, dtype: torch.dtype, device: torch.device | str) -> str:
+    """``fmt`` if it is an LM head format that runs with ``dtype`` on ``device``, else ConfigError saying why."""
+    if fmt not in LM_HEAD_FORMATS:
+        raise ConfigError(f"unknown lm_head format '{fmt}' (choose from: {', '.join(LM_HEAD_FORMATS)})")
+    reasons = []
+    if fmt == "int4":
+        from kvcore.kernels.cpu_kernels import kernel_reasons
+
+        reasons = quantized_reasons("int4", dtype, device) + kernel_reasons()
+    if reasons:
+        raise ConfigError(f"lm_head '{fmt}' cannot run here: {'; '.join(reasons)}")
+    return fmt
+
+
+class RescoredInt4Head:
+    """``hidden [N, d] -> logits [N, V]``: int4 scores, the ``top_k`` best of each row recomputed densely.
+
+    :param weight: the dense head ``[V, d]`` (the model's own tensor: read at call time, not copied).
+    """
+
+    def __init__(self, weight: torch.Tensor, top_k: int = 64, group_size: int = 32, a8: bool = False) -> None:
+        vocab, width = weight.shape
+        if not Int4Linear.fits(vocab, width, group_size):
+            raise ConfigError(f"lm_head 'int4' cannot take this model's head: the int4 kernel needs a vocabulary "
+                              f"in multiples of 16 and a hidden size in multiples of {group_size}, got "
+                              f"[{vocab}, {width}]")
+        from kvcore.kernels.cpu_kernels import load_kernels
+
+        load_kernels()
+        self.weight, self.top_k = weight, min(top_k, vocab)
+        # a8 (the model's weights are int4a8): scores from kvcore's int8-activation kernel, up to its row limit
+        linear, self.max_rows = (Int4A8Linear, A8_MAX_ROWS) if a8 else (Int4Linear, INT4_MAX_ROWS)
+        self.int4 = linear(Int4Groups.from_float(weight, group_size, weight.dtype), weight.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return self.int4.nbytes
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[N, V]`` in the model dtype (as the dense head returns them)."""
+        hidden = hidden.contiguous()
+        return torch.ops.kvcore.rescore_top_k(self.int4(hidden), hidden, self.weight, self.top_k)

@@ -1,0 +1,107 @@
+"""Which weight format a decoder runs with (``EngineConfig.weights``), and its quantized matmul weights.
+
+:mod:`kvcore.kernels.quant` has the formats and kernels; this module maps a model's canonical weights (float tensors,
+or GGUF blocks kept by ``load_model(..., keep_quantized=True)``) onto them, one callable per fused matmul.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from kvcore.kernels.cpu import cpu_features
+from kvcore.kernels.linear import DenseLinear, prepack
+from kvcore.kernels.quant import (
+    A8_GROUP,
+    DEFAULT_GROUP_SIZE,
+    Int4A8Linear,
+    Int4Groups,
+    Int4Linear,
+    Int8Linear,
+    check_runnable,
+    check_weight_format,
+    quantized_reasons,
+)
+from kvcore.model.config import ModelConfig
+
+__all__ = ["LINEAR_PARTS", "dense", "resolve_weights", "quantized_linears", "uses_quantized_blocks"]
+
+#: the model's fused matmul lists -> the canonical weights (under ``model.layers.{i}.``) stacked in each
+LINEAR_PARTS = {
+    "qkv": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+    "o": ("self_attn.o_proj.weight",),
+    "gate_up": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+    "down": ("mlp.down_proj.weight",),
+}
+
+
+def dense(value: Any) -> torch.Tensor:
+    """A float tensor of ``value``: a tensor as is, GGUF blocks dequantized."""
+    return value if isinstance(value, torch.Tensor) else value.dequantize()
+
+
+def _linear_weights(config: ModelConfig, weights: Mapping[str, Any]):
+    for i in range(config.num_hidden_layers):
+        for parts in LINEAR_PARTS.values():
+            for part in parts:
+                yield weights.get(f"model.layers.{i}.{part}")
+
+
+def uses_quantized_blocks(requested: str, dtype: torch.dtype, device: torch.device | str) -> bool:
+    """Whether a loader should keep Q4_0/Q4_1 GGUF blocks for this request (else it may dequantize all)."""
+    if requested in ("int4", "int4a8"):
+        return True
+    return requested == "auto" and not quantized_reasons("int4", dtype, device)
+
+
+def resolve_weights(
+    requested: str, dtype: torch.dtype, device: torch.device | str, config: ModelConfig, weights: Mapping[str, Any]
+) -> str:
+    """The format a model runs with: ``requested``, or for ``auto`` ``int4`` when every layer weight is an
+    exactly-int4 GGUF block tensor and int4 runs with ``dtype`` on ``device``, else ``float``.
+    ConfigError when a quantized format cannot run here."""
+    check_weight_format(requested)
+    if requested == "auto":
+        native = all(getattr(w, "int4_exact", False) for w in _linear_weights(config, weights))
+        return "int4" if native and not quantized_reasons("int4", dtype, device) else "float"
+    return check_runnable(requested, dtype, device)
+
+
+def quantized_linears(
+    config: ModelConfig,
+    weights: Mapping[str, Any],
+    fmt: str,
+    dtype: torch.dtype = torch.bfloat16,
+    group_size: int = DEFAULT_GROUP_SIZE,
+) -> dict[str, list[Callable[[torch.Tensor], torch.Tensor]]]:
+    """``{"qkv" | "o" | "gate_up" | "down": [one callable per layer]}`` in ``fmt`` (``int4``, ``int4a8``, ``int8``).
+
+    int4: GGUF Q4_0/Q4_1 blocks as stored (groups of 32); other weights quantized per ``group_size`` columns.
+    int4a8: the same int4 weights, always in groups of 32 (its kernel's activation groups).
+    A matrix the kernel cannot take (output rows not a multiple of 16, input columns not whole groups) stays
+    dense in ``dtype``."""
+    if fmt not in ("int4", "int4a8", "int8"):
+        raise ValueError(f"not a quantized weight format: {fmt!r}")
+    out: dict[str, list] = {name: [] for name in LINEAR_PARTS}
+    for i in range(config.num_hidden_layers):
+        for name, parts in LINEAR_PARTS.items():
+            values = [weights[f"model.layers.{i}.{part}"] for part in parts]
+            out[name].append(_quantize(values, fmt, dtype, group_size))
+    return out
+
+
+def _quantize(values: list[Any], fmt: str, dtype: torch.dtype, group_size: int):
+    rows, cols = sum(v.shape[0] for v in values), values[0].shape[1]
+    if fmt in ("int4", "int4a8"):
+        cls, group_size = (Int4Linear, group_size) if fmt == "int4" else (Int4A8Linear, A8_GROUP)
+        if all(getattr(v, "int4_exact", False) for v in values) and cls.fits(rows, cols, 32):
+            return cls(Int4Groups.cat([v.int4_groups() for v in values]), dtype)
+        if cls.fits(rows, cols, group_size):
+            w = torch.cat([dense(v) for v in values])
+            return cls(Int4Groups.from_float(w, group_size, dtype), dtype)
+    elif Int8Linear.fits(rows, cols):
+        return Int8Linear(torch.cat([dense(v) for v in values]), dtype)
+    w = torch.cat([dense(v) for v in values]).to(dtype).contiguous()
+    return DenseLinear(w, prepack(w) if cpu_features().bf16_matmul else None)

@@ -1,0 +1,70 @@
+"""Rows of ``kvcore models``: each registered architecture, what it reads, and the backends that serve it."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from kvcore.hookspecs import hookimpl
+from kvcore.plugins.registry import ARCHITECTURE, PluginRegistry, get_registry
+from kvcore.plugins.support import format_table
+
+__all__ = ["architecture_rows", "serving_backends", "markdown_rows"]
+
+
+def serving_backends(registry: PluginRegistry, arch: type) -> tuple[list[str], list[str]]:
+    """(backends whose capabilities declare every attention feature ``arch`` needs, the missing features)."""
+    served, missing = [], set(arch.attention_features)
+    for name, entry in sorted(registry.backends.items()):
+        lacking = {f for f in arch.attention_features if not getattr(entry.cls.capabilities, f, False)}
+        if not lacking:
+            served.append(name)
+        missing &= lacking
+    return served, sorted(missing)
+
+
+def architecture_rows(registry: PluginRegistry) -> list[dict[str, Any]]:
+    """One row per architecture, generated from the declarations (no hand-written table)."""
+    rows = []
+    for name, entry in sorted(registry.entries(ARCHITECTURE).items()):
+        arch = entry.cls
+        served, missing = serving_backends(registry, arch)
+        options = ", ".join(f"{k}={v}" for k, v in sorted(arch.options.items())) or "-"
+        rows.append({
+            "architecture": name,
+            "plugin": entry.plugin,
+            "hugging_face": ",".join(arch.hf_architectures) or "-",
+            "gguf": arch.gguf_arch or "-",
+            "options": options,
+            "fused_weights": ",".join(arch.hf_fused) or "-",
+            "backends": ",".join(served) if served else f"none (needs: {', '.join(missing)})",
+            "available": "yes",  # a declaration needs nothing installed
+            "description": arch.description,
+        })
+    return rows
+
+
+def markdown_rows(rows: list[dict[str, Any]]) -> str:
+    """The README's table: what each architecture reads and which backends serve it."""
+    cols = ["architecture", "hugging_face", "gguf", "options", "fused_weights", "backends"]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in rows:
+        lines.append("| " + " | ".join(str(r[c]).replace("|", "\\|") for c in cols) + " |")
+    return "\n".join(lines)
+
+
+@hookimpl
+def kvcore_register_commands(subparsers):
+    p = subparsers.add_parser("models", help="list supported model architectures and the backends that serve them")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--markdown", action="store_true", help="a Markdown table (the README's)")
+    p.set_defaults(func=_run_models)
+
+
+def _run_models(args) -> int:
+    rows = architecture_rows(get_registry())
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    else:
+        print(markdown_rows(rows) if args.markdown else format_table(rows))
+    return 0

@@ -1,0 +1,205 @@
+"""The layer contract: every kvcore module imports only from packages ranked below its own.
+
+Every import counts (module level, inside functions, under ``TYPE_CHECKING``), so a lazy import cannot
+hide an upward edge or a cycle. ``docs/design.md`` draws the same map.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+# The installed name of each source folder (pyproject.toml's package-dir).
+SOURCES = {"kvcore": ROOT / "kvcore", "kvcore.backends": ROOT / "backends", "kvcore.conformance": ROOT / "conformance"}
+
+# Lowest first. A module may import its own package and any package of a lower rank, nothing else.
+LAYERS: list[tuple[str, ...]] = [
+    ("kvcore.version", "kvcore.paths", "kvcore.errors", "kvcore.hookspecs"),
+    ("kvcore.interfaces",),
+    ("kvcore.kernels",),
+    ("kvcore.text",),
+    ("kvcore.sampling",),
+    ("kvcore.scheduling",),
+    ("kvcore.model",),
+    ("kvcore.plugins",),
+    ("kvcore.execution",),
+    ("kvcore.backends",),
+    ("kvcore.loaders",),
+    ("kvcore.engine",),
+    ("kvcore.serving",),
+    ("kvcore.conformance",),
+    ("kvcore.cli",),
+]
+# The public entry points that may stand at kvcore/'s top level.
+TOP_LEVEL = {"__init__", "errors", "hookspecs", "paths", "version"}
+MAX_LINES = 300
+
+
+def rank_of(module: str) -> int | None:
+    """The rank of ``module``'s package, or None for the ``kvcore`` facade itself."""
+    best = None
+    for rank, prefixes in enumerate(LAYERS):
+        for prefix in prefixes:
+            if module == prefix or module.startswith(prefix + "."):
+                best = rank
+    return best
+
+
+def module_name(package: str, folder: Path, path: Path) -> str:
+    parts = list(path.relative_to(folder).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join([package, *parts])
+
+
+def imports_of(source: str, module: str, is_package: bool, known: set[str]) -> set[str]:
+    """Every kvcore module ``source`` imports, wherever the import statement stands."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = module.split(".") if is_package else module.split(".")[:-1]
+                base = base[: len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            # `from package import submodule` imports the submodule (the package's __init__ already runs)
+            subs = [f"{target}.{a.name}" for a in node.names if f"{target}.{a.name}" in known]
+            targets = subs if len(subs) == len(node.names) else [target, *subs]
+        else:
+            continue
+        for target in targets:
+            while target and target not in known:  # `import a.b.c` names a module; an attribute path does not
+                target = target.rpartition(".")[0]
+            if target and target.startswith("kvcore") and target != module:
+                found.add(target)
+    return found
+
+
+def import_graph(sources: dict[str, Path] = SOURCES) -> dict[str, set[str]]:
+    files = {}
+    for package, folder in sources.items():
+        for path in sorted(folder.rglob("*.py")):
+            if "build" in path.relative_to(folder).parts:
+                continue
+            files[module_name(package, folder, path)] = path
+    known = set(files)
+    return {m: imports_of(p.read_text(), m, p.name == "__init__.py", known) for m, p in files.items()}
+
+
+def layer_violations(graph: dict[str, set[str]]) -> list[str]:
+    out = []
+    for module, targets in sorted(graph.items()):
+        mine = rank_of(module)
+        if mine is None:
+            continue  # the facade re-exports the public names of every layer
+        for target in sorted(targets):
+            theirs = rank_of(target)
+            if theirs is None or theirs > mine or (theirs == mine and _package(target) != _package(module)):
+                out.append(f"{module} imports {target}")
+    return out
+
+
+def _package(module: str) -> str:
+    for prefixes in LAYERS:
+        for prefix in prefixes:
+            if module == prefix or module.startswith(prefix + "."):
+                return prefix
+    return module
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+@pytest.fixture(scope="module")
+def graph():
+    return import_graph()
+
+
+def test_every_module_has_a_layer(graph):
+    unranked = [m for m in graph if m != "kvcore" and rank_of(m) is None]
+    assert not unranked, f"modules outside every layer: {unranked}"
+
+
+def test_imports_point_down(graph):
+    assert layer_violations(graph) == []
+
+
+def test_no_import_cycles(graph):
+    assert cycles(graph) == []
+
+
+def test_top_level_holds_only_entry_points():
+    names = {p.stem for p in SOURCES["kvcore"].glob("*.py")}
+    assert names == TOP_LEVEL
+
+
+def test_modules_stay_small():
+    long = {}
+    for folder in SOURCES.values():
+        for path in folder.rglob("*.py"):
+            lines = len(path.read_text().splitlines())
+            if lines > MAX_LINES:
+                long[str(path.relative_to(ROOT))] = lines
+    assert long == {}
+
+
+def test_an_upward_import_is_caught(tmp_path):
+    """The contract fails when a lower layer imports a higher one, even lazily, and sees the cycle."""
+    (tmp_path / "interfaces").mkdir()
+    (tmp_path / "engine").mkdir()
+    (tmp_path / "__init__.py").write_text("")
+    (tmp_path / "interfaces" / "__init__.py").write_text("")
+    (tmp_path / "engine" / "__init__.py").write_text("")
+    (tmp_path / "interfaces" / "attention.py").write_text("def f():\n    from kvcore.engine.core import Engine\n")
+    (tmp_path / "engine" / "core.py").write_text("from kvcore.interfaces.attention import f\n")
+    planted = import_graph({"kvcore": tmp_path})
+    assert layer_violations(planted) == ["kvcore.interfaces.attention imports kvcore.engine.core"]
+    assert cycles(planted) == [["kvcore.engine.core", "kvcore.interfaces.attention"]]
+
+
+def test_a_sideways_import_is_caught(tmp_path):
+    (tmp_path / "scheduling").mkdir()
+    (tmp_path / "model").mkdir()
+    (tmp_path / "scheduling" / "request.py").write_text("")
+    (tmp_path / "model" / "decoder.py").write_text("")
+    (tmp_path / "scheduling" / "scheduler.py").write_text("from kvcore.model import decoder\n")
+    planted = import_graph({"kvcore": tmp_path})
+    assert layer_violations(planted) == ["kvcore.scheduling.scheduler imports kvcore.model.decoder"]
