@@ -14,40 +14,14 @@ the classes through this package's ``kvcore`` entry point, so the package must b
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 import time
 from pathlib import Path
 
-from kvcore import Engine, EngineConfig, SamplingParams
-from kvcore.config import OPTION_TABLES, load_config
+from kvcore import Engine, load_settings
 from kvcore.errors import KVCoreError
-from kvcore.plugins import get_registry
 
 DEFAULT_CONFIG = Path(__file__).with_name("kvcore.toml")
-
-
-@dataclasses.dataclass(frozen=True)
-class Settings:
-    model: str
-    engine: EngineConfig
-    sampling: SamplingParams
-    plugin_options: dict  # [plugins.<name>] tables, for the plugins' kvcore_configure hook
-
-
-def load_settings(path: str | Path = DEFAULT_CONFIG, **overrides) -> Settings:
-    """Read ``path`` with kvcore's own config loader; ``overrides`` (not None) win over the file."""
-    file_cfg = load_config(path)
-    values = {f.name: getattr(file_cfg, f.name) for f in dataclasses.fields(file_cfg)}
-    values.update({k: v for k, v in overrides.items() if v is not None})
-    for table, option in OPTION_TABLES.items():  # [kv_caches.<name>] → EngineConfig.kv_cache_options ...
-        values[option] = values.pop(table)
-
-    def pick(cls) -> dict:  # the keys the file sets that ``cls`` (a dataclass) has a field for
-        return {f.name: values[f.name] for f in dataclasses.fields(cls) if values.get(f.name) is not None}
-
-    engine, sampling = EngineConfig(**pick(EngineConfig)), SamplingParams(**pick(SamplingParams))
-    return Settings(values["model"] or "smollm2", engine, sampling, values["plugins"])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -58,11 +32,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         settings = load_settings(args.config, max_new_tokens=args.max_new_tokens)
-        registry = get_registry()
-        if settings.plugin_options:
-            registry.configure(settings.plugin_options)
         start = time.perf_counter()
-        engine = Engine.from_pretrained(settings.model, settings.engine, registry=registry)
+        engine = Engine.from_settings(settings)
         loaded = time.perf_counter()
         [result] = engine.generate([args.prompt], settings.sampling)
         done = time.perf_counter()

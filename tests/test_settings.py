@@ -1,0 +1,106 @@
+"""One source for every setting: the dataclasses (EngineConfig, SamplingParams, and the run keys) define them;
+the TOML keys, CLI flags and HTTP fields are checked against them here, and load_settings() splits a file
+into what the Python API takes."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+from dataclasses import fields
+
+import pytest
+
+from kvcore import EngineConfig, SamplingParams, Settings, load_settings
+from kvcore.cli.parser import build_parser
+from kvcore.engine.file_config import OPTION_TABLES, FileConfig
+from kvcore.engine.settings import RUN_KEYS, settings_from
+from kvcore.errors import ConfigError
+from kvcore.serving import protocol
+
+FILE = {f.name for f in fields(FileConfig)}
+ENGINE = {f.name for f in fields(EngineConfig)}
+SAMPLING = {f.name for f in fields(SamplingParams)}
+#: settings only the Python API takes, and why they are not config-file keys
+API_ONLY = {
+    "check_backend_outputs": "a debugging switch of the engine's backend output checks",
+    "n": "per request (HTTP and API)",
+    "logit_bias": "per request: token ids are the model's, TOML keys are strings",
+    "stop_token_ids": "per request (HTTP and API)",
+}
+#: flags that are about one command, not a run setting
+COMMAND_ONLY = {
+    "generate": {"prompt", "prompt_file", "json", "config", "no_model_cache", "debug"},
+    "chat": {"prompt", "prompt_file", "json", "config", "no_model_cache", "debug", "interactive", "system"},
+    "serve": {"config", "no_model_cache", "debug", "host", "port", "api_key", "served_model_name", "log_level",
+              "max_queue_len"},
+}
+
+
+def _subcommands():
+    parser = build_parser()
+    [sub] = [a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction"]
+    return sub.choices
+
+
+def test_every_file_key_is_a_dataclass_field_or_a_run_key():
+    tables = set(OPTION_TABLES)
+    assert FILE - tables - ENGINE - SAMPLING == set(RUN_KEYS)
+    assert {OPTION_TABLES[t] for t in tables} <= ENGINE
+
+
+def test_every_dataclass_field_is_a_file_key_or_documented_api_only():
+    options = set(OPTION_TABLES.values())
+    assert (ENGINE | SAMPLING) - FILE - options == set(API_ONLY)
+
+
+@pytest.mark.parametrize("command", sorted(COMMAND_ONLY))
+def test_cli_flags_are_settings(command):
+    parser = _subcommands()[command]
+    dests = {a.dest for a in parser._actions if a.dest != "help"}
+    assert dests - FILE == COMMAND_ONLY[command]
+    # a setting's flag defaults to None, so the environment, the config file and the dataclass default apply
+    defaults = {a.dest: a.default for a in parser._actions if a.dest in FILE and a.default is not None}
+    assert defaults == {}
+
+
+def test_http_sets_every_sampling_field():
+    """The OpenAI endpoints build SamplingParams in one call that names every field (a new field must be
+    wired to its HTTP name, or the server silently serves its default)."""
+    tree = ast.parse(inspect.getsource(protocol._params))
+    [call] = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "SamplingParams"]
+    assert {k.arg for k in call.keywords} == SAMPLING
+
+
+def test_load_settings_splits_a_file(tmp_path):
+    path = tmp_path / "kvcore.toml"
+    path.write_text(
+        'model = "tiny"\nbackend = "paged"\nkv_cache = "int8"\nsampler = "default"\nthreads = 2\n'
+        "temperature = 0.5\nmax_new_tokens = 7\nblock_size = 32\n"
+        "[backends.paged]\n[kv_caches.int8]\nblock_size = 32\n[samplers.default]\n"
+        "[plugins.someone]\nflag = true\n"
+    )
+    s = load_settings(path, max_new_tokens=3, top_k=None)
+    assert isinstance(s, Settings)
+    assert (s.model, s.threads) == ("tiny", 2)
+    assert (s.engine.backend, s.engine.kv_cache, s.engine.sampler, s.engine.block_size) == ("paged", "int8",
+                                                                                            "default", 32)
+    assert s.engine.kv_cache_options == {"int8": {"block_size": 32}}
+    assert s.engine.backend_options == {"paged": {}}
+    assert (s.sampling.temperature, s.sampling.max_new_tokens, s.sampling.top_k) == (0.5, 3,
+                                                                                     SamplingParams().top_k)
+    assert s.plugin_options == {"someone": {"flag": True}}
+
+
+def test_load_settings_defaults_and_errors(tmp_path):
+    path = tmp_path / "empty.toml"
+    path.write_text("")
+    s = load_settings(path)
+    assert s.engine == EngineConfig() and s.sampling == SamplingParams() and s.model == "smollm2"
+    with pytest.raises(ConfigError, match="unknown setting 'temprature'"):
+        load_settings(path, temprature=0.3)
+    with pytest.raises(ConfigError, match="unknown setting"):
+        settings_from({"kv_cache_options": {}})  # the EngineConfig name, not the file's table name
+    bad = tmp_path / "bad.toml"
+    bad.write_text("temperature = 'hot'\n")
+    with pytest.raises(ConfigError, match="'temperature'"):
+        load_settings(bad)
