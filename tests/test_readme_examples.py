@@ -1,8 +1,8 @@
-"""The README's examples run as written: every fenced ``bash``, ``python`` and ``toml`` block is run (bash:
-each ``kvcore ...`` line through ``main()`` with the tiny checkpoint as KVCORE_MODEL; python: executed;
-toml: parsed, and the config example drives ``kvcore generate``) with the tiny checkpoint standing in for
-SmolLM2, unless the line before it says
-``<!-- readme-test: skip: REASON -->`` with a reason a reader can see in the README source."""
+"""The documentation's examples run as written: in README.md, every page of docs/ and benchmarks/README.md,
+every fenced ``bash``, ``sh``, ``python`` and ``toml`` block is run (bash and sh: each ``kvcore ...`` line
+through ``main()`` with the tiny checkpoint as KVCORE_MODEL; python: executed; toml: parsed, and a config
+example drives ``kvcore generate``) with the tiny checkpoint standing in for SmolLM2, unless the line
+before it says ``<!-- readme-test: skip: REASON -->`` with a reason a reader can see in the page source."""
 
 from __future__ import annotations
 
@@ -17,7 +17,9 @@ import pytest
 
 from kvcore.cli import main
 
-README = Path(__file__).parent.parent / "README.md"
+ROOT = Path(__file__).parent.parent
+README = ROOT / "README.md"
+PAGES = [README, *sorted((ROOT / "docs").glob("*.md")), ROOT / "benchmarks" / "README.md"]
 TINY = Path(__file__).parent / "data" / "tiny-llama"
 FENCE = re.compile(r"(?:^<!-- readme-test: skip: (?P<reason>[^>]*?) -->\n)?^```(?P<lang>\w+)\n(?P<body>.*?)^```$",
                    re.S | re.M)
@@ -25,22 +27,41 @@ FENCE = re.compile(r"(?:^<!-- readme-test: skip: (?P<reason>[^>]*?) -->\n)?^```(
 
 def blocks():
     found = []
-    for m in FENCE.finditer(README.read_text(encoding="utf-8")):
-        if m["lang"] in ("bash", "python", "toml"):
-            line = README.read_text(encoding="utf-8")[: m.start("lang")].count("\n") + 1
-            found.append(pytest.param(m["lang"], m["body"], m["reason"], id=f"{m['lang']}-line{line}"))
+    for page in PAGES:
+        text = page.read_text(encoding="utf-8")
+        name = page.relative_to(ROOT).as_posix()
+        for m in FENCE.finditer(text):
+            if m["lang"] in ("bash", "sh", "python", "toml"):
+                line = text[: m.start("lang")].count("\n") + 1
+                found.append(pytest.param(name, m["lang"], m["body"], m["reason"], id=f"{name}-{m['lang']}-line{line}"))
     return found
 
 
 def test_every_skip_says_why():
-    text = README.read_text(encoding="utf-8")
-    markers = re.findall(r"<!-- readme-test: skip: ?(.*?) -->", text)
-    assert markers and all(len(reason.split()) >= 3 for reason in markers), markers
-    assert len(re.findall(r"<!-- readme-test", text)) == len(markers)  # no misspelt marker goes unnoticed
+    total = 0
+    for page in PAGES:
+        text = page.read_text(encoding="utf-8")
+        markers = re.findall(r"<!-- readme-test: skip: ?(.*?) -->", text)
+        assert all(len(reason.split()) >= 3 for reason in markers), (page.name, markers)
+        # no misspelt marker goes unnoticed
+        assert len(re.findall(r"<!-- readme-test", text)) == len(markers), page.name
+        total += len(markers)
+    assert total
 
 
-@pytest.mark.parametrize("lang, body, reason", blocks())
-def test_readme_block_runs(lang, body, reason, monkeypatch, capsys, tmp_path):
+def test_every_fence_is_seen():
+    """A block the fence pattern does not see (a typo in its language, a stray space) would go untested."""
+    for page in PAGES:
+        text = page.read_text(encoding="utf-8")
+        fences = re.findall(r"^```(\w*)$", text, re.M)
+        opened = fences[0::2]
+        assert len(fences) % 2 == 0, f"{page.name}: an unclosed code fence"
+        counted = [m["lang"] for m in FENCE.finditer(text)]
+        assert sorted(lang for lang in opened if lang) == sorted(counted), page.name
+
+
+@pytest.mark.parametrize("page, lang, body, reason", blocks())
+def test_doc_block_runs(page, lang, body, reason, monkeypatch, capsys, tmp_path):
     if reason:
         pytest.skip(reason)
     # The tiny checkpoint stands in for SmolLM2 (seconds instead of minutes on two busy cores; the commands and
@@ -51,7 +72,7 @@ def test_readme_block_runs(lang, body, reason, monkeypatch, capsys, tmp_path):
     load_model = kvcore.loaders.load_model
     monkeypatch.setattr(kvcore.loaders, "load_model", lambda spec: load_model(str(TINY) if spec == "smollm2" else spec))
     monkeypatch.delenv("KVCORE_BACKEND", raising=False)
-    if lang == "bash":
+    if lang in ("bash", "sh"):
         commands = [shlex.split(line, comments=True) for line in body.splitlines()]
         for argv in filter(None, commands):
             stdin = ""
@@ -70,7 +91,7 @@ def test_readme_block_runs(lang, body, reason, monkeypatch, capsys, tmp_path):
             assert rc == 0 and out.strip(), (argv, err)
     elif lang == "python":
         monkeypatch.chdir(tmp_path)
-        exec(compile(body, "README.md", "exec"), {"__name__": "readme_example"})
+        exec(compile(body, page, "exec"), {"__name__": "doc_example"})
     else:
         data = tomllib.loads(body)
         if "project" in data:  # a plugin package's pyproject.toml

@@ -1,0 +1,74 @@
+"""The documentation stays navigable: a short README, links that lead somewhere, and recorded results that a
+page cites (the examples themselves run in test_readme_examples.py)."""
+
+from __future__ import annotations
+
+import inspect
+import re
+from pathlib import Path
+
+from test_readme_examples import PAGES, README, ROOT
+
+README_MAX_LINES = 300
+LINK = re.compile(r"\[[^\]]*\]\((?P<target>[^)\s]+)\)")
+
+
+def without_blocks(text: str) -> str:
+    return re.sub(r"^```.*?^```$", "", text, flags=re.S | re.M)  # a '# comment' in a block is no heading
+
+
+def prose(text: str) -> str:
+    """The text without fenced blocks and inline code, where brackets are code, not links."""
+    return re.sub(r"`[^`\n]*`", "", without_blocks(text))
+
+
+def anchors(page: Path) -> set[str]:
+    """GitHub's heading anchors: lower case, punctuation other than '-' and '_' dropped, spaces as '-'."""
+    headings = re.findall(r"^#+ (.*)$", without_blocks(page.read_text(encoding="utf-8")), re.M)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
+
+
+def test_readme_is_short():
+    lines = README.read_text(encoding="utf-8").count("\n")
+    assert lines <= README_MAX_LINES, f"README.md has {lines} lines; move reference material into docs/"
+
+
+def test_every_relative_link_resolves():
+    broken = []
+    for page in PAGES:
+        for m in LINK.finditer(prose(page.read_text(encoding="utf-8"))):
+            target = m["target"]
+            if re.match(r"[a-z]+:", target):  # https:, mailto:
+                continue
+            path, _, anchor = target.partition("#")
+            dest = (page.parent / path).resolve() if path else page
+            if not dest.exists():
+                broken.append(f"{page.relative_to(ROOT)}: {target} (no such file)")
+            elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
+                broken.append(f"{page.relative_to(ROOT)}: {target} (no such heading)")
+    assert not broken, "\n".join(broken)
+
+
+def test_link_check_sees_a_broken_link(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text("# Title\n\n[ok](#title), [gone](missing.md), `[code](not-a-link.md)`\n", encoding="utf-8")
+    targets = [m["target"] for m in LINK.finditer(prose(page.read_text(encoding="utf-8")))]
+    assert targets == ["#title", "missing.md"] and anchors(page) == {"title"}
+
+
+def test_every_recorded_result_is_cited():
+    cited = "\n".join(page.read_text(encoding="utf-8") for page in PAGES)
+    results = sorted(p.name for p in (ROOT / "benchmarks" / "results").iterdir())
+    uncited = [name for name in results if f"results/{name}" not in cited]
+    assert results and not uncited, f"benchmarks/results/ files no page cites (cite or git rm them): {uncited}"
+
+
+def test_plugin_page_documents_every_hook():
+    from kvcore import hookspecs
+
+    page = (ROOT / "docs" / "plugins.md").read_text(encoding="utf-8")
+    specs = {name: fn for name, fn in vars(hookspecs).items() if callable(fn) and hasattr(fn, "kvcore_spec")}
+    assert specs
+    signatures = [f"{name}({', '.join(inspect.signature(fn).parameters)})" for name, fn in sorted(specs.items())]
+    missing = [sig for sig in signatures if f"`{sig}`" not in page]
+    assert not missing, f"hooks not in docs/plugins.md's table (as `name(args)`): {', '.join(missing)}"
