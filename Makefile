@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 PROMPT ?= The history of the printing press begins
 
-.PHONY: setup run test lint clean
+.PHONY: setup run test wheel-test lint clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,11 @@ run: setup
 test: setup
 	$(BIN)/python -m pytest -q examples/kvcore-example-backend/tests
 	$(BIN)/python -m pytest -q
+	$(MAKE) wheel-test
+
+# What a user installs: the wheel, in a clean venv, run from outside the source tree (scripts/wheel_check.py).
+wheel-test: setup
+	$(BIN)/python scripts/wheel_check.py
 
 lint: setup
 	$(BIN)/ruff check .

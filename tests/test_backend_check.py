@@ -69,7 +69,7 @@ def engine_with(model, backend, decode_backend=None, **config) -> Engine:
     engine.decode_backend = decode_backend or backend
     from kvcore.execution.backend_check import BackendGuard
 
-    engine._guards = {id(b): BackendGuard(b) for b in (engine.prefill_backend, engine.decode_backend)}
+    engine.runner.guards = {id(b): BackendGuard(b) for b in (engine.prefill_backend, engine.decode_backend)}
     return engine
 
 
@@ -143,7 +143,7 @@ def test_correct_backends_pass_the_reference_check_in_every_phase(random_model):
         engine = Engine(random_model, None, config)
         results = engine.generate([[1, 2, 3, 4, 5, 6, 7], [8, 9]], GREEDY)
         assert all(r.error is None and len(r.token_ids) == 8 for r in results), (backend, kv_cache)
-        assert engine._guards[id(engine.prefill_backend)]._verified == {"prefill", "continued prefill", "decode"}
+        assert engine.runner.guards[id(engine.prefill_backend)]._verified == {"prefill", "continued prefill", "decode"}
 
 
 def test_reference_attention_matches_sdpa():
@@ -158,7 +158,7 @@ def test_reference_attention_matches_sdpa():
 
 def test_check_can_be_switched_off(random_model):
     engine = Engine(random_model, None, EngineConfig(backend="sdpa", max_model_len=64, check_backend_outputs=False))
-    assert engine._guards == {}
+    assert engine.runner.guards == {}
 
 
 def test_cli_exit_code_and_one_line(capsys, tmp_path):
@@ -182,7 +182,7 @@ def test_finite_check_is_not_fooled_by_a_sum_that_overflows(random_model):
     from kvcore.execution.backend_check import _StepCheck
 
     engine = Engine(random_model, None, EngineConfig(backend="sdpa", max_model_len=64))
-    guard = engine._guards[id(engine.decode_backend)]
+    guard = engine.runner.guards[id(engine.decode_backend)]
     big = torch.full((2, 4, 8), 3e38)  # finite, sum is inf
     check = _StepCheck(guard, None, None, verify=False, kind="decode")
     check.observe(0, big, big.clone())

@@ -131,7 +131,7 @@ def test_compiled_decode_equals_eager_in_float32():
             return fn(*args)
 
         engine.compiled_decode._fn = counted
-        guard = engine._guards[id(engine.decode_backend)]
+        guard = engine.runner.guards[id(engine.decode_backend)]
         results = engine.generate(batch, SamplingParams(max_new_tokens=12, ignore_eos=True))
         assert [r.token_ids for r in results] == eager
         assert len(calls) >= 11 and max(calls) == len(batch)  # every decode step after the first token

@@ -9,7 +9,7 @@ import pytest
 import torch
 from tiny_checkpoints import build_hf, write_gguf
 
-import kvcore.loaders
+import kvcore.loaders.model_cache
 from kvcore import Engine, EngineConfig, SamplingParams
 from kvcore.loaders.model_cache import MAX_ENTRIES, cache_dir, clear, load_pretrained
 
@@ -41,7 +41,7 @@ def _no_loader(monkeypatch):
     def refuse(spec):
         raise AssertionError("the loader ran although the model was cached")
 
-    monkeypatch.setattr(kvcore.loaders, "load_model", refuse)
+    monkeypatch.setattr(kvcore.loaders.model_cache, "load_model", refuse)  # where the cache calls it
 
 
 def _greedy(model, tokenizer):

@@ -67,10 +67,11 @@ def test_doc_block_runs(page, lang, body, reason, monkeypatch, capsys, tmp_path)
     # The tiny checkpoint stands in for SmolLM2 (seconds instead of minutes on two busy cores; the commands and
     # code run as written): flag > KVCORE_MODEL > config file for the CLI, the name "smollm2" for the API.
     monkeypatch.setenv("KVCORE_MODEL", str(TINY))
-    import kvcore.loaders
+    import kvcore.loaders.model_cache
 
     load_model = kvcore.loaders.load_model
-    monkeypatch.setattr(kvcore.loaders, "load_model", lambda spec: load_model(str(TINY) if spec == "smollm2" else spec))
+    tiny = lambda spec: load_model(str(TINY) if spec == "smollm2" else spec)  # noqa: E731
+    monkeypatch.setattr(kvcore.loaders.model_cache, "load_model", tiny)
     monkeypatch.delenv("KVCORE_BACKEND", raising=False)
     if lang in ("bash", "sh"):
         commands = [shlex.split(line, comments=True) for line in body.splitlines()]

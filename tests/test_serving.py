@@ -358,11 +358,12 @@ def test_kvcore_serve_command_end_to_end(tmp_path):
 
 @pytest.mark.slow
 def test_smollm2_greedy_through_the_server_equals_kvcore_generate(capsys, smollm2, monkeypatch):
-    import kvcore.loaders
+    import kvcore.loaders.model_cache
     from kvcore.cli import main
     from kvcore.model.decoder import LlamaModel
 
-    monkeypatch.setattr(kvcore.loaders, "load_model", lambda name: smollm2)  # read the GGUF file once per session
+    # read the GGUF file once per session
+    monkeypatch.setattr(kvcore.loaders.model_cache, "load_model", lambda name: smollm2)
     prompt = "The capital of France is"
     assert main(["generate", "--max-new-tokens", "16", "--json", prompt]) == 0
     expected = json.loads(capsys.readouterr().out.strip().splitlines()[-1])

@@ -147,8 +147,9 @@ def result_payload(loaded: Loaded, result, finish_reason: str | None = None) -> 
     if params.logprobs is not None:
         payload["logprobs"] = result.logprobs
         payload["top_logprobs"] = result.top_logprobs
-    if engine.runner is not None:  # per rank: heads, pid, device, KV bytes per token and allocated
-        payload["tensor_parallel"] = engine.runner.describe()
+    ranks = engine.runner.describe()  # per rank: heads, pid, device, KV bytes per token and allocated
+    if ranks is not None:
+        payload["tensor_parallel"] = ranks
     return payload
 
 

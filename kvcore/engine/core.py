@@ -47,6 +47,7 @@ from kvcore.errors import (
     RequestAbortedError,
 )
 from kvcore.execution.backend_check import BackendGuard
+from kvcore.execution.runner import Executor, ModelRunner
 from kvcore.interfaces.kv_cache import CacheSpec
 from kvcore.interfaces.sampler import Sampler, SamplingParams
 from kvcore.model.config import check_max_model_len
@@ -86,23 +87,23 @@ class Engine(EngineStep):
         weight_format = getattr(model, "weight_format", "float")
         if config.weights not in ("auto", weight_format):
             raise ConfigError(f"model weights are {weight_format} but the engine was configured for {config.weights}")
-        self.runner = None  # tensor parallelism: rank 0's side of the group; this process computes rank 0's shard
+        tp_runner = None  # tensor parallelism: rank 0's side of the group; this process computes rank 0's shard
         if config.tensor_parallel_size > 1:
             from kvcore.execution.distributed import TensorParallelRunner
             from kvcore.execution.distributed.sharding import check_shardable
 
             check_shardable(model)  # before any process is spawned
-            self.runner = TensorParallelRunner(model, config)
-            mc = self.runner.model.config  # local heads: backends and the KV cache see only this rank's
+            tp_runner = TensorParallelRunner(model, config)
+            mc = tp_runner.model.config  # local heads: backends and the KV cache see only this rank's
         heads = dict(num_heads=mc.num_attention_heads, num_kv_heads=mc.num_key_value_heads)
         chosen = select_components(registry, config, head_dim=mc.head_dim, **heads)
         self.prefill_backend, self.decode_backend = chosen.prefill_backend, chosen.decode_backend
         # one guard per backend instance: it remembers which kinds of forward it verified (one-process runs)
         checked = config.check_backend_outputs and config.tensor_parallel_size == 1
-        self._guards = {id(b): BackendGuard(b) for b in (self.prefill_backend, self.decode_backend) if checked}
+        guards = {id(b): BackendGuard(b) for b in (self.prefill_backend, self.decode_backend) if checked}
         self.compiled_decode = self.lm_head = None
         for option, value in (("compile", config.compile), ("lm_head", config.lm_head != "dense")):
-            if value and self.runner is not None:
+            if value and tp_runner is not None:
                 raise ConfigError(f"{option} runs in one process; it cannot be combined with tensor_parallel_size > 1")
         if config.compile:
             from kvcore.execution.compile import CompiledDecode
@@ -112,6 +113,8 @@ class Engine(EngineStep):
             from kvcore.model.lm_head import RescoredInt4Head
 
             self.lm_head = RescoredInt4Head(model.lm_head, a8=getattr(model, "weight_format", "") == "int4a8")
+        #: runs each step's forward: here, or on every rank of the tensor-parallel group
+        self.runner: Executor = tp_runner or ModelRunner(model, guards, self.compiled_decode, self.lm_head)
         self.sampler = sampler or registry.create_sampler(config.sampler, config.sampler_options.get(config.sampler))
         window = mc.max_position_embeddings
         check_max_model_len(config.max_model_len, window)
@@ -136,8 +139,7 @@ class Engine(EngineStep):
             spec = dataclasses.replace(spec, num_blocks=max(1, config.kv_cache_bytes // per_block))
         check_cache_memory(chosen.kv_cache.cls, spec, cache_options)
         cache = registry.create_cache(cache_name, spec, cache_options)
-        if self.runner is not None:
-            self.runner.start(self.prefill_backend, self.decode_backend, cache, config)
+        self.runner.start(self.prefill_backend, self.decode_backend, cache, config)
         self.kv = KVCacheManager(cache, enable_prefix_caching=config.enable_prefix_caching)
         #: counters since construction (prefill / cached / decode / generated tokens, preemptions, ...)
         self.stats = EngineStats()
@@ -154,8 +156,7 @@ class Engine(EngineStep):
 
     def close(self) -> None:
         """Stop the tensor-parallel workers, if any (also done when the engine is collected or at exit)."""
-        if self.runner is not None:
-            self.runner.close()
+        self.runner.close()
 
     @property
     def cache(self):

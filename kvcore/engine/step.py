@@ -1,32 +1,34 @@
-"""One engine step: schedule → prepare → forward → sample → post-process, and how it fails safely.
+"""One engine step: the scheduler's batch → the runner's forward → the sampler → outputs, and how it
+fails safely.
 
 Kept apart from :mod:`kvcore.engine.core` (construction and the request API); :class:`~kvcore.engine.core.Engine`
-inherits :class:`EngineStep`.
+inherits :class:`EngineStep`. The request lifecycle (queues, blocks, forks, recovery) is the scheduler's;
+the step only reads requests and commits their progress.
 
 Interruption safety: a request's progress is committed per request at the end of the step
 (:meth:`EngineStep._advance`: computed tokens, the new token, its event, together). If an exception or
-KeyboardInterrupt escapes anywhere, :meth:`EngineStep._recover` restores the invariants: every unfinished
-request is running with exactly its computed tokens in the cache, or waiting without blocks (it is then
-recomputed, which gives the same stream), and every KV sequence belongs to a running request.
+KeyboardInterrupt escapes anywhere, :meth:`~kvcore.scheduling.scheduler.Scheduler.recover` restores the
+invariants.
 """
 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from kvcore.errors import BackendError, KVCoreError
-from kvcore.execution.runner import last_token_logits
+from kvcore.execution.runner import Executor
+from kvcore.interfaces.attention import AttentionBackend
+from kvcore.interfaces.sampler import Sampler
+from kvcore.model.decoder import LlamaModel
 from kvcore.sampling.sampler import sample_checked
+from kvcore.scheduling.batch import ScheduledBatch
+from kvcore.scheduling.kv_manager import KVCacheManager
 from kvcore.scheduling.request import EngineStats, FinishReason, Request, TokenEvent
-from kvcore.scheduling.scheduler import ScheduledBatch
-
-if TYPE_CHECKING:
-    from kvcore.scheduling.kv_manager import KVCacheManager
-    from kvcore.scheduling.scheduler import Scheduler
-    from kvcore.text.outputs import TextOutput
+from kvcore.scheduling.scheduler import Scheduler
+from kvcore.text.outputs import TextOutput
 
 __all__ = ["EngineStep"]
 
@@ -35,16 +37,14 @@ class EngineStep:
     kv: KVCacheManager
     scheduler: Scheduler
     stats: EngineStats
-    model: Any
-    sampler: Any
-    prefill_backend: Any
-    decode_backend: Any
+    runner: Executor
+    model: LlamaModel
+    sampler: Sampler
+    prefill_backend: AttentionBackend
+    decode_backend: AttentionBackend
     eos_token_ids: frozenset[int]
     max_model_len: int
     _requests: dict[str, Request]
-    _guards: dict[int, Any]  # id(backend) -> its BackendGuard (kvcore/execution/backend_check.py)
-    compiled_decode: Any  # a kvcore.execution.compile.CompiledDecode (EngineConfig.compile), else None
-    lm_head: Any  # a kvcore.model.lm_head.RescoredInt4Head (EngineConfig.lm_head "int4"), else None (dense)
     _outputs: dict[str, TextOutput]
     _events: list[TokenEvent]  # made by the current step (or an interrupted one) and not yet returned
 
@@ -76,23 +76,14 @@ class EngineStep:
         except KVCoreError as exc:  # reserve() is all or nothing: nothing to roll back
             return self._fail(reqs, exc)
         try:
-            if self.runner is not None:  # tensor parallelism: every rank runs its shard of this step
-                logits = self.runner.forward(
-                    batch.is_prefill, backend, self.kv.cache, meta, batch.input_ids, self.kv.last_copies, sampling
-                )
-            else:
-                guard = self._guards.get(id(backend))
-                logits = last_token_logits(
-                    self.model, backend, self.kv.cache, meta, batch.input_ids, sampling, guard, self.compiled_decode,
-                    self.lm_head,
-                )
+            logits = self.runner.forward(
+                batch.is_prefill, backend, self.kv.cache, meta, batch.input_ids, self.kv.last_copies, sampling
+            )
         except Exception as exc:
             error = exc if isinstance(exc, KVCoreError) else BackendError(
                 f"backend '{backend.name}' failed: {type(exc).__name__}: {exc}")
             return self._failed(batch, error)
-        if self.kv.blocks.enable_prefix_caching:
-            for req, n in zip(reqs, batch.query_lens):  # their K/V are written now: shareable
-                self.kv.blocks.commit(req.seq_id, req.all_ids[: req.num_computed_tokens + n])
+        self.scheduler.commit(reqs, batch.query_lens)  # their K/V are written now
         # n > 1: a leader finishing its prompt samples for its whole group from the same logits row
         rows, index = [], []
         for j, i in enumerate(sampling):
@@ -119,8 +110,7 @@ class EngineStep:
         """A forward or the sampler failed after the batch was reserved: roll the reservation back; a batch
         mixing decode and prefill rows is run again as two batches, one per phase, else its requests fail."""
         reqs = batch.requests
-        for req in reqs:  # the slots the failed call reserved hold nothing valid
-            self.kv.blocks.truncate(req.seq_id, req.num_computed_tokens)
+        self.scheduler.roll_back(reqs)
         if not (batch.is_prefill and any(batch.is_decode)):
             return self._fail(reqs, error)
         for phase in (True, False):
@@ -138,9 +128,7 @@ class EngineStep:
         for child in children:
             if child.is_finished or id(child) not in tokens:
                 continue
-            child.seq_id = self.scheduler.new_seq_id()
-            self.kv.fork_sequence(leader.seq_id, child.seq_id)
-            self.scheduler.running.append(child)
+            self.scheduler.fork(leader, child)
             child.metrics.num_cached_tokens = leader.num_computed_tokens + num_new
             self.stats.num_cached_tokens += leader.num_computed_tokens + num_new
             self._advance(child, leader.num_computed_tokens + num_new, tokens[id(child)])
@@ -185,44 +173,12 @@ class EngineStep:
         req.finish_reason, req.error = reason, error
         req.metrics.finish_time = time.perf_counter()
         self.stats.num_finished_requests += 1
-        self.scheduler.remove(req)
-        # n > 1 samples that waited for this one's prefill now prefill on their own
-        for child in reversed(req.pending_samples):
-            if not child.is_finished:
-                self.scheduler.waiting.appendleft(child)
-        req.pending_samples = []
+        self.scheduler.finish(req)
         if emit:
             self._events.append(TokenEvent(req.request_id, None, "", reason, error))
 
     def _recover(self) -> None:
-        """Restore the scheduler's invariants after an exception escaped a step (see the module docstring)."""
-        sched, blocks = self.scheduler, self.kv.blocks
-        waiting_for_fork = {id(c) for r in self._requests.values() if not r.is_finished for c in r.pending_samples}
-        running: list[Request] = []
-        for req in sched.running:
-            if req.is_finished or req in running:
-                continue
-            seq = req.seq_id
-            if seq is not None and blocks.has_sequence(seq) and blocks.seq_len(seq) == req.num_computed_tokens:
-                running.append(req)
-            else:  # its last forward did not complete: recompute it
-                sched.preempt(req)
-        sched.running = running
-        queued = {id(r) for r in running} | waiting_for_fork
-        waiting = []
-        for req in [*sched.waiting, *self._requests.values()]:
-            if req.is_finished or id(req) in queued:
-                continue
-            queued.add(id(req))
-            req.seq_id, req.num_computed_tokens = None, 0
-            waiting.append(req)
-        sched.waiting.clear()
-        sched.waiting.extend(waiting)
-        owned = {r.seq_id for r in running}
-        for seq in blocks.seq_ids:
-            if seq not in owned:
-                blocks.free_sequence(seq)
+        self.scheduler.recover(self._requests.values())
         for req in self._requests.values():
             if req.is_finished:
-                req.seq_id, req.pending_samples = None, []
                 req.metrics.finish_time = req.metrics.finish_time or time.perf_counter()

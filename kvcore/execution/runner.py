@@ -1,8 +1,13 @@
-"""One forward call: bind a backend to its cache and plan, run the model, compute the last rows' logits."""
+"""One forward call: bind a backend to its cache and plan, run the model, compute the last rows' logits.
+
+:class:`ModelRunner` runs it in this process; :class:`~kvcore.execution.distributed.TensorParallelRunner`
+runs it on every rank of a group. Both are an :class:`Executor`, the one seam the engine step calls.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any, Protocol
 
 import torch
 
@@ -13,7 +18,7 @@ from kvcore.interfaces.kv_cache import KVCache
 from kvcore.interfaces.metadata import AttentionMetadata
 from kvcore.model.decoder import LlamaModel
 
-__all__ = ["run_model", "last_token_logits"]
+__all__ = ["Executor", "ModelRunner", "run_model", "last_token_logits"]
 
 
 def run_model(
@@ -81,3 +86,48 @@ def last_token_logits(
     if check is not None:
         check.finish(logits)
     return logits
+
+
+class Executor(Protocol):
+    """Runs one scheduled forward wherever the model lives."""
+
+    def start(self, prefill_backend: AttentionBackend, decode_backend: AttentionBackend, cache: KVCache,
+              config: Any) -> None:
+        """Called once the engine has its backends and cache, before the first step."""
+
+    def forward(self, is_prefill: bool, backend: AttentionBackend, cache: KVCache, meta: AttentionMetadata,
+                input_ids: Sequence[int], copies: Sequence[tuple[int, int]] = (),
+                rows: Sequence[int] | None = None) -> torch.Tensor:
+        """``[B, V]`` float32 logits of each sequence's last token, or of the sequences ``rows`` only;
+        ``copies``: the copy-on-write block copies this step's metadata already applied to ``cache``."""
+
+    def describe(self) -> dict[str, Any] | None:
+        """What each process of the group runs (None: one process)."""
+
+    def close(self) -> None:
+        """Release what :meth:`start` took (processes, process groups)."""
+
+
+class ModelRunner:
+    """The :class:`Executor` of a one-process engine: the model here, each backend's output guard, the
+    compiled decode steps and the LM head format."""
+
+    def __init__(self, model: LlamaModel, guards: dict[int, BackendGuard] | None = None,
+                 compiled: CompiledDecode | None = None, head=None) -> None:
+        self.model = model
+        self.guards = guards or {}  #: id(backend) -> its BackendGuard
+        self.compiled = compiled
+        self.head = head
+
+    def start(self, prefill_backend, decode_backend, cache, config) -> None:
+        return None
+
+    def forward(self, is_prefill, backend, cache, meta, input_ids, copies=(), rows=None) -> torch.Tensor:
+        guard = self.guards.get(id(backend))
+        return last_token_logits(self.model, backend, cache, meta, input_ids, rows, guard, self.compiled, self.head)
+
+    def describe(self) -> None:
+        return None
+
+    def close(self) -> None:
+        return None

@@ -13,9 +13,10 @@ Without chunking, a step either admits waiting requests for a whole-prompt prefi
 running-sequence limit, the free KV blocks and ``max_num_batched_tokens``; a lone prompt may exceed the
 budget) or, when none can be admitted, runs one decode row for every running request.
 
-Preemption: when the decode rows do not fit the free blocks, the newest running requests give their
-blocks back and wait at the front of the queue; they are recomputed later (prompt + tokens so far), so
-their streams are unchanged.
+Preemption: when the decode rows do not fit the free blocks, the newest running requests give their blocks back
+and wait at the front of the queue; recomputed later (prompt + tokens so far), their streams are unchanged.
+
+The scheduler owns the request lifecycle: admission, preemption, forks, finishing, rollback and recovery.
 """
 
 from __future__ import annotations
@@ -23,47 +24,15 @@ from __future__ import annotations
 import itertools
 import math
 from collections import deque
-from dataclasses import dataclass, field
+from collections.abc import Iterable
 
-from kvcore.errors import KVCoreError, OutOfBlocksError
+from kvcore.errors import OutOfBlocksError
+from kvcore.scheduling.batch import ScheduledBatch, SchedulerOutput
 from kvcore.scheduling.kv_manager import KVCacheManager
+from kvcore.scheduling.prefix import shares_inflight_prefix
 from kvcore.scheduling.request import EngineStats, Request
 
-__all__ = ["ScheduledBatch", "SchedulerOutput", "Scheduler"]
-
-
-@dataclass
-class ScheduledBatch:
-    """One forward call: ``query_lens[i]`` new tokens of ``requests[i]`` after its computed ones."""
-
-    requests: list[Request]
-    query_lens: list[int]
-    is_decode: list[bool]  # per row: a decode row (one token after a fully computed sequence)
-
-    @property
-    def is_prefill(self) -> bool:
-        """Whether any row is a prefill (chunk): the step then runs on the prefill backend."""
-        return not all(self.is_decode)
-
-    @property
-    def input_ids(self) -> list[int]:
-        """The packed token ids to compute: each row's next ``query_len`` uncomputed tokens."""
-        ids: list[int] = []
-        for req, n, decode in zip(self.requests, self.query_lens, self.is_decode):
-            start = req.num_computed_tokens
-            ids.extend(req.output_ids[-1:] if decode else req.all_ids[start : start + n])
-        return ids
-
-    @property
-    def samples(self) -> list[bool]:
-        """Per row: whether it completes its sequence, so its last position's logits give a token."""
-        return [r.num_computed_tokens + n == r.num_tokens for r, n in zip(self.requests, self.query_lens)]
-
-
-@dataclass
-class SchedulerOutput:
-    batch: ScheduledBatch | None = None
-    failed: list[tuple[Request, KVCoreError]] = field(default_factory=list)  # can never run
+__all__ = ["Scheduler"]
 
 
 class Scheduler:
@@ -100,6 +69,70 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         self._free(req)
+
+    def finish(self, req: Request) -> None:
+        """``req`` ended (finished, failed or aborted): out of the queues, its blocks back; its ``n > 1``
+        samples that waited for its prefill now prefill on their own, first in the queue."""
+        self.remove(req)
+        for child in reversed(req.pending_samples):
+            if not child.is_finished:
+                self.waiting.appendleft(child)
+        req.pending_samples = []
+
+    def fork(self, leader: Request, child: Request) -> None:
+        """Start sample ``child`` of ``leader``'s group on the leader's computed blocks (shared,
+        copy-on-write): it runs from the next step on."""
+        child.seq_id = self.new_seq_id()
+        self.kv.fork_sequence(leader.seq_id, child.seq_id)
+        self.running.append(child)
+
+    def commit(self, reqs: list[Request], query_lens: list[int]) -> None:
+        """A forward wrote the K/V of ``query_lens[i]`` more tokens of ``reqs[i]``: with prefix caching,
+        their full blocks become shareable."""
+        if self.kv.blocks.enable_prefix_caching:
+            for req, n in zip(reqs, query_lens):
+                self.kv.blocks.commit(req.seq_id, req.all_ids[: req.num_computed_tokens + n])
+
+    def roll_back(self, reqs: list[Request]) -> None:
+        """A reserved forward failed: the slots it reserved hold nothing valid; each sequence goes back to
+        its computed tokens."""
+        for req in reqs:
+            self.kv.blocks.truncate(req.seq_id, req.num_computed_tokens)
+
+    def recover(self, requests: Iterable[Request]) -> None:
+        """Restore the invariants after an exception escaped a step: every unfinished request of ``requests``
+        runs with exactly its computed tokens in the cache, or waits without blocks (it is then recomputed,
+        which gives the same stream); every KV sequence belongs to a running request."""
+        requests = list(requests)
+        blocks = self.kv.blocks
+        waiting_for_fork = {id(c) for r in requests if not r.is_finished for c in r.pending_samples}
+        running: list[Request] = []
+        for req in self.running:
+            if req.is_finished or req in running:
+                continue
+            seq = req.seq_id
+            if seq is not None and blocks.has_sequence(seq) and blocks.seq_len(seq) == req.num_computed_tokens:
+                running.append(req)
+            else:  # its last forward did not complete: recompute it
+                self.preempt(req)
+        self.running = running
+        queued = {id(r) for r in running} | waiting_for_fork
+        waiting = []
+        for req in [*self.waiting, *requests]:
+            if req.is_finished or id(req) in queued:
+                continue
+            queued.add(id(req))
+            req.seq_id, req.num_computed_tokens = None, 0
+            waiting.append(req)
+        self.waiting.clear()
+        self.waiting.extend(waiting)
+        owned = {r.seq_id for r in running}
+        for seq in blocks.seq_ids:
+            if seq not in owned:
+                blocks.free_sequence(seq)
+        for req in requests:
+            if req.is_finished:
+                req.seq_id, req.pending_samples = None, []
 
     def preempt(self, req: Request) -> None:
         """Give ``req``'s blocks back and queue it first; it is recomputed from its tokens so far."""
@@ -201,7 +234,7 @@ class Scheduler:
             seq_id = self.new_seq_id()
             tokens = req.all_ids  # a preempted request re-enters with prompt + generated so far
             cached = self.kv.add_sequence(seq_id, tokens)
-            if self._shares_inflight_prefix(tokens, cached, [*self.running, *rows[0]]):
+            if shares_inflight_prefix(blocks, tokens, cached, [*self.running, *rows[0]]):
                 self.kv.free_sequence(seq_id)  # its prefix is being computed: admitted next, as a cache hit
                 break
             req.seq_id, req.num_computed_tokens = seq_id, cached
@@ -232,26 +265,6 @@ class Scheduler:
             return admitted
         self.running.extend(admitted)
         return rows if rows[0] else None
-
-    def _shares_inflight_prefix(self, tokens: list[int], cached: int, inflight: list[Request]) -> bool:
-        """With prefix caching: whether more full blocks of ``tokens`` than the ``cached`` ones are being
-        computed for a request whose prefill is in flight. Waiting a step for them to be committed turns
-        n requests with one long shared prompt into one prefill plus n - 1 cache hits."""
-        blocks = self.kv.blocks
-        if not blocks.enable_prefix_caching:
-            return False
-        bs, limit = blocks.block_size, (len(tokens) - 1) // blocks.block_size
-        for other in inflight:
-            if other.is_decoding or limit * bs <= cached:
-                continue
-            ids = other.all_ids
-            lo, hi = cached // bs, min(limit, len(ids) // bs)  # lo blocks are known to match (cache hits)
-            while lo < hi:  # the longest common prefix in whole blocks: list slices compare in C
-                mid = (lo + hi + 1) // 2
-                lo, hi = (mid, hi) if tokens[: mid * bs] == ids[: mid * bs] else (lo, mid - 1)
-            if lo * bs > cached:
-                return True
-        return False
 
     def _make_room(self, out: SchedulerOutput) -> None:
         """Preempt the newest running requests until every decoding one can append a token."""
