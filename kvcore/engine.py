@@ -142,7 +142,10 @@ class Engine(EngineStep):
         cache = registry.create_cache(cache_name, spec, cache_options)
         if self.runner is not None:
             self.runner.start(self.prefill_backend, self.decode_backend, cache, config)
-        self.kv = KVCacheManager(cache, enable_prefix_caching=config.enable_prefix_caching)
+        # one cache serves one model, but the prefix keys name what made the K/V anyway: a key never means
+        # the same tokens under another model, dtype, weight format or cache layout
+        namespace = f"{model.config!r}|{self.dtype}|{weight_format}|{cache_name}"
+        self.kv = KVCacheManager(cache, enable_prefix_caching=config.enable_prefix_caching, namespace=namespace)
         #: counters since construction (prefill / cached / decode / generated tokens, preemptions, ...)
         self.stats = EngineStats()
         self.scheduler = Scheduler(

@@ -200,8 +200,8 @@ class Scheduler:
                 continue
             seq_id = self.new_seq_id()
             tokens = req.all_ids  # a preempted request re-enters with prompt + generated so far
-            cached = self.kv.add_sequence(seq_id, tokens)
-            if self._shares_inflight_prefix(tokens, cached, [*self.running, *rows[0]]):
+            cached = self.kv.add_sequence(seq_id, tokens, req.params.cache_salt)
+            if self._shares_inflight_prefix(req, tokens, cached, [*self.running, *rows[0]]):
                 self.kv.free_sequence(seq_id)  # its prefix is being computed: admitted next, as a cache hit
                 break
             req.seq_id, req.num_computed_tokens = seq_id, cached
@@ -233,16 +233,16 @@ class Scheduler:
         self.running.extend(admitted)
         return rows if rows[0] else None
 
-    def _shares_inflight_prefix(self, tokens: list[int], cached: int, inflight: list[Request]) -> bool:
+    def _shares_inflight_prefix(self, req: Request, tokens: list[int], cached: int, inflight: list[Request]) -> bool:
         """With prefix caching: whether more full blocks of ``tokens`` than the ``cached`` ones are being
-        computed for a request whose prefill is in flight. Waiting a step for them to be committed turns
-        n requests with one long shared prompt into one prefill plus n - 1 cache hits."""
+        computed for a request with ``req``'s cache salt whose prefill is in flight. Waiting a step for them
+        to be committed turns n requests with one long shared prompt into one prefill plus n - 1 cache hits."""
         blocks = self.kv.blocks
         if not blocks.enable_prefix_caching:
             return False
         bs, limit = blocks.block_size, (len(tokens) - 1) // blocks.block_size
         for other in inflight:
-            if other.is_decoding or limit * bs <= cached:
+            if other.is_decoding or limit * bs <= cached or other.params.cache_salt != req.params.cache_salt:
                 continue
             ids = other.all_ids
             lo, hi = cached // bs, min(limit, len(ids) // bs)  # lo blocks are known to match (cache hits)

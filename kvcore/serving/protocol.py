@@ -112,6 +112,22 @@ def _stop(body: Mapping) -> tuple[str, ...]:
     return tuple(stops)
 
 
+def _token_ids(body: Mapping, name: str, vocab_size: int) -> tuple[int, ...]:
+    value = body.get(name)
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        raise _bad(name, "a list of integer token ids", value)
+    return tuple(_int({name: t}, name, 0, 0, vocab_size - 1) for t in value)
+
+
+def _cache_salt(body: Mapping) -> str | None:
+    value = body.get("cache_salt")
+    if value is not None and not (isinstance(value, str) and value):
+        raise _bad("cache_salt", "a non-empty string", value)
+    return value
+
+
 def _logit_bias(body: Mapping, vocab_size: int) -> dict[int, float]:
     value = body.get("logit_bias")
     if value is None:
@@ -160,13 +176,14 @@ def _params(body: Mapping, *, max_tokens: int, logprobs: int | None, vocab_size:
         seed=_int(body, "seed", None, -(2**63), 2**64 - 1),
         n=n,
         stop=_stop(body),
-        stop_token_ids=tuple(_int({"id": t}, "id", 0, 0, vocab_size - 1) for t in body.get("stop_token_ids") or ()),
+        stop_token_ids=_token_ids(body, "stop_token_ids", vocab_size),
         presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
         frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
         repetition_penalty=_number(body, "repetition_penalty", 1.0, 1e-6, math.inf),
         logit_bias=_logit_bias(body, vocab_size),
         logprobs=logprobs,
         ignore_eos=_bool(body, "ignore_eos", False),
+        cache_salt=_cache_salt(body),
     )
 
 
