@@ -326,8 +326,9 @@ def build_app(
         return JSONResponse(card)
 
     async def health(request: Request) -> Response:
-        if not front.is_running:
-            raise EngineDeadError(front._dead_reason())
+        problem = front.health()
+        if problem is not None:
+            raise EngineDeadError(problem)
         return JSONResponse({"status": "ok"})
 
     async def prometheus(request: Request) -> Response:

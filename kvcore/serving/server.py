@@ -117,6 +117,7 @@ def run_server(
     api_key: str | None = None,
     max_queue_len: int = 256,
     log_level: str = "info",
+    step_watchdog_s: float | None = None,
 ) -> int:
     """Serve until interrupted (Ctrl-C / SIGTERM): in-flight streams get a few seconds to finish, then the
     engine loop stops. Prints ``kvcore: serving <model> on http://<host>:<port>`` once bound (the real
@@ -128,7 +129,8 @@ def run_server(
 
     sock = _bind(host, port)
     bound_port = sock.getsockname()[1]
-    front = AsyncEngine(engine, max_queue_len=max_queue_len)
+    watchdog = {} if step_watchdog_s is None else {"step_watchdog_s": step_watchdog_s or None}  # 0: off
+    front = AsyncEngine(engine, max_queue_len=max_queue_len, **watchdog)
     app = build_app(front, model_name=model_name, api_key=api_key)
     config = uvicorn_config(app, log_level=log_level, timeout_graceful_shutdown=5)
     server = uvicorn.Server(config)
