@@ -103,7 +103,8 @@ class Engine(EngineStep):
         self.prefill_backend, self.decode_backend = chosen.prefill_backend, chosen.decode_backend
         # one guard per backend instance: it remembers which kinds of forward it verified (one-process runs)
         checked = config.check_backend_outputs and config.tensor_parallel_size == 1
-        self._guards = {id(b): BackendGuard(b) for b in (self.prefill_backend, self.decode_backend) if checked}
+        self._guards = {id(b): BackendGuard(b, config.backend_check_interval)
+                        for b in (self.prefill_backend, self.decode_backend) if checked}
         self.compiled_decode = self.lm_head = None
         for option, value in (("compile", config.compile), ("lm_head", config.lm_head != "dense")):
             if value and self.runner is not None:

@@ -150,3 +150,10 @@ def test_health_is_503_after_a_tensor_parallel_worker_is_killed(random_model):
             assert f"tensor-parallel rank 1 (pid {worker.pid}) has ended" in body["error"]["message"]
     finally:
         engine.close()
+
+
+def test_the_reference_check_interval_is_configurable(random_model):
+    engine = Engine(random_model, None, EngineConfig(backend="sdpa", max_model_len=64, backend_check_interval=7))
+    assert {g.verify_every for g in engine._guards.values()} == {7}
+    with pytest.raises(ConfigError, match="backend_check_interval"):
+        EngineConfig(backend_check_interval=0)

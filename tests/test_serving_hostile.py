@@ -58,6 +58,10 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * 4096
 
 
+#: bounds with headroom for a loaded machine; tokenising the 15 MB prompt on the event loop took tens of seconds
+REFUSAL_BOUND_S, HEALTH_BOUND_S = 2.0, 0.5
+
+
 def test_a_15_mb_prompt_is_refused_fast_while_health_answers(server):
     prompt = "hello world " * (15_000_000 // 12)
     # encoded up front: the client shares the process (and its GIL) with the server under test
@@ -84,11 +88,11 @@ def test_a_15_mb_prompt_is_refused_fast_while_health_answers(server):
                 status, body = call(server, "POST", path, data)
                 elapsed = time.perf_counter() - t0
                 assert status == 400 and body["error"]["code"] == "context_length_exceeded", body
-                assert elapsed < 1.0, elapsed
+                assert elapsed < REFUSAL_BOUND_S, elapsed
     finally:
         done.set()
         poller.join()
-    assert len(health) > 5 and max(health) < 0.1, max(health)
+    assert len(health) > 5 and max(health) < HEALTH_BOUND_S, max(health)
     del prompt, bodies
     # the client's own copies are gone again; what is left is the server's
     assert rss_bytes() - before < 100 * 2**20, (rss_bytes() - before) / 2**20
@@ -123,6 +127,14 @@ def test_bad_bodies_are_400(server, body, needle):
     status, payload = call(server, "POST", "/v1/completions", body)
     assert status == 400 and needle in payload["error"]["message"], payload
     assert set(payload["error"]) == {"message", "type", "param", "code"}
+
+
+def test_a_body_of_many_tiny_containers_is_refused_unparsed(server, monkeypatch):
+    monkeypatch.setattr(openai_api, "MAX_JSON_CONTAINERS", 1000)
+    status, payload = call(server, "POST", "/v1/completions", b'{"prompt": [' + b"[]," * 1000 + b'[]]}')
+    assert status == 400 and "more than 1000" in payload["error"]["message"], payload
+    status, _ = call(server, "POST", "/v1/completions", {"prompt": "{" * 100 + "[" * 50, "max_tokens": 1})
+    assert status == 200  # under the bound, brackets in a prompt are fine
 
 
 def test_cache_salt_over_http(server):

@@ -50,6 +50,9 @@ RETRY_AFTER_S = 1
 MAX_REQUEST_BYTES = 16 * 1024 * 1024
 #: seconds a client may take to send its whole request body once the headers are in (408 after that)
 BODY_TIMEOUT_S = 30.0
+#: most '{' and '[' bytes a body may hold (inside strings too): each JSON object or array costs tens of bytes
+#: of memory once parsed, so this bounds what a body of tiny containers can cost
+MAX_JSON_CONTAINERS = 1_000_000
 #: requests parsed and tokenised at once, in worker threads; others wait their turn without blocking
 #: the event loop (a parse holds at most one body's worth of JSON in memory)
 MAX_CONCURRENT_PARSES = 4
@@ -221,6 +224,9 @@ def build_app(
         return b"".join(chunks)
 
     def decode_body(data: bytes) -> dict:
+        if data.count(b"{") + data.count(b"[") > MAX_JSON_CONTAINERS:
+            raise InvalidRequestError(f"the request body has more than {MAX_JSON_CONTAINERS} '{{' and '[' characters; "
+                                      "no request needs that many (write them inside strings as \\u007b, \\u005b)")
         try:
             body = json.loads(data)
         except (ValueError, UnicodeDecodeError) as exc:
