@@ -15,6 +15,7 @@ __all__ = [
     "ModelNotFoundError",
     "BackendError",
     "BackendOutputError",
+    "NonFiniteRowsError",
     "UnknownBackendError",
     "BackendUnavailableError",
     "PluginError",
@@ -25,6 +26,8 @@ __all__ = [
     "RequestAbortedError",
     "TensorParallelError",
     "OutputError",
+    "CacheTrustError",
+    "KernelBuildError",
 ]
 
 
@@ -54,6 +57,11 @@ class ChatTemplateError(ConfigError):
     (:mod:`kvcore.text.chat_template`)."""
 
 
+class CacheTrustError(ConfigError):
+    """A folder or file in kvcore's cache is not private to the user (another owner, writable by others, a
+    symbolic link): kvcore will not load code or weights from it. The message names it (kvcore/paths.py)."""
+
+
 class ModelLoadError(KVCoreError):
     """A model file is missing, truncated, corrupt or of an unsupported kind."""
 
@@ -76,6 +84,16 @@ class BackendOutputError(BackendError):
     that forward fail; the others go on."""
 
 
+class NonFiniteRowsError(BackendOutputError):
+    """NaN or inf in the output of some sequences of a batch only: those requests fail, the engine samples
+    the others from :attr:`logits` (the rows of the sequences that sample, as computed)."""
+
+    def __init__(self, message: str, seq_indices: list[int], logits: object) -> None:
+        super().__init__(message)
+        self.seq_indices = seq_indices  # positions in the batch of the sequences whose output is not finite
+        self.logits = logits
+
+
 class UnknownBackendError(BackendError):
     """No backend of that name is registered."""
 
@@ -84,6 +102,11 @@ class BackendUnavailableError(BackendError):
     """The backend is registered but cannot run here; the message says why."""
 
     exit_code = 5
+
+
+class KernelBuildError(BackendUnavailableError):
+    """kvcore's CPU kernels could not be built or loaded: the message has the compiler's first error line
+    (or the loader's) and what to do about it."""
 
 
 class PluginError(BackendError):

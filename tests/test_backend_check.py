@@ -3,6 +3,8 @@ or shape fails its batch with BackendOutputError (CLI exit 4) instead of produci
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from helpers import make_plugin, registered
@@ -10,7 +12,7 @@ from helpers import make_plugin, registered
 from kvcore import Engine, EngineConfig, SamplingParams
 from kvcore.backends.sdpa import SDPABackend
 from kvcore.cli import main
-from kvcore.errors import BackendOutputError
+from kvcore.errors import BackendOutputError, NonFiniteRowsError
 from kvcore.execution.backend_check import reference_attention
 from kvcore.plugins.registry import get_registry
 from kvcore.scheduling.request import FinishReason
@@ -20,8 +22,10 @@ GREEDY = SamplingParams(max_new_tokens=8, ignore_eos=True)
 
 def broken(out: torch.Tensor, mode: str):
     """``out [T, H, D]`` spoiled the way ``mode`` says."""
-    if mode == "nan":
+    if mode == "nan":  # the batch's last token: the last sequence only
         return out.clone().index_fill_(0, torch.tensor([out.shape[0] - 1]), float("nan"))
+    if mode == "nan-all":
+        return torch.full_like(out, float("nan"))
     if mode == "inf":
         spoiled = out.clone()
         spoiled[-1, 0, 0] = float("inf")
@@ -79,8 +83,7 @@ def _alone(model, prompt):
 
 
 @pytest.mark.parametrize("mode, message", [
-    ("nan", "returned NaN or inf from forward (prefill"),
-    ("inf", "returned NaN or inf from forward (prefill"),
+    ("nan-all", "returned NaN or inf from forward (prefill"),
     ("transposed", "returned a wrong attention output (prefill, layer 0, sequence 1)"),
     ("dtype", "returned [6, 4, 16] float64 on cpu from forward at layer 0; the contract is [T, H, D] = [6, 4, 16] "
               "float32 on cpu"),
@@ -94,6 +97,18 @@ def test_broken_output_fails_the_batch_with_a_backend_error(random_model, mode, 
         assert res.finish_reason is FinishReason.ERROR and isinstance(res.error, BackendOutputError)
         assert f"backend 'planted' {message}" in str(res.error)
         assert res.token_ids == []  # no token 0 from NaN logits
+    assert engine.kv.blocks.num_tokens_in_use == 0
+
+
+@pytest.mark.parametrize("mode", ["nan", "inf"])
+def test_a_non_finite_sequence_fails_alone(random_model, mode):
+    engine = engine_with(random_model, planted(mode, when=lambda meta: not meta.is_decode))
+    kept, spoiled = engine.generate([[1, 2, 3], [4, 5, 6]], GREEDY)
+    assert spoiled.finish_reason is FinishReason.ERROR and isinstance(spoiled.error, BackendOutputError)
+    message = "backend 'planted' returned NaN or inf from forward (prefill, layer 0) (sequence 1 of 2"
+    assert message in str(spoiled.error)
+    assert spoiled.token_ids == []  # no token 0 from NaN logits
+    assert kept.error is None and kept.token_ids == _alone(random_model, [1, 2, 3])
     assert engine.kv.blocks.num_tokens_in_use == 0
 
 
@@ -120,7 +135,7 @@ def test_transposed_decode_output_is_caught_on_the_first_decode(random_model):
 def test_a_broken_prefill_leaves_running_requests_alone(random_model, chunked):
     # breaks any prefill holding the 2-token prompt of 'doomed' (prefilled with 'later'); chunked, keep's decode
     # shares that forward, which the engine then runs again split by phase, so keep still gets its token
-    prefill = planted("nan", when=lambda meta: 2 in meta.query_lens and max(meta.query_lens) > 1)
+    prefill = planted("nan-all", when=lambda meta: 2 in meta.query_lens and max(meta.query_lens) > 1)
     engine = engine_with(random_model, prefill, SDPABackend(), enable_chunked_prefill=chunked)
     engine.add_request([1, 5, 9], GREEDY, request_id="keep")
     engine.step()
@@ -188,10 +203,12 @@ def test_finite_check_is_not_fooled_by_a_sum_that_overflows(random_model):
     check.observe(0, big, big.clone())
     check.finish(torch.full((2, 50), 3e38))  # no error
     cases = (("out", r"returned NaN or inf from forward \(decode, layer 0\)"), ("logits", "NaN or inf logits"))
+    two_decodes = SimpleNamespace(query_lens=[1, 1], cu_seqlens_q=torch.tensor([0, 1, 2]))
     for spoil, message in cases:
         out, logits = big.clone(), torch.zeros(2, 50)
         (out if spoil == "out" else logits)[1, 0].fill_(float("nan"))
-        check = _StepCheck(guard, None, None, verify=False, kind="decode")
+        check = _StepCheck(guard, two_decodes, None, verify=False, kind="decode")
         check.observe(0, big, out)
-        with pytest.raises(BackendOutputError, match=message):
+        with pytest.raises(NonFiniteRowsError, match=message) as info:  # the second sequence only
             check.finish(logits)
+        assert info.value.seq_indices == [1]

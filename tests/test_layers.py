@@ -17,7 +17,8 @@ SOURCES = {"kvcore": ROOT / "kvcore", "kvcore.backends": ROOT / "backends", "kvc
 
 # Lowest first. A module may import its own package and any package of a lower rank, nothing else.
 LAYERS: list[tuple[str, ...]] = [
-    ("kvcore.version", "kvcore.paths", "kvcore.errors", "kvcore.hookspecs"),
+    ("kvcore.version", "kvcore.errors"),
+    ("kvcore.paths", "kvcore.hookspecs"),
     ("kvcore.interfaces",),
     ("kvcore.kernels",),
     ("kvcore.text",),

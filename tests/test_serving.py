@@ -172,8 +172,13 @@ def test_error_bodies_and_codes(server):
     assert "256" in err["message"]
     check({"model": "gpt-4", "prompt": "hi"}, 404, "model_not_found", needle="gpt-4")
     check(b" " * (MAX_REQUEST_BYTES + 1), 413, "request_too_large", needle=str(MAX_REQUEST_BYTES))
-    huge = {"messages": [{"role": "user", "content": "x" * (MAX_TEMPLATE_CHARS // 2)}] * 3}  # renders past the limit
-    check(huge, 400, "chat_template_error", path="/v1/chat/completions", needle="limit")
+    # text that could never fit is refused from its length, before the template renders it or it is tokenised
+    long = "x" * 20_000  # the tiny model's tokens have at most 8 characters: 256 tokens hold far fewer
+    check({"messages": [{"role": "user", "content": long}]}, 400, "context_length_exceeded",
+          path="/v1/chat/completions", needle="characters")
+    check({"prompt": long}, 400, "context_length_exceeded", needle="characters")
+    huge = {"messages": [{"role": "user", "content": "x" * (MAX_TEMPLATE_CHARS // 2)}] * 3}  # not even parsed
+    check(huge, 400, "context_length_exceeded", path="/v1/chat/completions", needle="bytes")
     check({"messages": []}, 400, path="/v1/chat/completions", needle="messages")
     check({"messages": [{"role": "user", "content": 5}]}, 400, path="/v1/chat/completions", needle="content")
     check({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, 400,

@@ -22,8 +22,8 @@ ENGINE = {f.name for f in fields(EngineConfig)}
 SAMPLING = {f.name for f in fields(SamplingParams)}
 #: settings only the Python API takes, and why they are not config-file keys
 API_ONLY = {
-    "check_backend_outputs": "a debugging switch of the engine's backend output checks",
     "n": "per request (HTTP and API)",
+    "cache_salt": "per request or tenant (HTTP and API)",
     "logit_bias": "per request: token ids are the model's, TOML keys are strings",
     "stop_token_ids": "per request (HTTP and API)",
 }
@@ -32,7 +32,7 @@ COMMAND_ONLY = {
     "generate": {"prompt", "prompt_file", "json", "config", "no_model_cache", "debug"},
     "chat": {"prompt", "prompt_file", "json", "config", "no_model_cache", "debug", "interactive", "system"},
     "serve": {"config", "no_model_cache", "debug", "host", "port", "api_key", "served_model_name", "log_level",
-              "max_queue_len"},
+              "max_queue_len", "step_watchdog_s"},
 }
 
 

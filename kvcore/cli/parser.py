@@ -107,6 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", default=None, help="model name clients send (default: --model)")
     p.add_argument("--max-num-seqs", type=int, default=None, help="requests run at once (default 16)")
     p.add_argument("--max-queue-len", type=int, default=256, help="requests waiting beyond those; then 429")
+    p.add_argument("--step-watchdog-s", type=float, default=None,
+                   help="/health fails (503) while one engine step runs longer (default 60; 0: off)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="prompt tokens per prefill step")
     p.add_argument("--num-blocks", type=int, default=None, help="KV-cache blocks (paged caches)")
     p.add_argument("--kv-cache-bytes", type=int, default=None, help="size the paged KV cache to this budget")

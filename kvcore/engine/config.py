@@ -65,6 +65,9 @@ class EngineConfig:
     #: check every attention output (shape, dtype, finiteness; layer 0 against a reference now and then) and
     #: fail the batch with BackendOutputError when one breaks the contract (kvcore/execution/backend_check.py)
     check_backend_outputs: bool = True
+    #: with check_backend_outputs: after the first forward of each kind, every this many forwards of a
+    #: backend compare layer 0 of one sequence against float32 attention (one extra attention per check)
+    backend_check_interval: int = 256
     #: run decode steps through torch.compile (kvcore/execution/compile.py): less per-op overhead once compiled; the
     #: first decode step compiles (tens of seconds; cached on disk by torch); needs a compilable decode backend
     compile: bool = False
@@ -79,7 +82,8 @@ class EngineConfig:
         dtype = parse_dtype(self.dtype)
         check_runnable(self.weights, dtype, self.device)
         check_lm_head(self.lm_head, dtype, self.device)
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "tensor_parallel_size"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "tensor_parallel_size",
+                     "backend_check_interval"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")

@@ -100,7 +100,8 @@ class Engine(EngineStep):
         self.prefill_backend, self.decode_backend = chosen.prefill_backend, chosen.decode_backend
         # one guard per backend instance: it remembers which kinds of forward it verified (one-process runs)
         checked = config.check_backend_outputs and config.tensor_parallel_size == 1
-        guards = {id(b): BackendGuard(b) for b in (self.prefill_backend, self.decode_backend) if checked}
+        guards = {id(b): BackendGuard(b, config.backend_check_interval)
+                  for b in (self.prefill_backend, self.decode_backend) if checked}
         self.compiled_decode = self.lm_head = None
         for option, value in (("compile", config.compile), ("lm_head", config.lm_head != "dense")):
             if value and tp_runner is not None:
@@ -140,7 +141,10 @@ class Engine(EngineStep):
         check_cache_memory(chosen.kv_cache.cls, spec, cache_options)
         cache = registry.create_cache(cache_name, spec, cache_options)
         self.runner.start(self.prefill_backend, self.decode_backend, cache, config)
-        self.kv = KVCacheManager(cache, enable_prefix_caching=config.enable_prefix_caching)
+        # one cache serves one model, but the prefix keys name what made the K/V anyway: a key never means
+        # the same tokens under another model, dtype, weight format or cache layout
+        namespace = f"{model.config!r}|{self.dtype}|{weight_format}|{cache_name}"
+        self.kv = KVCacheManager(cache, enable_prefix_caching=config.enable_prefix_caching, namespace=namespace)
         #: counters since construction (prefill / cached / decode / generated tokens, preemptions, ...)
         self.stats = EngineStats()
         self.scheduler = Scheduler(

@@ -73,6 +73,8 @@ class FileConfig:
     tensor_parallel_size: int | None = None
     enable_prefix_caching: bool | None = None
     enable_chunked_prefill: bool | None = None
+    check_backend_outputs: bool | None = None  # check attention outputs (kvcore/execution/backend_check.py)
+    backend_check_interval: int | None = None  # forwards between reference checks of layer 0
     compile: bool | None = None  # torch.compile the decode steps (kvcore/execution/compile.py)
     backends: dict[str, dict[str, Any]] = field(default_factory=dict)  # [backends.<name>] → constructor kwargs
     kv_caches: dict[str, dict[str, Any]] = field(default_factory=dict)  # [kv_caches.<name>] → constructor kwargs

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from kvcore.errors import BackendError, KVCoreError
+from kvcore.errors import BackendError, KVCoreError, NonFiniteRowsError
 from kvcore.execution.runner import Executor
 from kvcore.interfaces.attention import AttentionBackend
 from kvcore.interfaces.sampler import Sampler
@@ -79,6 +79,9 @@ class EngineStep:
             logits = self.runner.forward(
                 batch.is_prefill, backend, self.kv.cache, meta, batch.input_ids, self.kv.last_copies, sampling
             )
+        except NonFiniteRowsError as exc:  # only some sequences are not finite: they fail, the others go on
+            batch, sampling, logits = self._drop_rows(batch, sampling, exc)
+            reqs = batch.requests
         except Exception as exc:
             error = exc if isinstance(exc, KVCoreError) else BackendError(
                 f"backend '{backend.name}' failed: {type(exc).__name__}: {exc}")
@@ -105,6 +108,24 @@ class EngineStep:
             if req.pending_samples and id(req) in tokens:
                 self._fork(req, n, tokens)  # before the leader's token: it may finish and free its blocks
             self._advance(req, n, tokens.get(id(req)))
+
+    def _drop_rows(
+        self, batch: ScheduledBatch, sampling: list[int], error: NonFiniteRowsError
+    ) -> tuple[ScheduledBatch, list[int], torch.Tensor]:
+        """Fail the sequences ``error`` names (their reservation rolled back) and return the rest of the
+        batch, its sampling rows and their logits, as if only they had run."""
+        bad = set(error.seq_indices)
+        for i in sorted(bad):
+            req = batch.requests[i]
+            self.kv.blocks.truncate(req.seq_id, req.num_computed_tokens)
+            self._finish(req, FinishReason.ERROR, error)
+        keep = [i for i in range(len(batch.requests)) if i not in bad]
+        position = {old: new for new, old in enumerate(keep)}
+        kept_rows = [j for j, i in enumerate(sampling) if i not in bad]
+        logits = error.logits[torch.tensor(kept_rows, dtype=torch.long, device=error.logits.device)]
+        rest = ScheduledBatch([batch.requests[i] for i in keep], [batch.query_lens[i] for i in keep],
+                              [batch.is_decode[i] for i in keep])
+        return rest, [position[sampling[j]] for j in kept_rows], logits
 
     def _failed(self, batch: ScheduledBatch, error: KVCoreError) -> None:
         """A forward or the sampler failed after the batch was reserved: roll the reservation back; a batch

@@ -10,6 +10,8 @@ engine runs every forward through a :class:`BackendGuard`, which raises :class:`
 - once per step: the finiteness of layer 0's output and of the logits, as two 0-dim flags on the device
   read with one sync right before the sampler (which syncs at that point anyway). NaN or inf from any
   later layer reaches the logits, so it is caught there (the message then says layer 0 was finite).
+  Sequences do not mix in a forward, so when only some sequences are not finite, only they fail
+  (:class:`~kvcore.errors.NonFiniteRowsError`: the engine samples the others);
   Checking every layer's output would cost three small device ops per layer and step; on the 30-layer
   SmolLM2 decode that was measured at a few percent of the step (benchmarks/backend_check_overhead.py);
 - the first forward of each kind a backend serves (prefill, continued prefill, decode), then every
@@ -22,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from kvcore.errors import BackendOutputError
+from kvcore.errors import BackendOutputError, NonFiniteRowsError
 from kvcore.interfaces.attention import AttentionBackend, causal_mask
 from kvcore.interfaces.kv_cache import KVCache
 from kvcore.interfaces.metadata import AttentionMetadata
@@ -93,7 +95,7 @@ class _StepCheck:
         ref = reference_attention(q[start : start + n], k, v, meta.context_lens[i], meta.scale)
         got = out[start : start + n].float()
         if not bool(torch.isfinite(got).all()):
-            raise self._fail(f"returned NaN or inf from forward ({self.kind}, layer 0)")
+            return  # finish() fails the sequences that are not finite, and only them
         rtol = self.guard.RTOL.get(q.dtype, 5e-2)
         unit = self.cache.capabilities.unit_roundoff
         if unit is not None:  # a lossy cache: the backend may attend to this call's exact K/V
@@ -106,18 +108,39 @@ class _StepCheck:
                 f"against the reference, allowed {bound:.3g} (wrong layout, transposed heads, or a kernel bug?)"
             )
 
-    def finish(self, logits: torch.Tensor) -> None:
-        """One host sync per step: layer 0's attention output and the logits must be finite."""
+    def finish(self, logits: torch.Tensor, rows: list[int] | None = None) -> None:
+        """One host sync per step: layer 0's attention output and the logits must be finite. ``logits`` row
+        ``j`` is sequence ``rows[j]`` of the batch (every sequence in order without ``rows``)."""
         if self.out0 is None:
             return
         # A tensor's sum is finite only if every element is (a NaN or inf propagates), so one reduction per
         # tensor usually settles it; a non-finite sum is checked element-wise (finite values may overflow it).
         flags = torch.stack([self.out0.sum().isfinite(), logits.sum().isfinite()]).tolist()
-        if not (flags[0] or bool(torch.isfinite(self.out0).all())):
-            raise self._fail(f"returned NaN or inf from forward ({self.kind}, layer 0)")
-        if not (flags[1] or bool(torch.isfinite(logits).all())):
-            raise BackendOutputError(
+        out0_ok = flags[0] or bool(torch.isfinite(self.out0).all())
+        logits_ok = flags[1] or bool(torch.isfinite(logits).all())
+        if out0_ok and logits_ok:
+            return
+        num_seqs = len(self.meta.query_lens)
+        rows = list(range(num_seqs)) if rows is None else list(rows)
+        bad0 = set()
+        if not out0_ok:
+            token_ok = torch.isfinite(self.out0).flatten(1).all(dim=1).tolist()
+            cu = self.meta.cu_seqlens_q.tolist()
+            bad0 = {i for i in range(num_seqs) if not all(token_ok[cu[i]:cu[i + 1]])}
+        bad_logits = set()
+        if not logits_ok:
+            row_ok = torch.isfinite(logits).all(dim=1).tolist()
+            bad_logits = {rows[j] for j, ok in enumerate(row_ok) if not ok}
+        bad = sorted(bad0 | bad_logits)
+        if bad0:
+            message = self._fail(f"returned NaN or inf from forward ({self.kind}, layer 0)")
+        else:
+            message = BackendOutputError(
                 f"NaN or inf logits with backend '{self.guard.backend.name}' ({self.kind}): its layer-0 output was "
                 "finite, so a later layer's attention output or the model's activations are not (in float16, "
                 "try bfloat16 or float32)"
             )
+        if len(bad) == num_seqs:
+            raise message
+        raise NonFiniteRowsError(f"{message} (sequence {', '.join(map(str, bad))} of {num_seqs} in the batch)",
+                                 bad, logits)

@@ -75,7 +75,8 @@ def last_token_logits(
     callable (:mod:`kvcore.model.lm_head`; None: dense).
 
     With ``guard``, the backend's outputs are checked (:mod:`kvcore.execution.backend_check`): a broken output raises
-    :class:`~kvcore.errors.BackendOutputError` instead of becoming wrong tokens.
+    :class:`~kvcore.errors.BackendOutputError` instead of becoming wrong tokens
+    (:class:`~kvcore.errors.NonFiniteRowsError` when only some sequences are not finite).
     """
     check = guard.begin(meta, cache) if guard is not None else None
     hidden = run_model(model, backend, cache, meta, input_ids, check, compiled)
@@ -84,7 +85,7 @@ def last_token_logits(
         last_rows = last_rows[torch.as_tensor(rows, dtype=torch.long, device=last_rows.device)]
     logits = model.compute_logits(hidden[last_rows], head)
     if check is not None:
-        check.finish(logits)
+        check.finish(logits, list(rows) if rows is not None else None)
     return logits
 
 

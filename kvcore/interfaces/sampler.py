@@ -59,6 +59,9 @@ class SamplingParams:
     #: None = off; k >= 0 = report the chosen token's log-probability and the k most likely alternatives
     #: (at most MAX_LOGPROBS), from the final processed distribution (see DefaultSampler)
     logprobs: int | None = None
+    #: prefix caching shares K/V only between requests with the same salt (None is a salt of its own):
+    #: give each tenant its own so no one can tell from timing what another's prompts began with
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens <= 0:
@@ -71,7 +74,10 @@ class SamplingParams:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
             raise InvalidRequestError(f"seed must be an integer, got {self.seed!r}")
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        ids = self.stop_token_ids
+        if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise InvalidRequestError(f"stop_token_ids must be a list of integers, got {ids!r}")
+        object.__setattr__(self, "stop_token_ids", tuple(ids))
         if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
             raise InvalidRequestError(f"n must be a positive integer, got {self.n!r}")
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop
@@ -90,6 +96,8 @@ class SamplingParams:
         k = self.logprobs
         if k is not None and (not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= MAX_LOGPROBS):
             raise InvalidRequestError(f"logprobs must be None (off) or an integer in [0, {MAX_LOGPROBS}], got {k!r}")
+        if self.cache_salt is not None and not (isinstance(self.cache_salt, str) and self.cache_salt):
+            raise InvalidRequestError(f"cache_salt must be a non-empty string or None, got {self.cache_salt!r}")
 
     #: temperatures below this are greedy (vLLM's rule): dividing logits by them overflows float32 and the
     #: distribution they describe is the argmax anyway

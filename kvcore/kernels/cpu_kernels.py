@@ -21,12 +21,16 @@ whether it will be.
 They are ordinary torch operators (registered from C++ with fake implementations for ``torch.compile``), so
 compiled decode steps call them directly.
 
-Build: one ``c++`` call (``$CXX``, else ``g++``, else ``clang++``) against torch's headers and libraries, with the
+Build: one ``c++`` call (``$CXX``, split as a shell would, so ``ccache g++`` works; else ``g++``, else ``clang++``)
+against torch's headers and libraries, with the
 widest vector ISA this CPU and ATen's ``Vectorized`` both support (:func:`vector_isa`: AVX-512, else AVX2, else
 portable code), once; the first build says so on stderr (``kvcore kernels build`` does it ahead). The library
 is cached under ``$KVCORE_CACHE_DIR/kernels`` (else ``$XDG_CACHE_HOME/kvcore/kernels``, else
-``~/.cache/kvcore/kernels``) keyed by
-the sources, the flags, the compiler and torch's version, so an upgrade or another CPU builds afresh.
+``~/.cache/kvcore/kernels``) keyed by the sources, the flags, the compiler and torch's version, so an upgrade or
+another CPU builds afresh. The folder must be the user's own (:mod:`kvcore.paths`: a library in a folder others
+can write is never loaded), the library's checksum is verified before it is loaded (a damaged one is rebuilt),
+and a cache that cannot be written means a build into a private temporary folder, with a warning. A failed build
+is a :class:`~kvcore.errors.KernelBuildError` with the compiler's first error line.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -42,9 +47,9 @@ from pathlib import Path
 
 import torch
 
-from kvcore.errors import BackendUnavailableError
+from kvcore.errors import BackendUnavailableError, KernelBuildError
 from kvcore.kernels.cpu import cpu_features
-from kvcore.paths import cache_root
+from kvcore.paths import cache_root, private_dir, verify_entry, warn_no_cache, write_entry
 
 __all__ = ["bf16_linear_ready", "cxx_compiler", "extension_reasons", "int4a8_reasons", "kernel_reasons", "load_kernels",
            "vector_isa"]
@@ -53,6 +58,12 @@ _SOURCES = ("bf16_linear.cpp", "decode_attention.cpp", "int4_linear.cpp", "isa.c
             "rescore_top_k.cpp")
 _HEADERS = ("isa.h",)  # included by the sources: part of the build's cache key
 _CSRC = Path(__file__).with_name("csrc")
+_LIBRARY = "kvcore_cpu_kernels.so"
+#: what a cache entry of the kernels holds (the library and its checksum); part of the key, so folders of
+#: an older layout are never read (they are not kvcore entries either, and are left alone)
+_ENTRY_FORMAT = "2"
+#: what to do about a compiler that fails
+_COMPILER_FIX = "CXX must name a C++20 compiler (g++ >= 10 or clang++ >= 12), e.g. CXX=g++ or CXX='ccache g++'"
 #: ISA -> (ATen's CPU_CAPABILITY macro, compiler flags), widest first; the CPU must report every flag in the set
 _ISAS = {
     "avx512": ("CPU_CAPABILITY_AVX512", ("-mavx512f", "-mavx512dq", "-mavx512vl", "-mavx512bw", "-mfma"),
@@ -82,8 +93,12 @@ def kernel_reasons() -> list[str]:
     if missing:
         reasons.append(f"this kvcore install lacks its kernel sources ({', '.join(missing)} under {_CSRC}); "
                        "reinstall kvcore")
-    if not cxx_compiler():
+    cxx = cxx_compiler()
+    if not cxx:
         reasons.append("kvcore's CPU kernels are C++ built on first use: no g++ or clang++ on PATH (or set CXX)")
+    elif not shlex.split(cxx) or not shutil.which(shlex.split(cxx)[0]):
+        reasons.append(f"kvcore's CPU kernels are C++ built on first use: CXX={cxx!r} names no program on PATH; "
+                       "install g++ or set CXX to a C++ compiler")
     if not (Path(torch.__file__).parent / "include" / "ATen" / "ATen.h").is_file():
         reasons.append("this torch install has no C++ headers (torch/include) to build kvcore's CPU kernels")
     return reasons
@@ -99,38 +114,91 @@ def _command(cxx: str, sources: list[Path], out: Path) -> list[str]:
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     # -fopenmp: at::parallel_for is inline OpenMP code compiled here (without it, one thread); the library then
     # needs libgomp.so.1, which resolves to the copy torch has already loaded, with torch's thread count
-    return [cxx, "-O3", "-std=c++20", "-shared", "-fPIC", "-fopenmp", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+    return [*shlex.split(cxx), "-O3", "-std=c++20", "-shared", "-fPIC", "-fopenmp", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
             *([f"-D{macro}"] if macro else []), *isa_flags,
             "-isystem", str(torch_dir / "include"), *map(str, sources),
             f"-L{torch_dir / 'lib'}", "-lc10", "-ltorch_cpu", "-o", str(out)]
 
 
+def _first_error(stderr: str) -> str:
+    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+    errors = [line for line in lines if "error" in line.lower()] or lines
+    return (errors or ["no output"])[0][:300]
+
+
+def _build(cxx: str, sources: list[Path], folder: Path) -> Path:
+    """Compile the kernels into ``folder``; raises :class:`KernelBuildError` with the compiler's first error."""
+    library = folder / _LIBRARY
+    try:
+        done = subprocess.run(_command(cxx, sources, library), capture_output=True, text=True)
+    except OSError as exc:  # the compiler is not there or cannot run
+        raise KernelBuildError(f"building kvcore's CPU kernels failed ({cxx}): cannot run the compiler: "
+                               f"{exc.strerror or exc}; {_COMPILER_FIX}") from None
+    if done.returncode != 0 or not library.is_file():
+        raise KernelBuildError(f"building kvcore's CPU kernels failed ({cxx}): {_first_error(done.stderr)}; "
+                               f"{_COMPILER_FIX}")
+    return library
+
+
+def _load(library: Path, entry: Path | None) -> None:
+    try:
+        torch.ops.load_library(str(library))
+    except OSError as exc:
+        where = f"; delete {entry} to rebuild it" if entry is not None else ""
+        raise KernelBuildError(f"loading kvcore's CPU kernels from {library} failed: {exc}{where}") from None
+
+
+def _entry_name(cxx: str, sources: list[Path]) -> str:
+    """The cache entry of this build: the sources, the command, torch's version and the entry format."""
+    command = _command(cxx, sources, Path("OUT"))
+    texts = [(_CSRC / name).read_text() for name in (*_SOURCES, *_HEADERS)]
+    return hashlib.sha256("\0".join([torch.__version__, _ENTRY_FORMAT, *command, *texts]).encode()).hexdigest()[:16]
+
+
+def _cached_or_built(cxx: str, sources: list[Path], folder: Path, name: str) -> Path:
+    """Load the library of entry ``folder / name``, building and storing it first when it is missing or
+    damaged. A cache that cannot be written (read-only, full) is skipped: the build is loaded from a
+    private temporary folder instead."""
+    entry = folder / name
+    try:
+        private_dir(folder, cache_root())
+        usable = True
+        if verify_entry(entry):
+            _load(entry / _LIBRARY, entry)
+            return entry / _LIBRARY
+    except OSError as exc:
+        warn_no_cache("kernel", folder, exc)
+        usable = False
+    print(f"kvcore: building its C++ CPU kernels for this machine with {cxx} (once; up to a few minutes)",
+          file=sys.stderr, flush=True)
+    with tempfile.TemporaryDirectory(prefix="kvcore-kernels-") as tmp:  # private (0700), off the cache disk
+        built = _build(cxx, sources, Path(tmp))
+        if usable:
+            try:
+                write_entry(folder, name, lambda new: shutil.copyfile(built, new / _LIBRARY))
+                if not verify_entry(entry):  # another process's entry got there first and is damaged
+                    raise OSError(f"the new entry {entry} did not verify")
+            except OSError as exc:
+                warn_no_cache("kernel", folder, exc)
+            else:
+                _load(entry / _LIBRARY, entry)
+                return entry / _LIBRARY
+        _load(built, None)  # mapped now: the folder can go
+        return built
+
+
 @functools.cache
 def load_kernels() -> str:
     """Build (once per machine and torch version) and load the kernels; returns the library's path.
-    Raises :class:`~kvcore.errors.BackendUnavailableError` with the reason when they cannot be built."""
+    Raises :class:`~kvcore.errors.BackendUnavailableError` with the reason when they cannot be built
+    (:class:`~kvcore.errors.KernelBuildError` when the compiler failed), and
+    :class:`~kvcore.errors.CacheTrustError` when the cache folder is not the user's own."""
     reasons = kernel_reasons()
     if reasons:
         raise BackendUnavailableError("; ".join(reasons))
     cxx = cxx_compiler()
     sources = [_CSRC / name for name in _SOURCES]
-    command = _command(cxx, sources, Path("OUT"))
-    texts = [(_CSRC / name).read_text() for name in (*_SOURCES, *_HEADERS)]
-    key = hashlib.sha256("\0".join([torch.__version__, *command, *texts]).encode())
-    library = cache_root() / "kernels" / key.hexdigest()[:16] / "kvcore_cpu_kernels.so"
-    if not library.is_file():
-        library.parent.mkdir(parents=True, exist_ok=True)
-        print(f"kvcore: building its C++ CPU kernels for this machine with {cxx} (once; up to a few minutes)",
-              file=sys.stderr, flush=True)
-        with tempfile.TemporaryDirectory(dir=library.parent) as tmp:
-            built = Path(tmp) / library.name
-            done = subprocess.run(_command(cxx, sources, built), capture_output=True, text=True)
-            if done.returncode != 0:
-                errors = [line for line in done.stderr.splitlines() if "error" in line] or done.stderr.splitlines()
-                raise BackendUnavailableError(f"building kvcore's CPU kernels failed ({cxx}): "
-                                              f"{(errors or ['no output'])[0][:300]}")
-            os.replace(built, library)  # atomic: a concurrent build of the same key writes the same bytes
-    torch.ops.load_library(str(library))
+    library = _cached_or_built(cxx, sources, cache_root() / "kernels", _entry_name(cxx, sources))
     torch.library.register_fake("kvcore::decode_attention")(_decode_attention_fake)
     torch.library.register_fake("kvcore::int4_linear")(_int4_linear_fake)
     torch.library.register_fake("kvcore::prefill_attention")(_prefill_attention_fake)

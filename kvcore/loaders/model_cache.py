@@ -8,8 +8,10 @@ later loads it with ``torch.load(mmap=True)``: the weights are then pages of the
 use, and nothing is copied or converted.
 
 Where: ``$KVCORE_CACHE_DIR/models``, else ``$XDG_CACHE_HOME/kvcore/models``, else
-``~/.cache/kvcore/models``; one folder per entry (``model.pt`` + ``meta.json``). An entry's key covers the
-source file (path, size, mtime and a hash of its first MiB), kvcore's and torch's versions,
+``~/.cache/kvcore/models``; one folder per entry (``model.pt`` + ``meta.json`` + the checksums of both, see
+:mod:`kvcore.paths`: folders others could write are refused, a damaged entry is rebuilt, and only
+folders kvcore wrote are ever deleted; a cache that cannot be written is skipped with a warning). An
+entry's key covers the source file (path, size, mtime and a hash of its first MiB), kvcore's and torch's versions,
 :data:`CACHE_FORMAT`, and every build option (dtype, device, RoPE table length): a changed file or version
 makes a new entry and the stale ones of that file are deleted. At most :data:`MAX_ENTRIES` entries are kept
 (least recently used go first).
@@ -25,8 +27,6 @@ import dataclasses
 import hashlib
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +37,7 @@ from kvcore.loaders.load import build_model, load_model
 from kvcore.model.config import ModelConfig, check_max_model_len
 from kvcore.model.rope import RopeScaling
 from kvcore.model.weights import uses_quantized_blocks
-from kvcore.paths import cache_root
+from kvcore.paths import cache_root, is_entry, private_dir, remove_entry, verify_entry, warn_no_cache, write_entry
 from kvcore.text.tokenizer import Tokenizer
 from kvcore.version import __version__
 
@@ -63,12 +63,9 @@ def cache_enabled(option: bool | None = None) -> bool:
 
 
 def clear() -> int:
-    """Delete every entry; returns how many there were."""
+    """Delete every entry (only folders kvcore wrote); returns how many there were."""
     root = cache_dir()
-    entries = [p for p in root.iterdir() if p.is_dir()] if root.is_dir() else []
-    for entry in entries:
-        shutil.rmtree(entry, ignore_errors=True)
-    return len(entries)
+    return sum(remove_entry(p) for p in root.iterdir()) if root.is_dir() else 0
 
 
 def load_pretrained(
@@ -98,7 +95,12 @@ def load_pretrained(
         return model, loaded.tokenizer
     options = {"dtype": str(dtype), "device": str(torch.device(device)), "max_model_len": max_model_len}
     key, stamp = _key(source, options)
-    entry = cache_dir() / key
+    try:
+        entry = private_dir(cache_dir(), cache_root()) / key
+    except OSError as exc:  # read-only, a file in the way: the cache only ever saves time
+        warn_no_cache("model", cache_dir(), exc)
+        loaded, model = load()
+        return model, loaded.tokenizer
     hit = _read(entry)
     if hit is not None:
         return hit
@@ -143,14 +145,16 @@ def _key(source: Path, options: dict[str, Any]) -> tuple[str, str]:
 
 # -- reading --------------------------------------------------------------------------------------------
 def _read(entry: Path) -> tuple[nn.Module, Tokenizer] | None:
-    """The entry's model and tokenizer, or None when it is missing or unreadable (it is then rebuilt)."""
+    """The entry's model and tokenizer, or None when it is missing or damaged (it is then rebuilt)."""
+    if not verify_entry(entry):
+        return None
     try:
         meta = json.loads((entry / "meta.json").read_text())
         tensors = torch.load(entry / "model.pt", mmap=True, weights_only=True)
         model = _assemble(_config_from_json(meta["config"]), meta["dtype"], meta["max_positions"], tensors)
         tokenizer = _tokenizer_from_json(meta["tokenizer"])
-    except Exception:  # noqa: BLE001 - a damaged entry of any kind: rebuild from the source
-        shutil.rmtree(entry, ignore_errors=True)
+    except Exception:  # noqa: BLE001 - whole but unusable (another format): rebuild from the source
+        remove_entry(entry)
         return None
     os.utime(entry)  # recency for eviction
     return model, tokenizer
@@ -186,7 +190,7 @@ def _assemble(config: ModelConfig, dtype: str, max_positions: int, tensors: dict
 # -- writing --------------------------------------------------------------------------------------------
 def _write(entry: Path, model: nn.Module, tokenizer: Tokenizer, info: dict[str, Any]) -> None:
     """Save ``model`` and ``tokenizer`` as ``entry`` (atomically: a folder renamed into place). A cache that
-    cannot be written (read-only or full disk) is skipped: it only ever saves time."""
+    cannot be written (read-only or full disk) is skipped with a warning: it only ever saves time."""
     tensors = dict(model.named_parameters(remove_duplicate=False))
     tensors.update({n: t for n, t in model.named_buffers()})
     meta = {
@@ -197,39 +201,36 @@ def _write(entry: Path, model: nn.Module, tokenizer: Tokenizer, info: dict[str, 
         "tokenizer": _tokenizer_to_json(tokenizer),
         **info,
     }
-    tmp = None
+
+    def fill(folder: Path) -> None:
+        torch.save({n: t.detach() for n, t in tensors.items()}, folder / "model.pt")
+        (folder / "meta.json").write_text(json.dumps(meta))
+
     try:
-        entry.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=entry.parent))
-        torch.save({n: t.detach() for n, t in tensors.items()}, tmp / "model.pt")
-        (tmp / "meta.json").write_text(json.dumps(meta))
-        os.rename(tmp, entry)
-        tmp = None
+        write_entry(entry.parent, entry.name, fill)
         _evict(entry, info["source"], info["stamp"])
-    except OSError:
-        pass
-    finally:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
+    except OSError as exc:  # a full disk, a read-only folder
+        warn_no_cache("model", entry.parent, exc)
 
 
 def _evict(keep: Path, source: str, stamp: str) -> None:
-    """Delete entries of older versions of ``source`` and the least recently used beyond MAX_ENTRIES."""
+    """Delete entries of older versions of ``source`` and the least recently used beyond MAX_ENTRIES. Only
+    entries kvcore wrote count: any other folder there is the user's and is left alone."""
     entries = []
     for path in keep.parent.iterdir():
-        if path == keep or not path.is_dir() or path.name.startswith(".tmp-"):
+        if path == keep or path.name.startswith(".tmp-") or not is_entry(path):
             continue
         try:
             meta = json.loads((path / "meta.json").read_text())
         except (OSError, ValueError):
-            shutil.rmtree(path, ignore_errors=True)
+            remove_entry(path)
             continue
         if meta.get("source") == source and meta.get("stamp") != stamp:
-            shutil.rmtree(path, ignore_errors=True)
+            remove_entry(path)
         else:
-            entries.append((path.stat().st_mtime, path))
+            entries.append((os.lstat(path).st_mtime, path))
     for _, path in sorted(entries)[: max(0, len(entries) + 1 - MAX_ENTRIES)]:
-        shutil.rmtree(path, ignore_errors=True)
+        remove_entry(path)
 
 
 # -- config and tokenizer as JSON -----------------------------------------------------------------------

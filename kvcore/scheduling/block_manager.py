@@ -11,11 +11,15 @@ Sharing
     ever its partly filled last block), :meth:`~BlockManager.reserve` takes a fresh block, swaps it
     into the writer's table and returns the ``(src, dst)`` pair for the cache to copy.
 
-Prefix hashes
-    A full block is identified by a hash chained from the start of the sequence: ``h_i = hash(h_{i-1},
-    tokens of block i)``. With ``enable_prefix_caching`` the blocks of a new sequence whose prompt starts
-    with already computed full blocks are shared instead of recomputed. A freed block keeps its hash
-    until it is handed out again; the free list is in least-recently-freed order, so eviction is LRU.
+Prefix keys
+    A full block is identified by a SHA-256 key chained from the start of the sequence: ``k_0 =
+    sha256(namespace, cache salt)``, ``k_i = sha256(k_{i-1}, token bytes of block i)``. The namespace names
+    what else changes the K/V (model, dtype, weight format, cache layout) and the optional per-request
+    cache salt keeps tenants apart: requests with different salts never share a block. A hit also compares
+    the block's stored tokens, so even a colliding key cannot hand one request another's K/V. With
+    ``enable_prefix_caching`` the blocks of a new sequence whose prompt starts with already computed full
+    blocks are shared instead of recomputed. A freed block keeps its key until it is handed out again; the
+    free list is in least-recently-freed order, so eviction is LRU.
 
 All-or-nothing
     :meth:`~BlockManager.reserve` counts the blocks the whole batch needs (new blocks plus copy-on-write
@@ -24,13 +28,28 @@ All-or-nothing
 
 from __future__ import annotations
 
+import array
+import hashlib
 import math
 from collections import OrderedDict
 from collections.abc import Sequence
 
 from kvcore.errors import ConfigError, ContextLengthError, KVCoreError, OutOfBlocksError
 
-__all__ = ["BlockAllocator", "BlockManager"]
+__all__ = ["BlockAllocator", "BlockManager", "block_key"]
+
+
+def block_key(parent: bytes, token_ids: Sequence[int]) -> bytes:
+    """The chained key of a full block: SHA-256 over the parent key and the tokens as 64-bit integers."""
+    return hashlib.sha256(parent + array.array("q", token_ids).tobytes()).digest()
+
+
+def root_key(namespace: str, cache_salt: str | None) -> bytes:
+    """The parent key of a sequence's first block: what the K/V depend on besides the tokens."""
+    # the length prefix keeps ("ab", "c") and ("a", "bc") apart; None and "" are distinct salts
+    salt = b"\x00" if cache_salt is None else b"\x01" + cache_salt.encode()
+    ns = namespace.encode()
+    return hashlib.sha256(len(ns).to_bytes(8, "little") + ns + salt).digest()
 
 
 class BlockAllocator:
@@ -105,7 +124,13 @@ class BlockManager:
     """Block tables of the live sequences over one :class:`BlockAllocator`."""
 
     def __init__(
-        self, num_blocks: int, block_size: int, max_seq_len: int, *, enable_prefix_caching: bool = False
+        self,
+        num_blocks: int,
+        block_size: int,
+        max_seq_len: int,
+        *,
+        enable_prefix_caching: bool = False,
+        namespace: str = "",
     ) -> None:
         if block_size <= 0 or max_seq_len <= 0:
             raise ConfigError(f"block manager: block_size {block_size} and max_seq_len {max_seq_len} must be > 0")
@@ -113,11 +138,14 @@ class BlockManager:
         self.max_seq_len = max_seq_len
         self.allocator = BlockAllocator(num_blocks, lowest_first=block_size >= max_seq_len)
         self.enable_prefix_caching = enable_prefix_caching
+        self.namespace = namespace  # what the K/V depend on besides tokens and salt (see root_key)
         self._tables: dict[int, list[int]] = {}
         self._seq_lens: dict[int, int] = {}
-        self._hash_of: dict[int, int] = {}  # full block -> its chained content hash
-        self._block_of: dict[int, int] = {}  # chained content hash -> block holding it
-        self._committed: dict[int, tuple[int, int]] = {}  # seq -> (full blocks hashed, last chained hash)
+        self._roots: dict[int, bytes] = {}  # seq -> the root key of its chain (namespace and cache salt)
+        #: full block -> (its chained key, its tokens): the tokens are compared on every hit
+        self._key_of: dict[int, tuple[bytes, tuple[int, ...]]] = {}
+        self._block_of: dict[bytes, int] = {}  # chained key -> block holding it
+        self._committed: dict[int, tuple[int, bytes]] = {}  # seq -> (full blocks keyed, last chained key)
 
     # -- bookkeeping ---------------------------------------------------------------------------------
     @property
@@ -158,14 +186,18 @@ class BlockManager:
     def can_add_sequence(self) -> bool:
         return self.allocator.num_free_blocks > 0  # its first token needs a block
 
-    def add_sequence(self, seq_id: int, token_ids: Sequence[int] = ()) -> int:
+    def add_sequence(self, seq_id: int, token_ids: Sequence[int] = (), cache_salt: str | None = None) -> int:
         """Start ``seq_id``. With prefix caching, share the cached full blocks ``token_ids`` starts with
-        (never the last token: its logits must be computed). Returns the number of tokens reused."""
+        (never the last token: its logits must be computed) that were computed under the same
+        ``cache_salt``. Returns the number of tokens reused."""
         if seq_id in self._seq_lens:
             raise KVCoreError(f"sequence {seq_id} is already in the KV cache")
         if not self.can_add_sequence():
             raise OutOfBlocksError(f"KV cache is full: no free block for sequence {seq_id}")
-        table = self._match_prefix(token_ids) if self.enable_prefix_caching else []
+        table = []
+        if self.enable_prefix_caching:
+            self._roots[seq_id] = root_key(self.namespace, cache_salt)
+            table = self._match_prefix(self._roots[seq_id], token_ids)
         for block_id in table:
             self.allocator.incref(block_id, revive=True)
         self._tables[seq_id] = table
@@ -179,6 +211,7 @@ class BlockManager:
             self.allocator.free(block_id)
         del self._seq_lens[seq_id]
         self._committed.pop(seq_id, None)
+        self._roots.pop(seq_id, None)
 
     def fork_sequence(self, src_seq_id: int, dst_seq_id: int) -> None:
         """``dst`` shares all of ``src``'s blocks (copy-on-write); takes no block now."""
@@ -190,6 +223,8 @@ class BlockManager:
             self.allocator.incref(block_id)
         self._tables[dst_seq_id] = table
         self._seq_lens[dst_seq_id] = length
+        if src_seq_id in self._roots:
+            self._roots[dst_seq_id] = self._roots[src_seq_id]
 
     def truncate(self, seq_id: int, num_tokens: int) -> None:
         """Undo a reservation: keep the first ``num_tokens`` tokens (whose K/V were written before) and give
@@ -200,7 +235,7 @@ class BlockManager:
         while len(table) > math.ceil(num_tokens / self.block_size):
             self.allocator.free(table.pop())
         self._seq_lens[seq_id] = num_tokens
-        if self._committed.get(seq_id, (0, 0))[0] > len(table):
+        if self._committed.get(seq_id, (0, b""))[0] > len(table):
             del self._committed[seq_id]  # the next commit re-walks the chain over the blocks now in the table
 
     # -- reservation ---------------------------------------------------------------------------------
@@ -276,38 +311,35 @@ class BlockManager:
 
     def _allocate(self) -> int:
         block_id = self.allocator.allocate()
-        stale = self._hash_of.pop(block_id, None)  # its old content is about to be overwritten
+        stale = self._key_of.pop(block_id, None)  # its old content is about to be overwritten
         if stale is not None:
-            del self._block_of[stale]
+            del self._block_of[stale[0]]
         return block_id
 
-    # -- prefix hashes -------------------------------------------------------------------------------
-    def _chain(self, token_ids: Sequence[int], num_blocks: int) -> list[int]:
-        hashes, parent, bs = [], 0, self.block_size
-        for i in range(num_blocks):
-            parent = hash((parent, tuple(token_ids[i * bs : (i + 1) * bs])))
-            hashes.append(parent)
-        return hashes
-
-    def _match_prefix(self, token_ids: Sequence[int]) -> list[int]:
-        table = []
-        for h in self._chain(token_ids, (len(token_ids) - 1) // self.block_size):
-            block_id = self._block_of.get(h)
-            if block_id is None:
+    # -- prefix keys ---------------------------------------------------------------------------------
+    def _match_prefix(self, root: bytes, token_ids: Sequence[int]) -> list[int]:
+        table, parent, bs = [], root, self.block_size
+        for i in range((len(token_ids) - 1) // bs):
+            tokens = tuple(token_ids[i * bs : (i + 1) * bs])
+            parent = block_key(parent, tokens)
+            block_id = self._block_of.get(parent)
+            # a key match alone is not trusted: the stored tokens must be the same too
+            if block_id is None or self._key_of[block_id][1] != tokens:
                 break
             table.append(block_id)
         return table
 
     def commit(self, seq_id: int, token_ids: Sequence[int]) -> None:
-        """Record the content hashes of ``seq_id``'s newly full blocks once their K/V are written
+        """Record the chained keys of ``seq_id``'s newly full blocks once their K/V are written
         (``token_ids``: the sequence's tokens so far). Incremental; a no-op without prefix caching."""
         if not self.enable_prefix_caching:
             return
         table, bs = self._tables[seq_id], self.block_size
-        done, parent = self._committed.get(seq_id, (0, 0))
+        done, parent = self._committed.get(seq_id, (0, self._roots[seq_id]))
         num_full = min(len(token_ids), self._seq_lens[seq_id]) // bs
         for i in range(done, num_full):
-            parent = hash((parent, tuple(token_ids[i * bs : (i + 1) * bs])))
-            if table[i] not in self._hash_of and parent not in self._block_of:
-                self._hash_of[table[i]], self._block_of[parent] = parent, table[i]
+            tokens = tuple(token_ids[i * bs : (i + 1) * bs])
+            parent = block_key(parent, tokens)
+            if table[i] not in self._key_of and parent not in self._block_of:
+                self._key_of[table[i]], self._block_of[parent] = (parent, tokens), table[i]
         self._committed[seq_id] = (max(done, num_full), parent)

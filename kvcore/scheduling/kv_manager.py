@@ -23,20 +23,25 @@ class KVCacheManager:
     :class:`~kvcore.scheduling.block_manager.BlockManager` over its blocks. Sequences are addressed by
     integer ``seq_id``."""
 
-    def __init__(self, cache: KVCache, *, enable_prefix_caching: bool = False) -> None:
+    def __init__(self, cache: KVCache, *, enable_prefix_caching: bool = False, namespace: str = "") -> None:
         self.cache = cache
         self.last_copies: list[tuple[int, int]] = []  # the copy-on-write copies the latest prepare() made
         self.blocks = BlockManager(
-            cache.num_blocks, cache.block_size, cache.spec.max_seq_len, enable_prefix_caching=enable_prefix_caching
+            cache.num_blocks,
+            cache.block_size,
+            cache.spec.max_seq_len,
+            enable_prefix_caching=enable_prefix_caching,
+            namespace=namespace,
         )
 
     # -- sequences (delegated to the block manager) ---------------------------------------------------
     def can_add_sequence(self) -> bool:
         return self.blocks.can_add_sequence()
 
-    def add_sequence(self, seq_id: int, token_ids: Sequence[int] = ()) -> int:
-        """Start ``seq_id``; returns how many leading tokens of ``token_ids`` are already cached."""
-        return self.blocks.add_sequence(seq_id, token_ids)
+    def add_sequence(self, seq_id: int, token_ids: Sequence[int] = (), cache_salt: str | None = None) -> int:
+        """Start ``seq_id``; returns how many leading tokens of ``token_ids`` are already cached (under
+        the same ``cache_salt``)."""
+        return self.blocks.add_sequence(seq_id, token_ids, cache_salt)
 
     def free_sequence(self, seq_id: int) -> None:
         self.blocks.free_sequence(seq_id)

@@ -233,8 +233,8 @@ class Scheduler:
                 continue
             seq_id = self.new_seq_id()
             tokens = req.all_ids  # a preempted request re-enters with prompt + generated so far
-            cached = self.kv.add_sequence(seq_id, tokens)
-            if shares_inflight_prefix(blocks, tokens, cached, [*self.running, *rows[0]]):
+            cached = self.kv.add_sequence(seq_id, tokens, req.params.cache_salt)
+            if shares_inflight_prefix(blocks, req, tokens, cached, [*self.running, *rows[0]]):
                 self.kv.free_sequence(seq_id)  # its prefix is being computed: admitted next, as a cache hit
                 break
             req.seq_id, req.num_computed_tokens = seq_id, cached

@@ -9,7 +9,8 @@ tokens back through one :class:`asyncio.Queue` per request, fed with ``loop.call
 The loop sleeps on the condition when there is nothing to do (no spinning), releases every request the
 step it finishes (``Engine.release``: no state outlives a request), aborts a request whose stream is
 closed early (a client that disconnected), and refuses new requests with :class:`QueueFullError` once
-``max_num_seqs + max_queue_len`` are in flight.
+``max_num_seqs + max_queue_len`` are in flight. :meth:`AsyncEngine.health` says why it cannot serve: the
+loop has died, a tensor-parallel rank has ended, or one step has run past ``step_watchdog_s``.
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ from kvcore.serving.stream import END, EngineDeadError, EngineStepError, QueueFu
 __all__ = ["AsyncEngine", "ServingStats", "RequestStream", "QueueFullError", "EngineDeadError"]
 
 logger = logging.getLogger(__name__)
+
+#: seconds one engine step may run before :meth:`AsyncEngine.health` reports the engine stalled
+DEFAULT_STEP_WATCHDOG_S = 60.0
 
 
 @dataclass
@@ -56,11 +60,23 @@ class AsyncEngine:
     :param max_queue_len: requests allowed to wait beyond the ``max_num_seqs`` the engine runs at once;
         past that, :meth:`submit` raises :class:`QueueFullError`.
     :param metrics: where the loop records token counts, TTFT / TPOT and finish reasons.
+    :param step_watchdog_s: a step running longer than this makes :meth:`health` fail (None: never).
     """
 
-    def __init__(self, engine: Any, *, max_queue_len: int = 256, metrics: ServingMetrics | None = None) -> None:
+    def __init__(
+        self,
+        engine: Any,
+        *,
+        max_queue_len: int = 256,
+        metrics: ServingMetrics | None = None,
+        step_watchdog_s: float | None = DEFAULT_STEP_WATCHDOG_S,
+    ) -> None:
         if max_queue_len < 0:
             raise ConfigError(f"max_queue_len must be >= 0, got {max_queue_len}")
+        if step_watchdog_s is not None and not step_watchdog_s > 0:
+            raise ConfigError(f"step_watchdog_s must be > 0 (or None: no watchdog), got {step_watchdog_s}")
+        self.step_watchdog_s = step_watchdog_s
+        self._step_started: float | None = None  # time.monotonic() when the running step began
         self.engine = engine
         self.metrics = metrics or ServingMetrics()
         self.max_in_flight = engine.config.max_num_seqs + max_queue_len
@@ -80,6 +96,20 @@ class AsyncEngine:
     @property
     def is_running(self) -> bool:
         return self._thread.is_alive() and not self._stopping
+
+    def health(self) -> str | None:
+        """Why this front cannot serve now, or None: the loop has stopped, a tensor-parallel rank has
+        ended, or the running step has taken longer than ``step_watchdog_s``. Cheap; any thread."""
+        if not self.is_running:
+            return self._dead_reason()
+        started = self._step_started
+        if started is not None and self.step_watchdog_s is not None:
+            running = time.monotonic() - started
+            if running > self.step_watchdog_s:
+                return (f"the engine is stalled: its current step has run for {running:.1f} s, past the watchdog "
+                        f"limit of {self.step_watchdog_s:g} s")
+        runner = getattr(self.engine, "runner", None)
+        return runner.failure() if runner is not None else None
 
     async def submit(
         self, prompt: str | Sequence[int], params: SamplingParams, request_id: str | None = None
@@ -204,6 +234,7 @@ class AsyncEngine:
             stream._put(exc)
 
     def _step(self) -> None:
+        self._step_started = time.monotonic()
         try:
             events = self.engine.step()
         except Exception as exc:
@@ -214,6 +245,8 @@ class AsyncEngine:
             for entry in list(self._entries.values()):
                 self._end(entry, "error", notify=failure)
             return
+        finally:
+            self._step_started = None
         now = time.perf_counter()
         for event in events:
             entry = self._owner.get(event.request_id)

@@ -20,14 +20,21 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from kvcore.errors import ChatTemplateError, ContextLengthError, InvalidRequestError, KVCoreError, OutOfBlocksError
 from kvcore.serving.async_engine import AsyncEngine
 from kvcore.serving.metrics import CONTENT_TYPE
-from kvcore.serving.protocol import GenerationJob, error_body, parse_chat, parse_completion
+from kvcore.serving.protocol import (
+    GenerationJob,
+    error_body,
+    max_body_bytes,
+    max_prompt_chars,
+    parse_chat,
+    parse_completion,
+)
 from kvcore.serving.responses import ChatFormat, Choice, CompletionFormat, TokenTexts
 from kvcore.serving.stream import EngineDeadError, EngineStepError, QueueFullError, RequestStream
 
@@ -37,9 +44,18 @@ logger = logging.getLogger(__name__)
 
 #: what a 429 tells the client to wait before retrying, in seconds
 RETRY_AFTER_S = 1
-#: largest request body read (bytes): far above any prompt a context window holds, far below what would
-#: hurt the server; a bigger body is answered 413 without being read to the end
+#: largest request body read (bytes): far below what would hurt the server; a bigger body is answered 413
+#: without being read to the end. A body past what the model's context can use (protocol.max_body_bytes)
+#: is read but refused unparsed (400 context_length_exceeded)
 MAX_REQUEST_BYTES = 16 * 1024 * 1024
+#: seconds a client may take to send its whole request body once the headers are in (408 after that)
+BODY_TIMEOUT_S = 30.0
+#: most '{' and '[' bytes a body may hold (inside strings too): each JSON object or array costs tens of bytes
+#: of memory once parsed, so this bounds what a body of tiny containers can cost
+MAX_JSON_CONTAINERS = 1_000_000
+#: requests parsed and tokenised at once, in worker threads; others wait their turn without blocking
+#: the event loop (a parse holds at most one body's worth of JSON in memory)
+MAX_CONCURRENT_PARSES = 4
 
 
 class _HTTPError(Exception):
@@ -153,7 +169,11 @@ def build_app(
     """
     engine = front.engine
     tokenizer = engine.tokenizer
-    limits = dict(vocab_size=engine.model.config.vocab_size, max_model_len=engine.max_model_len)
+    vocab_size = engine.model.config.vocab_size
+    prompt_chars = max_prompt_chars(tokenizer, engine.max_model_len) if tokenizer is not None else 0
+    limits = dict(vocab_size=vocab_size, max_model_len=engine.max_model_len, max_prompt_chars=prompt_chars)
+    body_limit = min(MAX_REQUEST_BYTES, max_body_bytes(prompt_chars, vocab_size))
+    parsing = asyncio.Semaphore(MAX_CONCURRENT_PARSES)
     metrics = front.metrics
     token_text = TokenTexts(tokenizer)
 
@@ -161,6 +181,8 @@ def build_app(
         async def wrapped(request: Request) -> Response:
             try:
                 response = await handler(request)
+            except ClientDisconnect:  # the client hung up before its request was in: nobody to answer
+                response = Response(status_code=499)
             except Exception as exc:  # noqa: BLE001 - every failure becomes an OpenAI error body
                 response = _error_response(exc)
             metrics.http_requests.labels(endpoint=endpoint, status=str(response.status_code)).inc()
@@ -176,41 +198,65 @@ def build_app(
             raise _HTTPError(401, "invalid API key: send 'Authorization: Bearer <key>'", "invalid_request_error",
                              "invalid_api_key")
 
-    async def read_body(request: Request) -> dict:
+    async def read_body(request: Request) -> bytes:
+        """The body's bytes, bounded in size and in time; a body this model cannot use is not parsed."""
         too_large = _HTTPError(413, f"the request body exceeds {MAX_REQUEST_BYTES} bytes", "invalid_request_error",
                                "request_too_large")
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > MAX_REQUEST_BYTES:
             raise too_large
         chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > MAX_REQUEST_BYTES:
-                raise too_large
-            chunks.append(chunk)
         try:
-            body = json.loads(b"".join(chunks))
+            async with asyncio.timeout(BODY_TIMEOUT_S):
+                async for chunk in request.stream():
+                    size += len(chunk)
+                    if size > MAX_REQUEST_BYTES:
+                        raise too_large
+                    chunks.append(chunk)
+        except TimeoutError:
+            raise _HTTPError(408, f"the request body did not arrive within {BODY_TIMEOUT_S:g} s",
+                             "invalid_request_error", "request_timeout") from None
+        if size > body_limit:
+            raise ContextLengthError(
+                f"the request body has {size} bytes; no request to this model's context of {engine.max_model_len} "
+                f"tokens needs more than {body_limit}; shorten the prompt"
+            )
+        return b"".join(chunks)
+
+    def decode_body(data: bytes) -> dict:
+        if data.count(b"{") + data.count(b"[") > MAX_JSON_CONTAINERS:
+            raise InvalidRequestError(f"the request body has more than {MAX_JSON_CONTAINERS} '{{' and '[' characters; "
+                                      "no request needs that many (write them inside strings as \\u007b, \\u005b)")
+        try:
+            body = json.loads(data)
         except (ValueError, UnicodeDecodeError) as exc:
             raise InvalidRequestError(f"the request body is not valid JSON: {exc}") from None
+        except RecursionError:
+            raise InvalidRequestError("the request body is nested too deeply to be a request") from None
         if not isinstance(body, dict):
             raise InvalidRequestError("the request body must be a JSON object")
         return body
 
-    async def generate(request: Request, parse: Callable, fmt_cls: type, prefix: str) -> Response:
-        check_auth(request)
-        body = await read_body(request)
-        if tokenizer is None:
-            raise EngineDeadError("this server's model has no tokenizer")
-        job: GenerationJob = parse(body, tokenizer, **limits)
+    def prepare(data: bytes, parse: Callable, fmt_cls: type, request_id: str):
+        """Body → job and response format: JSON decoding, templating and tokenising (a worker thread)."""
+        job: GenerationJob = parse(decode_body(data), tokenizer, **limits)
         if job.model is not None and job.model != model_name:
             raise _HTTPError(404, f"the model '{job.model}' does not exist; this server serves '{model_name}'",
                              "invalid_request_error", "model_not_found")
-        request_id = f"{prefix}-{uuid.uuid4().hex}"
         extra = {}
         if fmt_cls is CompletionFormat:
             extra["prompt_texts"] = [text if text is not None else tokenizer.decode(ids, skip_special_tokens=False)
                                      for text, ids in zip(job.prompt_texts, job.prompts)]
-        fmt = fmt_cls(job, request_id, model_name, token_text, **extra)
+        return job, fmt_cls(job, request_id, model_name, token_text, **extra)
+
+    async def generate(request: Request, parse: Callable, fmt_cls: type, prefix: str) -> Response:
+        check_auth(request)
+        if tokenizer is None:
+            raise EngineDeadError("this server's model has no tokenizer")
+        data = await read_body(request)
+        request_id = f"{prefix}-{uuid.uuid4().hex}"
+        async with parsing:  # the event loop only waits: the work runs in a thread, a bounded number at once
+            job, fmt = await asyncio.to_thread(prepare, data, parse, fmt_cls, request_id)
         streams: list[RequestStream] = []
         try:
             for p, prompt in enumerate(job.prompts):
@@ -227,11 +273,12 @@ def build_app(
             await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             watch.cancel()
-            if not work.done():  # the client went away: stop generating for it
+            gone = not work.done()
+            if gone:  # the client went away: stop generating for it
                 work.cancel()
                 for s in streams:
                     s.abort()
-        if work.cancelled():
+        if gone:
             return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
         return JSONResponse(work.result())
 
@@ -285,8 +332,9 @@ def build_app(
         return JSONResponse(card)
 
     async def health(request: Request) -> Response:
-        if not front.is_running:
-            raise EngineDeadError(front._dead_reason())
+        problem = front.health()
+        if problem is not None:
+            raise EngineDeadError(problem)
         return JSONResponse({"status": "ok"})
 
     async def prometheus(request: Request) -> Response:

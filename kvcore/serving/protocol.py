@@ -16,12 +16,32 @@ from typing import Any
 from kvcore.errors import ContextLengthError, InvalidRequestError
 from kvcore.interfaces.sampler import MAX_LOGPROBS, SamplingParams
 
-__all__ = ["GenerationJob", "parse_completion", "parse_chat", "error_body", "usage", "MAX_N"]
+__all__ = [
+    "GenerationJob", "parse_completion", "parse_chat", "error_body", "usage", "MAX_N", "max_prompt_chars",
+    "max_body_bytes",
+]
 
 #: most choices one request may ask for (n × number of prompts)
 MAX_N = 16
 #: OpenAI's limit on stop sequences
 MAX_STOP = 4
+#: headroom on "characters per token" for normalisers (NFC/NFKC) that merge code points before tokenising
+CHARS_PER_TOKEN_SLACK = 4
+#: bytes JSON may spend on one character of a string (``\uXXXX``)
+JSON_BYTES_PER_CHAR = 6
+
+
+def max_prompt_chars(tokenizer: Any, max_model_len: int) -> int:
+    """Characters past which a prompt cannot fit into ``max_model_len`` tokens: no token covers more
+    than ``tokenizer.max_token_chars`` of them. Longer prompts are refused before they are tokenised."""
+    return max_model_len * tokenizer.max_token_chars * CHARS_PER_TOKEN_SLACK
+
+
+def max_body_bytes(prompt_chars: int, vocab_size: int) -> int:
+    """The largest request body a request this model can run may need: :data:`MAX_N` prompts of
+    ``prompt_chars`` characters as JSON may escape them, a ``logit_bias`` over the whole vocabulary
+    and room for the other fields. A longer body is refused before it is parsed."""
+    return MAX_N * prompt_chars * JSON_BYTES_PER_CHAR + vocab_size * 32 + (1 << 20)
 
 
 @dataclass(frozen=True)
@@ -112,6 +132,22 @@ def _stop(body: Mapping) -> tuple[str, ...]:
     return tuple(stops)
 
 
+def _token_ids(body: Mapping, name: str, vocab_size: int) -> tuple[int, ...]:
+    value = body.get(name)
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        raise _bad(name, "a list of integer token ids", value)
+    return tuple(_int({name: t}, name, 0, 0, vocab_size - 1) for t in value)
+
+
+def _cache_salt(body: Mapping) -> str | None:
+    value = body.get("cache_salt")
+    if value is not None and not (isinstance(value, str) and value):
+        raise _bad("cache_salt", "a non-empty string", value)
+    return value
+
+
 def _logit_bias(body: Mapping, vocab_size: int) -> dict[int, float]:
     value = body.get("logit_bias")
     if value is None:
@@ -160,14 +196,23 @@ def _params(body: Mapping, *, max_tokens: int, logprobs: int | None, vocab_size:
         seed=_int(body, "seed", None, -(2**63), 2**64 - 1),
         n=n,
         stop=_stop(body),
-        stop_token_ids=tuple(_int({"id": t}, "id", 0, 0, vocab_size - 1) for t in body.get("stop_token_ids") or ()),
+        stop_token_ids=_token_ids(body, "stop_token_ids", vocab_size),
         presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
         frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
         repetition_penalty=_number(body, "repetition_penalty", 1.0, 1e-6, math.inf),
         logit_bias=_logit_bias(body, vocab_size),
         logprobs=logprobs,
         ignore_eos=_bool(body, "ignore_eos", False),
+        cache_salt=_cache_salt(body),
     )
+
+
+def _check_chars(num_chars: int, limit: int, what: str) -> None:
+    if num_chars > limit:
+        raise ContextLengthError(
+            f"{what} has {num_chars} characters; no text longer than {limit} characters fits this model's "
+            "context window; shorten it"
+        )
 
 
 def _max_tokens(requested: int | None, prompt_lens: list[int], max_model_len: int) -> int:
@@ -181,8 +226,11 @@ def _max_tokens(requested: int | None, prompt_lens: list[int], max_model_len: in
     return requested if requested is not None else max_model_len - longest
 
 
-def parse_completion(body: Mapping, tokenizer: Any, *, vocab_size: int, max_model_len: int) -> GenerationJob:
-    """``POST /v1/completions``: ``prompt`` is a string, a list of strings, token ids, or a list of those."""
+def parse_completion(
+    body: Mapping, tokenizer: Any, *, vocab_size: int, max_model_len: int, max_prompt_chars: int
+) -> GenerationJob:
+    """``POST /v1/completions``: ``prompt`` is a string, a list of strings, token ids, or a list of those.
+    A prompt that cannot fit ``max_model_len`` is refused from its length, before it is tokenised."""
     prompt = body.get("prompt")
     if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt)):
         raw = [prompt]
@@ -197,8 +245,10 @@ def parse_completion(body: Mapping, tokenizer: Any, *, vocab_size: int, max_mode
         if isinstance(p, str):
             if not p:
                 raise _bad("prompt", "non-empty", p)
+            _check_chars(len(p), max_prompt_chars, "the prompt")
             prompts.append(tokenizer.encode(p))
         elif p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+            _max_tokens(None, [len(p)], max_model_len)  # before the scan below walks a list of any length
             bad = [t for t in p if not 0 <= t < vocab_size]
             if bad:
                 raise _bad("prompt", f"made of token ids in [0, {vocab_size})", bad[0])
@@ -247,8 +297,11 @@ def _message_text(message: Mapping, i: int) -> dict[str, str]:
     return {"role": role, "content": content}
 
 
-def parse_chat(body: Mapping, tokenizer: Any, *, vocab_size: int, max_model_len: int) -> GenerationJob:
-    """``POST /v1/chat/completions``: ``messages`` rendered with the model's chat template."""
+def parse_chat(
+    body: Mapping, tokenizer: Any, *, vocab_size: int, max_model_len: int, max_prompt_chars: int
+) -> GenerationJob:
+    """``POST /v1/chat/completions``: ``messages`` rendered with the model's chat template; messages that
+    cannot fit ``max_model_len`` are refused from their length, before rendering and tokenising."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages or not all(isinstance(m, Mapping) for m in messages):
         raise _bad("messages", "a non-empty list of message objects", messages)
@@ -262,8 +315,9 @@ def parse_chat(body: Mapping, tokenizer: Any, *, vocab_size: int, max_model_len:
     fmt = body.get("response_format")
     if fmt is not None and (not isinstance(fmt, Mapping) or fmt.get("type") != "text"):
         raise _bad("response_format", "{'type': 'text'} (JSON mode is not supported)", fmt)
-    text = tokenizer.apply_chat_template([_message_text(m, i) for i, m in enumerate(messages)],
-                                         add_generation_prompt=True)
+    texts = [_message_text(m, i) for i, m in enumerate(messages)]
+    _check_chars(sum(len(m["role"]) + len(m["content"]) for m in texts), max_prompt_chars, "the conversation")
+    text = tokenizer.apply_chat_template(texts, add_generation_prompt=True)
     prompt_ids = tokenizer.encode(text, add_bos=False)  # the template writes its own BOS
     stream = _bool(body, "stream", False)
     want_logprobs = _bool(body, "logprobs", False)

@@ -11,10 +11,68 @@ from typing import Any
 
 from kvcore.errors import ConfigError
 
-__all__ = ["build_engine", "run_server", "ServerThread", "DEFAULT_MAX_NUM_SEQS"]
+__all__ = ["build_engine", "run_server", "ServerThread", "uvicorn_config", "DEFAULT_MAX_NUM_SEQS"]
 
 #: requests a server runs at once unless --max-num-seqs or the config file says otherwise
 DEFAULT_MAX_NUM_SEQS = 16
+#: seconds a connection may take to send a request's headers (from connecting, or from the end of the
+#: previous response); a client too slow is disconnected, so idle sockets cannot use up the descriptors
+HEADER_TIMEOUT_S = 10.0
+#: seconds an idle keep-alive connection stays open between requests
+KEEP_ALIVE_TIMEOUT_S = 5
+
+
+def _timed_h11_protocol(header_timeout_s: float) -> type:
+    """uvicorn's h11 protocol with a deadline for each request's headers (uvicorn has none of its own)."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class TimedH11Protocol(H11Protocol):
+        _header_deadline = None
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._arm()
+
+        def _arm(self) -> None:
+            self._disarm()
+            self._header_deadline = self.loop.call_later(header_timeout_s, self._headers_too_slow)
+
+        def _disarm(self) -> None:
+            if self._header_deadline is not None:
+                self._header_deadline.cancel()
+                self._header_deadline = None
+
+        def _waiting_for_headers(self) -> bool:
+            return self.cycle is None or self.cycle.response_complete
+
+        def handle_events(self) -> None:
+            super().handle_events()
+            if not self._waiting_for_headers():
+                self._disarm()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing() and self._waiting_for_headers():
+                self._arm()
+
+        def connection_lost(self, exc) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def _headers_too_slow(self) -> None:
+            self._header_deadline = None
+            if self._waiting_for_headers() and not self.transport.is_closing():
+                self.transport.close()
+
+    return TimedH11Protocol
+
+
+def uvicorn_config(app: Any, *, header_timeout_s: float = HEADER_TIMEOUT_S, **options: Any):
+    """The uvicorn settings every kvcore server runs with: h11 with a header deadline, a short keep-alive."""
+    import uvicorn
+
+    return uvicorn.Config(app, http=_timed_h11_protocol(header_timeout_s), lifespan="on",
+                          timeout_keep_alive=KEEP_ALIVE_TIMEOUT_S, **options)
 
 
 def build_engine(settings: dict[str, Any]):
@@ -59,6 +117,7 @@ def run_server(
     api_key: str | None = None,
     max_queue_len: int = 256,
     log_level: str = "info",
+    step_watchdog_s: float | None = None,
 ) -> int:
     """Serve until interrupted (Ctrl-C / SIGTERM): in-flight streams get a few seconds to finish, then the
     engine loop stops. Prints ``kvcore: serving <model> on http://<host>:<port>`` once bound (the real
@@ -70,9 +129,10 @@ def run_server(
 
     sock = _bind(host, port)
     bound_port = sock.getsockname()[1]
-    front = AsyncEngine(engine, max_queue_len=max_queue_len)
+    watchdog = {} if step_watchdog_s is None else {"step_watchdog_s": step_watchdog_s or None}  # 0: off
+    front = AsyncEngine(engine, max_queue_len=max_queue_len, **watchdog)
     app = build_app(front, model_name=model_name, api_key=api_key)
-    config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5, lifespan="on")
+    config = uvicorn_config(app, log_level=log_level, timeout_graceful_shutdown=5)
     server = uvicorn.Server(config)
     shown = f"[{host}]" if ":" in host else host
     if api_key is None and host not in ("127.0.0.1", "localhost", "::1"):
@@ -97,14 +157,18 @@ class ServerThread:
     Leaving the block stops the server (and runs the app's shutdown, which stops its engine loop).
     """
 
-    def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0, startup_timeout_s: float = 30.0) -> None:
+    def __init__(
+        self, app: Any, host: str = "127.0.0.1", port: int = 0, startup_timeout_s: float = 30.0,
+        header_timeout_s: float = HEADER_TIMEOUT_S,
+    ) -> None:
         import uvicorn
 
         self._sock = _bind(host, port)
         self.port = self._sock.getsockname()[1]
         self.url = f"http://{host}:{self.port}"
         self.startup_timeout_s = startup_timeout_s
-        config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=2)
+        config = uvicorn_config(app, header_timeout_s=header_timeout_s, log_level="warning",
+                                timeout_graceful_shutdown=2)
         self.server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self._sock]}, daemon=True,
                                         name="kvcore-http")

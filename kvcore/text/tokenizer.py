@@ -73,6 +73,7 @@ class Tokenizer:
         self._chat_template = chat_template or None
         self._compiled_template: jinja2.Template | None = None
         self._special_ids = {i for i, t in backend.get_added_tokens_decoder().items() if t.special}
+        self._max_token_chars: int | None = None
         eos = list(dict.fromkeys(int(i) for i in eos_token_ids))
         eos.extend(i for i in self._end_of_turn_ids() if i not in eos)
         self._eos_token_ids = eos
@@ -212,6 +213,16 @@ class Tokenizer:
         return self._backend.get_vocab_size(with_added_tokens=True)
 
     @property
+    def max_token_chars(self) -> int:
+        """Characters of the longest token as the vocabulary spells it (added tokens included): no token
+        covers more characters of un-normalised text than this (byte-level BPE spells one byte per
+        character, SentencePiece spells a space as one character and byte fallbacks as six)."""
+        if self._max_token_chars is None:
+            vocab = self._backend.get_vocab(with_added_tokens=True)
+            self._max_token_chars = max((len(t) for t in vocab), default=1)
+        return self._max_token_chars
+
+    @property
     def bos_token_id(self) -> int | None:
         return self._bos_token_id
 
@@ -251,7 +262,9 @@ class Tokenizer:
         if not isinstance(text, str):
             raise InvalidRequestError(f"text to encode must be a str, got {type(text).__name__}")
         try:
-            ids = self._backend.encode(text, add_special_tokens=False).ids
+            # encode_batch lets go of the GIL while it works (encode does not): a server tokenising in a
+            # worker thread keeps answering on its event loop
+            ids = self._backend.encode_batch([text], add_special_tokens=False)[0].ids
         except TypeError:  # the Rust side rejects strings UTF-8 cannot encode
             raise InvalidRequestError(
                 "text contains a lone surrogate (invalid Unicode): fix the input"

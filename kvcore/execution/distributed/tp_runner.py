@@ -254,6 +254,16 @@ class TensorParallelRunner:
         if any(p.exitcode is not None for p in self._state.procs):
             self._fail("a worker process ended")
 
+    def failure(self) -> str | None:
+        """Why the group cannot serve (it failed, or a worker process has ended), or None. Reads process
+        states only: safe to call from another thread (a health check) while a step runs."""
+        if self._broken:
+            return self._broken
+        for rank, p in enumerate(self._state.procs, start=1):
+            if p.exitcode is not None:
+                return f"tensor-parallel rank {rank} (pid {p.pid}) has ended (exit code {p.exitcode})"
+        return None
+
     def _fail(self, cause: str) -> None:
         """Tear the group down and raise one TensorParallelError (what died or hung, and how)."""
         # A peer's closed socket usually means it died a moment ago: give the kernel time to report the exit

@@ -1,0 +1,207 @@
+"""Hostile HTTP clients over loopback: no request makes the event loop do unbounded work, every bad body
+is a 400 with OpenAI's error object, slow and vanishing clients cost nothing and are no server error."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import logging
+import socket
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+
+import kvcore.serving.openai_api as openai_api
+from kvcore import Engine, EngineConfig
+from kvcore.serving import AsyncEngine, build_app
+from kvcore.serving.server import ServerThread
+
+TINY = Path(__file__).parent / "data" / "tiny-llama"
+TIMEOUT = 30
+
+
+@pytest.fixture(scope="module")
+def server():
+    torch.set_num_threads(1)
+    front = AsyncEngine(Engine.from_pretrained(str(TINY), EngineConfig(backend="paged", max_num_seqs=4,
+                                                                       enable_prefix_caching=True)))
+    with ServerThread(build_app(front, model_name="tiny"), header_timeout_s=1.0) as srv:
+        srv.front = front
+        yield srv
+
+
+def call(srv, method: str, path: str, body: bytes | dict | None = None) -> tuple[int, dict]:
+    conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=TIMEOUT)
+    data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
+    conn.request(method, path, data, {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    raw = resp.read()
+    conn.close()
+    return resp.status, json.loads(raw) if raw else {}
+
+
+def metrics(srv) -> dict:
+    conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=TIMEOUT)
+    conn.request("GET", "/metrics")
+    text = conn.getresponse().read().decode()
+    conn.close()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for f in text_string_to_metric_families(text) for s in f.samples}
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+#: bounds with headroom for a loaded machine; tokenising the 15 MB prompt on the event loop took tens of seconds
+REFUSAL_BOUND_S, HEALTH_BOUND_S = 2.0, 0.5
+
+
+def test_a_15_mb_prompt_is_refused_fast_while_health_answers(server):
+    prompt = "hello world " * (15_000_000 // 12)
+    # encoded up front: the client shares the process (and its GIL) with the server under test
+    bodies = [("/v1/completions", json.dumps({"prompt": prompt, "max_tokens": 4}).encode()),
+              ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": prompt}]}).encode())]
+    health: list[float] = []
+    done = threading.Event()
+
+    def poll():
+        while not done.is_set():
+            t0 = time.perf_counter()
+            status, _ = call(server, "GET", "/health")
+            assert status == 200
+            health.append(time.perf_counter() - t0)
+            time.sleep(0.01)
+
+    poller = threading.Thread(target=poll)
+    before = rss_bytes()
+    poller.start()
+    try:
+        for _ in range(5):
+            for path, data in bodies:
+                t0 = time.perf_counter()
+                status, body = call(server, "POST", path, data)
+                elapsed = time.perf_counter() - t0
+                assert status == 400 and body["error"]["code"] == "context_length_exceeded", body
+                assert elapsed < REFUSAL_BOUND_S, elapsed
+    finally:
+        done.set()
+        poller.join()
+    assert len(health) > 5 and max(health) < HEALTH_BOUND_S, max(health)
+    del prompt, bodies
+    # the client's own copies are gone again; what is left is the server's
+    assert rss_bytes() - before < 100 * 2**20, (rss_bytes() - before) / 2**20
+
+
+def test_a_prompt_just_past_the_character_bound_is_never_tokenised(server, monkeypatch):
+    tokenizer = server.front.engine.tokenizer
+    limit = 256 * tokenizer.max_token_chars * 4
+    calls = []
+    real = type(tokenizer).encode
+    monkeypatch.setattr(type(tokenizer), "encode", lambda self, text, add_bos=None: calls.append(len(text))
+                        or real(self, text, add_bos))
+    status, body = call(server, "POST", "/v1/completions", {"prompt": "a" * (limit + 1)})
+    assert status == 400 and body["error"]["code"] == "context_length_exceeded"
+    assert str(limit) in body["error"]["message"] and calls == []
+    status, body = call(server, "POST", "/v1/completions", {"prompt": "a" * limit, "max_tokens": 1})
+    assert calls == [limit]  # at the bound it is tokenised, and the token count decides
+    assert status == 400 and body["error"]["code"] == "context_length_exceeded"
+
+
+@pytest.mark.parametrize("body, needle", [
+    ({"prompt": "hi", "stop_token_ids": 5}, "stop_token_ids"),
+    ({"prompt": "hi", "stop_token_ids": ["5"]}, "stop_token_ids"),
+    ({"prompt": "hi", "stop_token_ids": [10**9]}, "stop_token_ids"),
+    ({"prompt": "hi", "cache_salt": 5}, "cache_salt"),
+    ({"prompt": "hi", "cache_salt": ""}, "cache_salt"),
+    (b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
+    (b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "nested too deeply"),
+    (b"[" + b"{}," * 1_000_000 + b"{}]", "bytes"),  # a body no request of this model can need: not parsed
+])
+def test_bad_bodies_are_400(server, body, needle):
+    status, payload = call(server, "POST", "/v1/completions", body)
+    assert status == 400 and needle in payload["error"]["message"], payload
+    assert set(payload["error"]) == {"message", "type", "param", "code"}
+
+
+def test_a_body_of_many_tiny_containers_is_refused_unparsed(server, monkeypatch):
+    monkeypatch.setattr(openai_api, "MAX_JSON_CONTAINERS", 1000)
+    status, payload = call(server, "POST", "/v1/completions", b'{"prompt": [' + b"[]," * 1000 + b'[]]}')
+    assert status == 400 and "more than 1000" in payload["error"]["message"], payload
+    status, _ = call(server, "POST", "/v1/completions", {"prompt": "{" * 100 + "[" * 50, "max_tokens": 1})
+    assert status == 200  # under the bound, brackets in a prompt are fine
+
+
+def test_cache_salt_over_http(server):
+    prompt = list(range(3, 83))  # 5 full blocks of 16
+
+    def cached(**extra) -> int:
+        status, body = call(server, "POST", "/v1/completions",
+                            {"prompt": prompt, "max_tokens": 1, "temperature": 0, **extra})
+        assert status == 200, body
+        return (body["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+
+    assert cached(cache_salt="alice") == 0
+    assert cached(cache_salt="bob") == 0
+    assert cached() == 0
+    assert cached(cache_salt="alice") >= 64
+
+
+def test_slow_headers_are_disconnected(server):
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+    sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")  # never ends its headers
+    t0 = time.perf_counter()
+    assert sock.recv(100) == b""  # closed by the server
+    assert time.perf_counter() - t0 < 5
+    sock.close()
+    idle = socket.create_connection(("127.0.0.1", server.port), timeout=10)  # sends nothing at all
+    assert idle.recv(100) == b""
+    idle.close()
+    assert call(server, "GET", "/health")[0] == 200
+
+
+def test_a_slow_body_is_408(server, monkeypatch):
+    monkeypatch.setattr(openai_api, "BODY_TIMEOUT_S", 0.5)
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: 100\r\n\r\n{\"prompt\":")
+    reply = b""
+    while b"}}" not in reply and (chunk := sock.recv(4096)):
+        reply += chunk
+    sock.close()
+    assert reply.startswith(b"HTTP/1.1 408") and b"request_timeout" in reply
+
+
+def test_a_client_hanging_up_is_an_abort_not_a_server_error(server, caplog):
+    before = metrics(server)
+    with caplog.at_level(logging.WARNING):
+        # mid-body: the server never gets the whole request
+        sock = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"prompt\"")
+        time.sleep(0.2)
+        sock.close()
+        # mid-generation, not streaming
+        sock = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+        data = json.dumps({"prompt": "tell me", "max_tokens": 200, "ignore_eos": True}).encode()
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(data), data))
+        time.sleep(0.3)
+        sock.close()
+        key = ("kvcore_http_requests_total", (("endpoint", "/v1/completions"), ("status", "499")))
+        abort = ("kvcore_requests_total", (("status", "abort"),))
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            after = metrics(server)
+            if after.get(key, 0) - before.get(key, 0) >= 2 and after.get(abort, 0) > before.get(abort, 0):
+                break
+            time.sleep(0.05)
+    assert after[key] - before.get(key, 0) == 2
+    server_errors = [k for k in after if k[0] == "kvcore_http_requests_total" and dict(k[1])["status"] == "500"]
+    assert all(after[k] == before.get(k, 0) for k in server_errors)
+    assert after.get(abort, 0) - before.get(abort, 0) == 1  # the one that reached the engine
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING and r.exc_info], caplog.text
