@@ -26,7 +26,7 @@ from kvcore.backends.contiguous import ContiguousKVCache
 from kvcore.backends.paged import PagedKVCache
 from kvcore.errors import ContextLengthError, KVCoreError, OutOfBlocksError
 from kvcore.interfaces.kv_cache import CacheSpec
-from kvcore.scheduling.block_manager import BlockAllocator
+from kvcore.scheduling.block_pool import BlockAllocator
 from kvcore.scheduling.kv_manager import KVCacheManager
 
 SETTINGS = settings(

@@ -386,7 +386,7 @@ def test_add_sequence_to_a_full_pool_is_refused():
 
 
 def test_block_allocator():
-    from kvcore.scheduling.block_manager import BlockAllocator
+    from kvcore.scheduling.block_pool import BlockAllocator
 
     alloc = BlockAllocator(3)
     a, b, c = alloc.allocate(), alloc.allocate(), alloc.allocate()

@@ -15,7 +15,8 @@ import kvcore.scheduling.block_manager as block_manager
 from kvcore import Engine, EngineConfig, SamplingParams
 from kvcore.conformance.models import get_model
 from kvcore.errors import InvalidRequestError
-from kvcore.scheduling.block_manager import BlockManager, block_key, root_key
+from kvcore.scheduling.block_manager import BlockManager
+from kvcore.scheduling.block_pool import block_key, root_key
 
 BS = 4
 A = list(range(100, 100 + 3 * BS)) + [7]  # 3 full blocks and a last token

@@ -105,6 +105,9 @@ class Executor(Protocol):
     def describe(self) -> dict[str, Any] | None:
         """What each process of the group runs (None: one process)."""
 
+    def failure(self) -> str | None:
+        """Why the executor can no longer run a step (a rank has ended), or None. Cheap; any thread."""
+
     def close(self) -> None:
         """Release what :meth:`start` took (processes, process groups)."""
 
@@ -129,6 +132,9 @@ class ModelRunner:
 
     def describe(self) -> None:
         return None
+
+    def failure(self) -> None:
+        return None  # this process is the executor: if it runs, it can step
 
     def close(self) -> None:
         return None

@@ -16,7 +16,7 @@ against the bytes that remain *before* anything is read or allocated, in the spi
   aligned, inside the file, and no two tensors overlapping.
 
 Walking the 49k-token vocabulary of the embedded SmolLM2 file is a loop over ~100k length prefixes
-(README, "Hostile model files", has the measured cost). Every failure is a :class:`GGUFFormatError` naming
+(docs/models.md, "Hostile model files", has the measured cost). Every failure is a :class:`GGUFFormatError` naming
 the file, the place and what is wrong.
 """
 
@@ -25,12 +25,12 @@ from __future__ import annotations
 import mmap
 import os
 import struct
-from dataclasses import dataclass
 from pathlib import Path
 
 from gguf import GGML_QUANT_SIZES
 
 from kvcore.errors import ModelLoadError
+from kvcore.loaders.gguf_format import MAX_STRING_BYTES, Cursor, GGUFFormatError, GGUFLayout, GGUFTensorInfo
 
 __all__ = [
     "GGUFFormatError",
@@ -44,8 +44,8 @@ __all__ = [
     "MAX_DIMS",
 ]
 
-#: longest string (key, value or array element) accepted, in bytes; chat templates are ~10 KB
-MAX_STRING_BYTES = 16 * 1024 * 1024
+_U64 = struct.Struct("<Q")  # a length prefix
+
 #: most elements in one metadata array (vocabularies are ~10^5 - 10^6 tokens)
 MAX_ARRAY_LENGTH = 1 << 26
 #: arrays of arrays: llama.cpp reads none; the format allows them, kvcore reads at most this depth
@@ -66,81 +66,6 @@ _BLOCKS = {int(t): (int(b), int(s)) for t, (b, s) in GGML_QUANT_SIZES.items()}
 _MIN_KV_BYTES = 8 + 4 + 1  # key length, value type, a one-byte value
 _MIN_TENSOR_INFO_BYTES = 8 + 4 + 8 + 4 + 8  # name length, n_dims, one dim, type, offset
 
-_U32 = struct.Struct("<I")
-_U64 = struct.Struct("<Q")
-
-
-class GGUFFormatError(ModelLoadError):
-    """A GGUF file's header, metadata or tensor table is malformed (truncated, inconsistent or hostile)."""
-
-
-@dataclass(frozen=True)
-class GGUFTensorInfo:
-    """One tensor-table entry. ``dims`` in GGUF order (fastest-varying first, ``[in, out]`` for a weight);
-    ``offset`` absolute in the file; ``nbytes`` the encoded size."""
-
-    name: str
-    dims: tuple[int, ...]
-    ggml_type: int
-    offset: int
-    nbytes: int
-
-
-@dataclass(frozen=True)
-class GGUFLayout:
-    """What :func:`validate_gguf` read: format version, the number of metadata keys, the data alignment,
-    where the data section starts and the tensor table, in file order."""
-
-    version: int
-    num_kv: int
-    alignment: int
-    data_offset: int
-    tensors: tuple[GGUFTensorInfo, ...]
-
-
-class _Cursor:
-    """A read position in ``buf`` that refuses to read past ``size``; failures name ``where``."""
-
-    def __init__(self, buf: mmap.mmap | bytes, size: int, path: Path) -> None:
-        self.buf, self.size, self.pos, self.path = buf, size, 0, path
-
-    def fail(self, what: str) -> GGUFFormatError:
-        return GGUFFormatError(f"'{self.path}' is not a valid GGUF file: {what}")
-
-    def need(self, n: int, what: str) -> None:
-        if n > self.size - self.pos:
-            raise self.fail(f"truncated at byte {self.pos}: {what} needs {n} bytes, {self.size - self.pos} left")
-
-    def u32(self, what: str) -> int:
-        self.need(4, what)
-        (value,) = _U32.unpack_from(self.buf, self.pos)
-        self.pos += 4
-        return value
-
-    def u64(self, what: str) -> int:
-        self.need(8, what)
-        (value,) = _U64.unpack_from(self.buf, self.pos)
-        self.pos += 8
-        return value
-
-    def skip_string(self, what: str) -> int:
-        """Step over a length-prefixed string; returns its start."""
-        n = self.u64(what)
-        if n > MAX_STRING_BYTES:
-            raise self.fail(f"{what} claims {n} bytes (limit {MAX_STRING_BYTES})")
-        self.need(n, what)
-        start = self.pos
-        self.pos += n
-        return start
-
-    def string(self, what: str) -> str:
-        start = self.skip_string(what)
-        try:
-            return bytes(self.buf[start : self.pos]).decode("utf-8")
-        except UnicodeDecodeError:
-            raise self.fail(f"{what} is not valid UTF-8") from None
-
-
 def validate_gguf(path: str | os.PathLike[str]) -> GGUFLayout:
     """Check ``path``'s GGUF structure (see the module docstring) without reading tensor data.
 
@@ -154,12 +79,12 @@ def validate_gguf(path: str | os.PathLike[str]) -> GGUFLayout:
             if size == 0:
                 raise GGUFFormatError(f"'{path}' is not a valid GGUF file: it is empty")
             with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-                return _walk(_Cursor(buf, size, path))
+                return _walk(Cursor(buf, size, path))
     except OSError as exc:
         raise ModelLoadError(f"cannot read '{path}': {exc.strerror or exc}") from None
 
 
-def _walk(cur: _Cursor) -> GGUFLayout:
+def _walk(cur: Cursor) -> GGUFLayout:
     cur.need(4, "the magic")
     magic = bytes(cur.buf[0:4])
     if magic != b"GGUF":
@@ -184,7 +109,7 @@ def _walk(cur: _Cursor) -> GGUFLayout:
     return GGUFLayout(version, num_kv, alignment, data_offset, tensors)
 
 
-def _metadata(cur: _Cursor, num_kv: int) -> int:
+def _metadata(cur: Cursor, num_kv: int) -> int:
     """Walk the key/value pairs; returns ``general.alignment`` (default 32)."""
     keys: set[str] = set()
     alignment = DEFAULT_ALIGNMENT
@@ -201,7 +126,7 @@ def _metadata(cur: _Cursor, num_kv: int) -> int:
     return alignment
 
 
-def _alignment(cur: _Cursor, key: str, vtype: int) -> int:
+def _alignment(cur: Cursor, key: str, vtype: int) -> int:
     if vtype != _UINT32:  # llama.cpp and the gguf reader read it as uint32 only
         raise cur.fail(f"'{key}' must be a uint32 (GGUF type 4), not GGUF type {vtype}")
     value = cur.u32(f"the value of '{key}'")
@@ -210,7 +135,7 @@ def _alignment(cur: _Cursor, key: str, vtype: int) -> int:
     return value
 
 
-def _value(cur: _Cursor, key: str, vtype: int, depth: int) -> None:
+def _value(cur: Cursor, key: str, vtype: int, depth: int) -> None:
     """Step over one value of type ``vtype`` (recursing into arrays up to MAX_ARRAY_DEPTH)."""
     if vtype in _FIXED_SIZES:
         cur.need(_FIXED_SIZES[vtype], f"the value of '{key}'")
@@ -245,7 +170,7 @@ def _value(cur: _Cursor, key: str, vtype: int, depth: int) -> None:
         raise cur.fail(f"metadata '{key}' has invalid value type {vtype}")
 
 
-def _skip_strings(cur: _Cursor, key: str, count: int) -> None:
+def _skip_strings(cur: Cursor, key: str, count: int) -> None:
     """The hot loop (one pass per vocabulary entry): locals only, one unpack and two compares each."""
     buf, size, pos = cur.buf, cur.size, cur.pos
     unpack = _U64.unpack_from
@@ -262,7 +187,7 @@ def _skip_strings(cur: _Cursor, key: str, count: int) -> None:
     cur.pos = pos
 
 
-def _tensor_info(cur: _Cursor, index: int) -> tuple[str, tuple[int, ...], int, int]:
+def _tensor_info(cur: Cursor, index: int) -> tuple[str, tuple[int, ...], int, int]:
     name = cur.string(f"the name of tensor #{index}")
     if len(name.encode("utf-8")) > MAX_TENSOR_NAME:
         raise cur.fail(f"tensor #{index} has a name of {len(name.encode())} bytes (limit {MAX_TENSOR_NAME})")
@@ -280,7 +205,7 @@ def _tensor_info(cur: _Cursor, index: int) -> tuple[str, tuple[int, ...], int, i
 
 
 def _place(
-    cur: _Cursor, infos: list[tuple[str, tuple[int, ...], int, int]], data_offset: int, alignment: int
+    cur: Cursor, infos: list[tuple[str, tuple[int, ...], int, int]], data_offset: int, alignment: int
 ) -> tuple[GGUFTensorInfo, ...]:
     """Type, size and position checks of the tensor table; the data section starts at ``data_offset``."""
     names: set[str] = set()

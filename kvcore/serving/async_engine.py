@@ -108,8 +108,7 @@ class AsyncEngine:
             if running > self.step_watchdog_s:
                 return (f"the engine is stalled: its current step has run for {running:.1f} s, past the watchdog "
                         f"limit of {self.step_watchdog_s:g} s")
-        runner = getattr(self.engine, "runner", None)
-        return runner.failure() if runner is not None else None
+        return self.engine.runner.failure()
 
     async def submit(
         self, prompt: str | Sequence[int], params: SamplingParams, request_id: str | None = None
