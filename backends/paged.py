@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from kvcore.attention import AttentionBackend, AttentionMetadata, BackendCapabilities, causal_mask
+from kvcore.attention import AttentionBackend, AttentionMetadata, BackendCapabilities, causal_mask, host_to_device
 from kvcore.errors import ConfigError
 from kvcore.hookspecs import hookimpl
 from kvcore.kv_cache import CacheCapabilities, CacheSpec, KVCache, copy_block_rows
@@ -138,7 +138,7 @@ class PagedBackend(AttentionBackend[PagedPlan]):
             keys = bt.shape[1] * meta.block_size
             valid = torch.arange(keys, device=device)[None, :] < meta.seq_lens_t[:, None]  # [B, keys]
             return PagedPlan(meta, bt.flatten(), valid[:, None, None, :], [])
-        tables = [torch.tensor(t, dtype=torch.long, device=device) for t in meta.block_tables]
+        tables = host_to_device([torch.tensor(t, dtype=torch.long) for t in meta.block_tables], device)
         lossless = cache.capabilities.unit_roundoff is None
         return PagedPlan(meta, torch.empty(0, dtype=torch.long), None, tables, fresh_from_input=lossless)
 

@@ -1,5 +1,5 @@
-"""``xformers``: ``xformers.ops.memory_efficient_attention`` (CUDA only; fp16/bf16, and fp32 through its
-CUTLASS kernel).
+"""``xformers``: ``xformers.ops.memory_efficient_attention`` (CUDA only; fp16/bf16, and fp32 up to sm90
+through its CUTLASS kernel).
 
 One kernel call per layer for the whole ragged batch, prefill and decode alike:
 
@@ -29,21 +29,39 @@ bias classes), imported on first use; tests pass ``kernels=XFORMERS_KERNELS`` fr
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from types import SimpleNamespace
+from typing import Any
 
 import torch
 
-from kvcore.attention import BackendCapabilities
+from kvcore.attention import AttentionMetadata, BackendCapabilities
 from kvcore.hookspecs import hookimpl
 from kvcore.kv_cache import KVCache
 
-from .flash_attn2 import KernelBackend, SlotPlan, cuda_availability, kv_views
+from .flash_attn2 import KernelBackend, SlotPlan, cuda_availability, kv_views, slot_plan
 
-__all__ = ["XFormersBackend"]
+__all__ = ["XFormersBackend", "XFormersPlan"]
 
 XFORMERS_INSTALL = "pip install --no-deps xformers==0.0.35 to keep your torch; see docs/gpu-backends.md"
-#: xformers' docs: "NVIDIA GPUs with compute capability above 6.0 (P100+)"; bf16 needs sm80
+#: xformers' docs: "NVIDIA GPUs with compute capability above 6.0 (P100+)"
 XFORMERS_MIN_CC = (6, 0)
+#: xformers 0.0.35's forward operators: bf16 needs sm80 (every kernel family); float32 has one operator,
+#: cutlassF (``CUDA_MAXIMUM_COMPUTE_CAPABILITY = (9, 0)``): fa2F, fa3F and the Blackwell CUTLASS kernel
+#: take fp16/bf16 only, so sm100+ has no float32 operator
+XFORMERS_DTYPE_CC = ((torch.bfloat16, (8, 0), None), (torch.float32, (6, 0), (9, 0)))
+
+
+@dataclass(frozen=True)
+class XFormersPlan:
+    """What every layer of one call shares: the slot plan, the attention bias (built once per step) and
+    where the keys come from."""
+
+    slots: SlotPlan
+    bias: Any  # BlockDiagonalCausalMask (fresh prefill) or BlockDiagonalCausalWithOffsetPaddedKeysMask
+    keys_from_cache: bool = False  # False: a fresh prefill attends to this call's own K/V
+    pad: int = 0  # rows per sequence's key block
+    view_from: int | None = None  # first slot when the key blocks are a view of the cache, else gathered
 
 
 def _xformers_kernels() -> SimpleNamespace:
@@ -76,6 +94,7 @@ class XFormersBackend(KernelBackend):
         head_dim_multiple=8,
         supports_gqa=True,
         min_compute_capability=XFORMERS_MIN_CC,
+        dtype_compute_capability=XFORMERS_DTYPE_CC,
     )
 
     # memory_efficient_attention, BlockDiagonalCausalMask, BlockDiagonalCausalWithOffsetPaddedKeysMask
@@ -85,20 +104,20 @@ class XFormersBackend(KernelBackend):
     def availability(cls) -> str | None:
         return cuda_availability("xformers", XFORMERS_INSTALL, XFORMERS_MIN_CC) or _import_reason()
 
-    def validate(
-        self, *, device: torch.device, dtype: torch.dtype, head_dim: int, num_heads: int, num_kv_heads: int
-    ) -> list[str]:
-        reasons = super().validate(
-            device=device, dtype=dtype, head_dim=head_dim, num_heads=num_heads, num_kv_heads=num_kv_heads
+    def plan(self, meta: AttentionMetadata, cache: KVCache) -> XFormersPlan:
+        """The step's bias object and key-block geometry, once for every layer (a bias holds device tensors)."""
+        xf, slots, device = self.kernels, slot_plan(meta), cache.spec.device
+        if max(meta.context_lens) == 0:
+            return XFormersPlan(slots, xf.BlockDiagonalCausalMask.from_seqlens(meta.query_lens, device=device))
+        first, num_seqs = meta.slots[0], meta.num_seqs
+        if cache.layout == "flash_contiguous" and meta.slots == list(range(first, first + num_seqs)):
+            pad, view_from = cache.spec.max_seq_len, first  # consecutive slots: the key blocks are the cache itself
+        else:
+            pad, view_from = meta.max_seq_len, None  # the used rows are gathered into blocks of pad rows
+        bias = xf.BlockDiagonalCausalWithOffsetPaddedKeysMask.from_seqlens(
+            q_seqlen=meta.query_lens, kv_padding=pad, kv_seqlen=meta.seq_lens, device=device
         )
-        if dtype == torch.bfloat16 and device.type == "cuda":
-            try:
-                cc = torch.cuda.get_device_capability(device) if torch.cuda.is_available() else None
-            except Exception:
-                cc = None
-            if cc is not None and cc < (8, 0):
-                reasons.append(f"bfloat16 needs compute capability 8.0+ (GPU has {cc[0]}.{cc[1]})")
-        return reasons
+        return XFormersPlan(slots, bias, keys_from_cache=True, pad=pad, view_from=view_from)
 
     def forward(
         self,
@@ -107,41 +126,32 @@ class XFormersBackend(KernelBackend):
         k: torch.Tensor,  # [T, H_kv, D]
         v: torch.Tensor,  # [T, H_kv, D]
         cache: KVCache,
-        plan: SlotPlan,
+        plan: XFormersPlan,
     ) -> torch.Tensor:
-        xf = self.kernels
-        meta = plan.meta
-        cache.write(layer_idx, k, v, meta)
-        if max(meta.context_lens) == 0:
-            keys, values = k.unsqueeze(0), v.unsqueeze(0)  # [1, T, H_kv, D]
-            bias = xf.BlockDiagonalCausalMask.from_seqlens(meta.query_lens, device=q.device)
+        cache.write(layer_idx, k, v, plan.slots.meta)
+        if plan.keys_from_cache:
+            keys, values = self._padded_keys(cache, layer_idx, plan)  # [1, B * pad, H_kv, D]
         else:
-            keys, values, pad = self._padded_keys(cache, layer_idx, plan)  # [1, B * pad, H_kv, D]
-            bias = xf.BlockDiagonalCausalWithOffsetPaddedKeysMask.from_seqlens(
-                q_seqlen=meta.query_lens, kv_padding=pad, kv_seqlen=meta.seq_lens, device=q.device
-            )
+            keys, values = k.unsqueeze(0), v.unsqueeze(0)  # [1, T, H_kv, D]
         query, keys, values = _grouped(q.unsqueeze(0), keys, values)
-        out = xf.memory_efficient_attention(query, keys, values, attn_bias=bias, p=0.0, scale=meta.scale)
+        out = self.kernels.memory_efficient_attention(
+            query, keys, values, attn_bias=plan.bias, p=0.0, scale=plan.slots.meta.scale
+        )
         return out.reshape(q.shape)
 
     @staticmethod
-    def _padded_keys(cache: KVCache, layer_idx: int, plan: SlotPlan):
-        """Each sequence's keys in its own block of ``pad`` rows, as ``[1, B * pad, H_kv, D]``."""
+    def _padded_keys(cache: KVCache, layer_idx: int, plan: XFormersPlan):
+        """Each sequence's keys in its own block of ``plan.pad`` rows, as ``[1, B * pad, H_kv, D]``."""
         k_cache, v_cache = kv_views(cache, layer_idx)  # [slots, S, H_kv, D]
-        meta = plan.meta
-        slots = meta.slots
-        num_seqs, max_len = len(slots), k_cache.shape[1]
-        first = slots[0]
-        if cache.layout == "flash_contiguous" and slots == list(range(first, first + num_seqs)):
-            # consecutive slots of a contiguous slab: the blocks are the cache itself (zero copy)
-            keys = k_cache[first : first + num_seqs].reshape(1, num_seqs * max_len, *k_cache.shape[2:])
-            values = v_cache[first : first + num_seqs].reshape(1, num_seqs * max_len, *v_cache.shape[2:])
-            return keys, values, max_len
-        pad = meta.max_seq_len
-        slots_t = plan.slots_t
+        num_seqs, pad = plan.slots.meta.num_seqs, plan.pad
+        if plan.view_from is not None:  # a view of the flash_contiguous slab (zero copy)
+            rows = slice(plan.view_from, plan.view_from + num_seqs)
+            return (k_cache[rows].reshape(1, num_seqs * pad, *k_cache.shape[2:]),
+                    v_cache[rows].reshape(1, num_seqs * pad, *v_cache.shape[2:]))
+        slots_t = plan.slots.slots_t
         keys = k_cache[slots_t, :pad].reshape(1, num_seqs * pad, *k_cache.shape[2:])  # gathers B × pad rows
         values = v_cache[slots_t, :pad].reshape(1, num_seqs * pad, *v_cache.shape[2:])
-        return keys, values, pad
+        return keys, values
 
 
 def _grouped(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor):

@@ -13,6 +13,9 @@ Tokens of all sequences in one forward call are *packed* along a single axis (vL
 from __future__ import annotations
 
 import abc
+import functools
+import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
@@ -21,7 +24,14 @@ import torch
 if TYPE_CHECKING:
     from kvcore.kv_cache import KVCache
 
-__all__ = ["AttentionMetadata", "BackendCapabilities", "AttentionBackend", "causal_mask", "cu_seqlens"]
+__all__ = [
+    "AttentionMetadata",
+    "BackendCapabilities",
+    "AttentionBackend",
+    "causal_mask",
+    "cu_seqlens",
+    "host_to_device",
+]
 
 #: a backend's own per-call plan type (``AttentionMetadata`` itself when it needs nothing more)
 PlanT = TypeVar("PlanT")
@@ -70,6 +80,11 @@ class AttentionMetadata:
     def max_seq_len(self) -> int:
         return max(self.seq_lens)
 
+    @functools.cached_property
+    def query_starts(self) -> list[int]:
+        """``cu_seqlens_q`` as a host list ``[B + 1]``: row offsets of the sequences without a device sync."""
+        return [0, *itertools.accumulate(self.query_lens)]
+
     @property
     def is_decode(self) -> bool:
         """True when every sequence contributes exactly one query row (a decode step)."""
@@ -97,16 +112,21 @@ class AttentionMetadata:
         tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in block_tables], dtype=torch.int32)
         seq_of_token = torch.repeat_interleave(torch.arange(len(query_lens)), torch.tensor(query_lens))  # [T]
         blocks = tables.long()[seq_of_token, positions // block_size]
+        slot_mapping = blocks * block_size + positions % block_size
+        # built on the host, sent in one copy (a step's metadata is small; one copy per tensor would not be)
+        positions, cu_q, seq_lens, tables, slot_mapping = host_to_device(
+            [positions, cu_seqlens(query_lens), seq_lens, tables, slot_mapping], device
+        )
         return cls(
             query_lens=list(query_lens),
             context_lens=list(context_lens),
             block_tables=[list(t) for t in block_tables],
             block_size=block_size,
-            positions=positions.to(device),
-            cu_seqlens_q=cu_seqlens(query_lens, device),
-            seq_lens_t=seq_lens.to(device),
-            block_tables_t=tables.to(device),
-            slot_mapping=(blocks * block_size + positions % block_size).to(device),
+            positions=positions,
+            cu_seqlens_q=cu_q,
+            seq_lens_t=seq_lens,
+            block_tables_t=tables,
+            slot_mapping=slot_mapping,
             scale=scale,
         )
 
@@ -117,6 +137,26 @@ def cu_seqlens(lengths: list[int], device: torch.device | str = "cpu") -> torch.
     out = torch.zeros(len(lengths) + 1, dtype=torch.int32)
     out[1:] = torch.tensor(lengths, dtype=torch.int64).cumsum(0)
     return out.to(device)
+
+
+def host_to_device(tensors: Sequence[torch.Tensor], device: torch.device | str) -> list[torch.Tensor]:
+    """Small host integer tensors on ``device`` in one copy, same shapes and dtypes (as they are on the CPU).
+
+    On CUDA they are packed into one pinned int64 staging buffer and copied with ``non_blocking=True``: the
+    host does not wait for the copy, and torch's pinned-memory cache keeps the buffer until the copy ran.
+    """
+    device = torch.device(device)
+    if device.type == "cpu":
+        return list(tensors)
+    flat = [t.reshape(-1).to(torch.int64) for t in tensors]
+    staging = torch.empty(sum(f.numel() for f in flat), dtype=torch.int64, pin_memory=device.type == "cuda")
+    torch.cat(flat, out=staging)
+    packed = staging.to(device, non_blocking=True)
+    out, start = [], 0
+    for t in tensors:
+        out.append(packed[start : start + t.numel()].view(t.shape).to(t.dtype))  # int32 casts run on the device
+        start += t.numel()
+    return out
 
 
 def causal_mask(context_len: int, query_len: int, device: torch.device) -> torch.Tensor:
@@ -141,6 +181,9 @@ class BackendCapabilities:
     supports_prefill: bool = True
     supports_decode: bool = True
     min_compute_capability: tuple[int, int] | None = None  # CUDA only, e.g. (8, 0) for sm80
+    #: CUDA only: dtypes served on part of the compute-capability range alone, as ``(dtype, lowest,
+    #: highest)`` (both inclusive; ``None``: no upper limit), e.g. a dtype only one kernel family has
+    dtype_compute_capability: tuple[tuple[torch.dtype, tuple[int, int], tuple[int, int] | None], ...] = ()
     #: its decode ``forward`` can be traced by ``torch.compile`` (``EngineConfig.compile``): tensor ops only,
     #: no host syncs, reads only the plan's tensors and ints, writes the cache only through whole cache
     #: tensors, never views of them (see kvcore/compile.py)
@@ -166,12 +209,31 @@ class BackendCapabilities:
             reasons.append(f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
         elif num_kv_heads != num_heads and not self.supports_gqa:
             reasons.append(f"grouped-query attention ({num_heads} query / {num_kv_heads} KV heads) not supported")
-        if device.type == "cuda" and self.min_compute_capability and torch.cuda.is_available():
+        if device.type == "cuda" and torch.cuda.is_available():
             have = torch.cuda.get_device_capability(device)
-            if have < self.min_compute_capability:
+            if self.min_compute_capability and have < self.min_compute_capability:
                 need = ".".join(map(str, self.min_compute_capability))
                 reasons.append(f"GPU compute capability {have[0]}.{have[1]} < {need}")
+            if dtype in self.dtypes and dtype not in self.dtypes_on(have):
+                reasons.append(f"dtype {str(dtype).removeprefix('torch.')} is not served on compute capability "
+                               f"{have[0]}.{have[1]} ({self.dtype_range(dtype)})")
         return reasons
+
+    def dtypes_on(self, compute_capability: tuple[int, int]) -> frozenset[torch.dtype]:
+        """The declared dtypes a CUDA GPU of ``compute_capability`` is served in."""
+        ranges = {d: (low, high) for d, low, high in self.dtype_compute_capability}
+        return frozenset(
+            d for d in self.dtypes
+            if d not in ranges or (ranges[d][0] <= compute_capability and
+                                   (ranges[d][1] is None or compute_capability <= ranges[d][1]))
+        )
+
+    def dtype_range(self, dtype: torch.dtype) -> str:
+        """``"sm60-sm90"`` / ``"sm80+"``: where ``dtype`` is served ("any" when it has no range)."""
+        for d, low, high in self.dtype_compute_capability:
+            if d == dtype:
+                return f"sm{low[0]}{low[1]}" + (f"-sm{high[0]}{high[1]}" if high else "+")
+        return "any"
 
 
 class AttentionBackend(abc.ABC, Generic[PlanT]):
