@@ -1,7 +1,7 @@
 """CPU emulations of the GPU attention kernels that ``flash_attn2`` and ``xformers`` call.
 
 A testing module, not part of the kvcore runtime package: ``tests/test_gpu_backends_emulated.py`` and
-``scripts/gpu_check.sh --emulate`` import it from ``tests/`` and pass ``FLASH_KERNELS`` /
+``scripts/gpu_check.py --emulate`` import it from ``tests/`` and pass ``FLASH_KERNELS`` /
 ``XFORMERS_KERNELS`` to the backends as ``kernels=``.
 
 flash-attn and xformers only run on CUDA, so their backends cannot be exercised on a CPU-only machine.

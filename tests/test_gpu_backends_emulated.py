@@ -8,7 +8,7 @@ glue unchanged, with the kernels swapped (``kernels=`` constructor option) for
 every output and the cache contents with the ``naive`` oracle, in float32.
 
 The emulations are themselves checked against ``naive`` (fed by hand-built inputs, no backend glue), and
-planted glue bugs are shown to make the comparison fail. Real-kernel checks live in scripts/gpu_check.sh.
+planted glue bugs are shown to make the comparison fail. Real-kernel checks live in scripts/gpu_check.py.
 """
 
 from __future__ import annotations
