@@ -15,6 +15,11 @@ One kernel call per layer for the whole ragged batch, prefill and decode alike:
   with ``query_len == 1``. When the batch occupies consecutive slots of the ``flash_contiguous`` cache the
   blocks are a *view* of the cache (``kv_padding = max_seq_len``, no copy); otherwise the used rows are
   gathered into blocks of ``kv_padding = max(seq_lens)``.
+* **fp16/bf16 on a ``flash_contiguous`` cache** (sm80+, where xformers' FlashAttention operators serve
+  them): the keys are the whole cache layer as one view ``[1, slots * max_seq_len, H_kv, D]`` and the bias
+  is ``BlockDiagonalCausalWithOffsetGappyKeysMask.from_seqlens(q_seqlen=query_lens, kv_seqstarts=[slot *
+  max_seq_len ...] + [slots * max_seq_len], kv_seqlen=seq_lens)``: each sequence's keys are read where
+  they lie, in any slot order, with no copy. fp32 has only cutlassF, which takes no gappy bias.
 * **GQA/MQA** uses xformers' 5-D ``[B, M, G, H, K]`` layout: ``G = H_kv`` groups of ``H / H_kv`` query
   heads; K/V are ``[B, M, G, 1, K]`` *expanded* (stride 0, no copy) to ``[B, M, G, H/H_kv, K]``, since
   xformers does not broadcast by itself. Query head ``g * (H / H_kv) + j`` reads KV head ``g``, Llama's
@@ -23,7 +28,7 @@ One kernel call per layer for the whole ragged batch, prefill and decode alike:
 Cache kinds: ``flash_contiguous`` (shared with ``flash_attn2``; ``[slots, S, H_kv, D]`` per layer, which
 allows the zero-copy path) and ``contiguous`` (read through a transposed view, always gathered).
 
-The kernels are reached through ``self.kernels`` (xformers' ``memory_efficient_attention`` and the two
+The kernels are reached through ``self.kernels`` (xformers' ``memory_efficient_attention`` and the three
 bias classes), imported on first use; tests pass ``kernels=XFORMERS_KERNELS`` from ``tests/kernel_emulation.py``.
 """
 
@@ -58,10 +63,22 @@ class XFormersPlan:
     where the keys come from."""
 
     slots: SlotPlan
-    bias: Any  # BlockDiagonalCausalMask (fresh prefill) or BlockDiagonalCausalWithOffsetPaddedKeysMask
-    keys_from_cache: bool = False  # False: a fresh prefill attends to this call's own K/V
-    pad: int = 0  # rows per sequence's key block
-    view_from: int | None = None  # first slot when the key blocks are a view of the cache, else gathered
+    bias: Any  # BlockDiagonalCausalMask or BlockDiagonalCausalWithOffset{Padded,Gappy}KeysMask
+    keys: str = "input"  # "input": this call's K/V; "slab": the whole cache layer; "blocks": padded blocks
+    pad: int = 0  # "blocks": rows per sequence's key block
+    view_from: int | None = None  # "blocks": first slot when the blocks are a view of the cache, else gathered
+
+
+#: the dtypes xformers' FlashAttention operators (fa2F, fa3F, the Blackwell CUTLASS kernel) serve on sm80+;
+#: only they take a gappy-keys bias
+GAPPY_DTYPES = frozenset({torch.float16, torch.bfloat16})
+
+
+def _gappy_served(cache: KVCache) -> bool:
+    spec = cache.spec
+    if cache.layout != "flash_contiguous" or spec.dtype not in GAPPY_DTYPES:
+        return False
+    return spec.device.type != "cuda" or torch.cuda.get_device_capability(spec.device) >= (8, 0)
 
 
 def _xformers_kernels() -> SimpleNamespace:
@@ -72,6 +89,7 @@ def _xformers_kernels() -> SimpleNamespace:
         memory_efficient_attention=xformers.ops.memory_efficient_attention,
         BlockDiagonalCausalMask=attn_bias.BlockDiagonalCausalMask,
         BlockDiagonalCausalWithOffsetPaddedKeysMask=attn_bias.BlockDiagonalCausalWithOffsetPaddedKeysMask,
+        BlockDiagonalCausalWithOffsetGappyKeysMask=attn_bias.BlockDiagonalCausalWithOffsetGappyKeysMask,
     )
 
 
@@ -97,7 +115,7 @@ class XFormersBackend(KernelBackend):
         dtype_compute_capability=XFORMERS_DTYPE_CC,
     )
 
-    # memory_efficient_attention, BlockDiagonalCausalMask, BlockDiagonalCausalWithOffsetPaddedKeysMask
+    # memory_efficient_attention, BlockDiagonalCausalMask, BlockDiagonalCausalWithOffset{Padded,Gappy}KeysMask
     _load_kernels = staticmethod(_xformers_kernels)
 
     @classmethod
@@ -105,19 +123,26 @@ class XFormersBackend(KernelBackend):
         return cuda_availability("xformers", XFORMERS_INSTALL, XFORMERS_MIN_CC) or _import_reason()
 
     def plan(self, meta: AttentionMetadata, cache: KVCache) -> XFormersPlan:
-        """The step's bias object and key-block geometry, once for every layer (a bias holds device tensors)."""
+        """The step's bias object and key geometry, once for every layer (a bias holds device tensors)."""
         xf, slots, device = self.kernels, slot_plan(meta), cache.spec.device
         if max(meta.context_lens) == 0:
             return XFormersPlan(slots, xf.BlockDiagonalCausalMask.from_seqlens(meta.query_lens, device=device))
+        slot_len = cache.spec.max_seq_len
+        if _gappy_served(cache):  # every sequence's keys where they lie in the cache layer
+            starts = [slot * slot_len for slot in meta.slots] + [cache.num_blocks * slot_len]
+            bias = xf.BlockDiagonalCausalWithOffsetGappyKeysMask.from_seqlens(
+                q_seqlen=meta.query_lens, kv_seqstarts=starts, kv_seqlen=meta.seq_lens, device=device
+            )
+            return XFormersPlan(slots, bias, keys="slab")
         first, num_seqs = meta.slots[0], meta.num_seqs
         if cache.layout == "flash_contiguous" and meta.slots == list(range(first, first + num_seqs)):
-            pad, view_from = cache.spec.max_seq_len, first  # consecutive slots: the key blocks are the cache itself
+            pad, view_from = slot_len, first  # consecutive slots: the key blocks are the cache itself
         else:
             pad, view_from = meta.max_seq_len, None  # the used rows are gathered into blocks of pad rows
         bias = xf.BlockDiagonalCausalWithOffsetPaddedKeysMask.from_seqlens(
             q_seqlen=meta.query_lens, kv_padding=pad, kv_seqlen=meta.seq_lens, device=device
         )
-        return XFormersPlan(slots, bias, keys_from_cache=True, pad=pad, view_from=view_from)
+        return XFormersPlan(slots, bias, keys="blocks", pad=pad, view_from=view_from)
 
     def forward(
         self,
@@ -129,7 +154,10 @@ class XFormersBackend(KernelBackend):
         plan: XFormersPlan,
     ) -> torch.Tensor:
         cache.write(layer_idx, k, v, plan.slots.meta)
-        if plan.keys_from_cache:
+        if plan.keys == "slab":
+            k_cache, v_cache = kv_views(cache, layer_idx)  # [slots, S, H_kv, D], contiguous
+            keys, values = k_cache.flatten(0, 1).unsqueeze(0), v_cache.flatten(0, 1).unsqueeze(0)  # views
+        elif plan.keys == "blocks":
             keys, values = self._padded_keys(cache, layer_idx, plan)  # [1, B * pad, H_kv, D]
         else:
             keys, values = k.unsqueeze(0), v.unsqueeze(0)  # [1, T, H_kv, D]

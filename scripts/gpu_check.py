@@ -382,6 +382,7 @@ def xformers_kernels(emulate: bool, ops: Counter) -> SimpleNamespace:
         memory_efficient_attention=memory_efficient_attention,
         BlockDiagonalCausalMask=base.BlockDiagonalCausalMask,
         BlockDiagonalCausalWithOffsetPaddedKeysMask=base.BlockDiagonalCausalWithOffsetPaddedKeysMask,
+        BlockDiagonalCausalWithOffsetGappyKeysMask=base.BlockDiagonalCausalWithOffsetGappyKeysMask,
     )
 
 
@@ -556,10 +557,11 @@ def reduce_flash_sources(root: Path) -> int:
 
     setup = root / "setup.py"
     text = setup.read_text()
+    kernels = re.compile(r'\n\s*"csrc/flash_attn/src/flash_(?:bwd|fwd|fwd_split)_hdim\d+_\w+\.cu",')
     keep = re.compile(r"flash_fwd(_split)?_hdim(64|128)_(fp16|bf16)(_causal)?_sm80\.cu")
-    text, _ = re.subn(r'\n\s*"csrc/flash_attn/src/flash_(?:bwd|fwd|fwd_split)_hdim\d+_\w+\.cu",',
-                      lambda m: m.group(0) if keep.search(m.group(0)) else "", text)
-    dropped = 80 - len(re.findall(r'"csrc/flash_attn/src/flash_\w+\.cu"', text))
+    before = len(kernels.findall(text))
+    text = kernels.sub(lambda m: m.group(0) if keep.search(m.group(0)) else "", text)
+    dropped = before - len(kernels.findall(text))
     flags = ", ".join(f'"-DFLASHATTENTION_DISABLE_{f}"' for f in FLASH_DISABLE)
     text = text.replace('compiler_c17_flag=["-O3", "-std=c++17"]', f'compiler_c17_flag=["-O3", "-std=c++17", {flags}]')
     text = text.replace('"--use_fast_math",', f'"--use_fast_math", {flags},', 1)
@@ -595,7 +597,8 @@ def stage_flash_build(emulate: bool) -> tuple[str, str]:
     root = next(src.iterdir())
     dropped = reduce_flash_sources(root)
     print(f"dropped {dropped} kernel files; building {root.name} for sm90", flush=True)
-    env = {**os.environ, "FLASH_ATTENTION_FORCE_BUILD": "TRUE", "FLASH_ATTN_CUDA_ARCHS": "90", "MAX_JOBS": "12"}
+    env = {**os.environ, "FLASH_ATTENTION_FORCE_BUILD": "TRUE", "FLASH_ATTN_CUDA_ARCHS": "90", "MAX_JOBS": "14",
+           "NVCC_THREADS": "1"}  # one arch: parallel files, not parallel nvcc passes
     cmd = [sys.executable, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--no-index", "--target",
            str(site), str(root)]
     code = subprocess.run(cmd, env=env, cwd=root).returncode

@@ -17,7 +17,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from kernel_emulation import EmulatedBlockDiagonalCausalMask, EmulatedBlockDiagonalCausalWithOffsetPaddedKeysMask
+from kernel_emulation import (
+    EmulatedBlockDiagonalCausalMask,
+    EmulatedBlockDiagonalCausalWithOffsetGappyKeysMask,
+    EmulatedBlockDiagonalCausalWithOffsetPaddedKeysMask,
+)
 from torch.overrides import TorchFunctionMode
 
 import kvcore.attention as attention_mod
@@ -73,6 +77,7 @@ def _xformers_doubles(built: list[str]):
         memory_efficient_attention=lambda q, k, v, **kw: torch.empty(q.shape, dtype=q.dtype, device=q.device),
         BlockDiagonalCausalMask=counted(EmulatedBlockDiagonalCausalMask),
         BlockDiagonalCausalWithOffsetPaddedKeysMask=counted(EmulatedBlockDiagonalCausalWithOffsetPaddedKeysMask),
+        BlockDiagonalCausalWithOffsetGappyKeysMask=counted(EmulatedBlockDiagonalCausalWithOffsetGappyKeysMask),
     )
 
 
@@ -91,6 +96,7 @@ CASES = {
     "flash_attn2+contiguous": (lambda: FlashAttn2Backend(kernels=FLASH_DOUBLES), "contiguous"),
     "xformers": ("xformers", "flash_contiguous"),
     "xformers+contiguous": ("xformers", "contiguous"),
+    "xformers-fp32": ("xformers", "flash_contiguous"),
 }
 # fresh ragged prefill, continuing prefill, decode in permuted slot order, decode on consecutive slots
 STEPS = [([0, 1, 2], [5, 1, 17]), ([0, 2], [4, 6]), ([2, 0, 1], [1, 1, 1]), ([0, 1, 2], [1, 1, 1])]
@@ -101,15 +107,16 @@ def _run_steps(case: str):
     make, kind = CASES[case]
     built: list[str] = []
     backend = XFormersBackend(kernels=_xformers_doubles(built)) if make == "xformers" else make()
-    spec = CacheSpec(LAYERS, 2, 64, torch.float16, DEVICE, 4, 64, block_size=16)
+    dtype = torch.float32 if case.endswith("fp32") else torch.float16  # fp16/bf16 and fp32 take different biases
+    spec = CacheSpec(LAYERS, 2, 64, dtype, DEVICE, 4, 64, block_size=16)
     kv = KVCacheManager(get_registry().kv_caches[kind].cls(spec))  # by class: the registry refuses "meta"
     for s in range(3):
         kv.add_sequence(s)
     counts = []
     for seq_ids, query_lens in STEPS:
         tokens = sum(query_lens)
-        q = torch.empty(tokens, 8, 64, dtype=torch.float16, device=DEVICE)
-        k = torch.empty(tokens, 2, 64, dtype=torch.float16, device=DEVICE)
+        q = torch.empty(tokens, 8, 64, dtype=dtype, device=DEVICE)
+        k = torch.empty(tokens, 2, 64, dtype=dtype, device=DEVICE)
         per_stage = []
         with Transfers() as t:
             meta = kv.prepare(seq_ids, query_lens, 0.125)

@@ -26,6 +26,7 @@ from kernel_emulation import (
     FLASH_KERNELS,
     XFORMERS_KERNELS,
     EmulatedBlockDiagonalCausalMask,
+    EmulatedBlockDiagonalCausalWithOffsetGappyKeysMask,
     EmulatedBlockDiagonalCausalWithOffsetPaddedKeysMask,
     emulated_flash_attn_varlen_func,
     emulated_flash_attn_with_kvcache,
@@ -211,6 +212,24 @@ def test_xformers_zero_copy_keys_for_consecutive_slots():
     assert backend.capabilities.kv_layouts[0] == "flash_contiguous"
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_xformers_half_precision_reads_the_cache_where_it_lies(dtype):
+    """fp16/bf16 over the flash layout: any slot order, the keys are the cache layer itself (gappy bias)."""
+    seen = []
+
+    def attention(query, key, value, **kw):
+        seen.append((key.untyped_storage().data_ptr(), type(kw["attn_bias"]).__name__))
+        return XFORMERS_KERNELS.memory_efficient_attention(query, key, value, **kw)
+
+    p = Pair(make_backend("xformers", _wrap(XFORMERS_KERNELS, memory_efficient_attention=attention)),
+             "flash_contiguous", 8, 2, 64, dtype=dtype)
+    mixed_scenario(p)
+    cache_storage = p.cache.k.untyped_storage().data_ptr()
+    from_cache = [bias for ptr, bias in seen if ptr == cache_storage]
+    assert from_cache and set(from_cache) == {"EmulatedBlockDiagonalCausalWithOffsetGappyKeysMask"}
+    assert len(from_cache) == len([b for _, b in seen if b != "EmulatedBlockDiagonalCausalMask"])  # no gather
+
+
 # -- the emulations vs naive, with hand-built kernel inputs ---------------------------------------------
 def _contiguous_kv(*args, **kwargs) -> KVCacheManager:
     return KVCacheManager(ContiguousKVCache(cache_spec(*args, **kwargs)))
@@ -380,6 +399,11 @@ def test_emulated_masks_match_real_xformers_materialize():
         ours = EmulatedBlockDiagonalCausalWithOffsetPaddedKeysMask.from_seqlens(q_lens, pad, kv_lens)
         theirs = real.BlockDiagonalCausalWithOffsetPaddedKeysMask.from_seqlens(q_lens, pad, kv_lens, device=CPU)
         assert torch.equal(ours.materialize(shape), theirs.materialize(shape))
+    for q_lens, starts, kv_lens in [([1, 2, 1], [8, 0, 4, 12], [3, 4, 2]), ([2], [5, 9], [4])]:
+        shape = (sum(q_lens), starts[-1])
+        ours = EmulatedBlockDiagonalCausalWithOffsetGappyKeysMask.from_seqlens(q_lens, starts, kv_lens)
+        theirs = real.BlockDiagonalCausalWithOffsetGappyKeysMask.from_seqlens(q_lens, starts, kv_lens, device=CPU)
+        assert torch.equal(ours.materialize(shape), theirs.materialize(shape))
     ours = EmulatedBlockDiagonalCausalMask.from_seqlens([3, 1, 4])
     theirs = real.BlockDiagonalCausalMask.from_seqlens([3, 1, 4], device=CPU)
     assert torch.equal(ours.materialize((8, 8)), theirs.materialize((8, 8)))
@@ -396,8 +420,10 @@ def test_xformers_glue_with_real_bias_classes(kind):
         XFORMERS_KERNELS,
         BlockDiagonalCausalMask=real.BlockDiagonalCausalMask,
         BlockDiagonalCausalWithOffsetPaddedKeysMask=real.BlockDiagonalCausalWithOffsetPaddedKeysMask,
+        BlockDiagonalCausalWithOffsetGappyKeysMask=real.BlockDiagonalCausalWithOffsetGappyKeysMask,
     )
-    mixed_scenario(Pair(make_backend("xformers", kernels), kind, 8, 2, 64))
+    for dtype in (torch.float32, torch.bfloat16):  # padded-keys and gappy-keys biases
+        mixed_scenario(Pair(make_backend("xformers", kernels), kind, 8, 2, 64, dtype=dtype))
 
 
 def test_emulations_are_strict_where_the_kernels_would_silently_misbehave():
@@ -458,6 +484,12 @@ class _PaddedMaskDropsLastKey(EmulatedBlockDiagonalCausalWithOffsetPaddedKeysMas
         return cls(q_seqlen, kv_padding, [n - 1 for n in kv_seqlen], device)
 
 
+class _GappyMaskShiftsStarts(EmulatedBlockDiagonalCausalWithOffsetGappyKeysMask):
+    @classmethod
+    def from_seqlens(cls, q_seqlen, kv_seqstarts, kv_seqlen, *, device=None):
+        return cls(q_seqlen, [s + 1 for s in kv_seqstarts[:-1]] + [kv_seqstarts[-1]], kv_seqlen, device)
+
+
 # a planted bug is "caught" when the run fails: an output/cache mismatch, or a kernel-argument or shape error
 CAUGHT = (AssertionError, ValueError, RuntimeError, IndexError)
 
@@ -469,6 +501,12 @@ PLANTED = {
         dict(BlockDiagonalCausalWithOffsetPaddedKeysMask=_PaddedMaskDropsLastKey),
     ),
 }
+
+
+def test_planted_gappy_start_bug_is_caught():
+    kernels = _wrap(XFORMERS_KERNELS, BlockDiagonalCausalWithOffsetGappyKeysMask=_GappyMaskShiftsStarts)
+    with pytest.raises(CAUGHT):
+        mixed_scenario(Pair(make_backend("xformers", kernels), "flash_contiguous", 8, 2, 64, dtype=torch.bfloat16))
 
 
 @pytest.mark.parametrize("bug", list(PLANTED))

@@ -126,3 +126,51 @@ def test_carried_dependencies_match_pyproject():
     pins = dict(re.findall(r"\b([a-z]+)==([0-9.]+)\b", _doc_block("carry")))
     for name in ("gguf", "starlette", "uvicorn"):
         assert deps[name].specifier.contains(pins[name]), f"{name}=={pins[name]} breaks pyproject's {deps[name]}"
+
+
+FLASH_SWITCH = """#define HEADDIM_SWITCH(HEADDIM, ...)   \\
+  [&] {                                    \\
+    if (HEADDIM <= 32) {                   \\
+      constexpr static int kHeadDim = 32;  \\
+      return __VA_ARGS__();                \\
+    } else if (HEADDIM <= 64) {            \\
+      constexpr static int kHeadDim = 64;  \\
+      return __VA_ARGS__();                \\
+    } else if (HEADDIM <= 256) {           \\
+      constexpr static int kHeadDim = 256; \\
+      return __VA_ARGS__();                \\
+    }                                      \\
+  }()
+"""
+
+
+def _fake_flash_sdist(root: Path, kernels: list[str]) -> None:
+    """The three files of a flash-attn 2.8.3 sdist the reduction patches, laid out as that sdist has them."""
+    (root / "csrc/flash_attn/src").mkdir(parents=True)
+    sources = "".join(f'\n                "csrc/flash_attn/src/{k}",' for k in kernels)
+    (root / "setup.py").write_text(f'nvcc_flags = [\n    "--use_fast_math",\n    ]\n'
+                                   f'compiler_c17_flag=["-O3", "-std=c++17"]\n'
+                                   f'sources=[\n                "csrc/flash_attn/flash_api.cpp",{sources}\n]\n')
+    (root / "csrc/flash_attn/src/static_switch.h").write_text(FLASH_SWITCH)
+    (root / "csrc/flash_attn/flash_api.cpp").write_text(
+        "void run_mha_bwd(Flash_bwd_params &params, cudaStream_t stream) {\n    FP16_SWITCH(x, [&] {\n"
+        "        run_mha_bwd_<elem_type, kHeadDim, Is_causal>(params, stream);\n    });\n}\n\nint after;\n")
+
+
+def test_reduced_flash_build_keeps_only_the_kernels_kvcore_calls(tmp_path):
+    kept = ["flash_fwd_hdim64_bf16_sm80.cu", "flash_fwd_hdim128_fp16_causal_sm80.cu",
+            "flash_fwd_split_hdim128_bf16_sm80.cu"]
+    dropped = ["flash_fwd_hdim32_fp16_sm80.cu", "flash_bwd_hdim64_fp16_sm80.cu", "flash_fwd_split_hdim256_bf16_sm80.cu"]
+    _fake_flash_sdist(tmp_path, kept + dropped)
+    assert gpu_check.reduce_flash_sources(tmp_path) == len(dropped)
+    setup = (tmp_path / "setup.py").read_text()
+    assert all(k in setup for k in kept) and not any(d in setup for d in dropped) and "flash_api.cpp" in setup
+    assert setup.count("-DFLASHATTENTION_DISABLE_BACKWARD") == 2  # nvcc and the C++ compiler
+    switch = (tmp_path / "csrc/flash_attn/src/static_switch.h").read_text().splitlines()
+    assert all(line.endswith("\\") for line in switch[:-1]) and switch[-1].strip() == "}()"  # one macro
+    assert re.findall(r"kHeadDim = (\d+)", "\n".join(switch)) == ["64", "128"]
+    api = (tmp_path / "csrc/flash_attn/flash_api.cpp").read_text()
+    assert "run_mha_bwd_<" not in api and "no backward kernels" in api and "int after;" in api
+    (tmp_path / "csrc/flash_attn/flash_api.cpp").write_text("// another layout\n")
+    with pytest.raises(RuntimeError, match="does not have the expected layout"):
+        gpu_check.reduce_flash_sources(tmp_path)
