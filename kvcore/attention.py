@@ -154,7 +154,9 @@ def host_to_device(tensors: Sequence[torch.Tensor], device: torch.device | str) 
     packed = staging.to(device, non_blocking=True)
     out, start = [], 0
     for t in tensors:
-        out.append(packed[start : start + t.numel()].view(t.shape).to(t.dtype))  # int32 casts run on the device
+        # a device-side copy each (casts included): no returned tensor aliases another, so a compiled
+        # step's inputs are plain tensors and an in-place op on one cannot reach the rest
+        out.append(packed[start : start + t.numel()].view(t.shape).to(t.dtype, copy=True))
         start += t.numel()
     return out
 
