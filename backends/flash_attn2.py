@@ -42,7 +42,7 @@ from kvcore.errors import BackendError, ConfigError
 from kvcore.hookspecs import hookimpl
 from kvcore.interfaces.attention import AttentionBackend, BackendCapabilities
 from kvcore.interfaces.kv_cache import KVCache
-from kvcore.interfaces.metadata import AttentionMetadata, cu_seqlens
+from kvcore.interfaces.metadata import AttentionMetadata, cu_seqlens, host_to_device
 
 from .contiguous import ContiguousKVCache
 
@@ -53,17 +53,27 @@ FLASH_ATTN_INSTALL = "pip install flash-attn --no-build-isolation; see docs/gpu-
 #: supports Ampere GPUs or newer.")`` (older 2.x releases accepted only sm8x and sm90)
 FLASH_MIN_CC = (8, 0)
 FLASH_MIN_VERSION = (2, 6)  # flash_attn_with_kvcache with cache_batch_idx / cache_leftpad keywords
+#: flash-attn 2.x's compiled kernels: a top-level extension module beside the ``flash_attn`` package. A
+#: ``flash_attn`` without it is not flash-attn 2 (flash-attn-4 installs an empty ``flash_attn`` namespace).
+FLASH_EXTENSION = "flash_attn_2_cuda"
+FLASH_FUNCTIONS = ("flash_attn_varlen_func", "flash_attn_with_kvcache")  # what this backend calls
 
 
 # -- availability (shared with the xformers backend) ---------------------------------------------------
-def cuda_availability(module: str, install_hint: str, min_cc: tuple[int, int]) -> str | None:
+def cuda_availability(
+    module: str, install_hint: str, min_cc: tuple[int, int], extension: str | None = None
+) -> str | None:
     """The first reason ``module``'s CUDA kernels cannot run here, or None. Never raises.
 
-    Order: package missing (cheap ``find_spec``, no import) → no CUDA device → compute capability.
+    Order: package missing (cheap ``find_spec``, no import) → its compiled ``extension`` module missing →
+    no CUDA device → compute capability.
     """
     try:
         if importlib.util.find_spec(module) is None:
             return f"package '{module}' is not installed ({install_hint})"
+        if extension is not None and importlib.util.find_spec(extension) is None:
+            return (f"'{module}' is there but its CUDA extension '{extension}' is not (a namespace or another "
+                    f"major version, e.g. flash-attn-4; {install_hint})")
         if not torch.cuda.is_available():
             return "no CUDA device (torch.cuda.is_available() is False)"
         major, minor = torch.cuda.get_device_capability()
@@ -134,21 +144,21 @@ class SlotPlan:
 
 
 def slot_plan(meta: AttentionMetadata) -> SlotPlan:
-    device = meta.positions.device
-    slots_t = torch.tensor(meta.slots, dtype=torch.long, device=device)
-    gather_slot = gather_pos = cu_k = None
+    """Built on the host from the metadata's lists and sent in one copy: no device sync, one transfer."""
+    slots = torch.tensor(meta.slots, dtype=torch.long)
+    host = [slots, slots.to(torch.int32), torch.tensor(meta.context_lens, dtype=torch.int32)]
     if not meta.is_decode and max(meta.context_lens) > 0:
-        seq_lens = meta.seq_lens
-        cu_k = cu_seqlens(seq_lens, device)
-        lens = torch.tensor(seq_lens, dtype=torch.long, device=device)
+        cu_k = cu_seqlens(meta.seq_lens, "cpu")
+        lens = torch.tensor(meta.seq_lens, dtype=torch.long)
         starts = cu_k[:-1].long().repeat_interleave(lens)  # first packed row of each row's sequence
-        gather_slot = slots_t.repeat_interleave(lens)
-        gather_pos = torch.arange(int(cu_k[-1]), device=device) - starts
+        host += [cu_k, slots.repeat_interleave(lens), torch.arange(int(cu_k[-1])) - starts]
+    slots_t, slots_i32, context_lens_i32, *gather = host_to_device(host, meta.positions.device)
+    cu_k, gather_slot, gather_pos = gather or (None, None, None)
     return SlotPlan(
         meta=meta,
         slots_t=slots_t,
-        slots_i32=slots_t.to(torch.int32),
-        context_lens_i32=torch.tensor(meta.context_lens, dtype=torch.int32, device=device),
+        slots_i32=slots_i32,
+        context_lens_i32=context_lens_i32,
         gather_slot=gather_slot,
         gather_pos=gather_pos,
         cu_seqlens_k=cu_k,
@@ -204,9 +214,9 @@ class FlashAttn2Backend(KernelBackend):
 
     @classmethod
     def availability(cls) -> str | None:
-        reason = cuda_availability("flash_attn", FLASH_ATTN_INSTALL, FLASH_MIN_CC)
+        reason = cuda_availability("flash_attn", FLASH_ATTN_INSTALL, FLASH_MIN_CC, extension=FLASH_EXTENSION)
         if reason is None:
-            reason = _import_reason("flash_attn") or _version_reason()
+            reason = _import_reason("flash_attn") or _api_reason()
         return reason
 
     def forward(
@@ -261,13 +271,17 @@ class FlashAttn2Backend(KernelBackend):
         )
 
 
-def _version_reason() -> str | None:
-    try:
-        import flash_attn
+def _api_reason() -> str | None:
+    """Why the imported ``flash_attn`` is not a flash-attn 2 this backend can call (None: it is)."""
+    import flash_attn
 
+    missing = [f for f in FLASH_FUNCTIONS if not callable(getattr(flash_attn, f, None))]
+    if missing:
+        return f"flash_attn {getattr(flash_attn, '__version__', '?')} has no {', '.join(missing)}"
+    try:
         parts = tuple(int(p) for p in str(flash_attn.__version__).split(".")[:2])
     except Exception:
-        return None  # no parsable version: let the kernels speak for themselves
+        return None  # no parsable version: the functions are there, let the kernels speak for themselves
     if parts[0] != 2 or parts < FLASH_MIN_VERSION:
         want = ".".join(map(str, FLASH_MIN_VERSION))
         return f"flash_attn {flash_attn.__version__} found; this backend needs flash-attn 2.x >= {want}"

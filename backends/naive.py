@@ -45,7 +45,7 @@ class NaiveBackend(AttentionBackend[AttentionMetadata]):
         group = num_heads // num_kv_heads
         kv_head_of = torch.arange(num_heads, device=q.device) // group  # query head h → KV head h // group
         out = torch.empty_like(q)
-        starts = meta.cu_seqlens_q.tolist()
+        starts = meta.query_starts  # a host list: no device sync per layer
         for i, (slot, ctx, q_len) in enumerate(zip(meta.slots, meta.context_lens, meta.query_lens)):
             seq_len = ctx + q_len
             Q = q[starts[i] : starts[i + 1]].transpose(0, 1).float()  # (H, q_len, D)

@@ -35,7 +35,7 @@ from kvcore.errors import ConfigError
 from kvcore.hookspecs import hookimpl
 from kvcore.interfaces.attention import AttentionBackend, BackendCapabilities, causal_mask
 from kvcore.interfaces.kv_cache import CacheCapabilities, CacheSpec, KVCache, copy_block_rows
-from kvcore.interfaces.metadata import AttentionMetadata
+from kvcore.interfaces.metadata import AttentionMetadata, host_to_device
 
 from .contiguous import ALL_DTYPES
 
@@ -139,7 +139,7 @@ class PagedBackend(AttentionBackend[PagedPlan]):
             keys = bt.shape[1] * meta.block_size
             valid = torch.arange(keys, device=device)[None, :] < meta.seq_lens_t[:, None]  # [B, keys]
             return PagedPlan(meta, bt.flatten(), valid[:, None, None, :], [])
-        tables = [torch.tensor(t, dtype=torch.long, device=device) for t in meta.block_tables]
+        tables = host_to_device([torch.tensor(t, dtype=torch.long) for t in meta.block_tables], device)
         lossless = cache.capabilities.unit_roundoff is None
         return PagedPlan(meta, torch.empty(0, dtype=torch.long), None, tables, fresh_from_input=lossless)
 

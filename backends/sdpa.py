@@ -97,7 +97,7 @@ class SDPABackend(AttentionBackend[SDPAPlan]):
         k_cache, v_cache = cache.k_rows.view(shape)[layer_idx], cache.v_rows.view(shape)[layer_idx]  # [S, H_kv, S, D]
         if plan.decode_slot is not None:
             return self._decode_batched(q, k_cache, v_cache, plan)
-        starts = meta.cu_seqlens_q.tolist()
+        starts = meta.query_starts  # a host list: no device sync per layer
         outs = [
             self._prefill_attend(q[starts[i] : starts[i + 1]], k_cache[slot, :, : ctx + q_len],
                                  v_cache[slot, :, : ctx + q_len], ctx, meta.scale)

@@ -1,5 +1,5 @@
-"""``xformers``: ``xformers.ops.memory_efficient_attention`` (CUDA only; fp16/bf16, and fp32 through its
-CUTLASS kernel).
+"""``xformers``: ``xformers.ops.memory_efficient_attention`` (CUDA only; fp16/bf16, and fp32 up to sm90
+through its CUTLASS kernel).
 
 One kernel call per layer for the whole ragged batch, prefill and decode alike:
 
@@ -15,6 +15,11 @@ One kernel call per layer for the whole ragged batch, prefill and decode alike:
   with ``query_len == 1``. When the batch occupies consecutive slots of the ``flash_contiguous`` cache the
   blocks are a *view* of the cache (``kv_padding = max_seq_len``, no copy); otherwise the used rows are
   gathered into blocks of ``kv_padding = max(seq_lens)``.
+* **fp16/bf16 on a ``flash_contiguous`` cache** (sm80+, where xformers' FlashAttention operators serve
+  them): the keys are the whole cache layer as one view ``[1, slots * max_seq_len, H_kv, D]`` and the bias
+  is ``BlockDiagonalCausalWithOffsetGappyKeysMask.from_seqlens(q_seqlen=query_lens, kv_seqstarts=[slot *
+  max_seq_len ...] + [slots * max_seq_len], kv_seqlen=seq_lens)``: each sequence's keys are read where
+  they lie, in any slot order, with no copy. fp32 has only cutlassF, which takes no gappy bias.
 * **GQA/MQA** uses xformers' 5-D ``[B, M, G, H, K]`` layout: ``G = H_kv`` groups of ``H / H_kv`` query
   heads; K/V are ``[B, M, G, 1, K]`` *expanded* (stride 0, no copy) to ``[B, M, G, H/H_kv, K]``, since
   xformers does not broadcast by itself. Query head ``g * (H / H_kv) + j`` reads KV head ``g``, Llama's
@@ -23,27 +28,58 @@ One kernel call per layer for the whole ragged batch, prefill and decode alike:
 Cache kinds: ``flash_contiguous`` (shared with ``flash_attn2``; ``[slots, S, H_kv, D]`` per layer, which
 allows the zero-copy path) and ``contiguous`` (read through a transposed view, always gathered).
 
-The kernels are reached through ``self.kernels`` (xformers' ``memory_efficient_attention`` and the two
+The kernels are reached through ``self.kernels`` (xformers' ``memory_efficient_attention`` and the three
 bias classes), imported on first use; tests pass ``kernels=XFORMERS_KERNELS`` from ``tests/kernel_emulation.py``.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from types import SimpleNamespace
+from typing import Any
 
 import torch
 
 from kvcore.hookspecs import hookimpl
 from kvcore.interfaces.attention import BackendCapabilities
 from kvcore.interfaces.kv_cache import KVCache
+from kvcore.interfaces.metadata import AttentionMetadata
 
-from .flash_attn2 import KernelBackend, SlotPlan, cuda_availability, kv_views
+from .flash_attn2 import KernelBackend, SlotPlan, cuda_availability, kv_views, slot_plan
 
-__all__ = ["XFormersBackend"]
+__all__ = ["XFormersBackend", "XFormersPlan"]
 
 XFORMERS_INSTALL = "pip install --no-deps xformers==0.0.35 to keep your torch; see docs/gpu-backends.md"
-#: xformers' docs: "NVIDIA GPUs with compute capability above 6.0 (P100+)"; bf16 needs sm80
+#: xformers' docs: "NVIDIA GPUs with compute capability above 6.0 (P100+)"
 XFORMERS_MIN_CC = (6, 0)
+#: xformers 0.0.35's forward operators: bf16 needs sm80 (every kernel family); float32 has one operator,
+#: cutlassF (``CUDA_MAXIMUM_COMPUTE_CAPABILITY = (9, 0)``): fa2F, fa3F and the Blackwell CUTLASS kernel
+#: take fp16/bf16 only, so sm100+ has no float32 operator
+XFORMERS_DTYPE_CC = ((torch.bfloat16, (8, 0), None), (torch.float32, (6, 0), (9, 0)))
+
+
+@dataclass(frozen=True)
+class XFormersPlan:
+    """What every layer of one call shares: the slot plan, the attention bias (built once per step) and
+    where the keys come from."""
+
+    slots: SlotPlan
+    bias: Any  # BlockDiagonalCausalMask or BlockDiagonalCausalWithOffset{Padded,Gappy}KeysMask
+    keys: str = "input"  # "input": this call's K/V; "slab": the whole cache layer; "blocks": padded blocks
+    pad: int = 0  # "blocks": rows per sequence's key block
+    view_from: int | None = None  # "blocks": first slot when the blocks are a view of the cache, else gathered
+
+
+#: the dtypes xformers' FlashAttention operators (fa2F, fa3F, the Blackwell CUTLASS kernel) serve on sm80+;
+#: only they take a gappy-keys bias
+GAPPY_DTYPES = frozenset({torch.float16, torch.bfloat16})
+
+
+def _gappy_served(cache: KVCache) -> bool:
+    spec = cache.spec
+    if cache.layout != "flash_contiguous" or spec.dtype not in GAPPY_DTYPES:
+        return False
+    return spec.device.type != "cuda" or torch.cuda.get_device_capability(spec.device) >= (8, 0)
 
 
 def _xformers_kernels() -> SimpleNamespace:
@@ -54,6 +90,7 @@ def _xformers_kernels() -> SimpleNamespace:
         memory_efficient_attention=xformers.ops.memory_efficient_attention,
         BlockDiagonalCausalMask=attn_bias.BlockDiagonalCausalMask,
         BlockDiagonalCausalWithOffsetPaddedKeysMask=attn_bias.BlockDiagonalCausalWithOffsetPaddedKeysMask,
+        BlockDiagonalCausalWithOffsetGappyKeysMask=attn_bias.BlockDiagonalCausalWithOffsetGappyKeysMask,
     )
 
 
@@ -76,29 +113,37 @@ class XFormersBackend(KernelBackend):
         head_dim_multiple=8,
         supports_gqa=True,
         min_compute_capability=XFORMERS_MIN_CC,
+        dtype_compute_capability=XFORMERS_DTYPE_CC,
     )
 
-    # memory_efficient_attention, BlockDiagonalCausalMask, BlockDiagonalCausalWithOffsetPaddedKeysMask
+    # memory_efficient_attention, BlockDiagonalCausalMask, BlockDiagonalCausalWithOffset{Padded,Gappy}KeysMask
     _load_kernels = staticmethod(_xformers_kernels)
 
     @classmethod
     def availability(cls) -> str | None:
         return cuda_availability("xformers", XFORMERS_INSTALL, XFORMERS_MIN_CC) or _import_reason()
 
-    def validate(
-        self, *, device: torch.device, dtype: torch.dtype, head_dim: int, num_heads: int, num_kv_heads: int
-    ) -> list[str]:
-        reasons = super().validate(
-            device=device, dtype=dtype, head_dim=head_dim, num_heads=num_heads, num_kv_heads=num_kv_heads
+    def plan(self, meta: AttentionMetadata, cache: KVCache) -> XFormersPlan:
+        """The step's bias object and key geometry, once for every layer (a bias holds device tensors)."""
+        xf, slots, device = self.kernels, slot_plan(meta), cache.spec.device
+        if max(meta.context_lens) == 0:
+            return XFormersPlan(slots, xf.BlockDiagonalCausalMask.from_seqlens(meta.query_lens, device=device))
+        slot_len = cache.spec.max_seq_len
+        if _gappy_served(cache):  # every sequence's keys where they lie in the cache layer
+            starts = [slot * slot_len for slot in meta.slots] + [cache.num_blocks * slot_len]
+            bias = xf.BlockDiagonalCausalWithOffsetGappyKeysMask.from_seqlens(
+                q_seqlen=meta.query_lens, kv_seqstarts=starts, kv_seqlen=meta.seq_lens, device=device
+            )
+            return XFormersPlan(slots, bias, keys="slab")
+        first, num_seqs = meta.slots[0], meta.num_seqs
+        if cache.layout == "flash_contiguous" and meta.slots == list(range(first, first + num_seqs)):
+            pad, view_from = slot_len, first  # consecutive slots: the key blocks are the cache itself
+        else:
+            pad, view_from = meta.max_seq_len, None  # the used rows are gathered into blocks of pad rows
+        bias = xf.BlockDiagonalCausalWithOffsetPaddedKeysMask.from_seqlens(
+            q_seqlen=meta.query_lens, kv_padding=pad, kv_seqlen=meta.seq_lens, device=device
         )
-        if dtype == torch.bfloat16 and device.type == "cuda":
-            try:
-                cc = torch.cuda.get_device_capability(device) if torch.cuda.is_available() else None
-            except Exception:
-                cc = None
-            if cc is not None and cc < (8, 0):
-                reasons.append(f"bfloat16 needs compute capability 8.0+ (GPU has {cc[0]}.{cc[1]})")
-        return reasons
+        return XFormersPlan(slots, bias, keys="blocks", pad=pad, view_from=view_from)
 
     def forward(
         self,
@@ -107,41 +152,35 @@ class XFormersBackend(KernelBackend):
         k: torch.Tensor,  # [T, H_kv, D]
         v: torch.Tensor,  # [T, H_kv, D]
         cache: KVCache,
-        plan: SlotPlan,
+        plan: XFormersPlan,
     ) -> torch.Tensor:
-        xf = self.kernels
-        meta = plan.meta
-        cache.write(layer_idx, k, v, meta)
-        if max(meta.context_lens) == 0:
-            keys, values = k.unsqueeze(0), v.unsqueeze(0)  # [1, T, H_kv, D]
-            bias = xf.BlockDiagonalCausalMask.from_seqlens(meta.query_lens, device=q.device)
+        cache.write(layer_idx, k, v, plan.slots.meta)
+        if plan.keys == "slab":
+            k_cache, v_cache = kv_views(cache, layer_idx)  # [slots, S, H_kv, D], contiguous
+            keys, values = k_cache.flatten(0, 1).unsqueeze(0), v_cache.flatten(0, 1).unsqueeze(0)  # views
+        elif plan.keys == "blocks":
+            keys, values = self._padded_keys(cache, layer_idx, plan)  # [1, B * pad, H_kv, D]
         else:
-            keys, values, pad = self._padded_keys(cache, layer_idx, plan)  # [1, B * pad, H_kv, D]
-            bias = xf.BlockDiagonalCausalWithOffsetPaddedKeysMask.from_seqlens(
-                q_seqlen=meta.query_lens, kv_padding=pad, kv_seqlen=meta.seq_lens, device=q.device
-            )
+            keys, values = k.unsqueeze(0), v.unsqueeze(0)  # [1, T, H_kv, D]
         query, keys, values = _grouped(q.unsqueeze(0), keys, values)
-        out = xf.memory_efficient_attention(query, keys, values, attn_bias=bias, p=0.0, scale=meta.scale)
+        out = self.kernels.memory_efficient_attention(
+            query, keys, values, attn_bias=plan.bias, p=0.0, scale=plan.slots.meta.scale
+        )
         return out.reshape(q.shape)
 
     @staticmethod
-    def _padded_keys(cache: KVCache, layer_idx: int, plan: SlotPlan):
-        """Each sequence's keys in its own block of ``pad`` rows, as ``[1, B * pad, H_kv, D]``."""
+    def _padded_keys(cache: KVCache, layer_idx: int, plan: XFormersPlan):
+        """Each sequence's keys in its own block of ``plan.pad`` rows, as ``[1, B * pad, H_kv, D]``."""
         k_cache, v_cache = kv_views(cache, layer_idx)  # [slots, S, H_kv, D]
-        meta = plan.meta
-        slots = meta.slots
-        num_seqs, max_len = len(slots), k_cache.shape[1]
-        first = slots[0]
-        if cache.layout == "flash_contiguous" and slots == list(range(first, first + num_seqs)):
-            # consecutive slots of a contiguous slab: the blocks are the cache itself (zero copy)
-            keys = k_cache[first : first + num_seqs].reshape(1, num_seqs * max_len, *k_cache.shape[2:])
-            values = v_cache[first : first + num_seqs].reshape(1, num_seqs * max_len, *v_cache.shape[2:])
-            return keys, values, max_len
-        pad = meta.max_seq_len
-        slots_t = plan.slots_t
+        num_seqs, pad = plan.slots.meta.num_seqs, plan.pad
+        if plan.view_from is not None:  # a view of the flash_contiguous slab (zero copy)
+            rows = slice(plan.view_from, plan.view_from + num_seqs)
+            return (k_cache[rows].reshape(1, num_seqs * pad, *k_cache.shape[2:]),
+                    v_cache[rows].reshape(1, num_seqs * pad, *v_cache.shape[2:]))
+        slots_t = plan.slots.slots_t
         keys = k_cache[slots_t, :pad].reshape(1, num_seqs * pad, *k_cache.shape[2:])  # gathers B × pad rows
         values = v_cache[slots_t, :pad].reshape(1, num_seqs * pad, *v_cache.shape[2:])
-        return keys, values, pad
+        return keys, values
 
 
 def _grouped(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor):

@@ -1,7 +1,7 @@
 """CPU emulations of the GPU attention kernels that ``flash_attn2`` and ``xformers`` call.
 
 A testing module, not part of the kvcore runtime package: ``tests/test_gpu_backends_emulated.py`` and
-``scripts/gpu_check.sh --emulate`` import it from ``tests/`` and pass ``FLASH_KERNELS`` /
+``scripts/gpu_check.py --emulate`` import it from ``tests/`` and pass ``FLASH_KERNELS`` /
 ``XFORMERS_KERNELS`` to the backends as ``kernels=``.
 
 flash-attn and xformers only run on CUDA, so their backends cannot be exercised on a CPU-only machine.
@@ -23,8 +23,9 @@ compared with the ``naive`` oracle. They were written from the libraries' docstr
 * ``xformers.ops.memory_efficient_attention``: ``[B, M, H, K]`` or, for GQA, ``[B, M, G, H, K]`` inputs
   whose K/V are broadcast by the caller (xformers does not broadcast); ``scale`` defaults to
   ``K ** -0.5``; ``attn_bias`` is added to ``Q Kᵀ`` before the softmax; fully masked rows output 0.
-* ``xformers.ops.fmha.attn_bias.BlockDiagonalCausalMask`` and
-  ``BlockDiagonalCausalWithOffsetPaddedKeysMask``, materialized per their docstrings.
+* ``xformers.ops.fmha.attn_bias.BlockDiagonalCausalMask``,
+  ``BlockDiagonalCausalWithOffsetPaddedKeysMask`` and ``BlockDiagonalCausalWithOffsetGappyKeysMask``,
+  materialized per their docstrings.
 
 These are oracles for the glue, not fast paths: they loop over sequences. They are deliberately stricter
 than the real kernels — a wrong ``cu_seqlens``, a too-small ``max_seqlen`` or an append past the end of a
@@ -49,6 +50,7 @@ __all__ = [
     "emulated_memory_efficient_attention",
     "EmulatedBlockDiagonalCausalMask",
     "EmulatedBlockDiagonalCausalWithOffsetPaddedKeysMask",
+    "EmulatedBlockDiagonalCausalWithOffsetGappyKeysMask",
     "FLASH_KERNELS",
     "XFORMERS_KERNELS",
 ]
@@ -391,6 +393,42 @@ class EmulatedBlockDiagonalCausalWithOffsetPaddedKeysMask(_EmulatedBias):
         return _bottom_right_causal(num_queries, num_keys, torch.device("cpu"))
 
 
+class EmulatedBlockDiagonalCausalWithOffsetGappyKeysMask(_EmulatedBias):
+    """``BlockDiagonalCausalWithOffsetGappyKeysMask``: queries packed back to back; block b's keys are the
+    ``kv_seqlen[b]`` rows from ``kv_seqstarts[b]``, anywhere along M (the final start is M itself). Per its
+    docstring, a query in block b cannot attend to a key outside block b, nor to one nearer to the block's
+    final key than the query is to the block's final query (bottom-right causal)."""
+
+    def __init__(self, q_seqlen: Sequence[int], kv_seqstarts: Sequence[int], kv_seqlen: Sequence[int], device):
+        if len(kv_seqstarts) != len(kv_seqlen) + 1:
+            raise ValueError(f"len(kv_seqstarts)={len(kv_seqstarts)} should be len(kv_seqlen)+1={len(kv_seqlen) + 1}")
+        if len(q_seqlen) != len(kv_seqlen):
+            raise ValueError(f"{len(q_seqlen)} query blocks but {len(kv_seqlen)} key blocks")
+        self.q_seqstart = _seqstart(q_seqlen)
+        self.k_starts = [int(s) for s in kv_seqstarts[:-1]]
+        self.k_lens = [int(n) for n in kv_seqlen]
+        self.total_keys = int(kv_seqstarts[-1])
+        if any(s + n > self.total_keys for s, n in zip(self.k_starts, self.k_lens)):
+            raise ValueError(f"a key block runs past the final start {self.total_keys}")
+        self.device = torch.device(device or "cpu")
+
+    @classmethod
+    def from_seqlens(cls, q_seqlen: Sequence[int], kv_seqstarts: Sequence[int], kv_seqlen: Sequence[int], *,
+                     device=None):
+        return cls(q_seqlen, kv_seqstarts, kv_seqlen, device)
+
+    def allowed(self, num_queries: int, num_keys: int) -> torch.Tensor:
+        if num_keys != self.total_keys:
+            raise ValueError(f"keys must span the final start {self.total_keys}, got {num_keys}")
+        if num_queries != self.q_seqstart[-1]:
+            raise ValueError(f"{type(self).__name__} covers {self.q_seqstart[-1]} queries, got {num_queries}")
+        mask = torch.zeros(num_queries, num_keys, dtype=torch.bool)
+        for i, (k0, lk) in enumerate(zip(self.k_starts, self.k_lens)):
+            q0, q1 = self.q_seqstart[i], self.q_seqstart[i + 1]
+            mask[q0:q1, k0 : k0 + lk] = _bottom_right_causal(q1 - q0, lk, torch.device("cpu"))
+        return mask
+
+
 def emulated_memory_efficient_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -454,5 +492,6 @@ XFORMERS_KERNELS = SimpleNamespace(
     memory_efficient_attention=emulated_memory_efficient_attention,
     BlockDiagonalCausalMask=EmulatedBlockDiagonalCausalMask,
     BlockDiagonalCausalWithOffsetPaddedKeysMask=EmulatedBlockDiagonalCausalWithOffsetPaddedKeysMask,
+    BlockDiagonalCausalWithOffsetGappyKeysMask=EmulatedBlockDiagonalCausalWithOffsetGappyKeysMask,
     __name__="kernel_emulation (xformers emulation)",
 )

@@ -8,7 +8,7 @@ glue unchanged, with the kernels swapped (``kernels=`` constructor option) for
 every output and the cache contents with the ``naive`` oracle, in float32.
 
 The emulations are themselves checked against ``naive`` (fed by hand-built inputs, no backend glue), and
-planted glue bugs are shown to make the comparison fail. Real-kernel checks live in scripts/gpu_check.sh.
+planted glue bugs are shown to make the comparison fail. Real-kernel checks live in scripts/gpu_check.py.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import itertools
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -25,6 +26,7 @@ from kernel_emulation import (
     FLASH_KERNELS,
     XFORMERS_KERNELS,
     EmulatedBlockDiagonalCausalMask,
+    EmulatedBlockDiagonalCausalWithOffsetGappyKeysMask,
     EmulatedBlockDiagonalCausalWithOffsetPaddedKeysMask,
     emulated_flash_attn_varlen_func,
     emulated_flash_attn_with_kvcache,
@@ -42,6 +44,7 @@ from kvcore.errors import BackendUnavailableError, ConfigError
 from kvcore.hookspecs import hookimpl
 from kvcore.interfaces.kv_cache import CacheSpec
 from kvcore.plugins.registry import KV_CACHE, PluginRegistry, get_registry
+from kvcore.plugins.support import backend_rows
 from kvcore.scheduling.kv_manager import KVCacheManager
 
 CPU = torch.device("cpu")
@@ -198,13 +201,33 @@ def test_xformers_zero_copy_keys_for_consecutive_slots():
     assert kv.prepare([0, 1, 2], [3, 1, 2], 0.125).slots == [0, 1, 2]
     meta = kv.prepare([1, 2], [4, 2], 0.125)  # continuing prefill over consecutive slots 1, 2
     assert meta.slots == [1, 2]
-    keys, _, pad = XFormersBackend._padded_keys(kv.cache, 0, backend.plan(meta, kv.cache))
-    assert pad == kv.cache.spec.max_seq_len and keys.data_ptr() == kv.cache.k[0, 1].data_ptr()  # a view
+    plan = backend.plan(meta, kv.cache)
+    keys, _ = XFormersBackend._padded_keys(kv.cache, 0, plan)
+    assert plan.pad == kv.cache.spec.max_seq_len and keys.data_ptr() == kv.cache.k[0, 1].data_ptr()  # a view
     meta = kv.prepare([2, 0], [1, 1], 0.125)
     assert meta.slots == [2, 0]
-    keys, _, pad = XFormersBackend._padded_keys(kv.cache, 0, backend.plan(meta, kv.cache))
-    assert pad == meta.max_seq_len and keys.shape[1] == 2 * pad
+    plan = backend.plan(meta, kv.cache)
+    keys, _ = XFormersBackend._padded_keys(kv.cache, 0, plan)
+    assert plan.pad == meta.max_seq_len and plan.view_from is None and keys.shape[1] == 2 * plan.pad
     assert backend.capabilities.kv_layouts[0] == "flash_contiguous"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_xformers_half_precision_reads_the_cache_where_it_lies(dtype):
+    """fp16/bf16 over the flash layout: any slot order, the keys are the cache layer itself (gappy bias)."""
+    seen = []
+
+    def attention(query, key, value, **kw):
+        seen.append((key.untyped_storage().data_ptr(), type(kw["attn_bias"]).__name__))
+        return XFORMERS_KERNELS.memory_efficient_attention(query, key, value, **kw)
+
+    p = Pair(make_backend("xformers", _wrap(XFORMERS_KERNELS, memory_efficient_attention=attention)),
+             "flash_contiguous", 8, 2, 64, dtype=dtype)
+    mixed_scenario(p)
+    cache_storage = p.cache.k.untyped_storage().data_ptr()
+    from_cache = [bias for ptr, bias in seen if ptr == cache_storage]
+    assert from_cache and set(from_cache) == {"EmulatedBlockDiagonalCausalWithOffsetGappyKeysMask"}
+    assert len(from_cache) == len([b for _, b in seen if b != "EmulatedBlockDiagonalCausalMask"])  # no gather
 
 
 # -- the emulations vs naive, with hand-built kernel inputs ---------------------------------------------
@@ -376,6 +399,11 @@ def test_emulated_masks_match_real_xformers_materialize():
         ours = EmulatedBlockDiagonalCausalWithOffsetPaddedKeysMask.from_seqlens(q_lens, pad, kv_lens)
         theirs = real.BlockDiagonalCausalWithOffsetPaddedKeysMask.from_seqlens(q_lens, pad, kv_lens, device=CPU)
         assert torch.equal(ours.materialize(shape), theirs.materialize(shape))
+    for q_lens, starts, kv_lens in [([1, 2, 1], [8, 0, 4, 12], [3, 4, 2]), ([2], [5, 9], [4])]:
+        shape = (sum(q_lens), starts[-1])
+        ours = EmulatedBlockDiagonalCausalWithOffsetGappyKeysMask.from_seqlens(q_lens, starts, kv_lens)
+        theirs = real.BlockDiagonalCausalWithOffsetGappyKeysMask.from_seqlens(q_lens, starts, kv_lens, device=CPU)
+        assert torch.equal(ours.materialize(shape), theirs.materialize(shape))
     ours = EmulatedBlockDiagonalCausalMask.from_seqlens([3, 1, 4])
     theirs = real.BlockDiagonalCausalMask.from_seqlens([3, 1, 4], device=CPU)
     assert torch.equal(ours.materialize((8, 8)), theirs.materialize((8, 8)))
@@ -392,8 +420,10 @@ def test_xformers_glue_with_real_bias_classes(kind):
         XFORMERS_KERNELS,
         BlockDiagonalCausalMask=real.BlockDiagonalCausalMask,
         BlockDiagonalCausalWithOffsetPaddedKeysMask=real.BlockDiagonalCausalWithOffsetPaddedKeysMask,
+        BlockDiagonalCausalWithOffsetGappyKeysMask=real.BlockDiagonalCausalWithOffsetGappyKeysMask,
     )
-    mixed_scenario(Pair(make_backend("xformers", kernels), kind, 8, 2, 64))
+    for dtype in (torch.float32, torch.bfloat16):  # padded-keys and gappy-keys biases
+        mixed_scenario(Pair(make_backend("xformers", kernels), kind, 8, 2, 64, dtype=dtype))
 
 
 def test_emulations_are_strict_where_the_kernels_would_silently_misbehave():
@@ -454,6 +484,12 @@ class _PaddedMaskDropsLastKey(EmulatedBlockDiagonalCausalWithOffsetPaddedKeysMas
         return cls(q_seqlen, kv_padding, [n - 1 for n in kv_seqlen], device)
 
 
+class _GappyMaskShiftsStarts(EmulatedBlockDiagonalCausalWithOffsetGappyKeysMask):
+    @classmethod
+    def from_seqlens(cls, q_seqlen, kv_seqstarts, kv_seqlen, *, device=None):
+        return cls(q_seqlen, [s + 1 for s in kv_seqstarts[:-1]] + [kv_seqstarts[-1]], kv_seqlen, device)
+
+
 # a planted bug is "caught" when the run fails: an output/cache mismatch, or a kernel-argument or shape error
 CAUGHT = (AssertionError, ValueError, RuntimeError, IndexError)
 
@@ -465,6 +501,12 @@ PLANTED = {
         dict(BlockDiagonalCausalWithOffsetPaddedKeysMask=_PaddedMaskDropsLastKey),
     ),
 }
+
+
+def test_planted_gappy_start_bug_is_caught():
+    kernels = _wrap(XFORMERS_KERNELS, BlockDiagonalCausalWithOffsetGappyKeysMask=_GappyMaskShiftsStarts)
+    with pytest.raises(CAUGHT):
+        mixed_scenario(Pair(make_backend("xformers", kernels), "flash_contiguous", 8, 2, 64, dtype=torch.bfloat16))
 
 
 @pytest.mark.parametrize("bug", list(PLANTED))
@@ -509,13 +551,16 @@ def test_availability_here_is_one_line_reason(cls, package):
         assert "\n" not in reason
 
 
+PRETENDED = ("flash_attn", "flash_attn_2_cuda", "xformers")
+
+
 def _pretend_installed(monkeypatch):
     real = importlib.util.find_spec
     fake = SimpleNamespace(name="fake")
     monkeypatch.setattr(
         importlib.util,
         "find_spec",
-        lambda name, *a, **kw: fake if name in ("flash_attn", "xformers") else real(name, *a, **kw),
+        lambda name, *a, **kw: fake if name in PRETENDED else real(name, *a, **kw),
     )
 
 
@@ -536,6 +581,67 @@ def test_availability_reasons_for_each_missing_piece(monkeypatch):
     if not _really_installed("flash_attn"):
         reason = FlashAttn2Backend.availability()  # passes every check, then the import fails
         assert reason.startswith("package 'flash_attn' is installed but failed to import") and "\n" not in reason
+
+
+def _fake_flash(root, *, extension: bool, functions=("flash_attn_varlen_func", "flash_attn_with_kvcache")):
+    """A ``flash_attn`` on sys.path: a namespace folder (what flash-attn-4 leaves), or a package with
+    ``functions`` and, with ``extension``, a ``flash_attn_2_cuda`` module beside it."""
+    pkg = root / "flash_attn"
+    pkg.mkdir()
+    if functions is not None:
+        body = "__version__ = '2.8.3'\n" + "".join(f"def {f}(*a, **kw): pass\n" for f in functions)
+        (pkg / "__init__.py").write_text(body)
+    if extension:
+        (root / "flash_attn_2_cuda.py").write_text("")
+
+
+NO_EXTENSION = "'flash_attn' is there but its CUDA extension 'flash_attn_2_cuda' is not"
+
+
+@pytest.mark.parametrize(
+    "layout, want",
+    [
+        (dict(extension=False, functions=None), NO_EXTENSION),
+        (dict(extension=False), NO_EXTENSION),
+        (dict(extension=True, functions=("flash_attn_varlen_func",)), "flash_attn 2.8.3 has no flash_attn_with_"),
+        (dict(extension=True), None),
+    ],
+    ids=["namespace", "no-extension", "missing-function", "complete"],
+)
+def test_flash_attn2_checks_the_real_extension_not_the_namespace(monkeypatch, tmp_path, layout, want):
+    if _really_installed("flash_attn"):
+        pytest.skip("a real flash_attn is installed here")
+    _fake_flash(tmp_path, **layout)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the GPU checks pass: the package decides
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    try:
+        reason = FlashAttn2Backend.availability()
+    finally:
+        sys.modules.pop("flash_attn", None)  # the fake must not outlive this test
+    assert reason == want if want is None else reason.startswith(want) and "\n" not in reason
+
+
+def test_xformers_dtypes_follow_the_compute_capability(monkeypatch):
+    """fp32 has one xformers operator (cutlassF, sm60-sm90) and bf16 needs sm80: declared, and refused with
+    a reason elsewhere; the support table shows the ranges."""
+    caps = XFormersBackend.capabilities
+    assert caps.dtypes_on((9, 0)) == {torch.float32, torch.float16, torch.bfloat16}
+    assert caps.dtypes_on((10, 0)) == {torch.float16, torch.bfloat16}
+    assert caps.dtypes_on((7, 5)) == {torch.float32, torch.float16}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    xf, cuda = make_backend("xformers"), torch.device("cuda")
+    shape = dict(device=cuda, head_dim=64, num_heads=8, num_kv_heads=2)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
+    assert "dtype float32 is not served on compute capability 10.0 (sm60-sm90)" in caps.reasons_unsupported(
+        dtype=torch.float32, **shape
+    )
+    assert not caps.reasons_unsupported(dtype=torch.bfloat16, **shape)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    reasons = xf.validate(dtype=torch.bfloat16, **shape)
+    assert "dtype bfloat16 is not served on compute capability 7.5 (sm80+)" in reasons
+    row = next(r for r in backend_rows(PluginRegistry(load_entrypoints=False)) if r["backend"] == "xformers")
+    assert row["dtypes"] == "float32 (sm60-sm90),bfloat16 (sm80+),float16"
 
 
 def _really_installed(module: str) -> bool:

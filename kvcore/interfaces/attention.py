@@ -43,6 +43,9 @@ class BackendCapabilities:
     supports_prefill: bool = True
     supports_decode: bool = True
     min_compute_capability: tuple[int, int] | None = None  # CUDA only, e.g. (8, 0) for sm80
+    #: CUDA only: dtypes served on part of the compute-capability range alone, as ``(dtype, lowest,
+    #: highest)`` (both inclusive; ``None``: no upper limit), e.g. a dtype only one kernel family has
+    dtype_compute_capability: tuple[tuple[torch.dtype, tuple[int, int], tuple[int, int] | None], ...] = ()
     #: its decode ``forward`` can be traced by ``torch.compile`` (``EngineConfig.compile``): tensor ops only,
     #: no host syncs, reads only the plan's tensors and ints, writes the cache only through whole cache
     #: tensors, never views of them (see kvcore/execution/compile.py)
@@ -68,12 +71,31 @@ class BackendCapabilities:
             reasons.append(f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
         elif num_kv_heads != num_heads and not self.supports_gqa:
             reasons.append(f"grouped-query attention ({num_heads} query / {num_kv_heads} KV heads) not supported")
-        if device.type == "cuda" and self.min_compute_capability and torch.cuda.is_available():
+        if device.type == "cuda" and torch.cuda.is_available():
             have = torch.cuda.get_device_capability(device)
-            if have < self.min_compute_capability:
+            if self.min_compute_capability and have < self.min_compute_capability:
                 need = ".".join(map(str, self.min_compute_capability))
                 reasons.append(f"GPU compute capability {have[0]}.{have[1]} < {need}")
+            if dtype in self.dtypes and dtype not in self.dtypes_on(have):
+                reasons.append(f"dtype {str(dtype).removeprefix('torch.')} is not served on compute capability "
+                               f"{have[0]}.{have[1]} ({self.dtype_range(dtype)})")
         return reasons
+
+    def dtypes_on(self, compute_capability: tuple[int, int]) -> frozenset[torch.dtype]:
+        """The declared dtypes a CUDA GPU of ``compute_capability`` is served in."""
+        ranges = {d: (low, high) for d, low, high in self.dtype_compute_capability}
+        return frozenset(
+            d for d in self.dtypes
+            if d not in ranges or (ranges[d][0] <= compute_capability and
+                                   (ranges[d][1] is None or compute_capability <= ranges[d][1]))
+        )
+
+    def dtype_range(self, dtype: torch.dtype) -> str:
+        """``"sm60-sm90"`` / ``"sm80+"``: where ``dtype`` is served ("any" when it has no range)."""
+        for d, low, high in self.dtype_compute_capability:
+            if d == dtype:
+                return f"sm{low[0]}{low[1]}" + (f"-sm{high[0]}{high[1]}" if high else "+")
+        return "any"
 
 
 class AttentionBackend(abc.ABC, Generic[PlanT]):

@@ -12,19 +12,14 @@ Tokens of all sequences in one forward call are *packed* along a single axis (vL
 
 from __future__ import annotations
 
+import functools
+import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["AttentionMetadata", "cu_seqlens"]
-
-
-def cu_seqlens(lengths: list[int], device: torch.device | str = "cpu") -> torch.Tensor:
-    """int32 prefix sums ``[0, l0, l0 + l1, ...]`` ``[B + 1]``: row offsets of packed sequences (flash-attn's
-    ``cu_seqlens``)."""
-    out = torch.zeros(len(lengths) + 1, dtype=torch.int32)
-    out[1:] = torch.tensor(lengths, dtype=torch.int64).cumsum(0)
-    return out.to(device)
+__all__ = ["AttentionMetadata", "cu_seqlens", "host_to_device"]
 
 
 @dataclass(frozen=True)
@@ -70,6 +65,11 @@ class AttentionMetadata:
     def max_seq_len(self) -> int:
         return max(self.seq_lens)
 
+    @functools.cached_property
+    def query_starts(self) -> list[int]:
+        """``cu_seqlens_q`` as a host list ``[B + 1]``: row offsets of the sequences without a device sync."""
+        return [0, *itertools.accumulate(self.query_lens)]
+
     @property
     def is_decode(self) -> bool:
         """True when every sequence contributes exactly one query row (a decode step)."""
@@ -97,15 +97,50 @@ class AttentionMetadata:
         tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in block_tables], dtype=torch.int32)
         seq_of_token = torch.repeat_interleave(torch.arange(len(query_lens)), torch.tensor(query_lens))  # [T]
         blocks = tables.long()[seq_of_token, positions // block_size]
+        slot_mapping = blocks * block_size + positions % block_size
+        # built on the host, sent in one copy (a step's metadata is small; one copy per tensor would not be)
+        positions, cu_q, seq_lens, tables, slot_mapping = host_to_device(
+            [positions, cu_seqlens(query_lens), seq_lens, tables, slot_mapping], device
+        )
         return cls(
             query_lens=list(query_lens),
             context_lens=list(context_lens),
             block_tables=[list(t) for t in block_tables],
             block_size=block_size,
-            positions=positions.to(device),
-            cu_seqlens_q=cu_seqlens(query_lens, device),
-            seq_lens_t=seq_lens.to(device),
-            block_tables_t=tables.to(device),
-            slot_mapping=(blocks * block_size + positions % block_size).to(device),
+            positions=positions,
+            cu_seqlens_q=cu_q,
+            seq_lens_t=seq_lens,
+            block_tables_t=tables,
+            slot_mapping=slot_mapping,
             scale=scale,
         )
+
+
+def cu_seqlens(lengths: list[int], device: torch.device | str = "cpu") -> torch.Tensor:
+    """int32 prefix sums ``[0, l0, l0 + l1, ...]`` ``[B + 1]``: row offsets of packed sequences (flash-attn's
+    ``cu_seqlens``)."""
+    out = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    out[1:] = torch.tensor(lengths, dtype=torch.int64).cumsum(0)
+    return out.to(device)
+
+
+def host_to_device(tensors: Sequence[torch.Tensor], device: torch.device | str) -> list[torch.Tensor]:
+    """Small host integer tensors on ``device`` in one copy, same shapes and dtypes (as they are on the CPU).
+
+    On CUDA they are packed into one pinned int64 staging buffer and copied with ``non_blocking=True``: the
+    host does not wait for the copy, and torch's pinned-memory cache keeps the buffer until the copy ran.
+    """
+    device = torch.device(device)
+    if device.type == "cpu":
+        return list(tensors)
+    flat = [t.reshape(-1).to(torch.int64) for t in tensors]
+    staging = torch.empty(sum(f.numel() for f in flat), dtype=torch.int64, pin_memory=device.type == "cuda")
+    torch.cat(flat, out=staging)
+    packed = staging.to(device, non_blocking=True)
+    out, start = [], 0
+    for t in tensors:
+        # a device-side copy each (casts included): no returned tensor aliases another, so a compiled
+        # step's inputs are plain tensors and an in-place op on one cannot reach the rest
+        out.append(packed[start : start + t.numel()].view(t.shape).to(t.dtype, copy=True))
+        start += t.numel()
+    return out

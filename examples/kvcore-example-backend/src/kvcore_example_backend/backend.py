@@ -118,7 +118,7 @@ class ChunkedAttentionBackend(AttentionBackend[AttentionMetadata]):
         num_heads, head_dim = q.shape[1], q.shape[2]
         scale = self.softmax_scale(meta, head_dim)
         out = torch.empty_like(q)
-        starts = meta.cu_seqlens_q.tolist()
+        starts = meta.query_starts  # host list: no device sync per layer
         for i, (ctx, n) in enumerate(zip(meta.context_lens, meta.query_lens)):
             seq_len = ctx + n
             keys, values = self.sequence_kv(layer_idx, cache, meta, i, seq_len)  # [H_kv, S, D]
