@@ -83,7 +83,7 @@ def test_a_model_runs_close_to_int4():
 
 def test_option_errors():
     with pytest.raises(ConfigError, match="weights 'int4a8' cannot run here: .*need dtype bfloat16"):
-        EngineConfig(weights="int4a8")  # float32 default
+        EngineConfig(weights="int4a8", dtype="float32")
 
 
 @needs_kernel
