@@ -18,6 +18,8 @@ import pytest
 from kvcore.cli import main
 
 README = Path(__file__).parent.parent / "README.md"
+#: pages whose examples run the same way
+PAGES = (README, Path(__file__).parent.parent / "docs" / "performance.md")
 TINY = Path(__file__).parent / "data" / "tiny-llama"
 FENCE = re.compile(r"(?:^<!-- readme-test: skip: (?P<reason>[^>]*?) -->\n)?^```(?P<lang>\w+)\n(?P<body>.*?)^```$",
                    re.S | re.M)
@@ -25,15 +27,19 @@ FENCE = re.compile(r"(?:^<!-- readme-test: skip: (?P<reason>[^>]*?) -->\n)?^```(
 
 def blocks():
     found = []
-    for m in FENCE.finditer(README.read_text(encoding="utf-8")):
-        if m["lang"] in ("bash", "python", "toml"):
-            line = README.read_text(encoding="utf-8")[: m.start("lang")].count("\n") + 1
-            found.append(pytest.param(m["lang"], m["body"], m["reason"], id=f"{m['lang']}-line{line}"))
+    for page in PAGES:
+        text = page.read_text(encoding="utf-8")
+        prefix = "" if page == README else f"{page.stem}-"
+        for m in FENCE.finditer(text):
+            if m["lang"] in ("bash", "python", "toml"):
+                line = text[: m.start("lang")].count("\n") + 1
+                found.append(pytest.param(m["lang"], m["body"], m["reason"], id=f"{prefix}{m['lang']}-line{line}"))
     return found
 
 
-def test_every_skip_says_why():
-    text = README.read_text(encoding="utf-8")
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_every_skip_says_why(page):
+    text = page.read_text(encoding="utf-8")
     markers = re.findall(r"<!-- readme-test: skip: ?(.*?) -->", text)
     assert markers and all(len(reason.split()) >= 3 for reason in markers), markers
     assert len(re.findall(r"<!-- readme-test", text)) == len(markers)  # no misspelt marker goes unnoticed
@@ -46,10 +52,13 @@ def test_readme_block_runs(lang, body, reason, monkeypatch, capsys, tmp_path):
     # The tiny checkpoint stands in for SmolLM2 (seconds instead of minutes on two busy cores; the commands and
     # code run as written): flag > KVCORE_MODEL > config file for the CLI, the name "smollm2" for the API.
     monkeypatch.setenv("KVCORE_MODEL", str(TINY))
+    import kvcore.engine
     import kvcore.loaders
 
-    load_model = kvcore.loaders.load_model
-    monkeypatch.setattr(kvcore.loaders, "load_model", lambda spec: load_model(str(TINY) if spec == "smollm2" else spec))
+    load_model, file_facts = kvcore.loaders.load_model, kvcore.engine.file_facts
+    stand_in = lambda spec: str(TINY) if spec == "smollm2" else spec  # noqa: E731
+    monkeypatch.setattr(kvcore.loaders, "load_model", lambda spec, **kw: load_model(stand_in(spec), **kw))
+    monkeypatch.setattr(kvcore.engine, "file_facts", lambda spec: file_facts(stand_in(spec)))  # the default choice
     monkeypatch.delenv("KVCORE_BACKEND", raising=False)
     if lang == "bash":
         commands = [shlex.split(line, comments=True) for line in body.splitlines()]
