@@ -29,7 +29,7 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     max_new = 2 * args.rounds * args.steps + 8
-    engine = Engine.from_pretrained(args.model, EngineConfig(backend=args.backend, max_num_seqs=1,
+    engine = Engine.from_pretrained(args.model, EngineConfig(backend=args.backend, dtype="float32", max_num_seqs=1,
                                                              max_model_len=args.context + max_new + 8))
     guards = engine._guards
     prompt = [(7 * i) % 1000 + 10 for i in range(args.context)]

@@ -18,7 +18,7 @@ from kvcore import Engine, EngineConfig, SamplingParams
 
 def main() -> None:
     torch.set_num_threads(1)
-    engine = Engine.from_pretrained("smollm2", EngineConfig(backend="sdpa", max_model_len=256))
+    engine = Engine.from_pretrained("smollm2", EngineConfig(backend="sdpa", dtype="float32", max_model_len=256))
     engine.add_request(list(range(100, 164)), SamplingParams(max_new_tokens=20, ignore_eos=True))
     for _ in range(3):  # prefill + two decode steps outside the count
         engine.step()

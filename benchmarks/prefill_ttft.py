@@ -22,8 +22,9 @@ def main() -> None:
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    engines = {b: Engine.from_pretrained("smollm2", EngineConfig(backend=b, max_model_len=args.tokens + 16,
-                                                                 max_num_seqs=1)) for b in ("sdpa", "paged")}
+    engines = {b: Engine.from_pretrained("smollm2", EngineConfig(backend=b, dtype="float32",
+                                                                 max_model_len=args.tokens + 16, max_num_seqs=1))
+               for b in ("sdpa", "paged")}
     params = SamplingParams(max_new_tokens=1, ignore_eos=True)
     prompt = [(7 * i) % 40000 + 100 for i in range(args.tokens)]
     for engine in engines.values():  # warm-up: oneDNN weight packs, page faults

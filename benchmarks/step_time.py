@@ -23,7 +23,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    engine = Engine.from_pretrained("smollm2", EngineConfig(backend=args.backend, max_model_len=256))
+    engine = Engine.from_pretrained("smollm2", EngineConfig(backend=args.backend, dtype="float32", max_model_len=256))
     engine.add_request(list(range(100, 164)), SamplingParams(max_new_tokens=args.steps + 8, ignore_eos=True))
     for _ in range(4):  # prefill and warm-up steps
         engine.step()

@@ -63,6 +63,8 @@ def run_engine(
         backend=target.name,
         kv_cache=cache,
         dtype=cfg.dtype_name,
+        weights="float",  # the suite certifies backends against float references: never the automatic formats
+        lm_head="dense",
         device=cfg.device,
         max_num_seqs=max_num_seqs or len(prompts),
         max_model_len=min(longest + 16, cm.config.max_position_embeddings),
@@ -109,7 +111,7 @@ def run_churn(
     longest = max(len(r.prompt) + r.max_new_tokens for r in requests)
     num_blocks = max(-(-num_blocks_tokens // block_size), -(-longest // block_size) + 1)
     config = EngineConfig(
-        backend=target.name, kv_cache=cache, dtype=cfg.dtype_name, device=cfg.device,
+        backend=target.name, kv_cache=cache, dtype=cfg.dtype_name, weights="float", lm_head="dense", device=cfg.device,
         max_num_seqs=max_num_seqs, max_model_len=longest + 16, block_size=block_size, num_blocks=num_blocks,
         backend_options={target.name: dict(target.options)} if target.options else {},
         kv_cache_options={cache: options} if options else {},

@@ -74,7 +74,7 @@ def test_rescore_top_k_rejects_bad_input():
 
 def test_lm_head_option_errors(monkeypatch):
     with pytest.raises(ConfigError, match="lm_head 'int4' cannot run here: .*need dtype bfloat16"):
-        EngineConfig(lm_head="int4")  # float32 default
+        EngineConfig(lm_head="int4", dtype="float32")
     import kvcore.kernels.cpu_kernels
 
     # the rescoring is a kvcore kernel: without a compiler to build it, the int4 head is unavailable, and says why

@@ -22,7 +22,9 @@ def load_golden(name: str) -> dict:
 
 def check_against_golden(loaded, golden: dict, backend: str, max_num_seqs: int) -> None:
     model = LlamaModel.from_weights(loaded.config, loaded.weights)
-    engine = Engine(model, loaded.tokenizer, EngineConfig(backend=backend, max_num_seqs=max_num_seqs))
+    # the reference configuration, pinned: kvcore's automatic choice may run a quantized file in bfloat16
+    config = EngineConfig(backend=backend, max_num_seqs=max_num_seqs, dtype="float32", weights="float", lm_head="dense")
+    engine = Engine(model, loaded.tokenizer, config)
     prompts = golden["prompts"]
     for p in prompts:  # our tokenizer agrees with transformers' on every golden prompt
         assert loaded.tokenizer.encode(p["prompt"], add_bos=golden["add_bos_token"]) == p["prompt_token_ids"], p["name"]
@@ -46,13 +48,13 @@ def test_smollm2_naive_matches_transformers(smollm2):
 
 @pytest.mark.slow
 def test_cli_acceptance_command(capsys):
-    """`kvcore generate --backend naive --temperature 0 --max-new-tokens 48 --json` on a golden prompt
-    returns transformers' 48 greedy ids."""
+    """`kvcore generate --backend naive --dtype float32 --temperature 0 --max-new-tokens 48 --json` on a golden
+    prompt returns transformers' 48 greedy ids."""
     from kvcore.cli import main
 
     golden = {p["name"]: p for p in load_golden("golden_smollm2.json")["prompts"]}["printing_press"]
-    rc = main(["generate", "--backend", "naive", "--temperature", "0", "--max-new-tokens", "48", "--json",
-               "The history of the printing press begins"])
+    rc = main(["generate", "--backend", "naive", "--dtype", "float32", "--temperature", "0", "--max-new-tokens", "48",
+               "--json", "The history of the printing press begins"])
     out = capsys.readouterr().out
     result = json.loads(out.strip().splitlines()[-1])
     assert rc == 0

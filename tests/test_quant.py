@@ -156,7 +156,7 @@ def test_quantized_random_model_decodes_like_float(fmt):
 
 def test_weights_option_errors_and_plumbing(tmp_path):
     with pytest.raises(ConfigError, match="need dtype bfloat16"):
-        EngineConfig(weights="int4")  # float32 default
+        EngineConfig(weights="int4", dtype="float32")
     with pytest.raises(ConfigError, match="CPU only"):
         EngineConfig(weights="int8", dtype="bfloat16", device="meta")
     with pytest.raises(ConfigError, match="unknown weights format 'int3'"):
@@ -254,6 +254,6 @@ def test_cli_weights_flag(capsys):
         assert main([*argv, "--dtype", "bfloat16", "--weights", fmt, "hello"]) == 0
         result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
         assert result["weights"] == fmt and len(result["token_ids"]) == 4
-    assert main([*argv, "--weights", "int4", "hello"]) == 2
+    assert main([*argv, "--dtype", "float32", "--weights", "int4", "hello"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "weights 'int4' cannot run here" in err and "--dtype bfloat16" in err

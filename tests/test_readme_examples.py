@@ -67,11 +67,14 @@ def test_doc_block_runs(page, lang, body, reason, monkeypatch, capsys, tmp_path)
     # The tiny checkpoint stands in for SmolLM2 (seconds instead of minutes on two busy cores; the commands and
     # code run as written): flag > KVCORE_MODEL > config file for the CLI, the name "smollm2" for the API.
     monkeypatch.setenv("KVCORE_MODEL", str(TINY))
+    import kvcore.engine.core
     import kvcore.loaders.model_cache
 
-    load_model = kvcore.loaders.load_model
-    tiny = lambda spec: load_model(str(TINY) if spec == "smollm2" else spec)  # noqa: E731
-    monkeypatch.setattr(kvcore.loaders.model_cache, "load_model", tiny)
+    load_model, file_facts = kvcore.loaders.load_model, kvcore.engine.core.file_facts
+    stand_in = lambda spec: str(TINY) if spec == "smollm2" else spec  # noqa: E731
+    # where the model cache and the default choice read the model file
+    monkeypatch.setattr(kvcore.loaders.model_cache, "load_model", lambda spec, **kw: load_model(stand_in(spec), **kw))
+    monkeypatch.setattr(kvcore.engine.core, "file_facts", lambda spec: file_facts(stand_in(spec)))
     monkeypatch.delenv("KVCORE_BACKEND", raising=False)
     if lang in ("bash", "sh"):
         commands = [shlex.split(line, comments=True) for line in body.splitlines()]

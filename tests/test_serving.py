@@ -370,10 +370,10 @@ def test_smollm2_greedy_through_the_server_equals_kvcore_generate(capsys, smollm
     # read the GGUF file once per session
     monkeypatch.setattr(kvcore.loaders.model_cache, "load_model", lambda name: smollm2)
     prompt = "The capital of France is"
-    assert main(["generate", "--max-new-tokens", "16", "--json", prompt]) == 0
+    assert main(["generate", "--dtype", "float32", "--max-new-tokens", "16", "--json", prompt]) == 0
     expected = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     model = LlamaModel.from_weights(smollm2.config, smollm2.weights, torch.float32)
-    front = AsyncEngine(Engine(model, smollm2.tokenizer, EngineConfig(max_num_seqs=4)))
+    front = AsyncEngine(Engine(model, smollm2.tokenizer, EngineConfig(max_num_seqs=4, dtype="float32")))
     with ServerThread(build_app(front, model_name="smollm2")) as srv:
         out = client(srv).completions.create(model="smollm2", prompt=prompt, max_tokens=16, temperature=0)
     assert out.choices[0].text == expected["text"]

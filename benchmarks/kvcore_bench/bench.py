@@ -135,6 +135,11 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.llamacpp_native:
+        from kvcore_bench.vs_native import run_native
+
+        args.progress = not args.no_progress
+        return run_native(args)
     if args.llamacpp:
         from kvcore_bench.vs_llamacpp import run_llamacpp
 

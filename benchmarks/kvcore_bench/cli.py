@@ -31,6 +31,9 @@ def add_parser(subparsers, run: Callable[[argparse.Namespace], int]) -> argparse
     p.add_argument("--no-progress", action="store_true", help="do not print progress on stderr")
     p.add_argument("--llamacpp", action="store_true",
                    help="instead: kvcore vs llama.cpp on the same GGUF (llama-cpp-python; llamacpp.md/json)")
+    p.add_argument("--llamacpp-native", action="store_true",
+                   help="instead: kvcore's defaults (CLI and in-process) vs native llama-bench / llama-batched-bench, "
+                        "built on first use from the llama-cpp-python sdist (native.md/json)")
     p.add_argument("--backend", default=None, help="--llamacpp: kvcore's backend (default: the engine's choice)")
     p.add_argument("--dtype", default="float32", help="--llamacpp: kvcore's dtype (default float32)")
     p.add_argument("--engine-option", action="append", metavar="KEY=VALUE",

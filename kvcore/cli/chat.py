@@ -60,7 +60,7 @@ def run_chat(args: argparse.Namespace, state: RunState, stdin=None) -> int:
             continue
         messages.append({"role": "user", "content": line})
         try:
-            result = stream_reply(loaded, chat_prompt_ids(loaded.engine, messages), state)
+            result = stream_reply(loaded, chat_prompt_ids(loaded.engine.tokenizer, messages), state)
         except KeyboardInterrupt:
             if not tty:
                 raise

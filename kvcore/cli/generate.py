@@ -16,8 +16,8 @@ from typing import Any
 from kvcore.cli.settings import apply_threads, read_prompt, resolve_settings
 from kvcore.errors import InvalidRequestError, OutputError
 
-__all__ = ["RunState", "Loaded", "load_engine", "sampling_params", "stream_reply", "result_payload", "run_generate",
-           "write_out"]
+__all__ = ["RunState", "Loaded", "load_engine", "peak_rss_bytes", "sampling_params", "stream_reply", "result_payload",
+           "run_generate", "write_out"]
 
 
 @dataclass
@@ -56,9 +56,10 @@ def sampling_params(s: dict[str, Any]):
     return params
 
 
-def load_engine(args: argparse.Namespace) -> Loaded:
+def load_engine(args: argparse.Namespace, request_ids: Callable[[Any], list[int]] | None = None) -> Loaded:
     """Settings, threads, sampling parameters (checked first: a typo fails before the model loads), the
-    backend choice (likewise), then the model and the engine."""
+    backend choice (likewise), then the model and the engine. ``request_ids``: the one request's prompt ids
+    given the tokenizer, for an engine whose KV cache is sized to that request (one-shot generate / chat)."""
     from dataclasses import fields
 
     from kvcore.engine.core import Engine, EngineConfig
@@ -66,6 +67,7 @@ def load_engine(args: argparse.Namespace) -> Loaded:
 
     s = resolve_settings(args)
     threads = apply_threads(s.get("threads"))
+    before_load = peak_rss_bytes()  # python, torch and kvcore imported: what the model adds comes on top
     params = sampling_params(s)
     registry = get_registry()
     if s["plugin_options"]:
@@ -73,10 +75,12 @@ def load_engine(args: argparse.Namespace) -> Loaded:
     config = EngineConfig(**{f.name: s[f.name] for f in fields(EngineConfig) if s.get(f.name) is not None})
     for name in {s["backend"], s["prefill_backend"], s["decode_backend"]} - {None}:
         registry.create(name, s["backend_options"].get(name))
-    engine = Engine.from_pretrained(
-        s["model"], config, registry=registry, model_cache=False if getattr(args, "no_model_cache", False) else None
-    )
-    return Loaded(engine, config, s, params, {"threads": threads})
+    needed = None if request_ids is None else (lambda tok: len(request_ids(tok)) + params.max_new_tokens)
+    engine = Engine.from_pretrained(s["model"], config, registry=registry, request_tokens=needed,
+                                    model_cache=False if getattr(args, "no_model_cache", False) else None)
+    if getattr(args, "verbose", False):
+        print(f"kvcore: {engine.choice.describe()}", file=sys.stderr)
+    return Loaded(engine, engine.config, s, params, {"threads": threads, "rss_before_load_bytes": before_load})
 
 
 def stream_reply(loaded: Loaded, prompt_ids: list[int], state: RunState, out=None):
@@ -143,6 +147,8 @@ def result_payload(loaded: Loaded, result, finish_reason: str | None = None) -> 
         "metrics": result.metrics.as_dict(),
         "tensor_parallel_size": config.tensor_parallel_size,
         "threads": loaded.extra.get("threads"),
+        "choice": engine.choice.as_dict(),
+        "memory": {"peak_rss_bytes": peak_rss_bytes(), "rss_before_load_bytes": loaded.extra["rss_before_load_bytes"]},
     }
     if params.logprobs is not None:
         payload["logprobs"] = result.logprobs
@@ -153,9 +159,19 @@ def result_payload(loaded: Loaded, result, finish_reason: str | None = None) -> 
     return payload
 
 
-def chat_prompt_ids(engine, messages: list[dict[str, str]]) -> list[int]:
-    """The model's chat template applied to ``messages``, with the assistant's turn opened, as token ids."""
-    tok = engine.tokenizer
+def peak_rss_bytes() -> int | None:
+    """This process's peak resident set size so far (None where the OS does not report it)."""
+    try:
+        import resource
+    except ImportError:  # not POSIX
+        return None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB on Linux
+
+
+def chat_prompt_ids(tok, messages: list[dict[str, str]]) -> list[int]:
+    """The model's chat template (tokenizer ``tok``) applied to ``messages``, with the assistant's turn opened, as
+    token ids."""
     return tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True), add_bos=False)
 
 
@@ -166,14 +182,15 @@ def run_generate(args: argparse.Namespace, state: RunState, chat: bool = False, 
     if not prompt:
         raise InvalidRequestError("prompt is empty" if prompt is not None else
                                   "no prompt: give it as an argument, '-' for standard input, or --prompt-file")
-    loaded = load_engine(args)
-    engine = loaded.engine
-    if chat:
-        messages = [{"role": "system", "content": args.system}] if args.system else []
-        prompt_ids = chat_prompt_ids(engine, [*messages, {"role": "user", "content": prompt}])
-    else:
-        prompt_ids = engine.tokenizer.encode(prompt)
-    result = stream_reply(loaded, prompt_ids, state)
+    messages = [{"role": "system", "content": args.system}] if chat and args.system else []
+
+    def request_ids(tokenizer) -> list[int]:
+        if chat:
+            return chat_prompt_ids(tokenizer, [*messages, {"role": "user", "content": prompt}])
+        return tokenizer.encode(prompt)
+
+    loaded = load_engine(args, request_ids)
+    result = stream_reply(loaded, request_ids(loaded.engine.tokenizer), state)
     if args.json:
         write_out(json.dumps(result_payload(loaded, result)) + "\n")
     return 0

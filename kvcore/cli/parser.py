@@ -42,15 +42,18 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-backend", default=None, help="backend for decode (overrides --backend)")
     p.add_argument("--kv-cache", default=None, help="KV cache (`kvcore plugins`; default: the backend's layout)")
     p.add_argument("--sampler", default=None, help="sampler (see `kvcore plugins`; default 'default')")
-    p.add_argument("--dtype", default=None, help="float32 (default), bfloat16 or float16")
+    p.add_argument("--dtype", default=None,
+                   help="auto (default: bfloat16 for a Q4_0/Q4_1 GGUF on CPU, else float32), float32 (the exact "
+                        "reference), bfloat16 or float16")
     p.add_argument("--device", default=None, help="torch device (default cpu)")
     p.add_argument("--weights", default=None, choices=["auto", "float", "int8", "int4", "int4a8"],
-                   help="matmul weights: auto (default: int4 for a Q4 GGUF in bfloat16, else float), float, "
+                   help="matmul weights: auto (default: a Q4 GGUF's blocks as int4a8, else int4, in bfloat16; "
+                        "else float), float, "
                         "int8 or int4 (weight-only quantized), int4a8 (int4 with int8 activations, kvcore's "
                         "kernel, AVX512-VNNI); quantized formats need --dtype bfloat16 on CPU")
-    p.add_argument("--lm-head", default=None, choices=["dense", "int4"],
-                   help="LM head: dense (default) or int4 (int4 scores, the top 64 candidates rescored with the "
-                        "dense head; needs --dtype bfloat16 on CPU)")
+    p.add_argument("--lm-head", default=None, choices=["auto", "dense", "int4"],
+                   help="LM head: auto (default: int4 with quantized weights where it runs, else dense), dense or "
+                        "int4 (int4 scores, the top 64 candidates rescored with the dense head; bfloat16 on CPU)")
     p.add_argument("--compile", action="store_true", default=None,
                    help="run decode steps through torch.compile (faster once compiled; the first decode step "
                         "compiles for tens of seconds; needs a C++ compiler on CPU)")
@@ -63,6 +66,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default=None, metavar="FILE.toml", help="read settings from a TOML file")
     p.add_argument("--no-model-cache", action="store_true",
                    help="neither read nor write the prepared-model cache (also: KVCORE_MODEL_CACHE=0)")
+    p.add_argument("--verbose", action="store_true",
+                   help="print on stderr the configuration kvcore chose for the settings left automatic, and why")
 
 
 def _port(text: str) -> int:

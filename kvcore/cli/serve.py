@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 from kvcore.cli.settings import apply_threads, resolve_settings
 
@@ -20,6 +21,8 @@ def run_serve(args: argparse.Namespace) -> int:
         s["max_num_seqs"] = DEFAULT_MAX_NUM_SEQS  # a server runs many requests; `generate` runs one
     s["model_cache"] = False if getattr(args, "no_model_cache", False) else None
     engine = build_engine(s)
+    if args.verbose:
+        print(f"kvcore: {engine.choice.describe()}", file=sys.stderr)
     return run_server(
         engine,
         model_name=args.served_model_name or s["model"],

@@ -11,14 +11,16 @@ import torch
 
 from kvcore.errors import BackendUnavailableError, ConfigError, PluginError
 from kvcore.interfaces.attention import AttentionBackend
-from kvcore.kernels.quant import check_runnable
+from kvcore.kernels.quant import check_runnable, check_weight_format
 from kvcore.model.config import DEFAULT_MAX_MODEL_LEN
 from kvcore.model.lm_head import check_lm_head
 from kvcore.plugins.registry import KV_CACHE, PluginEntry, PluginRegistry
 
-__all__ = ["EngineConfig", "Components", "parse_dtype", "select_components", "check_device", "check_memory",
+__all__ = ["AUTO", "EngineConfig", "Components", "parse_dtype", "select_components", "check_device", "check_memory",
            "check_cache_memory", "DTYPES"]
 
+#: a setting left to kvcore (kvcore.engine.defaults decides it)
+AUTO = "auto"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -41,14 +43,17 @@ class EngineConfig:
     decode_backend: str | None = None  # overrides ``backend`` for decode
     kv_cache: str | None = None  # KV-cache layout; None = the canonical cache of the backends' layout
     sampler: str = "default"
-    dtype: str = "float32"
+    #: "float32" (the exact reference), "bfloat16", "float16", or "auto": bfloat16 for a GGUF whose layer weights
+    #: are all Q4_0/Q4_1 on CPU, else float32 (kvcore.engine.defaults decides every "auto" and says why)
+    dtype: str = "auto"
     device: str = "cpu"
-    #: matmul weight format (kvcore.kernels.quant.WEIGHT_FORMATS): "auto" (int4 for a Q4_0/Q4_1 GGUF in bfloat16 on
-    #: CPU, else float), "float", "int8", "int4" or "int4a8"; quantized formats need dtype bfloat16 on CPU
+    #: matmul weight format (kvcore.kernels.quant.WEIGHT_FORMATS): "auto" (a Q4_0/Q4_1 GGUF's blocks as int4a8, or
+    #: int4 where that kernel cannot run, in bfloat16 on CPU; else float), "float", "int8", "int4" or "int4a8";
+    #: quantized formats need dtype bfloat16 on CPU
     weights: str = "auto"
-    #: LM head format (kvcore.model.lm_head.LM_HEAD_FORMATS): "dense", or "int4" (int4 scores, the top 64 rescored
-    #: densely; bfloat16 on CPU)
-    lm_head: str = "dense"
+    #: LM head format (kvcore.model.lm_head.LM_HEAD_FORMATS): "dense", "int4" (int4 scores, the top 64 rescored
+    #: densely; bfloat16 on CPU), or "auto": int4 with quantized weights where it runs, else dense
+    lm_head: str = "auto"
     max_num_seqs: int = 8  # requests resident in the KV cache at once
     max_model_len: int | None = None  # tokens per request; None = the model's context window, capped
     #: tokens one forward may compute. Chunked: decodes first, prompts split into chunks to fill the rest;
@@ -79,9 +84,14 @@ class EngineConfig:
     DEFAULT_MAX_MODEL_LEN = DEFAULT_MAX_MODEL_LEN
 
     def __post_init__(self) -> None:
-        dtype = parse_dtype(self.dtype)
-        check_runnable(self.weights, dtype, self.device)
-        check_lm_head(self.lm_head, dtype, self.device)
+        # "auto" settings are checked once decided (kvcore.engine.core.defaults.choose_defaults)
+        dtype = None if self.dtype == AUTO else parse_dtype(self.dtype)
+        if dtype is None:
+            check_weight_format(self.weights)
+        else:
+            check_runnable(self.weights, dtype, self.device)
+        if self.lm_head != AUTO:
+            check_lm_head(self.lm_head, dtype or torch.bfloat16, self.device)
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "tensor_parallel_size",
                      "backend_check_interval"):
             value = getattr(self, name)

@@ -32,12 +32,13 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
 
 from kvcore.engine.config import EngineConfig, check_cache_memory, parse_dtype, select_components
+from kvcore.engine.core.defaults import DefaultChoice, choose_defaults, file_facts, model_facts
 from kvcore.engine.settings import Settings
 from kvcore.engine.step import EngineStep
 from kvcore.errors import (
@@ -76,9 +77,12 @@ class Engine(EngineStep):
         *,
         registry: PluginRegistry | None = None,
         sampler: Sampler | None = None,
+        choice: DefaultChoice | None = None,
     ) -> None:
-        self.config = config = config or EngineConfig()
         registry = registry or get_registry()
+        #: what kvcore decided for the settings left automatic, and why (kvcore.engine.defaults)
+        self.choice = choice or choose_defaults(config or EngineConfig(), model_facts(model), registry)
+        self.config = config = self.choice.apply(config or EngineConfig())
         self.model, self.tokenizer = model, tokenizer
         mc = model.config
         self.dtype, self.device = parse_dtype(config.dtype), torch.device(config.device)
@@ -175,20 +179,29 @@ class Engine(EngineStep):
         config: EngineConfig | None = None,
         *,
         model_cache: bool | None = None,
+        request_tokens: Callable[[Any], int] | None = None,
         **kwargs: Any,
     ) -> Engine:
         """Load ``model`` ("smollm2", a .gguf file or a Hugging Face directory) and build an engine.
 
         :param model_cache: keep the prepared model on disk so the next start skips conversion
             (:mod:`kvcore.loaders.model_cache`); None = on unless ``KVCORE_MODEL_CACHE=0``.
+        :param request_tokens: for an engine that runs one known request (``kvcore generate``): given the
+            tokenizer, the tokens it needs (prompt + new tokens). Without ``max_model_len`` the KV cache is then
+            sized to it instead of to the model's window.
         """
         from kvcore.loaders.model_cache import load_pretrained
 
         config = config or EngineConfig()
+        choice = choose_defaults(config, file_facts(model), kwargs.get("registry"))
+        config = choice.apply(config)
         decoder, tokenizer = load_pretrained(
             model, parse_dtype(config.dtype), config.device, config.max_model_len, model_cache, config.weights
         )
-        return cls(decoder, tokenizer, config, **kwargs)
+        if request_tokens is not None and config.max_model_len is None:
+            window = decoder.config.max_position_embeddings
+            config = dataclasses.replace(config, max_model_len=min(window, max(2, request_tokens(tokenizer))))
+        return cls(decoder, tokenizer, config, choice=choice, **kwargs)
 
     @classmethod
     def from_settings(cls, settings: Settings, *, registry: PluginRegistry | None = None, **kwargs: Any) -> Engine:

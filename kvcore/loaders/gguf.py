@@ -198,6 +198,10 @@ def unpermute_qk(weight: np.ndarray, n_head: int) -> np.ndarray:
     return weight.reshape(n_head, out // n_head // 2, 2, inp).swapaxes(1, 2).reshape(out, inp)
 
 
+#: rows of a quantized tensor dequantized per call (see :func:`_dequantize`)
+_DEQUANT_ROWS = 4096
+
+
 def _dequantize(tensor: Any, path: Path) -> np.ndarray:
     if tensor.tensor_type not in SUPPORTED_TYPES:
         supported = ", ".join(t.name for t in SUPPORTED_TYPES)
@@ -205,12 +209,20 @@ def _dequantize(tensor: Any, path: Path) -> np.ndarray:
             f"'{path}': tensor '{tensor.name}' has unsupported type {tensor.tensor_type.name} "
             f"(supported: {supported})"
         )
+    shape = tuple(int(n) for n in reversed(tensor.shape))  # [ne1, ne0] in numpy order is Hugging Face's [out, in]
+    data = tensor.data
     try:
-        values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        if data.ndim != 2 or tensor.tensor_type in (QType.F32, QType.F16):
+            return gguf.quants.dequantize(data, tensor.tensor_type).reshape(shape)
+        # row chunks into one float32 array: gguf's dequantizer makes several full-size temporaries per call,
+        # which for a big embedding table were the load's peak memory
+        out = np.empty((data.shape[0], shape[-1]), dtype=np.float32)
+        for start in range(0, data.shape[0], _DEQUANT_ROWS):
+            rows = gguf.quants.dequantize(data[start : start + _DEQUANT_ROWS], tensor.tensor_type)
+            out[start : start + _DEQUANT_ROWS] = rows.reshape(-1, shape[-1])
     except _READER_ERRORS as exc:
         raise ModelLoadError(f"'{path}': cannot decode tensor '{tensor.name}': {exc}") from None
-    # [ne1, ne0] in numpy order is Hugging Face's [out, in]
-    return values.reshape(tuple(int(n) for n in reversed(tensor.shape)))
+    return out.reshape(shape)
 
 
 def load_gguf(path: str | os.PathLike[str], name: str | None = None, keep_quantized: bool = False) -> LoadedModel:

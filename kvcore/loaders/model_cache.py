@@ -41,7 +41,8 @@ from kvcore.paths import cache_root, is_entry, private_dir, remove_entry, verify
 from kvcore.text.tokenizer import Tokenizer
 from kvcore.version import __version__
 
-__all__ = ["CACHE_FORMAT", "MAX_ENTRIES", "cache_dir", "cache_root", "cache_enabled", "clear", "load_pretrained"]
+__all__ = ["CACHE_FORMAT", "MAX_ENTRIES", "cache_dir", "cache_root", "cache_enabled", "clear", "gguf_source",
+           "load_pretrained"]
 
 #: bumped whenever what an entry holds or how the decoder stores its weights changes
 CACHE_FORMAT = 1
@@ -89,7 +90,7 @@ def load_pretrained(
 
     cacheable = weights in ("auto", "float") and not keep_blocks  # then the weights resolve to float
     on_cpu = torch.device(device).type == "cpu"
-    source = _gguf_source(spec) if cacheable and on_cpu and cache_enabled(use_cache) else None
+    source = gguf_source(spec) if cacheable and on_cpu and cache_enabled(use_cache) else None
     if source is None:
         loaded, model = load()
         return model, loaded.tokenizer
@@ -109,7 +110,7 @@ def load_pretrained(
     return model, loaded.tokenizer
 
 
-def _gguf_source(spec: str) -> Path | None:
+def gguf_source(spec: str) -> Path | None:
     """The GGUF file ``spec`` names, or None (a directory, a missing file: not cached)."""
     from kvcore.errors import KVCoreError
     from kvcore.loaders import DEFAULT_MODEL

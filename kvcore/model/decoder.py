@@ -138,12 +138,19 @@ class DecoderModel(nn.Module):
     packed_weights: bool = True
 
     def matmuls(self, num_rows: int) -> dict[str, list]:
-        """``{"qkv", "o", "gate_up", "down": [per layer], "lm_head": [one]}`` callables ``x -> x @ W.T`` for a
-        forward of ``num_rows`` rows: quantized ones (when the model has them) or dense ones."""
+        """``{"qkv", "o", "gate_up", "down": [per layer]}`` callables ``x -> x @ W.T`` for a forward of ``num_rows``
+        rows: quantized ones (when the model has them) or dense ones, then with ``"lm_head": [one]`` too."""
         if self._quantized is None:
             lists = {"qkv": self.qkv_proj, "o": self.o_proj, "gate_up": self.gate_up_proj, "down": self.down_proj}
             return self._dense.get({**lists, "lm_head": [self.lm_head]}, num_rows, self.packed_weights)
-        return {**self._quantized, **self._dense.get({"lm_head": [self.lm_head]}, num_rows, self.packed_weights)}
+        return self._quantized
+
+    def dense_head(self, num_rows: int) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The dense LM head's callable for ``num_rows`` rows. A quantized model builds it only when logits need it:
+        where its int4 head scores every decode step, no packed copy of the head is ever made."""
+        if self._quantized is None:
+            return self.matmuls(num_rows)["lm_head"][0]
+        return self._dense.get({"lm_head": [self.lm_head]}, num_rows, self.packed_weights)["lm_head"][0]
 
     @property
     def dtype(self) -> torch.dtype:
@@ -302,7 +309,7 @@ class DecoderModel(nn.Module):
         if head is not None and hidden.shape[0] <= head.max_rows:
             logits = head(hidden)
         else:
-            logits = self.matmuls(hidden.shape[0])["lm_head"][0](hidden)
+            logits = self.dense_head(hidden.shape[0])(hidden)
         cap = self.config.final_logit_softcapping
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap

@@ -29,6 +29,7 @@ __all__ = ["LM_HEAD_FORMATS", "INT4_MAX_ROWS", "A8_MAX_ROWS", "RescoredInt4Head"
 
 #: every value of ``EngineConfig.lm_head`` with what it means
 LM_HEAD_FORMATS = {
+    "auto": "int4 with quantized weights where it runs, else dense (kvcore.engine.defaults)",
     "dense": "the head in the model dtype (reference)",
     "int4": "int4 scores for the whole vocabulary, the top 64 rescored with the dense head",
 }

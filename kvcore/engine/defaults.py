@@ -1,0 +1,204 @@
+"""What kvcore runs when a setting is left to it: the one place that turns ``auto`` into a configuration.
+
+``EngineConfig`` leaves ``dtype``, ``weights`` and ``lm_head`` at ``"auto"`` and the backends at ``None``;
+:func:`choose_defaults` decides them from the model file and this machine, and says why. The rule: the
+fastest configuration whose accuracy is measured (benchmarks/results/quant_accuracy.md, docs/performance.md):
+
+* a GGUF whose layer matmul weights are all Q4_0 / Q4_1 blocks runs them natively: bfloat16 activations,
+  ``int4a8`` weights (kvcore's VNNI kernel; ``int4`` on torch's kernel where it cannot run), the ``int4`` LM
+  head (exact top 64) and the ``cpu_decode`` backend where kvcore's C++ kernels can be built;
+* anything else (float checkpoints, other GGUF types, non-CPU devices) runs float32 dense weights, the exact
+  reference: a float checkpoint is never quantized or rounded silently.
+
+A setting given explicitly is kept as given, and the rest follows from it (``dtype="float32"`` alone gives
+the whole reference configuration). ``--dtype float32`` is the exact path, one flag away.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvcore.engine.config import AUTO, EngineConfig, parse_dtype
+from kvcore.errors import KVCoreError
+from kvcore.kernels.cpu_kernels import int4a8_reasons, kernel_reasons
+from kvcore.kernels.quant import DEFAULT_GROUP_SIZE, QUANTIZED_FORMATS, Int4Linear, quantized_reasons
+from kvcore.loaders.gguf_validate import validate_gguf
+from kvcore.loaders.model_cache import gguf_source
+from kvcore.plugins.registry import KV_CACHE, PluginRegistry, get_registry
+
+__all__ = ["ModelFacts", "DefaultChoice", "choose_defaults", "file_facts", "model_facts"]
+
+_INT4_GGML_TYPES = (2, 3)  # ggml's Q4_0, Q4_1: exactly kvcore's int4 groups of 32
+_FAST_BACKEND = "cpu_decode"
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the choice reads about the model. ``native_int4``: every layer matmul weight is a Q4_0/Q4_1 GGUF
+    block tensor. ``dtype`` / ``weights``: those of a model already built (an ``Engine(model, ...)``), else None.
+    ``heads``: its ``head_dim``, ``num_heads`` and ``num_kv_heads``, when known. ``head_shape``: the LM head's
+    ``(vocab, hidden)``, when known."""
+
+    native_int4: bool = False
+    dtype: str | None = None
+    weights: str | None = None
+    heads: dict[str, int] | None = None
+    head_shape: tuple[int, int] | None = None
+
+
+@dataclass(frozen=True)
+class DefaultChoice:
+    """The resolved settings and, for each one kvcore decided, why (settings given are not listed)."""
+
+    dtype: str
+    weights: str
+    lm_head: str
+    backend: str | None  # None: the backends stay as configured (given, or the registry's automatic pick)
+    reasons: tuple[str, ...]
+
+    def describe(self) -> str:
+        """One line: ``chose dtype bfloat16, weights int4a8, ... because ...``."""
+        chosen = [f"dtype {self.dtype}", f"weights {self.weights}", f"lm_head {self.lm_head}"]
+        if self.backend:
+            chosen.append(f"backend {self.backend}")
+        why = "; ".join(self.reasons) or "every setting was given"
+        return f"chose {', '.join(chosen)} because {why}"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"dtype": self.dtype, "weights": self.weights, "lm_head": self.lm_head, "backend": self.backend,
+                "reasons": list(self.reasons)}
+
+    def apply(self, config: EngineConfig) -> EngineConfig:
+        """``config`` (an EngineConfig) with these settings in place of its automatic ones."""
+        backend = self.backend if self.backend and not _backend_given(config) else config.backend
+        return dataclasses.replace(config, dtype=self.dtype, weights=self.weights, lm_head=self.lm_head,
+                                   backend=backend)
+
+
+def _backend_given(config: EngineConfig) -> bool:
+    return any(getattr(config, name) is not None for name in ("backend", "prefill_backend", "decode_backend"))
+
+
+def choose_defaults(config: EngineConfig, facts: ModelFacts, registry: PluginRegistry | None = None) -> DefaultChoice:
+    """Decide every ``auto`` setting of ``config`` for a model with ``facts`` on this machine (the module
+    docstring has the rule); settings given stay as given and are checked where the engine uses them."""
+    device = torch.device(config.device)
+    reasons: list[str] = []
+    on_cpu = device.type == "cpu"
+
+    dtype = config.dtype
+    if dtype == AUTO:
+        if facts.dtype is not None:
+            dtype = facts.dtype
+            reasons.append(f"dtype follows the model's {dtype} weights")
+        elif config.weights in QUANTIZED_FORMATS or config.lm_head == "int4":
+            dtype = "bfloat16"
+            given = f"{config.weights} weights" if config.weights in QUANTIZED_FORMATS else "the int4 LM head"
+            reasons.append(f"dtype bfloat16: {given} run with bfloat16 activations")
+        elif facts.native_int4 and config.weights == AUTO and not quantized_reasons("int4", torch.bfloat16, device):
+            dtype = "bfloat16"
+            reasons.append("dtype bfloat16: the file's layer weights are Q4_0/Q4_1 blocks, which run as stored with "
+                           "bfloat16 activations (--dtype float32 is the exact reference)")
+        else:
+            dtype = "float32"
+            what = ("the device is not a CPU" if not on_cpu else
+                    "the weights are float" if config.weights == "float" else
+                    "the file's weights are not all Q4_0/Q4_1 blocks")
+            reasons.append(f"dtype float32, the exact reference: {what}")
+    torch_dtype = parse_dtype(dtype)
+
+    weights = config.weights
+    if weights == AUTO:
+        if facts.weights is not None:
+            weights = facts.weights
+        elif facts.native_int4 and torch_dtype == torch.bfloat16 and not quantized_reasons("int4", torch_dtype, device):
+            a8 = int4a8_reasons()
+            weights = "int4" if a8 else "int4a8"
+            reasons.append("weights int4a8: the Q4 blocks on kvcore's int8-activation kernel (AVX512-VNNI)" if not a8
+                           else f"weights int4 (torch's kernel on the Q4 blocks): int4a8 cannot run: {'; '.join(a8)}")
+        else:
+            weights = "float"
+            if torch_dtype != torch.float32:
+                reasons.append("weights float: only a file's own Q4_0/Q4_1 blocks are run quantized unasked")
+
+    lm_head = config.lm_head
+    if lm_head == AUTO:
+        why_not = _int4_head_reasons(weights, torch_dtype, device, config, facts.head_shape)
+        lm_head = "dense" if why_not else "int4"
+        if why_not and weights in QUANTIZED_FORMATS:
+            reasons.append(f"lm_head dense: {why_not}")
+        elif not why_not:
+            reasons.append("lm_head int4: the head is a decode step's biggest matmul; int4 scores it, the top 64 "
+                           "are rescored exactly")
+
+    backend = None
+    if not _backend_given(config) and weights in QUANTIZED_FORMATS and on_cpu:
+        why_not = _fast_backend_reasons(config, facts, torch_dtype, registry, kernel_reasons())
+        if why_not:
+            reasons.append(f"backend left to the registry: {why_not}")
+        else:
+            backend = _FAST_BACKEND
+            reasons.append("backend cpu_decode: kvcore's split-K decode attention kernel")
+    return DefaultChoice(dtype, weights, lm_head, backend, tuple(reasons))
+
+
+def _int4_head_reasons(weights: str, dtype: torch.dtype, device: torch.device, config: EngineConfig,
+                       head_shape: tuple[int, int] | None) -> str:
+    if weights not in QUANTIZED_FORMATS:
+        return "the weights are dense"
+    if head_shape is not None and not Int4Linear.fits(*head_shape, DEFAULT_GROUP_SIZE):
+        return f"the int4 kernel cannot take a [{head_shape[0]}, {head_shape[1]}] head"
+    if config.tensor_parallel_size > 1:
+        return "the int4 head runs in one process (tensor_parallel_size > 1)"
+    return "; ".join(quantized_reasons("int4", dtype, device) + kernel_reasons())
+
+
+def _fast_backend_reasons(config: EngineConfig, facts: ModelFacts, dtype: torch.dtype, registry: PluginRegistry | None,
+                          kernel_why: list[str]) -> str:
+    registry = registry or get_registry()
+    entry = registry.backends.get(_FAST_BACKEND)
+    if entry is None:
+        return f"no backend '{_FAST_BACKEND}' is registered"
+    why = entry.availability() or "; ".join(kernel_why)
+    if why:
+        return why
+    caps, device = entry.cls.capabilities, torch.device(config.device)
+    if device.type not in caps.devices or dtype not in caps.dtypes:
+        return f"{_FAST_BACKEND} does not run {str(dtype).removeprefix('torch.')} on {device.type}"
+    if config.kv_cache is not None:
+        layout = registry.get(config.kv_cache, KV_CACHE).cls.layout
+        if layout not in entry.cls.capabilities.kv_layouts:
+            return f"the '{config.kv_cache}' KV cache has layout '{layout}', which {_FAST_BACKEND} does not read"
+    if facts.heads is not None:  # a built model: the backend's own check (head sizes, GQA group)
+        backend = registry.create(_FAST_BACKEND, config.backend_options.get(_FAST_BACKEND))
+        return "; ".join(backend.validate(device=device, dtype=dtype, **facts.heads))
+    return ""
+
+
+def file_facts(spec: str) -> ModelFacts:
+    """:class:`ModelFacts` of model ``spec`` from its GGUF header alone (no tensor data read); a directory, a
+    missing or unreadable file: no native int4 (the loader then reports what is wrong)."""
+    path = gguf_source(spec)
+    if path is None:
+        return ModelFacts()
+    try:
+        layout = validate_gguf(path)
+    except KVCoreError:
+        return ModelFacts()
+    layers = [t for t in layout.tensors if t.name.startswith("blk.") and len(t.dims) == 2]
+    heads = {t.name: t.dims for t in layout.tensors if t.name in ("output.weight", "token_embd.weight")}
+    dims = heads.get("output.weight", heads.get("token_embd.weight"))  # GGUF order: [hidden, vocab]
+    return ModelFacts(native_int4=bool(layers) and all(t.ggml_type in _INT4_GGML_TYPES for t in layers),
+                      head_shape=(dims[1], dims[0]) if dims is not None and len(dims) == 2 else None)
+
+
+def model_facts(model) -> ModelFacts:
+    """:class:`ModelFacts` of a built decoder (its dtype and weight format decide; the file is gone)."""
+    mc = model.config
+    heads = {"head_dim": mc.head_dim, "num_heads": mc.num_attention_heads, "num_kv_heads": mc.num_key_value_heads}
+    return ModelFacts(dtype=str(model.dtype).removeprefix("torch."), weights=getattr(model, "weight_format", "float"),
+                      heads=heads, head_shape=tuple(model.lm_head.shape))
