@@ -28,6 +28,7 @@ _EXPORTS = {
     "Sampler": "kvcore.sampling",
     "SamplingParams": "kvcore.sampling",
     "SamplingRow": "kvcore.sampling",
+    "StructuredOutput": "kvcore.structured",
 }
 
 if TYPE_CHECKING:
@@ -40,6 +41,7 @@ if TYPE_CHECKING:
     from kvcore.model_config import ModelConfig
     from kvcore.request import FinishReason, GenerationResult, TokenEvent
     from kvcore.sampling import DefaultSampler, Sampler, SamplingParams, SamplingRow
+    from kvcore.structured import StructuredOutput
 
 __version__ = "0.1.0"
 
@@ -61,6 +63,7 @@ __all__ = [
     "Sampler",
     "SamplingParams",
     "SamplingRow",
+    "StructuredOutput",
     "TokenEvent",
     "causal_mask",
     "hookimpl",

@@ -21,6 +21,7 @@ __all__ = [
     "SamplerError",
     "OutOfBlocksError",
     "ContextLengthError",
+    "GrammarError",
     "ChatTemplateError",
     "RequestAbortedError",
     "TensorParallelError",
@@ -47,6 +48,11 @@ class InvalidRequestError(ConfigError):
 
 class ContextLengthError(InvalidRequestError):
     """Prompt plus requested new tokens do not fit the model's context window or the cache."""
+
+
+class GrammarError(InvalidRequestError):
+    """A structured-output constraint (JSON schema, regex, choice, grammar) is malformed; the message names
+    the problem (kvcore/structured.py)."""
 
 
 class ChatTemplateError(ConfigError):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import abc
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from typing import Any, ClassVar, Protocol
 
 import torch
@@ -13,6 +13,7 @@ import torch
 from kvcore.errors import ConfigError, InvalidRequestError, KVCoreError, SamplerError
 from kvcore.hookspecs import hookimpl
 from kvcore.logits_processors import apply_penalties, argmax_rows, min_p_mask, token_logprobs, uniform_noise
+from kvcore.structured import StructuredOutput
 
 __all__ = [
     "MAX_LOGPROBS", "SamplingParams", "SamplingRow", "Sampler", "DefaultSampler", "sample_checked", "uniform_noise"
@@ -63,8 +64,18 @@ class SamplingParams:
     #: None = off; k >= 0 = report the chosen token's log-probability and the k most likely alternatives
     #: (at most MAX_LOGPROBS), from the final processed distribution (see DefaultSampler)
     logprobs: int | None = None
+    #: constrain the output to a JSON schema, JSON object, regex, choice or grammar (needs llguidance)
+    structured_output: StructuredOutput | None = None
+    #: OpenAI's and vLLM's name for ``max_new_tokens``, accepted when constructing (read ``max_new_tokens``)
+    max_tokens: InitVar[int | None] = None
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, max_tokens: int | None) -> None:
+        if max_tokens is not None:
+            default = type(self).__dataclass_fields__["max_new_tokens"].default
+            if self.max_new_tokens not in (default, max_tokens):
+                raise InvalidRequestError(
+                    f"max_tokens ({max_tokens!r}) and max_new_tokens ({self.max_new_tokens!r}) disagree; give one")
+            object.__setattr__(self, "max_new_tokens", max_tokens)
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens <= 0:
             raise InvalidRequestError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
         if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)) or self.temperature < 0:
@@ -94,6 +105,9 @@ class SamplingParams:
         k = self.logprobs
         if k is not None and (not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= MAX_LOGPROBS):
             raise InvalidRequestError(f"logprobs must be None (off) or an integer in [0, {MAX_LOGPROBS}], got {k!r}")
+        so = self.structured_output
+        if so is not None and not isinstance(so, StructuredOutput):
+            raise InvalidRequestError(f"structured_output must be a kvcore.StructuredOutput, got {so!r}")
 
     #: temperatures below this are greedy (vLLM's rule): dividing logits by them overflows float32 and the
     #: distribution they describe is the argmax anyway

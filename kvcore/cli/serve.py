@@ -28,4 +28,5 @@ def run_serve(args: argparse.Namespace) -> int:
         api_key=args.api_key or os.environ.get("KVCORE_API_KEY") or None,
         max_queue_len=args.max_queue_len,
         log_level=args.log_level,
+        strict=args.strict,
     )

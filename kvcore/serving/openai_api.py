@@ -1,7 +1,9 @@
 """The OpenAI-compatible HTTP API behind ``kvcore serve``: a Starlette ASGI app over an :class:`AsyncEngine`.
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (JSON, or SSE chunks ending with
-``data: [DONE]`` when ``stream`` is true), ``GET /v1/models``, ``GET /health``, ``GET /metrics``.
+``data: [DONE]`` when ``stream`` is true), ``GET /v1/models`` (with the serving configuration), ``POST /tokenize``
+and ``POST /detokenize`` (vLLM's), ``GET /health``, ``GET /metrics``. Unknown request fields are logged and named
+in the ``kvcore-ignored-fields`` response header (a 400 with ``strict``); an unknown route is a 404 error body.
 Errors are OpenAI's body ``{"error": {"message", "type", "param", "code"}}`` with the status of their
 kind (400 invalid request or context too long, 401 bad API key, 404 unknown model, 429 queue full with
 ``Retry-After``, 500/503 server side). A client that disconnects aborts its requests.
@@ -20,6 +22,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -27,7 +30,14 @@ from starlette.routing import Route
 from kvcore.errors import ChatTemplateError, ContextLengthError, InvalidRequestError, KVCoreError, OutOfBlocksError
 from kvcore.serving.async_engine import AsyncEngine
 from kvcore.serving.metrics import CONTENT_TYPE
-from kvcore.serving.protocol import GenerationJob, error_body, parse_chat, parse_completion
+from kvcore.serving.protocol import (
+    GenerationJob,
+    error_body,
+    parse_chat,
+    parse_completion,
+    parse_detokenize,
+    parse_tokenize,
+)
 from kvcore.serving.responses import ChatFormat, Choice, CompletionFormat, TokenTexts
 from kvcore.serving.stream import EngineDeadError, EngineStepError, QueueFullError, RequestStream
 
@@ -143,13 +153,14 @@ async def _until_disconnect(request: Request) -> None:
 
 
 def build_app(
-    front: AsyncEngine, *, model_name: str, api_key: str | None = None, close_front: bool = True
+    front: AsyncEngine, *, model_name: str, api_key: str | None = None, close_front: bool = True, strict: bool = False
 ) -> Starlette:
     """The ASGI app serving ``front``'s engine as ``model_name``.
 
-    :param api_key: when set, ``/v1/*`` requires ``Authorization: Bearer <api_key>`` (401 otherwise);
-        ``/health`` and ``/metrics`` stay open.
+    :param api_key: when set, ``/v1/*``, ``/tokenize`` and ``/detokenize`` require ``Authorization: Bearer
+        <api_key>`` (401 otherwise); ``/health`` and ``/metrics`` stay open.
     :param close_front: stop the engine loop when the app shuts down (its lifespan ends).
+    :param strict: answer a request with an unknown field 400 instead of ignoring the field.
     """
     engine = front.engine
     tokenizer = engine.tokenizer
@@ -201,7 +212,11 @@ def build_app(
         body = await read_body(request)
         if tokenizer is None:
             raise EngineDeadError("this server's model has no tokenizer")
-        job: GenerationJob = parse(body, tokenizer, **limits)
+        job: GenerationJob = parse(body, tokenizer, **limits, strict=strict)
+        headers = {}
+        if job.ignored_fields:
+            logger.warning("the request's fields %s are not known and were ignored", ", ".join(job.ignored_fields))
+            headers["kvcore-ignored-fields"] = ", ".join(job.ignored_fields)
         if job.model is not None and job.model != model_name:
             raise _HTTPError(404, f"the model '{job.model}' does not exist; this server serves '{model_name}'",
                              "invalid_request_error", "model_not_found")
@@ -220,7 +235,9 @@ def build_app(
                 s.abort()
             raise
         if job.stream:
-            return _SSEResponse(_sse(job, fmt, streams))
+            response = _SSEResponse(_sse(job, fmt, streams))
+            response.headers.update(headers)
+            return response
         work = asyncio.ensure_future(_collect(job, fmt, streams))
         watch = asyncio.ensure_future(_until_disconnect(request))
         try:
@@ -233,7 +250,7 @@ def build_app(
                     s.abort()
         if work.cancelled():
             return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
-        return JSONResponse(work.result())
+        return JSONResponse(work.result(), headers=headers)
 
     async def _collect(job: GenerationJob, fmt, streams: list[RequestStream]) -> dict:
         choices = [Choice(i) for i in range(len(job.prompts) * job.params.n)]
@@ -273,7 +290,21 @@ def build_app(
         return await generate(request, parse_chat, ChatFormat, "chatcmpl")
 
     card = {"id": model_name, "object": "model", "created": int(time.time()), "owned_by": "kvcore",
-            "max_model_len": limits["max_model_len"]}
+            "max_model_len": limits["max_model_len"], "serving": engine.serving_config()}
+
+    async def tokenize(request: Request) -> Response:
+        check_auth(request)
+        if tokenizer is None:
+            raise EngineDeadError("this server's model has no tokenizer")
+        ids = parse_tokenize(await read_body(request), tokenizer)
+        return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": limits["max_model_len"]})
+
+    async def detokenize(request: Request) -> Response:
+        check_auth(request)
+        if tokenizer is None:
+            raise EngineDeadError("this server's model has no tokenizer")
+        ids = parse_detokenize(await read_body(request), limits["vocab_size"])
+        return JSONResponse({"prompt": tokenizer.decode(ids, skip_special_tokens=False)})
 
     async def models(request: Request) -> Response:
         check_auth(request)
@@ -303,7 +334,17 @@ def build_app(
         Route("/v1/chat/completions", counted("/v1/chat/completions", chat_completions), methods=["POST"]),
         Route("/v1/models", counted("/v1/models", models), methods=["GET"]),
         Route("/v1/models/{model:path}", counted("/v1/models", models), methods=["GET"]),
+        Route("/tokenize", counted("/tokenize", tokenize), methods=["POST"]),
+        Route("/detokenize", counted("/detokenize", detokenize), methods=["POST"]),
         Route("/health", counted("/health", health), methods=["GET"]),
         Route("/metrics", prometheus, methods=["GET"]),
     ]
-    return Starlette(routes=routes, lifespan=lifespan)
+
+    async def http_error(request: Request, exc: HTTPException) -> Response:
+        # Starlette's own answers (unknown route, wrong method) in OpenAI's error shape too
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        message = f"{request.method} {request.url.path}: {exc.detail}"
+        return JSONResponse(error_body(message, "invalid_request_error", code), status_code=exc.status_code,
+                            headers=getattr(exc, "headers", None))
+
+    return Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_error})
