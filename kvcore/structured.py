@@ -32,7 +32,7 @@ STRUCTURED_INSTALL = "pip install 'kvcore[structured]'"
 #: the kinds of constraint and what their ``spec`` holds
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 #: JSON is written compactly (no free whitespace): a model cannot wander off into spaces and newlines
-_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 @dataclass(frozen=True)
@@ -81,9 +81,9 @@ class StructuredOutput:
         ll = _llguidance()
         matcher = ll.LLMatcher
         if self.json is not None:
-            return matcher.grammar_from_json_schema(self.json, defaults=_JSON_OPTIONS)
+            return matcher.grammar_from_json_schema(self.json, defaults=JSON_OPTIONS)
         if self.json_object:
-            return matcher.grammar_from_json_schema('{"type": "object"}', defaults=_JSON_OPTIONS)
+            return matcher.grammar_from_json_schema('{"type": "object"}', defaults=JSON_OPTIONS)
         if self.regex is not None:
             return matcher.grammar_from_regex(self.regex)
         if self.choice is not None:

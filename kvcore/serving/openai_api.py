@@ -27,7 +27,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from kvcore.errors import ChatTemplateError, ContextLengthError, InvalidRequestError, KVCoreError, OutOfBlocksError
+from kvcore.errors import (
+    ChatTemplateError,
+    ContextLengthError,
+    GrammarError,
+    InvalidRequestError,
+    KVCoreError,
+    OutOfBlocksError,
+)
 from kvcore.serving.async_engine import AsyncEngine
 from kvcore.serving.metrics import CONTENT_TYPE
 from kvcore.serving.protocol import (
@@ -230,6 +237,12 @@ def build_app(
         try:
             for p, prompt in enumerate(job.prompts):
                 streams.append(await front.submit(prompt, job.params, f"{request_id}-{p}"))
+        except GrammarError as exc:  # compiled by the engine: name the field it came from
+            for s in streams:
+                s.abort()
+            error = GrammarError(f"'{job.structured_field}': {exc}")
+            error.param = job.structured_field  # type: ignore[attr-defined]
+            raise error from None
         except BaseException:
             for s in streams:
                 s.abort()

@@ -47,6 +47,7 @@ class GenerationJob:
     want_logprobs: bool = False  # chat logprobs=true / completions logprobs set
     ignored_fields: tuple[str, ...] = ()  # body fields the server does not know (ignored unless strict)
     tools: ToolRequest | None = None  # chat: the tools the model may call (kvcore/serving/tools.py)
+    structured_field: str | None = None  # the body field that asked for structured output (errors name it)
 
 
 def error_body(message: str, err_type: str = "invalid_request_error", code: str | None = None,
@@ -180,6 +181,15 @@ def _with_param(exc: InvalidRequestError, name: str) -> InvalidRequestError:
     return exc
 
 
+def structured_field(body: Mapping) -> str | None:
+    """The field :func:`structured_output` read its constraint from (``tools`` for tool calls)."""
+    fmt = body.get("response_format")
+    if isinstance(fmt, Mapping) and fmt.get("type") in ("json_object", "json_schema"):
+        return "response_format"
+    names = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs", "tools")
+    return next((n for n in names if body.get(n)), None)
+
+
 def structured_output(body: Mapping) -> StructuredOutput | None:
     """The constraint a body asks for: OpenAI's ``response_format`` (``json_object``, ``json_schema``), vLLM's
     ``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar``, or vLLM's newer
@@ -311,6 +321,7 @@ def parse_completion(body: Mapping, tokenizer: Any, *, vocab_size: int, max_mode
         prompt_texts=tuple(p if isinstance(p, str) else None for p in raw),
         want_logprobs=logprobs is not None,
         ignored_fields=ignored,
+        structured_field=structured_field(body),
     )
 
 
@@ -396,6 +407,7 @@ def parse_chat(body: Mapping, tokenizer: Any, *, vocab_size: int, max_model_len:
         want_logprobs=want_logprobs,
         ignored_fields=ignored,
         tools=tools,
+        structured_field=structured_field(body),
     )
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvcore.errors import InvalidRequestError
-from kvcore.structured import StructuredOutput
+from kvcore.structured import JSON_OPTIONS, StructuredOutput
 
 __all__ = ["ToolRequest", "parse_tools", "split_tool_calls", "CALL_OPEN", "CALL_CLOSE"]
 
@@ -53,6 +53,7 @@ class ToolRequest:
             for name in self.names
         ]
         body = calls[0] if len(calls) == 1 else {"anyOf": calls}
+        body = {**body, "x-guidance": JSON_OPTIONS}  # compact JSON, as response_format writes it
         calls_rule = 'call ("\\n" call)*' if self.parallel else "call"
         lines = [
             f"start: {calls_rule}" if self.required else f"start: {calls_rule} | TEXT",
