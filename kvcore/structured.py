@@ -192,7 +192,8 @@ def _what(structured: StructuredOutput) -> str:
             "grammar": "grammar"}[structured.kind]
 
 
-_BITS = torch.arange(32, dtype=torch.int32)
+#: byte value -> which of its 8 bits (least significant first) are 0: the forbidden tokens of one mask byte
+_FORBIDDEN = (torch.arange(256)[:, None] >> torch.arange(8)) & 1 == 0  # [256, 8]
 
 
 def apply_grammar_masks(logits: torch.Tensor, rows: Sequence[Any], compiler: GrammarCompiler | None) -> None:
@@ -201,8 +202,14 @@ def apply_grammar_masks(logits: torch.Tensor, rows: Sequence[Any], compiler: Gra
     picked = [i for i, r in enumerate(rows) if getattr(r, "matcher", None) is not None]
     if not picked or compiler is None:
         return
-    bitmask = compiler.fill_bitmask([rows[i].matcher for i in picked])  # [R, W]
+    bitmask = compiler.fill_bitmask([rows[i].matcher for i in picked])  # [R, W] int32
     vocab = logits.shape[-1]
-    allowed = ((bitmask[:, :, None] >> _BITS) & 1).reshape(len(picked), -1)[:, :vocab].bool()  # [R, V]
-    index = torch.tensor(picked, device=logits.device)
-    logits[index] = logits[index].masked_fill(~allowed.to(logits.device), -math.inf)
+    # the int32 words read as bytes (little-endian: bit t % 32 of a word is bit t % 8 of byte (t % 32) // 8),
+    # each byte looked up as 8 booleans: one gather for the whole batch
+    forbidden = _FORBIDDEN[bitmask.view(torch.uint8).long()].reshape(len(picked), -1)[:, :vocab]  # [R, V]
+    forbidden = forbidden.to(logits.device)
+    if len(picked) == len(rows):
+        logits.masked_fill_(forbidden, -math.inf)
+    else:
+        index = torch.tensor(picked, device=logits.device)
+        logits[index] = logits[index].masked_fill(forbidden, -math.inf)

@@ -18,6 +18,8 @@ import pytest
 from kvcore.cli import main
 
 README = Path(__file__).parent.parent / "README.md"
+#: the pages whose blocks run like the README's
+DOCUMENTS = [README, README.parent / "docs" / "python-api.md"]
 TINY = Path(__file__).parent / "data" / "tiny-llama"
 FENCE = re.compile(r"(?:^<!-- readme-test: skip: (?P<reason>[^>]*?) -->\n)?^```(?P<lang>\w+)\n(?P<body>.*?)^```$",
                    re.S | re.M)
@@ -25,10 +27,13 @@ FENCE = re.compile(r"(?:^<!-- readme-test: skip: (?P<reason>[^>]*?) -->\n)?^```(
 
 def blocks():
     found = []
-    for m in FENCE.finditer(README.read_text(encoding="utf-8")):
-        if m["lang"] in ("bash", "python", "toml"):
-            line = README.read_text(encoding="utf-8")[: m.start("lang")].count("\n") + 1
-            found.append(pytest.param(m["lang"], m["body"], m["reason"], id=f"{m['lang']}-line{line}"))
+    for doc in DOCUMENTS:
+        text = doc.read_text(encoding="utf-8")
+        prefix = "" if doc == README else f"{doc.stem}-"
+        for m in FENCE.finditer(text):
+            if m["lang"] in ("bash", "python", "toml"):
+                line = text[: m.start("lang")].count("\n") + 1
+                found.append(pytest.param(m["lang"], m["body"], m["reason"], id=f"{prefix}{m['lang']}-line{line}"))
     return found
 
 

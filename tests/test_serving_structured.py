@@ -277,3 +277,44 @@ def test_tools_on_a_template_without_tools_are_refused(server):
     assert "chat template does not render tools" in info.value.body["message"]
     with pytest.raises(openai.BadRequestError):
         client(server).chat.completions.create(model=NAME, messages=USER, tool_choice="required")
+
+
+SMOL_SCHEMAS = [
+    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 30}, "age": {"type": "integer",
+     "minimum": 0, "maximum": 130}}, "required": ["name", "age"], "additionalProperties": False},
+    {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30}, "temperature": {
+        "type": "number", "minimum": -50, "maximum": 60}, "sky": {"enum": ["clear", "cloudy", "rain"]}},
+     "required": ["city", "temperature", "sky"], "additionalProperties": False},
+    {"type": "object", "properties": {"colours": {"type": "array", "items": {"type": "string", "maxLength": 12},
+     "minItems": 2, "maxItems": 4}, "primary": {"type": "boolean"}}, "required": ["colours", "primary"],
+     "additionalProperties": False},
+    {"type": "object", "properties": {"book": {"type": "object", "properties": {
+        "title": {"type": "string", "maxLength": 40}, "year": {"type": "integer", "minimum": 1400, "maximum": 2030}},
+        "required": ["title", "year"], "additionalProperties": False}}, "required": ["book"],
+     "additionalProperties": False},
+]
+
+
+@pytest.mark.slow
+def test_smollm2_json_schemas_streaming_and_not(smollm2):
+    """A real model under real schemas (plain bounded numbers, no step): it ends the JSON itself."""
+    from kvcore.model import LlamaModel
+
+    model = LlamaModel.from_weights(smollm2.config, smollm2.weights, torch.float32)
+    front = AsyncEngine(Engine(model, smollm2.tokenizer, EngineConfig(max_num_seqs=4, max_model_len=1024)))
+    prompts = ["Give a person as JSON.", "Give today's weather in a city as JSON.", "List some colours as JSON.",
+               "Give a famous book as JSON."]
+    with ServerThread(build_app(front, model_name="smollm2")) as srv:
+        c = client(srv)
+        for i, (schema, prompt) in enumerate(zip(SMOL_SCHEMAS, prompts)):
+            fmt = {"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": schema}}
+            args = dict(model="smollm2", messages=[{"role": "user", "content": prompt}], response_format=fmt,
+                        max_tokens=120, temperature=0)
+            if i % 2:
+                chunks = c.chat.completions.create(**args, stream=True)
+                text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+            else:
+                resp = c.chat.completions.create(**args)
+                assert resp.choices[0].finish_reason == "stop"
+                text = resp.choices[0].message.content
+            jsonschema.validate(json.loads(text), schema)
