@@ -4,6 +4,7 @@ kept across sessions, multi-line input, Ctrl-C clearing the line, /help, Ctrl-D 
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -59,20 +60,29 @@ def test_generate_malformed_constraint_is_one_line_exit_2(capsys, tmp_path, argv
     assert rc == 2 and needle in err and err.count("\n") == 1, err
 
 
-def _generate(*argv, stdin: str | None) -> dict:
-    env = {**os.environ, "KVCORE_LOAD_PLUGINS": ""}
-    feed = {"input": stdin} if stdin is not None else {"stdin": subprocess.DEVNULL}
-    proc = subprocess.run([sys.executable, "-m", "kvcore.cli", "generate", *BASE[:4], "--max-new-tokens", "2",
-                           "--json", *argv], capture_output=True, text=True, timeout=120, env=env, **feed)
-    assert proc.returncode == 0, proc.stderr
-    return last_json(proc.stdout)
+def _generate(capsys, monkeypatch, *argv, stdin: str | None) -> dict:
+    """``kvcore generate`` in this process with standard input a real pipe holding ``stdin`` (None: /dev/null)."""
+    if stdin is None:
+        stream = open(os.devnull)  # noqa: SIM115 - closed below
+    else:
+        read_fd, write_fd = os.pipe()
+        os.write(write_fd, stdin.encode())
+        os.close(write_fd)
+        stream = os.fdopen(read_fd)
+    monkeypatch.setattr(sys, "stdin", stream)
+    try:
+        rc, out, err = run_cli(capsys, "generate", *BASE[:4], "--max-new-tokens", "2", "--json", *argv)
+    finally:
+        stream.close()
+    assert rc == 0, err
+    return last_json(out)
 
 
-def test_piped_stdin_is_the_prompt_or_comes_before_it(tokenizer):
-    assert _generate(stdin="hello world\n")["prompt_token_ids"] == tokenizer.encode("hello world")
-    both = _generate("summarise", stdin="hello world\n")
-    assert both["prompt_token_ids"] == tokenizer.encode("hello world\nsummarise")
-    alone = _generate("summarise", stdin=None)  # /dev/null: nothing piped, the argument alone
+def test_piped_stdin_is_the_prompt_or_comes_before_it(capsys, monkeypatch, tokenizer):
+    run = functools.partial(_generate, capsys, monkeypatch)
+    assert run(stdin="hello world\n")["prompt_token_ids"] == tokenizer.encode("hello world")
+    assert run("summarise", stdin="hello world\n")["prompt_token_ids"] == tokenizer.encode("hello world\nsummarise")
+    alone = run("summarise", stdin=None)  # /dev/null: nothing piped, the argument alone
     assert alone["prompt_token_ids"] == tokenizer.encode("summarise")
 
 
