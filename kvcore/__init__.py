@@ -32,6 +32,7 @@ _EXPORTS = {
     "Sampler": "kvcore.interfaces.sampler",
     "SamplingParams": "kvcore.interfaces.sampler",
     "SamplingRow": "kvcore.interfaces.sampler",
+    "StructuredOutput": "kvcore.interfaces.structured",
 }
 
 if TYPE_CHECKING:
@@ -44,6 +45,7 @@ if TYPE_CHECKING:
     from kvcore.interfaces.kv_cache import CacheCapabilities, CacheSpec, KVCache
     from kvcore.interfaces.metadata import AttentionMetadata
     from kvcore.interfaces.sampler import Sampler, SamplingParams, SamplingRow
+    from kvcore.interfaces.structured import StructuredOutput
     from kvcore.model.config import ModelConfig
     from kvcore.model.decoder import LlamaModel
     from kvcore.sampling.sampler import DefaultSampler
@@ -69,6 +71,7 @@ __all__ = [
     "SamplingParams",
     "SamplingRow",
     "Settings",
+    "StructuredOutput",
     "TokenEvent",
     "causal_mask",
     "hookimpl",

@@ -22,6 +22,7 @@ __all__ = [
     "SamplerError",
     "OutOfBlocksError",
     "ContextLengthError",
+    "GrammarError",
     "ChatTemplateError",
     "RequestAbortedError",
     "TensorParallelError",
@@ -50,6 +51,11 @@ class InvalidRequestError(ConfigError):
 
 class ContextLengthError(InvalidRequestError):
     """Prompt plus requested new tokens do not fit the model's context window or the cache."""
+
+
+class GrammarError(InvalidRequestError):
+    """A structured-output constraint (JSON schema, regex, choice, grammar) is malformed; the message names
+    the problem (kvcore/sampling/structured.py)."""
 
 
 class ChatTemplateError(ConfigError):

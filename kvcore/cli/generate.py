@@ -7,14 +7,15 @@ interactive chat (:mod:`kvcore.cli.chat`).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvcore.cli.settings import apply_threads, read_prompt, resolve_settings
-from kvcore.errors import InvalidRequestError, OutputError
+from kvcore.cli.settings import apply_threads, read_prompt, resolve_settings, with_piped_stdin
+from kvcore.errors import ConfigError, InvalidRequestError, OutputError
 
 __all__ = ["RunState", "Loaded", "load_engine", "peak_rss_bytes", "sampling_params", "stream_reply", "result_payload",
            "run_generate", "write_out"]
@@ -56,6 +57,25 @@ def sampling_params(s: dict[str, Any]):
     return params
 
 
+def structured_output(args: argparse.Namespace):
+    """The StructuredOutput of ``--json-schema FILE``, ``--regex`` or ``--grammar FILE``, or None."""
+    from kvcore.interfaces.structured import StructuredOutput
+
+    if getattr(args, "regex", None) is not None:
+        return StructuredOutput(regex=args.regex)
+    for flag, key in (("json_schema", "json"), ("grammar", "grammar")):
+        path = getattr(args, flag, None)
+        if path is None:
+            continue
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"cannot read --{flag.replace('_', '-')} file '{path}': {exc}") from None
+        return StructuredOutput(**{key: text})
+    return None
+
+
 def load_engine(args: argparse.Namespace, request_ids: Callable[[Any], list[int]] | None = None) -> Loaded:
     """Settings, threads, sampling parameters (checked first: a typo fails before the model loads), the
     backend choice (likewise), then the model and the engine. ``request_ids``: the one request's prompt ids
@@ -69,6 +89,9 @@ def load_engine(args: argparse.Namespace, request_ids: Callable[[Any], list[int]
     threads = apply_threads(s.get("threads"))
     before_load = peak_rss_bytes()  # python, torch and kvcore imported: what the model adds comes on top
     params = sampling_params(s)
+    structured = structured_output(args)
+    if structured is not None:
+        params = dataclasses.replace(params, structured_output=structured)
     registry = get_registry()
     if s["plugin_options"]:
         registry.configure(s["plugin_options"])
@@ -78,6 +101,8 @@ def load_engine(args: argparse.Namespace, request_ids: Callable[[Any], list[int]
     needed = None if request_ids is None else (lambda tok: len(request_ids(tok)) + params.max_new_tokens)
     engine = Engine.from_pretrained(s["model"], config, registry=registry, request_tokens=needed,
                                     model_cache=False if getattr(args, "no_model_cache", False) else None)
+    if structured is not None and engine.grammars is not None:
+        engine.grammars.matcher(structured)  # a malformed schema or grammar fails here, before any prompt
     if getattr(args, "verbose", False):
         print(f"kvcore: {engine.choice.describe()}", file=sys.stderr)
     return Loaded(engine, engine.config, s, params, {"threads": threads, "rss_before_load_bytes": before_load})
@@ -179,6 +204,8 @@ def run_generate(args: argparse.Namespace, state: RunState, chat: bool = False, 
     """``kvcore generate`` (raw text) or a one-shot ``kvcore chat`` (the message in the chat template);
     ``prompt`` when the caller has read it already."""
     prompt = prompt if prompt is not None else read_prompt(args)
+    if not chat and args.prompt != "-":
+        prompt = with_piped_stdin(prompt)
     if not prompt:
         raise InvalidRequestError("prompt is empty" if prompt is not None else
                                   "no prompt: give it as an argument, '-' for standard input, or --prompt-file")

@@ -33,6 +33,12 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--frequency-penalty", type=float, default=None, help="OpenAI frequency penalty in [-2, 2]")
     p.add_argument("--logprobs", type=int, default=None, metavar="K",
                    help="with --json: each token's logprob and its K most likely alternatives (0-20)")
+    shape = p.add_mutually_exclusive_group()
+    shape.add_argument("--json-schema", default=None, metavar="FILE",
+                       help="constrain the output to JSON valid against the schema in FILE (needs kvcore[structured])")
+    shape.add_argument("--regex", default=None, help="constrain the output to match this regular expression")
+    shape.add_argument("--grammar", default=None, metavar="FILE",
+                       help="constrain the output to the grammar in FILE (GBNF or Lark)")
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
@@ -91,7 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("generate", help="complete raw text")
-    p.add_argument("prompt", nargs="?", default=None, help="the prompt text; '-' reads it from standard input")
+    p.add_argument("prompt", nargs="?", default=None,
+                   help="the prompt text; '-' reads it from standard input. Text piped in comes first, then this")
     p.add_argument("--prompt-file", default=None, metavar="PATH", help="read the prompt from a file (UTF-8)")
     _generation_args(p)
 
@@ -119,6 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-bytes", type=int, default=None, help="size the paged KV cache to this budget")
     p.add_argument("--enable-prefix-caching", action="store_true", default=None, help="reuse shared prompt blocks")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--strict", action="store_true",
+                   help="answer requests with unknown fields 400 (default: ignore them, log and name them)")
     _hidden_debug(p)
 
     p = sub.add_parser("plugins", help="list registered backends, KV caches and samplers, with availability")

@@ -32,4 +32,5 @@ def run_serve(args: argparse.Namespace) -> int:
         max_queue_len=args.max_queue_len,
         log_level=args.log_level,
         step_watchdog_s=args.step_watchdog_s,
+        strict=args.strict,
     )

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import argparse
 import os
+import stat
 import sys
 from typing import Any
 
 from kvcore.errors import ConfigError, InvalidRequestError
 
-__all__ = ["ENVIRONMENT", "DEFAULTS", "resolve_settings", "default_threads", "apply_threads", "read_prompt"]
+__all__ = ["ENVIRONMENT", "DEFAULTS", "resolve_settings", "default_threads", "apply_threads", "read_prompt",
+           "with_piped_stdin"]
 
 #: settings an environment variable may give (between flag and config file)
 ENVIRONMENT = {"backend": "KVCORE_BACKEND", "model": "KVCORE_MODEL"}
@@ -72,6 +74,25 @@ def apply_threads(threads: int | None) -> int:
     elif not os.environ.get("OMP_NUM_THREADS"):
         torch.set_num_threads(default_threads())
     return torch.get_num_threads()
+
+
+def with_piped_stdin(prompt: str | None, stdin=None) -> str | None:
+    """``generate``'s prompt with text piped to standard input (a pipe or a file, not a terminal): the piped
+    text alone when no prompt was given, else the piped text, a newline, then the prompt (as ``llm`` does)."""
+    stdin = stdin or sys.stdin
+    try:
+        mode = os.fstat(stdin.fileno()).st_mode
+    except (AttributeError, OSError, ValueError):  # closed, or not a real file (a test harness's stand-in)
+        return prompt
+    if not (stat.S_ISFIFO(mode) or stat.S_ISREG(mode)):
+        return prompt
+    try:
+        piped = stdin.read().removesuffix("\n")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"standard input is not UTF-8 text: {exc.reason}") from None
+    if not piped:
+        return prompt
+    return piped if not prompt else f"{piped}\n{prompt}"
 
 
 def read_prompt(args: argparse.Namespace, stdin=None) -> str | None:

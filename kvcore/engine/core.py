@@ -54,6 +54,7 @@ from kvcore.interfaces.sampler import Sampler, SamplingParams
 from kvcore.model.config import check_max_model_len
 from kvcore.model.decoder import LlamaModel
 from kvcore.plugins.registry import PluginRegistry, get_registry
+from kvcore.sampling.structured import GrammarCompiler
 from kvcore.scheduling.kv_manager import KVCacheManager
 from kvcore.scheduling.request import EngineStats, FinishReason, GenerationResult, Request, TokenEvent
 from kvcore.scheduling.scheduler import Scheduler
@@ -136,6 +137,7 @@ class Engine(EngineStep):
             num_blocks=config.num_blocks,
         )
         cache_name, cache_options = chosen.kv_cache.name, config.kv_cache_options.get(chosen.kv_cache.name)
+        self.kv_cache_name = cache_name
         if config.kv_cache_bytes and not config.num_blocks:
             if not chosen.kv_cache.cls.paged:
                 raise ConfigError(f"kv_cache_bytes sizes a paged cache; '{cache_name}' reserves one slot per sequence")
@@ -161,6 +163,23 @@ class Engine(EngineStep):
         self._outputs: dict[str, TextOutput] = {}
         self._events: list[TokenEvent] = []
         self._ids = itertools.count()
+        #: compiles structured-output constraints (cached per grammar); None without a tokenizer
+        self.grammars = GrammarCompiler(tokenizer, mc.vocab_size, sorted(eos)) if tokenizer is not None else None
+
+    def serving_config(self) -> dict[str, Any]:
+        """What serves requests: backends, KV cache, sampler, dtype, weights, device and limits (the start-up
+        banner and ``/v1/models`` show it)."""
+        return {
+            "prefill_backend": self.prefill_backend.name,
+            "decode_backend": self.decode_backend.name,
+            "kv_cache": self.kv_cache_name,
+            "sampler": self.sampler.name,
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "weights": getattr(self.model, "weight_format", "float"),
+            "device": str(self.device),
+            "max_num_seqs": self.config.max_num_seqs,
+            "max_model_len": self.max_model_len,
+        }
 
     def close(self) -> None:
         """Stop the tensor-parallel workers, if any (also done when the engine is collected or at exit)."""
@@ -228,6 +247,11 @@ class Engine(EngineStep):
             raise InvalidRequestError(f"request id '{taken[0]}' is already in use")
         seed = params.seed if params.seed is not None else time.time_ns() % 2**63
         reqs = [Request(rid, list(prompt_ids), params, self.eos_token_ids, seed=seed + i) for i, rid in enumerate(ids)]
+        if params.structured_output is not None:
+            if self.grammars is None:
+                raise InvalidRequestError("structured output needs a tokenizer; this engine has none")
+            for req in reqs:
+                req.matcher = self.grammars.matcher(params.structured_output)
         for req in reqs:
             req.metrics.num_prompt_tokens = len(prompt_ids)
             decoder = self.tokenizer.stream_decoder() if self.tokenizer is not None else None
@@ -295,6 +319,13 @@ class Engine(EngineStep):
         else:
             text = self.tokenizer.decode(req.output_ids)
         with_logprobs = req.params.logprobs is not None
+        decoded = top_decoded = None
+        if with_logprobs and self.tokenizer is not None:
+            def piece(token_id: int) -> str:
+                return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+            decoded = [piece(t) for t in req.output_ids]
+            top_decoded = [[piece(t) for t, _ in alts] for alts in req.top_logprobs]
         return GenerationResult(
             request_id=req.request_id,
             prompt_token_ids=list(req.prompt_ids),
@@ -305,6 +336,8 @@ class Engine(EngineStep):
             error=req.error,
             logprobs=list(req.logprobs) if with_logprobs else None,
             top_logprobs=[list(t) for t in req.top_logprobs] if with_logprobs else None,
+            decoded_tokens=decoded,
+            top_decoded_tokens=top_decoded,
         )
 
     def release(self, request_id: str) -> GenerationResult:
@@ -320,11 +353,18 @@ class Engine(EngineStep):
 
     # -- conveniences --------------------------------------------------------------------------------
     def generate(
-        self, prompts: Iterable[str | Sequence[int]], params: SamplingParams | Sequence[SamplingParams] | None = None
+        self,
+        prompts: str | Iterable[str | Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[GenerationResult]:
         """Run a batch of prompts (any lengths) to completion; results in prompt order (with ``n > 1``,
-        a prompt's n samples in sample order). Interrupted, it aborts and forgets its requests."""
+        a prompt's n samples in sample order). A single string is one prompt (as in vLLM); so is a flat
+        list of token ids. Interrupted, it aborts and forgets its requests."""
+        if isinstance(prompts, str):
+            prompts = [prompts]
         prompts = list(prompts)
+        if prompts and all(isinstance(t, int) for t in prompts):
+            prompts = [prompts]
         per = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(per) != len(prompts):
             raise InvalidRequestError(f"got {len(prompts)} prompts but {len(per)} sampling params")
@@ -338,6 +378,17 @@ class Engine(EngineStep):
             self._drop(ids)  # leave the engine as we found it
             raise
         return [self.release(r) for r in ids]
+
+    def chat(
+        self, messages: list[dict], params: SamplingParams | None = None, tools: list[dict] | None = None
+    ) -> GenerationResult:
+        """Answer one conversation (``[{"role": ..., "content": ...}, ...]``): the messages rendered with the
+        model's chat template (:meth:`Tokenizer.apply_chat_template`, with ``tools`` when given), then
+        generated to completion; with ``params.n > 1`` the first sample (use :meth:`generate` for all)."""
+        if self.tokenizer is None:
+            raise InvalidRequestError("this engine has no tokenizer: chat needs one for the chat template")
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
+        return self.generate([self.tokenizer.encode(text, add_bos=False)], params)[0]
 
     def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> Iterator[TokenEvent]:
         """Yield the :class:`TokenEvent` of each generated token of one request (of each sample, n > 1).

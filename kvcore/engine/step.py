@@ -18,12 +18,13 @@ from typing import Any
 
 import torch
 
-from kvcore.errors import BackendError, KVCoreError, NonFiniteRowsError
+from kvcore.errors import BackendError, GrammarError, KVCoreError, NonFiniteRowsError
 from kvcore.execution.runner import Executor
 from kvcore.interfaces.attention import AttentionBackend
 from kvcore.interfaces.sampler import Sampler
 from kvcore.model.decoder import LlamaModel
 from kvcore.sampling.sampler import sample_checked
+from kvcore.sampling.structured import apply_grammar_masks
 from kvcore.scheduling.batch import ScheduledBatch
 from kvcore.scheduling.kv_manager import KVCacheManager
 from kvcore.scheduling.request import EngineStats, FinishReason, Request, TokenEvent
@@ -47,6 +48,7 @@ class EngineStep:
     _requests: dict[str, Request]
     _outputs: dict[str, TextOutput]
     _events: list[TokenEvent]  # made by the current step (or an interrupted one) and not yet returned
+    grammars: Any  # a kvcore.sampling.structured.GrammarCompiler, or None (no tokenizer)
 
     @torch.inference_mode()
     def step(self) -> list[TokenEvent]:
@@ -98,6 +100,7 @@ class EngineStep:
             if rows:  # a step of partial prefill chunks only samples nothing
                 logits = logits[torch.tensor(index, device=logits.device)] if len(index) != len(sampling) else logits
                 self._suppress_eos(rows, logits)
+                apply_grammar_masks(logits, rows, self.grammars)
                 next_ids, logprobs = sample_checked(self.sampler, logits, rows)
         except KVCoreError as exc:
             return self._failed(batch, exc)
@@ -170,6 +173,8 @@ class EngineStep:
         if sampled is None:
             return
         token_id, lp = sampled
+        if req.matcher is not None and not self._accept(req, token_id):
+            return
         req.output_ids.append(token_id)
         if lp is not None:
             req.logprobs.append(lp[0])
@@ -184,11 +189,22 @@ class EngineStep:
         out = self._outputs.get(req.request_id)
         text, hit = out.push(token_id, reason is not None) if out is not None else ("", False)
         reason = FinishReason.STOP if hit else reason
+        if reason is None and req.matcher is not None and req.matcher.is_stopped():
+            reason = FinishReason.STOP  # the constrained output is complete: nothing but EOS may follow
         req.finish_reason = reason  # with the token: an interrupted _finish cannot make it run on
         top = lp[1] if lp is not None else None
         self._events.append(TokenEvent(req.request_id, token_id, text, reason, None, lp[0] if lp else None, top))
         if reason is not None:
             self._finish(req, reason, emit=False)
+
+    def _accept(self, req: Request, token_id: int) -> bool:
+        """Feed a sampled token to the request's grammar; a token it refuses (a sampler that ignored the
+        mask) fails the request."""
+        if req.matcher.consume_token(token_id):
+            return True
+        error = GrammarError(f"token {token_id} breaks the request's structured output: {req.matcher.get_error()}")
+        self._finish(req, FinishReason.ERROR, error)
+        return False
 
     def _finish(self, req: Request, reason: FinishReason, error: KVCoreError | None = None, emit: bool = True) -> None:
         req.finish_reason, req.error = reason, error

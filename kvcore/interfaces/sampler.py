@@ -5,12 +5,13 @@ from __future__ import annotations
 import abc
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from typing import Any, ClassVar, Protocol
 
 import torch
 
 from kvcore.errors import ConfigError, InvalidRequestError
+from kvcore.interfaces.structured import StructuredOutput
 
 __all__ = ["MAX_LOGPROBS", "MAX_LOGIT_BIAS", "SamplingParams", "SamplingRow", "Sampler"]
 
@@ -62,8 +63,18 @@ class SamplingParams:
     #: prefix caching shares K/V only between requests with the same salt (None is a salt of its own):
     #: give each tenant its own so no one can tell from timing what another's prompts began with
     cache_salt: str | None = None
+    #: constrain the output to a JSON schema, JSON object, regex, choice or grammar (needs llguidance)
+    structured_output: StructuredOutput | None = None
+    #: OpenAI's and vLLM's name for ``max_new_tokens``, accepted when constructing (read ``max_new_tokens``)
+    max_tokens: InitVar[int | None] = None
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, max_tokens: int | None) -> None:
+        if max_tokens is not None:
+            default = type(self).__dataclass_fields__["max_new_tokens"].default
+            if self.max_new_tokens not in (default, max_tokens):
+                raise InvalidRequestError(
+                    f"max_tokens ({max_tokens!r}) and max_new_tokens ({self.max_new_tokens!r}) disagree; give one")
+            object.__setattr__(self, "max_new_tokens", max_tokens)
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens <= 0:
             raise InvalidRequestError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
         if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)) or self.temperature < 0:
@@ -98,6 +109,9 @@ class SamplingParams:
             raise InvalidRequestError(f"logprobs must be None (off) or an integer in [0, {MAX_LOGPROBS}], got {k!r}")
         if self.cache_salt is not None and not (isinstance(self.cache_salt, str) and self.cache_salt):
             raise InvalidRequestError(f"cache_salt must be a non-empty string or None, got {self.cache_salt!r}")
+        so = self.structured_output
+        if so is not None and not isinstance(so, StructuredOutput):
+            raise InvalidRequestError(f"structured_output must be a kvcore.StructuredOutput, got {so!r}")
 
     #: temperatures below this are greedy (vLLM's rule): dividing logits by them overflows float32 and the
     #: distribution they describe is the argmax anyway

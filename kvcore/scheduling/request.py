@@ -87,6 +87,8 @@ class Request:
     pending_samples: list[Request] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)  # with params.logprobs: one per output id
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    #: with params.structured_output: this request's grammar matcher (kvcore.sampling.structured), fed every output id
+    matcher: Any = None
 
     @property
     def is_finished(self) -> bool:
@@ -150,6 +152,10 @@ class GenerationResult:
     #: with ``params.logprobs`` set: one entry per id of ``token_ids`` (as in :class:`TokenEvent`)
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    #: with ``params.logprobs`` set and a tokenizer: the text of each id of ``token_ids`` (vLLM's
+    #: ``decoded_token``; special tokens spelled out) and of each alternative in ``top_logprobs``
+    decoded_tokens: list[str] | None = None
+    top_decoded_tokens: list[list[str]] | None = None
 
 
 @dataclass

@@ -1,7 +1,9 @@
 """The OpenAI-compatible HTTP API behind ``kvcore serve``: a Starlette ASGI app over an :class:`AsyncEngine`.
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (JSON, or SSE chunks ending with
-``data: [DONE]`` when ``stream`` is true), ``GET /v1/models``, ``GET /health``, ``GET /metrics``.
+``data: [DONE]`` when ``stream`` is true), ``GET /v1/models`` (with the serving configuration), ``POST /tokenize``
+and ``POST /detokenize`` (vLLM's), ``GET /health``, ``GET /metrics``. Unknown request fields are logged and named
+in the ``kvcore-ignored-fields`` response header (a 400 with ``strict``); an unknown route is a 404 error body.
 Errors are OpenAI's body ``{"error": {"message", "type", "param", "code"}}`` with the status of their
 kind (400 invalid request or context too long, 401 bad API key, 404 unknown model, 429 queue full with
 ``Retry-After``, 500/503 server side). A client that disconnects aborts its requests.
@@ -20,11 +22,19 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from kvcore.errors import ChatTemplateError, ContextLengthError, InvalidRequestError, KVCoreError, OutOfBlocksError
+from kvcore.errors import (
+    ChatTemplateError,
+    ContextLengthError,
+    GrammarError,
+    InvalidRequestError,
+    KVCoreError,
+    OutOfBlocksError,
+)
 from kvcore.serving.async_engine import AsyncEngine
 from kvcore.serving.metrics import CONTENT_TYPE
 from kvcore.serving.protocol import (
@@ -34,6 +44,8 @@ from kvcore.serving.protocol import (
     max_prompt_chars,
     parse_chat,
     parse_completion,
+    parse_detokenize,
+    parse_tokenize,
 )
 from kvcore.serving.responses import ChatFormat, Choice, CompletionFormat, TokenTexts
 from kvcore.serving.stream import EngineDeadError, EngineStepError, QueueFullError, RequestStream
@@ -159,13 +171,14 @@ async def _until_disconnect(request: Request) -> None:
 
 
 def build_app(
-    front: AsyncEngine, *, model_name: str, api_key: str | None = None, close_front: bool = True
+    front: AsyncEngine, *, model_name: str, api_key: str | None = None, close_front: bool = True, strict: bool = False
 ) -> Starlette:
     """The ASGI app serving ``front``'s engine as ``model_name``.
 
-    :param api_key: when set, ``/v1/*`` requires ``Authorization: Bearer <api_key>`` (401 otherwise);
-        ``/health`` and ``/metrics`` stay open.
+    :param api_key: when set, ``/v1/*``, ``/tokenize`` and ``/detokenize`` require ``Authorization: Bearer
+        <api_key>`` (401 otherwise); ``/health`` and ``/metrics`` stay open.
     :param close_front: stop the engine loop when the app shuts down (its lifespan ends).
+    :param strict: answer a request with an unknown field 400 instead of ignoring the field.
     """
     engine = front.engine
     tokenizer = engine.tokenizer
@@ -239,7 +252,7 @@ def build_app(
 
     def prepare(data: bytes, parse: Callable, fmt_cls: type, request_id: str):
         """Body → job and response format: JSON decoding, templating and tokenising (a worker thread)."""
-        job: GenerationJob = parse(decode_body(data), tokenizer, **limits)
+        job: GenerationJob = parse(decode_body(data), tokenizer, **limits, strict=strict)
         if job.model is not None and job.model != model_name:
             raise _HTTPError(404, f"the model '{job.model}' does not exist; this server serves '{model_name}'",
                              "invalid_request_error", "model_not_found")
@@ -257,16 +270,28 @@ def build_app(
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         async with parsing:  # the event loop only waits: the work runs in a thread, a bounded number at once
             job, fmt = await asyncio.to_thread(prepare, data, parse, fmt_cls, request_id)
+        headers = {}
+        if job.ignored_fields:
+            logger.warning("the request's fields %s are not known and were ignored", ", ".join(job.ignored_fields))
+            headers["kvcore-ignored-fields"] = ", ".join(job.ignored_fields)
         streams: list[RequestStream] = []
         try:
             for p, prompt in enumerate(job.prompts):
                 streams.append(await front.submit(prompt, job.params, f"{request_id}-{p}"))
+        except GrammarError as exc:  # compiled by the engine: name the field it came from
+            for s in streams:
+                s.abort()
+            error = GrammarError(f"'{job.structured_field}': {exc}")
+            error.param = job.structured_field  # type: ignore[attr-defined]
+            raise error from None
         except BaseException:
             for s in streams:
                 s.abort()
             raise
         if job.stream:
-            return _SSEResponse(_sse(job, fmt, streams))
+            response = _SSEResponse(_sse(job, fmt, streams))
+            response.headers.update(headers)
+            return response
         work = asyncio.ensure_future(_collect(job, fmt, streams))
         watch = asyncio.ensure_future(_until_disconnect(request))
         try:
@@ -280,7 +305,7 @@ def build_app(
                     s.abort()
         if gone:
             return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
-        return JSONResponse(work.result())
+        return JSONResponse(work.result(), headers=headers)
 
     async def _collect(job: GenerationJob, fmt, streams: list[RequestStream]) -> dict:
         choices = [Choice(i) for i in range(len(job.prompts) * job.params.n)]
@@ -320,7 +345,30 @@ def build_app(
         return await generate(request, parse_chat, ChatFormat, "chatcmpl")
 
     card = {"id": model_name, "object": "model", "created": int(time.time()), "owned_by": "kvcore",
-            "max_model_len": limits["max_model_len"]}
+            "max_model_len": limits["max_model_len"], "serving": engine.serving_config()}
+
+    async def tokenize(request: Request) -> Response:
+        check_auth(request)
+        if tokenizer is None:
+            raise EngineDeadError("this server's model has no tokenizer")
+        data = await read_body(request)
+        async with parsing:  # tokenising is unbounded work: off the event loop, as for generation
+            ids = await asyncio.to_thread(lambda: parse_tokenize(decode_body(data), tokenizer))
+        return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": limits["max_model_len"]})
+
+    async def detokenize(request: Request) -> Response:
+        check_auth(request)
+        if tokenizer is None:
+            raise EngineDeadError("this server's model has no tokenizer")
+        data = await read_body(request)
+
+        def detokenized() -> str:  # JSON decoding and detokenising: off the event loop
+            ids = parse_detokenize(decode_body(data), limits["vocab_size"])
+            return tokenizer.decode(ids, skip_special_tokens=False)
+
+        async with parsing:
+            text = await asyncio.to_thread(detokenized)
+        return JSONResponse({"prompt": text})
 
     async def models(request: Request) -> Response:
         check_auth(request)
@@ -351,7 +399,17 @@ def build_app(
         Route("/v1/chat/completions", counted("/v1/chat/completions", chat_completions), methods=["POST"]),
         Route("/v1/models", counted("/v1/models", models), methods=["GET"]),
         Route("/v1/models/{model:path}", counted("/v1/models", models), methods=["GET"]),
+        Route("/tokenize", counted("/tokenize", tokenize), methods=["POST"]),
+        Route("/detokenize", counted("/detokenize", detokenize), methods=["POST"]),
         Route("/health", counted("/health", health), methods=["GET"]),
         Route("/metrics", prometheus, methods=["GET"]),
     ]
-    return Starlette(routes=routes, lifespan=lifespan)
+
+    async def http_error(request: Request, exc: HTTPException) -> Response:
+        # Starlette's own answers (unknown route, wrong method) in OpenAI's error shape too
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        message = f"{request.method} {request.url.path}: {exc.detail}"
+        return JSONResponse(error_body(message, "invalid_request_error", code), status_code=exc.status_code,
+                            headers=getattr(exc, "headers", None))
+
+    return Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_error})

@@ -2,12 +2,15 @@
 
 A request body is a JSON object; :func:`parse_completion` and :func:`parse_chat` check every field the
 server understands and raise :class:`~kvcore.errors.InvalidRequestError` (→ HTTP 400) naming the field.
-Fields OpenAI defines but kvcore cannot honour (``suffix``, ``tools``, JSON mode, ...) are refused rather
-than silently ignored; unknown fields are ignored (vLLM does the same), so extra client options pass.
+Fields OpenAI defines but kvcore cannot honour (``suffix``, ``audio``, ...) are refused rather than silently
+ignored. Structured output comes as OpenAI's ``response_format`` or vLLM's ``guided_*`` / ``structured_outputs``
+fields (:func:`structured_output`). Unknown fields are ignored and listed in ``GenerationJob.ignored_fields``
+(the server logs them and names them in a response header, as vLLM logs them), or refused with ``strict``.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -15,10 +18,12 @@ from typing import Any
 
 from kvcore.errors import ContextLengthError, InvalidRequestError
 from kvcore.interfaces.sampler import MAX_LOGPROBS, SamplingParams
+from kvcore.interfaces.structured import StructuredOutput
+from kvcore.serving.tools import ToolRequest, parse_tools
 
 __all__ = [
-    "GenerationJob", "parse_completion", "parse_chat", "error_body", "usage", "MAX_N", "max_prompt_chars",
-    "max_body_bytes",
+    "GenerationJob", "parse_completion", "parse_chat", "parse_tokenize", "parse_detokenize", "structured_output",
+    "error_body", "usage", "MAX_N", "max_prompt_chars", "max_body_bytes",
 ]
 
 #: most choices one request may ask for (n × number of prompts)
@@ -57,6 +62,9 @@ class GenerationJob:
     echo: bool = False  # completions: return the prompt before the completion
     prompt_texts: tuple[str | None, ...] = ()  # completions: each prompt as the client wrote it (None: token ids)
     want_logprobs: bool = False  # chat logprobs=true / completions logprobs set
+    ignored_fields: tuple[str, ...] = ()  # body fields the server does not know (ignored unless strict)
+    tools: ToolRequest | None = None  # chat: the tools the model may call (kvcore/serving/tools.py)
+    structured_field: str | None = None  # the body field that asked for structured output (errors name it)
 
 
 def error_body(message: str, err_type: str = "invalid_request_error", code: str | None = None,
@@ -179,7 +187,86 @@ def _stream_options(body: Mapping, stream: bool) -> bool:
     return _bool(options, "include_usage", False)
 
 
-def _params(body: Mapping, *, max_tokens: int, logprobs: int | None, vocab_size: int) -> SamplingParams:
+#: fields every generation endpoint reads (OpenAI's ``user`` is accepted and has no effect)
+_COMMON_FIELDS = frozenset({
+    "model", "max_tokens", "n", "best_of", "min_tokens", "top_k", "temperature", "top_p", "min_p", "seed", "stop",
+    "stop_token_ids", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "ignore_eos",
+    "stream", "stream_options", "logprobs", "user", "response_format", "guided_json", "guided_regex",
+    "guided_choice", "guided_grammar", "structured_outputs",
+})
+COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "suffix", "echo"}
+CHAT_FIELDS = _COMMON_FIELDS | {"messages", "top_logprobs", "max_completion_tokens", "tools", "tool_choice",
+                                "parallel_tool_calls", "functions", "audio"}
+
+
+def _unknown_fields(body: Mapping, known: frozenset[str], strict: bool) -> tuple[str, ...]:
+    unknown = tuple(sorted(k for k in body if k not in known))
+    if unknown and strict:
+        exc = InvalidRequestError(f"unknown request field{'s' * (len(unknown) > 1)}: {', '.join(unknown)} "
+                                  "(the server runs with --strict)")
+        exc.param = unknown[0]  # type: ignore[attr-defined]
+        raise exc
+    return unknown
+
+
+def _with_param(exc: InvalidRequestError, name: str) -> InvalidRequestError:
+    exc.param = name  # type: ignore[attr-defined]
+    return exc
+
+
+def structured_field(body: Mapping) -> str | None:
+    """The field :func:`structured_output` read its constraint from (``tools`` for tool calls)."""
+    fmt = body.get("response_format")
+    if isinstance(fmt, Mapping) and fmt.get("type") in ("json_object", "json_schema"):
+        return "response_format"
+    names = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs", "tools")
+    return next((n for n in names if body.get(n)), None)
+
+
+def structured_output(body: Mapping) -> StructuredOutput | None:
+    """The constraint a body asks for: OpenAI's ``response_format`` (``json_object``, ``json_schema``), vLLM's
+    ``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar``, or vLLM's newer
+    ``structured_outputs`` object (``json``, ``regex``, ``choice``, ``grammar``, ``json_object``); at most one."""
+    found: list[tuple[str, dict]] = []
+    fmt = body.get("response_format")
+    if fmt is not None:
+        kind = fmt.get("type") if isinstance(fmt, Mapping) else None
+        if kind == "json_object":
+            found.append(("response_format", {"json_object": True}))
+        elif kind == "json_schema":
+            spec = fmt.get("json_schema")
+            if not isinstance(spec, Mapping) or not isinstance(spec.get("schema"), Mapping):
+                raise _bad("response_format", "{'type': 'json_schema', 'json_schema': {'name': ..., 'schema': {...}}}",
+                           fmt)
+            found.append(("response_format", {"json": dict(spec["schema"])}))
+        elif kind != "text":
+            raise _bad("response_format", "an object whose type is 'text', 'json_object' or 'json_schema'", fmt)
+    for name, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                      ("guided_grammar", "grammar")):
+        if body.get(name) is not None:
+            found.append((name, {key: body[name]}))
+    so = body.get("structured_outputs")
+    if so is not None:
+        if not isinstance(so, Mapping):
+            raise _bad("structured_outputs", "an object with one of json, regex, choice, grammar, json_object", so)
+        keys = {k: v for k, v in so.items() if k in ("json", "regex", "choice", "grammar", "json_object") and v}
+        found.append(("structured_outputs", keys))
+    if not found:
+        return None
+    if len(found) > 1:
+        raise _with_param(InvalidRequestError(
+            f"give one structured-output field, not {' and '.join(n for n, _ in found)}"), found[1][0])
+    name, spec = found[0]
+    if "choice" in spec and not isinstance(spec["choice"], list):
+        raise _bad(name, "a list of strings", spec["choice"])
+    try:
+        return StructuredOutput(**spec)
+    except InvalidRequestError as exc:
+        raise _with_param(type(exc)(f"'{name}': {exc}"), name) from None
+
+
+def _params(body: Mapping, *, max_tokens: int, logprobs: int | None, vocab_size: int,
+            structured: StructuredOutput | None) -> SamplingParams:
     """The sampling fields shared by both endpoints (OpenAI's defaults: temperature 1, top_p 1)."""
     n = _int(body, "n", 1, 1, MAX_N)
     best_of = _int(body, "best_of", None, 1, MAX_N)
@@ -204,6 +291,7 @@ def _params(body: Mapping, *, max_tokens: int, logprobs: int | None, vocab_size:
         logprobs=logprobs,
         ignore_eos=_bool(body, "ignore_eos", False),
         cache_salt=_cache_salt(body),
+        structured_output=structured,
     )
 
 
@@ -227,10 +315,12 @@ def _max_tokens(requested: int | None, prompt_lens: list[int], max_model_len: in
 
 
 def parse_completion(
-    body: Mapping, tokenizer: Any, *, vocab_size: int, max_model_len: int, max_prompt_chars: int
+    body: Mapping, tokenizer: Any, *, vocab_size: int, max_model_len: int, max_prompt_chars: int, strict: bool = False
 ) -> GenerationJob:
     """``POST /v1/completions``: ``prompt`` is a string, a list of strings, token ids, or a list of those.
-    A prompt that cannot fit ``max_model_len`` is refused from its length, before it is tokenised."""
+    A prompt that cannot fit ``max_model_len`` is refused from its length, before it is tokenised.
+    ``strict``: an unknown field is a 400 instead of being ignored."""
+    ignored = _unknown_fields(body, COMPLETION_FIELDS, strict)
     prompt = body.get("prompt")
     if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt)):
         raw = [prompt]
@@ -263,7 +353,8 @@ def parse_completion(
         raise InvalidRequestError("'echo' together with 'logprobs' is not supported (no prompt logprobs)")
     # OpenAI's legacy default for completions is 16 tokens.
     max_tokens = _max_tokens(_int(body, "max_tokens", 16, 1), [len(p) for p in prompts], max_model_len)
-    params = _params(body, max_tokens=max_tokens, logprobs=logprobs, vocab_size=vocab_size)
+    params = _params(body, max_tokens=max_tokens, logprobs=logprobs, vocab_size=vocab_size,
+                     structured=structured_output(body))
     if len(prompts) * params.n > MAX_N:
         raise _bad("n", f"at most {MAX_N} choices in all (prompts × n)", len(prompts) * params.n)
     return GenerationJob(
@@ -275,10 +366,12 @@ def parse_completion(
         echo=echo,
         prompt_texts=tuple(p if isinstance(p, str) else None for p in raw),
         want_logprobs=logprobs is not None,
+        ignored_fields=ignored,
+        structured_field=structured_field(body),
     )
 
 
-def _message_text(message: Mapping, i: int) -> dict[str, str]:
+def _message_text(message: Mapping, i: int) -> dict[str, Any]:
     role = message.get("role")
     if not isinstance(role, str) or not role:
         raise _bad(f"messages[{i}].role", "a non-empty string", role)
@@ -294,30 +387,51 @@ def _message_text(message: Mapping, i: int) -> dict[str, str]:
         content = "".join(texts)
     elif not isinstance(content, str):
         raise _bad(f"messages[{i}].content", "a string or a list of text parts", content)
-    return {"role": role, "content": content}
+    out: dict[str, Any] = {"role": role, "content": content}
+    calls = message.get("tool_calls")
+    if calls:  # an assistant turn that called tools: templates read the arguments as an object
+        if not isinstance(calls, list) or not all(isinstance(c, Mapping) and isinstance(c.get("function"), Mapping)
+                                                  for c in calls):
+            raise _bad(f"messages[{i}].tool_calls", "a list of {'function': {'name', 'arguments'}} objects", calls)
+        out["tool_calls"] = [_call_for_template(c, i) for c in calls]
+    for key in ("tool_call_id", "name"):
+        if isinstance(message.get(key), str):
+            out[key] = message[key]
+    return out
+
+
+def _call_for_template(call: Mapping, i: int) -> dict[str, Any]:
+    fn = call["function"]
+    args = fn.get("arguments", "{}")
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except json.JSONDecodeError:
+            raise _bad(f"messages[{i}].tool_calls", "calls whose arguments are a JSON object", args) from None
+    function = {"name": fn.get("name"), "arguments": args}
+    return {"id": call.get("id"), "type": "function", "function": function, **function}
 
 
 def parse_chat(
-    body: Mapping, tokenizer: Any, *, vocab_size: int, max_model_len: int, max_prompt_chars: int
+    body: Mapping, tokenizer: Any, *, vocab_size: int, max_model_len: int, max_prompt_chars: int, strict: bool = False
 ) -> GenerationJob:
-    """``POST /v1/chat/completions``: ``messages`` rendered with the model's chat template; messages that
-    cannot fit ``max_model_len`` are refused from their length, before rendering and tokenising."""
+    """``POST /v1/chat/completions``: ``messages`` rendered with the model's chat template (with ``tools``
+    when given); messages that cannot fit ``max_model_len`` are refused from their length, before rendering
+    and tokenising. ``strict``: an unknown field is a 400 instead of being ignored."""
+    ignored = _unknown_fields(body, CHAT_FIELDS, strict)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages or not all(isinstance(m, Mapping) for m in messages):
         raise _bad("messages", "a non-empty list of message objects", messages)
-    for name, why in (
-        ("tools", "kvcore does not call tools"),
-        ("functions", "kvcore does not call functions"),
-        ("audio", "text only"),
-    ):
-        _refuse(body, name, why)
-    _refuse(body, "tool_choice", "kvcore does not call tools", allowed="none")
-    fmt = body.get("response_format")
-    if fmt is not None and (not isinstance(fmt, Mapping) or fmt.get("type") != "text"):
-        raise _bad("response_format", "{'type': 'text'} (JSON mode is not supported)", fmt)
+    _refuse(body, "functions", "use 'tools'")
+    _refuse(body, "audio", "text only")
+    tools = parse_tools(body, tokenizer)
+    structured = structured_output(body)
+    if tools is not None and structured is not None:
+        raise _with_param(InvalidRequestError("'tools' cannot be combined with a structured-output field"), "tools")
     texts = [_message_text(m, i) for i, m in enumerate(messages)]
-    _check_chars(sum(len(m["role"]) + len(m["content"]) for m in texts), max_prompt_chars, "the conversation")
-    text = tokenizer.apply_chat_template(texts, add_generation_prompt=True)
+    size = sum(len(str(m.get("role") or "")) + len(str(m.get("content") or "")) for m in texts)
+    _check_chars(size, max_prompt_chars, "the conversation")
+    text = tokenizer.apply_chat_template(texts, add_generation_prompt=True, tools=list(tools.tools) if tools else None)
     prompt_ids = tokenizer.encode(text, add_bos=False)  # the template writes its own BOS
     stream = _bool(body, "stream", False)
     want_logprobs = _bool(body, "logprobs", False)
@@ -332,6 +446,7 @@ def parse_chat(
         max_tokens=_max_tokens(requested, [len(prompt_ids)], max_model_len),
         logprobs=(top or 0) if want_logprobs else None,
         vocab_size=vocab_size,
+        structured=tools.constraint() if tools is not None else structured,
     )
     return GenerationJob(
         model=body.get("model"),
@@ -340,4 +455,34 @@ def parse_chat(
         stream=stream,
         include_usage=_stream_options(body, stream),
         want_logprobs=want_logprobs,
+        ignored_fields=ignored,
+        tools=tools,
+        structured_field=structured_field(body),
     )
+
+
+def parse_tokenize(body: Mapping, tokenizer: Any) -> list[int]:
+    """``POST /tokenize`` (vLLM's): ``prompt`` (text; ``add_special_tokens`` adds the BOS the model wants) or
+    chat ``messages`` (rendered with the chat template; ``add_generation_prompt``, default true)."""
+    if body.get("messages") is not None:
+        messages = body["messages"]
+        if not isinstance(messages, list) or not all(isinstance(m, Mapping) for m in messages):
+            raise _bad("messages", "a list of message objects", messages)
+        text = tokenizer.apply_chat_template([_message_text(m, i) for i, m in enumerate(messages)],
+                                             add_generation_prompt=_bool(body, "add_generation_prompt", True))
+        return tokenizer.encode(text, add_bos=False)
+    prompt = body.get("prompt")
+    if not isinstance(prompt, str):
+        raise _bad("prompt", "a string (or give 'messages')", prompt)
+    return tokenizer.encode(prompt, add_bos=None if _bool(body, "add_special_tokens", True) else False)
+
+
+def parse_detokenize(body: Mapping, vocab_size: int) -> list[int]:
+    """``POST /detokenize`` (vLLM's): ``tokens``, a list of token ids."""
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+        raise _bad("tokens", "a list of token ids", tokens)
+    bad = [t for t in tokens if not 0 <= t < vocab_size]
+    if bad:
+        raise _bad("tokens", f"token ids in [0, {vocab_size})", bad[0])
+    return tokens

@@ -8,6 +8,7 @@ from typing import Any
 
 from kvcore.scheduling.request import TokenEvent
 from kvcore.serving.protocol import GenerationJob, usage
+from kvcore.serving.tools import split_tool_calls
 
 __all__ = ["Choice", "CompletionFormat", "ChatFormat", "TokenTexts", "finish_reason"]
 
@@ -155,6 +156,10 @@ class ChatFormat(_Format):
 
     object_name, chunk_object = "chat.completion", "chat.completion.chunk"
 
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self._held: dict[int, list[str]] = {}  # with tools: each choice's text until it ends
+
     def _entry(self, token_id: int, logprob: float, alts: list[tuple[int, float]]) -> dict[str, Any]:
         text = self.token_text(token_id)
         return {
@@ -174,8 +179,29 @@ class ChatFormat(_Format):
         return {"content": content, "refusal": None}
 
     def _choice(self, c: Choice) -> dict[str, Any]:
-        message = {"role": "assistant", "content": "".join(c.text), "refusal": None}
-        return {"index": c.index, "message": message, "logprobs": self._logprobs(c), "finish_reason": c.finish_reason}
+        message: dict[str, Any] = {"role": "assistant", "content": "".join(c.text), "refusal": None}
+        finish = c.finish_reason
+        if self.job.tools is not None:
+            message["content"], calls = split_tool_calls(message["content"])
+            if calls:
+                message["tool_calls"] = calls
+                finish = "tool_calls" if finish == "stop" else finish
+        return {"index": c.index, "message": message, "logprobs": self._logprobs(c), "finish_reason": finish}
+
+    def _tool_chunk(self, index: int, event: TokenEvent) -> dict[str, Any] | None:
+        """With tools, a choice's text is held back until it ends, then sent as content or as tool calls."""
+        buffer = self._held.setdefault(index, [])
+        buffer.append(event.text)
+        if event.finish_reason is None:
+            return None
+        content, calls = split_tool_calls("".join(buffer))
+        finish = finish_reason(event)
+        delta: dict[str, Any] = {"content": content} if content else {}
+        if calls:
+            delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(calls)]
+            finish = "tool_calls" if finish == "stop" else finish
+        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+        return self._envelope(self.chunk_object, [choice])
 
     def first_chunks(self, num_choices: int) -> list[dict[str, Any]]:
         # OpenAI opens every choice's stream with the role.
@@ -186,6 +212,8 @@ class ChatFormat(_Format):
         ]
 
     def chunk(self, index: int, event: TokenEvent) -> dict[str, Any] | None:
+        if self.job.tools is not None:
+            return self._tool_chunk(index, event)
         if self._is_empty(event):
             return None
         logprobs = None

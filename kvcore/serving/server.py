@@ -11,7 +11,7 @@ from typing import Any
 
 from kvcore.errors import ConfigError
 
-__all__ = ["build_engine", "run_server", "ServerThread", "uvicorn_config", "DEFAULT_MAX_NUM_SEQS"]
+__all__ = ["build_engine", "run_server", "banner", "ServerThread", "uvicorn_config", "DEFAULT_MAX_NUM_SEQS"]
 
 #: requests a server runs at once unless --max-num-seqs or the config file says otherwise
 DEFAULT_MAX_NUM_SEQS = 16
@@ -118,10 +118,12 @@ def run_server(
     max_queue_len: int = 256,
     log_level: str = "info",
     step_watchdog_s: float | None = None,
+    strict: bool = False,
 ) -> int:
     """Serve until interrupted (Ctrl-C / SIGTERM): in-flight streams get a few seconds to finish, then the
     engine loop stops. Prints ``kvcore: serving <model> on http://<host>:<port>`` once bound (the real
-    port when ``port`` is 0). Returns the exit code."""
+    port when ``port`` is 0) and a line with the serving configuration. ``strict``: a request with an
+    unknown field is a 400. Returns the exit code."""
     import uvicorn
 
     from kvcore.serving.async_engine import AsyncEngine
@@ -131,7 +133,7 @@ def run_server(
     bound_port = sock.getsockname()[1]
     watchdog = {} if step_watchdog_s is None else {"step_watchdog_s": step_watchdog_s or None}  # 0: off
     front = AsyncEngine(engine, max_queue_len=max_queue_len, **watchdog)
-    app = build_app(front, model_name=model_name, api_key=api_key)
+    app = build_app(front, model_name=model_name, api_key=api_key, strict=strict)
     config = uvicorn_config(app, log_level=log_level, timeout_graceful_shutdown=5)
     server = uvicorn.Server(config)
     shown = f"[{host}]" if ":" in host else host
@@ -140,12 +142,23 @@ def run_server(
               file=sys.stderr)
     print(f"kvcore: serving {model_name} on http://{shown}:{bound_port} (OpenAI API under /v1)",
           file=sys.stderr, flush=True)
+    print(f"kvcore: {banner(engine.serving_config())}", file=sys.stderr, flush=True)
     try:
         server.run(sockets=[sock])
     finally:
         front.close()
         sock.close()
     return 0 if server.started else 1
+
+
+def banner(serving: dict[str, Any]) -> str:
+    """The serving configuration in one line: ``backend paged (prefill) / paged (decode), kv_cache ..., ...``."""
+    backends = serving["prefill_backend"]
+    if serving["decode_backend"] != backends:
+        backends = f"{backends} (prefill) / {serving['decode_backend']} (decode)"
+    rest = ", ".join(f"{k} {serving[k]}" for k in ("kv_cache", "sampler", "dtype", "weights", "device",
+                                                    "max_num_seqs", "max_model_len"))
+    return f"backend {backends}, {rest}"
 
 
 class ServerThread:

@@ -286,8 +286,12 @@ class Tokenizer:
 
     # ------------------------------------------------------------------ chat template
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
+    ) -> str:
         """Render ``messages`` (``[{"role": ..., "content": ...}, ...]``) with the model's chat template.
+        ``tools``: OpenAI-style tool definitions, handed to the template as ``tools`` (only a template that
+        :attr:`supports_tools` renders them).
 
         Returns the prompt text; encode it with :meth:`encode` (special tokens in it are recognised).
         Raises ConfigError when the model has no template, InvalidRequestError when the messages are
@@ -313,11 +317,25 @@ class Tokenizer:
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.id_to_token(bos) if bos is not None else "",
                 eos_token=self.id_to_token(eos) if eos is not None else "",
+                **({"tools": tools} if tools else {}),
             )
         except TemplateRaised as exc:
             raise InvalidRequestError(f"chat template rejected the messages: {exc}") from None
         except jinja2.TemplateError as exc:
             raise ConfigError(f"chat template failed to render: {exc}") from None
+
+    @property
+    def supports_tools(self) -> bool:
+        """Whether the chat template renders tool definitions (it reads a ``tools`` variable)."""
+        if not self._chat_template:
+            return False
+        import jinja2.meta
+
+        try:
+            ast = jinja2.Environment().parse(self._chat_template)
+        except jinja2.TemplateSyntaxError:
+            return False  # rendering reports the broken template
+        return "tools" in jinja2.meta.find_undeclared_variables(ast)
 
     def _template(self) -> jinja2.Template:
         if self._compiled_template is None:
