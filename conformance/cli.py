@@ -39,7 +39,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-option", action="append", default=None, metavar="KEY=VALUE",
                    help="constructor option for the KV cache (as in [kv_caches.NAME]); repeatable")
     p.add_argument("--sampler", default=None, metavar="NAME",
-                   help="certify this sampler: the sampling tier (and the streams) run through it")
+                   help="certify this sampler: the sampling tier checks its draws against kvcore's reference and "
+                   "the streams run through it; alone, only the tiers that call a sampler run (stream, sampling)")
     p.add_argument("--sampler-option", action="append", default=None, metavar="KEY=VALUE",
                    help="constructor option for the sampler (as in [samplers.NAME]); repeatable")
     p.add_argument("--quick", action="store_true", help="CI-sized case set (under 2 minutes on 2 CPU cores)")
@@ -57,6 +58,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
                    help="run the engine-level tiers (stream, sampling) on N tensor-parallel ranks against the "
                    "one-rank reference; the op and cache tiers check the backend in one process")
+    p.add_argument("--seed", type=int, default=0,
+                   help="base of the seeds the sampler oracle draws with (default 0): runs are reproducible; "
+                   "another seed is another independent trial of the statistical checks")
     p.add_argument("--threads", type=int, default=1,
                    help="torch CPU threads (default 1: fastest on a shared 2-core machine; 0 = torch's default)")
     p.add_argument("--verbose", "-v", action="store_true", help="list every case and failure tracebacks")
@@ -92,21 +96,24 @@ def run(args: argparse.Namespace) -> int:
     from kvcore.conformance.report import to_json, to_markdown, to_text
     from kvcore.conformance.results import EXIT_FAIL
     from kvcore.conformance.runner import run_suite, stderr_progress
-    from kvcore.conformance.settings import DEFAULT_MODELS, TIERS, SuiteConfig
+    from kvcore.conformance.settings import DEFAULT_MODELS, SAMPLER_TIERS, TIERS, SuiteConfig
     from kvcore.conformance.target import BrokenTargetError, resolve_target
 
     if args.threads < 0:
         return _error(f"--threads must be >= 0, got {args.threads}")
     if args.threads:
         torch.set_num_threads(args.threads)
+    sampler_only = args.sampler is not None and args.backend is None and args.kv_cache is None
+    default_tiers = SAMPLER_TIERS if sampler_only else TIERS
     try:
         cfg = SuiteConfig(
             dtype=args.dtype,
             device=args.device,
             quick=args.quick,
             models=_split(args.model) or DEFAULT_MODELS,
-            tiers=_split(args.tier) or TIERS,
+            tiers=_split(args.tier) or default_tiers,
             tensor_parallel_size=args.tensor_parallel_size,
+            seed=args.seed,
         )
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -146,6 +153,9 @@ def run(args: argparse.Namespace) -> int:
             if problem:
                 return _error(f"{problem}; leave it out with --model (e.g. --model tiny)")
 
+    if sampler_only and not args.tier:
+        print(f"kvcore conformance: sampler only: running the tiers that call a sampler ({', '.join(SAMPLER_TIERS)})",
+              file=sys.stderr)
     progress = None if args.no_progress else stderr_progress
     report = run_suite(target, cfg, progress=progress)
     if args.report:

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import torch
 
 from kvcore.conformance.cases import OpCase
+from kvcore.conformance.sampler_oracle import OracleCase
 from kvcore.conformance.settings import SuiteConfig
 
 __all__ = ["tier_coverage", "coverage_line"]
@@ -34,12 +35,23 @@ def tier_coverage(tier: str, cases: Sequence, cfg: SuiteConfig, kv_caches: Seque
             "scenarios": sorted({c.scenario for c in cases}),
             "max_keys": max(max(c.final_lens) for c in cases),
         }
-    return {
+    oracle = [c.id.removeprefix("oracle-") for c in cases if isinstance(c, OracleCase)]
+    models = [c for c in cases if hasattr(c, "model")]
+    cov = {
         "cases": len(cases),
-        "dtypes": _dtype_names(cases, cfg),
-        "models": sorted({c.model for c in cases}),
-        "variants": sorted({c.variant for c in cases}),
+        "dtypes": _dtype_names(models, cfg),
+        "models": sorted({c.model for c in models}),
+        "variants": sorted({c.variant for c in models}),
     }
+    if oracle:
+        cov["sampler_oracle"] = oracle
+    readers = sorted({c.reader for c in models if c.reader})
+    if readers:
+        cov["readers"] = readers
+    stores = sorted({c.kv_cache for c in cases if c.id.startswith("store-")})
+    if stores:
+        cov["store"] = stores
+    return cov
 
 
 def coverage_line(tier: str, cov: dict) -> str:
@@ -60,4 +72,10 @@ def coverage_line(tier: str, cov: dict) -> str:
         ]
     else:
         parts += [f"models {', '.join(cov['models'])}", f"variants {', '.join(cov['variants'])}"]
+        if cov.get("store"):
+            parts.append(f"driven directly: {', '.join(cov['store'])}")
+        if cov.get("readers"):
+            parts.append(f"also read through {', '.join(cov['readers'])}")
+        if cov.get("sampler_oracle"):
+            parts.append(f"sampler oracle {', '.join(cov['sampler_oracle'])}")
     return f"{tier}: " + "; ".join(parts)
