@@ -42,27 +42,38 @@ _SCRIPT = (
 
 @dataclass(frozen=True)
 class StoreCase:
-    kv_cache: str
+    """Every cache the target is tested over (``Target.cache_names``), driven directly."""
+
     dtype: torch.dtype | None = None
 
     @property
     def id(self) -> str:
-        return f"store-{self.kv_cache}{dtype_suffix(self.dtype)}"
+        return f"store{dtype_suffix(self.dtype)}"
 
 
-def store_tolerance(target: Target, case: StoreCase) -> Tolerance:
-    u = target.cache_class(case.kv_cache).capabilities.unit_roundoff or 0.0
+def store_tolerance(target: Target) -> Tolerance:
+    u = target.unit_roundoff
     return Tolerance(atol=2 * u, rtol=2 * u)  # lossless: exact; lossy: one rounding of each stored element
 
 
 def check_store(target: Target, case: StoreCase, cfg: SuiteConfig, result: CaseResult) -> None:
+    names = target.cache_names()
+    for name in names:
+        _check_one(target, name, cfg, result)
+        if result.failed:
+            return
+    result.detail = (f"KV cache {', '.join(names)}: {len(_SCRIPT)} calls (write, fork + copy-on-write, free + block "
+                     f"reuse) over {_LAYERS} layers: every read equals what was written ({store_tolerance(target)})")
+
+
+def _check_one(target: Target, name: str, cfg: SuiteConfig, result: CaseResult) -> None:
     spec = CacheSpec(num_layers=_LAYERS, num_kv_heads=_H_KV, head_dim=_D, dtype=cfg.dtype, device=cfg.torch_device,
                      max_num_seqs=4, max_seq_len=24, block_size=_BLOCK, num_blocks=16)
-    kv = KVCacheManager(target.make_cache(case.kv_cache, spec))
-    tol = store_tolerance(target, case)
+    kv = KVCacheManager(target.make_cache(name, spec))
+    tol = store_tolerance(target)
     gen = torch.Generator().manual_seed(7)
     ref: dict[int, list[torch.Tensor]] = {}  # seq -> per layer [len, 2 (K, V), H_kv, D]
-    result.info.update(kv_cache=case.kv_cache, block_size=kv.cache.block_size if kv.cache.paged else None)
+    result.info.update(kv_cache=name, block_size=kv.cache.block_size if kv.cache.paged else None)
     for n, step in enumerate(_SCRIPT, 1):
         what = step[0]
         where = f"call {n}/{len(_SCRIPT)} ({what})"
@@ -91,10 +102,8 @@ def check_store(target: Target, case: StoreCase, cfg: SuiteConfig, result: CaseR
         problem = _read_back(kv, ref, tol)
         if problem:
             result.status = FAIL
-            result.detail = f"KV cache '{case.kv_cache}' driven directly, after {where}: {problem}"
+            result.detail = f"KV cache '{name}' driven directly, after {where}: {problem}"
             return
-    result.detail = (f"{len(_SCRIPT)} calls (write, fork + copy-on-write, free + block reuse) over {_LAYERS} layers: "
-                     f"every read equals what was written ({tol})")
 
 
 def _read_back(kv: KVCacheManager, ref: dict[int, list[torch.Tensor]], tol: Tolerance) -> str | None:

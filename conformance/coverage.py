@@ -10,12 +10,26 @@ from kvcore.conformance.cases import OpCase
 from kvcore.conformance.sampler_oracle import OracleCase
 from kvcore.conformance.settings import SuiteConfig
 
-__all__ = ["tier_coverage", "coverage_line"]
+__all__ = ["tier_coverage", "coverage_line", "case_dimensions"]
 
 
 def _dtype_names(cases: Sequence, cfg: SuiteConfig) -> list[str]:
     dtypes = {c.dtype or cfg.dtype for c in cases}
     return [str(d).removeprefix("torch.") for d in (torch.float32, torch.bfloat16, torch.float16) if d in dtypes]
+
+
+def case_dimensions(case, cfg: SuiteConfig) -> dict[str, str]:
+    """The dimensions one case takes a value in (what a report groups failures by)."""
+    dtype = str(getattr(case, "dtype", None) or cfg.dtype).removeprefix("torch.")
+    if isinstance(case, OpCase):
+        return {"dtype": dtype, "kv_cache": case.kv_cache or "", "heads": f"{case.num_heads}/{case.num_kv_heads}",
+                "head_dim": str(case.head_dim), "block_size": str(case.block_size), "scenario": case.scenario}
+    if isinstance(case, OracleCase):
+        return {"kind": "sampler oracle", "scenario": case.id.removeprefix("oracle-")}
+    if hasattr(case, "model"):
+        return {"kind": "model", "dtype": dtype, "model": case.model, "variant": case.variant,
+                "reader": case.reader or "the backend"}
+    return {"kind": "cache driven directly", "dtype": dtype}
 
 
 def tier_coverage(tier: str, cases: Sequence, cfg: SuiteConfig, kv_caches: Sequence[str] = ()) -> dict:
@@ -48,9 +62,8 @@ def tier_coverage(tier: str, cases: Sequence, cfg: SuiteConfig, kv_caches: Seque
     readers = sorted({c.reader for c in models if c.reader})
     if readers:
         cov["readers"] = readers
-    stores = sorted({c.kv_cache for c in cases if c.id.startswith("store-")})
-    if stores:
-        cov["store"] = stores
+    if any(c.id.startswith("store") for c in cases):
+        cov["store"] = list(kv_caches)
     return cov
 
 

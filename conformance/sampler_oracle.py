@@ -42,7 +42,7 @@ NUM_DRAWS = 1000
 _GREEDY_ROWS = 32
 #: probability that a correct sampler fails any chi-square test of one run (split evenly between the tests)
 FAMILY_ALPHA = 1e-3
-_MIN_EXPECTED = 5.0
+_MIN_EXPECTED = 10.0
 #: a sampler's logprobs() must agree with the reference to this (absolute, in nats; finite entries)
 LOGPROB_ATOL = 1e-4
 
@@ -235,7 +235,7 @@ def _check_draws(sampler: Sampler, case: OracleCase, cfg: SuiteConfig, result: C
     logits = torch.tensor(sc.logits, dtype=torch.float32, device=device)
     used = features_used(sc.params)
     undeclared = sorted(used - set(sampler.features))
-    result.info.update(feature=sc.feature, features=sorted(used), params=repr(sc.params))
+    result.info.update(feature=sc.feature, uses=sorted(used), params=repr(sc.params))
     result.info["where"] = f"scenario {sc.name}: the reference"
     if undeclared:
         ref = _own_reference(sampler, logits, sc.row(0, "own"))

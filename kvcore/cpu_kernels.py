@@ -44,8 +44,8 @@ from kvcore.cpu import cpu_features
 from kvcore.errors import BackendUnavailableError
 from kvcore.model_cache import cache_root
 
-__all__ = ["bf16_linear_ready", "cxx_compiler", "extension_reasons", "int4a8_reasons", "kernel_reasons", "load_kernels",
-           "vector_isa"]
+__all__ = ["bf16_linear_ready", "cxx_compiler", "extension_reasons", "int4a8_reasons", "kernel_reasons",
+           "kernels_built", "load_kernels", "vector_isa"]
 
 _SOURCES = ("bf16_linear.cpp", "decode_attention.cpp", "int4_linear.cpp", "isa.cpp", "prefill_attention.cpp",
             "rescore_top_k.cpp")
@@ -99,6 +99,19 @@ def _command(cxx: str, sources: list[Path], out: Path) -> list[str]:
             f"-L{torch_dir / 'lib'}", "-lc10", "-ltorch_cpu", "-o", str(out)]
 
 
+def _library_path() -> Path:
+    """Where the build for this torch, compiler, flags and kernel sources lives (the build key)."""
+    command = _command(cxx_compiler(), [_CSRC / name for name in _SOURCES], Path("OUT"))
+    texts = [(_CSRC / name).read_text() for name in (*_SOURCES, *_HEADERS)]
+    key = hashlib.sha256("\0".join([torch.__version__, *command, *texts]).encode())
+    return cache_root() / "kernels" / key.hexdigest()[:16] / "kvcore_cpu_kernels.so"
+
+
+def kernels_built() -> bool:
+    """Whether the kernels for this machine and torch are already built (so :func:`load_kernels` only loads)."""
+    return not kernel_reasons() and _library_path().is_file()
+
+
 @functools.cache
 def load_kernels() -> str:
     """Build (once per machine and torch version) and load the kernels; returns the library's path.
@@ -108,10 +121,7 @@ def load_kernels() -> str:
         raise BackendUnavailableError("; ".join(reasons))
     cxx = cxx_compiler()
     sources = [_CSRC / name for name in _SOURCES]
-    command = _command(cxx, sources, Path("OUT"))
-    texts = [(_CSRC / name).read_text() for name in (*_SOURCES, *_HEADERS)]
-    key = hashlib.sha256("\0".join([torch.__version__, *command, *texts]).encode())
-    library = cache_root() / "kernels" / key.hexdigest()[:16] / "kvcore_cpu_kernels.so"
+    library = _library_path()
     if not library.is_file():
         library.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=library.parent) as tmp:
