@@ -41,7 +41,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="constructor option for the KV cache (as in [kv_caches.NAME]); repeatable")
     p.add_argument("--sampler", default=None, metavar="NAME",
                    help="certify this sampler: the sampling tier checks its draws against kvcore's reference and "
-                   "the streams run through it; alone, only the tiers that call a sampler run (stream, sampling)")
+                   "the streams run through it; alone, only the tier that judges a sampler runs (sampling)")
     p.add_argument("--sampler-option", action="append", default=None, metavar="KEY=VALUE",
                    help="constructor option for the sampler (as in [samplers.NAME]); repeatable")
     p.add_argument("--quick", action="store_true", help="CI-sized case set (under 2 minutes on 2 CPU cores)")
@@ -158,7 +158,7 @@ def run(args: argparse.Namespace) -> int:
                 return _error(f"{problem}; leave it out with --model (e.g. --model tiny)")
 
     if sampler_only and not args.tier:
-        print(f"kvcore conformance: sampler only: running the tiers that call a sampler ({', '.join(SAMPLER_TIERS)})",
+        print(f"kvcore conformance: sampler only: running the tiers that judge a sampler ({', '.join(SAMPLER_TIERS)})",
               file=sys.stderr)
     progress = None if args.no_progress else stderr_progress
     report = run_suite(target, cfg, progress=progress, notice=stderr_notice)

@@ -39,6 +39,11 @@ def _phase(result) -> str | None:
     return None
 
 
+def _few(values: list[str], shown: int = 6) -> str:
+    more = f" and {len(values) - shown} more" if len(values) > shown else ""
+    return ", ".join(values[:shown]) + more
+
+
 def failure_summary(r: SuiteReport, tier: str) -> str | None:
     """One line saying what a tier's failures have in common: per dimension, the values every case with which
     failed against the values every case with which passed (``phase``: where the failing calls were)."""
@@ -57,7 +62,7 @@ def failure_summary(r: SuiteReport, tier: str) -> str | None:
         always = [v for v, (f, n) in values.items() if f == n]
         never = [v for v, (f, n) in values.items() if f == 0]
         if always and never:
-            parts.append(f"{dim} {', '.join(always)}: every case fails; {', '.join(never)}: every case passes")
+            parts.append(f"{dim} {_few(always)}: every case fails; {_few(never)}: every case passes")
     phases = Counter(p for p in map(_phase, failed) if p)
     if phases:
         parts.append("failing calls: " + ", ".join(f"{p} {n}" for p, n in phases.most_common()))

@@ -5,7 +5,7 @@ Each ``draws`` case builds one row (logits over a 64-token vocabulary, a prompt 
 :class:`~kvcore.sampling.SamplingParams`) and asks the sampler for it ``NUM_DRAWS`` times at once, every copy
 with its own seed. Greedy rows must all return the first maximum of the processed logits. Sampled rows must
 never return a token the reference removes, and the counts must fit the reference's probabilities (Pearson's
-chi-square; classes expected fewer than 5 times are pooled). A sampler that declares a feature
+chi-square; classes expected fewer than 10 times are pooled). A sampler that declares a feature
 (``Sampler.features``) is held to the reference for it; for a feature it leaves out its draws are held to the
 distribution its own :meth:`~kvcore.sampling.Sampler.logprobs` states. Declaring ``logprobs``: that method must
 return the reference's log-probabilities too.

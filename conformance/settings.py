@@ -13,8 +13,9 @@ __all__ = ["SuiteConfig", "TIERS", "SAMPLER_TIERS", "DEFAULT_MODELS", "ALL_DTYPE
 
 #: tier names, in run order
 TIERS = ("op", "cache", "stream", "sampling")
-#: the tiers that call a sampler (op and cache compute attention and logits only): all a sampler-only run needs
-SAMPLER_TIERS = ("stream", "sampling")
+#: the tiers that judge a sampler, all a sampler-only run needs: op and cache never call one, and the stream
+#: tier runs the sampler under test on both sides (backend and reference), so it judges the backend
+SAMPLER_TIERS = ("sampling",)
 #: ``tiny``: a random-weights Llama built in memory (fast); ``smollm2``: the embedded default model
 DEFAULT_MODELS = ("tiny", "smollm2")
 #: what a run certifies by default: float32 (exact) and every reduced precision (tie-aware)
