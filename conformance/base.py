@@ -44,6 +44,7 @@ __all__ = [
     "BaseSamplingTests",
     "BaseConformanceTests",
     "suite_config",
+    "target_label",
 ]
 
 #: parametrized argument name -> tier
@@ -55,6 +56,18 @@ def _option(config: pytest.Config, name: str) -> Any:
         return config.getoption(name)
     except ValueError:  # the kvcore pytest plugin is disabled (-p no:kvcore)
         return None
+
+
+def target_label(config: pytest.Config, owner: object | None = None) -> str:
+    """The prefix of ``owner``'s test ids: its ``conformance_name``, else the ``--kvcore-backend`` /
+    ``--kvcore-kv-cache`` / ``--kvcore-sampler`` names (``sdpa``, ``kv_cache=paged``), else the class name."""
+    name = getattr(owner, "conformance_name", None)
+    if name:
+        return name
+    named = [(prefix, _option(config, option)) for prefix, option in
+             (("", "kvcore_backend"), ("kv_cache=", "kvcore_kv_cache"), ("sampler=", "kvcore_sampler"))]
+    label = "+".join(f"{prefix}{value}" for prefix, value in named if value)
+    return label or getattr(owner, "__name__", "conformance")
 
 
 def suite_config(config: pytest.Config, owner: object | None = None) -> SuiteConfig:
@@ -86,6 +99,9 @@ class _ConformanceBase:
     conformance_models: ClassVar[tuple[str, ...] | None] = None
     #: torch CPU threads while this class's tests run (1: fastest on a small shared machine; 0 = leave as is)
     conformance_threads: ClassVar[int | None] = None
+    #: what test ids start with (``test_op[NAME-gqa8x2-d64-ragged]``), so two certified plugins never share an
+    #: id on a CI dashboard; ``None``: the ``--kvcore-*`` target names, else the class name
+    conformance_name: ClassVar[str | None] = None
 
     @pytest.fixture(autouse=True, scope="class")
     @classmethod
@@ -162,11 +178,12 @@ class _ConformanceBase:
         return target
 
     def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
+        label = target_label(metafunc.config, metafunc.cls)
         for arg, tier in _CASE_ARGS.items():
             if arg in metafunc.fixturenames:
                 cfg = suite_config(metafunc.config, metafunc.cls)
                 cases = tier_cases(_NO_TARGET, tier, cfg)
-                metafunc.parametrize(arg, cases, ids=[c.id for c in cases])
+                metafunc.parametrize(arg, cases, ids=[f"{label}-{c.id}" for c in cases])
 
     @staticmethod
     def _assert_result(result: CaseResult) -> None:
@@ -181,6 +198,8 @@ class _NoTarget:
 
     class capabilities:  # noqa: N801 - mimics BackendCapabilities
         kv_layouts: tuple[str, ...] = ()
+
+    kv_cache = None
 
     @staticmethod
     def cache_names() -> tuple[str, ...]:

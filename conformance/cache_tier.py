@@ -5,15 +5,23 @@ compared with the logits of a *fresh* cache and one prefill of the whole sequenc
 Tokens are teacher-forced (a fixed continuation), so one divergence does not cascade. Variants:
 ``single`` (one sequence), ``ragged`` (all prompts batched, ragged lengths), ``chunked`` (each prompt
 prefilled in two chunks, the second continuing the cache, then batched decode).
+
+Certifying a KV cache (``--kv-cache``), the variants also run through every other available built-in backend
+that reads the cache's layout (``naive`` included; case ids ``...-via-NAME``), since a backend may write
+through its own path and never call the cache's ``write``; and ``store-NAME`` drives the cache directly
+against a reference store (:mod:`kvcore.conformance.cache_store`); the readers are not known when pytest
+collects, so the pytest plugin runs ``store`` but not the ``-via-`` cases.
 """
 
 from __future__ import annotations
 
 import torch
 
+from kvcore.conformance.cache_store import StoreCase, check_store, store_tolerance
 from kvcore.conformance.compare import compare
 from kvcore.conformance.driver import cache_spec, forward_logits
-from kvcore.conformance.model_cases import ModelCase, dtype_plan, skip_reasons, tier_models
+from kvcore.conformance.model_cases import ModelCase, dtype_plan, tier_models
+from kvcore.conformance.model_cases import skip_reasons as model_skip_reasons
 from kvcore.conformance.models import get_model
 from kvcore.conformance.results import FAIL, CaseResult
 from kvcore.conformance.settings import SuiteConfig
@@ -34,21 +42,40 @@ def _steps(model: str, quick: bool) -> int:
     return 3 if quick else 4
 
 
-def cases(target: Target, cfg: SuiteConfig) -> list[ModelCase]:
-    out = []
+def cases(target: Target, cfg: SuiteConfig) -> list[ModelCase | StoreCase]:
+    out: list[ModelCase | StoreCase] = []
+    readers = target.other_readers() if target.kv_cache else ()
     for dtype, reduced in dtype_plan(cfg):
+        out.append(StoreCase(dtype))
         models = cfg.models[:1] if reduced else tier_models(cfg, first_only_when_quick=True)
         for model in models:
             for variant in VARIANTS:
                 out.append(ModelCase(model, variant, _steps(model, cfg.quick), dtype))
+                if model == models[0] and not reduced:
+                    out += [ModelCase(model, variant, _steps(model, cfg.quick), dtype, r) for r in readers]
     return out
 
 
-def tolerance(target: Target, case: ModelCase, cfg: SuiteConfig) -> str:
+def tolerance(target: Target, case: ModelCase | StoreCase, cfg: SuiteConfig) -> str:
+    if isinstance(case, StoreCase):
+        return str(store_tolerance(target))
     return str(cache_tolerance(cfg.dtype, target.unit_roundoff))
 
 
-def check(target: Target, case: ModelCase, cfg: SuiteConfig, result: CaseResult) -> None:
+def skip_reasons(target: Target, case: ModelCase | StoreCase, cfg: SuiteConfig) -> list[str]:
+    if isinstance(case, StoreCase):
+        return [f"KV cache '{name}': {r}" for name in target.cache_names() for r in
+                target.cache_class(name).capabilities.reasons_unsupported(device=cfg.torch_device, dtype=cfg.dtype)]
+    return model_skip_reasons(target.via(case.reader) if case.reader else target, case, cfg)
+
+
+def check(target: Target, case: ModelCase | StoreCase, cfg: SuiteConfig, result: CaseResult) -> None:
+    if isinstance(case, StoreCase):
+        check_store(target, case, cfg, result)
+        return
+    if case.reader:
+        result.info["reader"] = case.reader
+        target = target.via(case.reader)
     _run(target, get_model(case.model, cfg.dtype, cfg.device), case, cfg, result)
 
 

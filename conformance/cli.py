@@ -4,7 +4,8 @@ Exit codes: 0 every case that ran passed; 1 something failed, or the thing under
 module raised at import, its ``availability()`` or constructor raised: a traceback summary is printed);
 2 usage or configuration error (bad flag, unknown backend, cache, sampler or dtype, bad options, a model
 that cannot be loaded: leave it out with ``--model``); 3 the backend is unavailable here (its
-``availability()`` returned a reason), or every case was skipped.
+``availability()`` returned a reason), or every case was skipped; 130 interrupted (Ctrl-C) during the cases:
+the report of the cases that finished is still printed or written.
 """
 
 from __future__ import annotations
@@ -39,11 +40,14 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-option", action="append", default=None, metavar="KEY=VALUE",
                    help="constructor option for the KV cache (as in [kv_caches.NAME]); repeatable")
     p.add_argument("--sampler", default=None, metavar="NAME",
-                   help="certify this sampler: the sampling tier (and the streams) run through it")
+                   help="certify this sampler: the sampling tier checks its draws against kvcore's reference and "
+                   "the streams run through it; alone, only the tier that judges a sampler runs (sampling)")
     p.add_argument("--sampler-option", action="append", default=None, metavar="KEY=VALUE",
                    help="constructor option for the sampler (as in [samplers.NAME]); repeatable")
     p.add_argument("--quick", action="store_true", help="CI-sized case set (under 2 minutes on 2 CPU cores)")
-    p.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
+    p.add_argument("--json", nargs="?", const="-", default=None, metavar="FILE",
+                   help="the report as JSON: on stdout, or written atomically to FILE (the text report then goes to "
+                   "stdout); a run stopped with Ctrl-C still writes the cases that finished (exit 130)")
     p.add_argument("--report", metavar="FILE.md", default=None, help="also write a Markdown report to FILE.md")
     p.add_argument("--dtype", default=None,
                    help="certify only this dtype: float32, bfloat16 or float16 (default: float32 and every reduced "
@@ -57,6 +61,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
                    help="run the engine-level tiers (stream, sampling) on N tensor-parallel ranks against the "
                    "one-rank reference; the op and cache tiers check the backend in one process")
+    p.add_argument("--seed", type=int, default=0,
+                   help="base of the seeds the sampler oracle draws with (default 0): runs are reproducible; "
+                   "another seed is another independent trial of the statistical checks")
     p.add_argument("--threads", type=int, default=1,
                    help="torch CPU threads (default 1: fastest on a shared 2-core machine; 0 = torch's default)")
     p.add_argument("--verbose", "-v", action="store_true", help="list every case and failure tracebacks")
@@ -89,24 +96,27 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from kvcore.conformance.models import model_problem
-    from kvcore.conformance.report import to_json, to_markdown, to_text
+    from kvcore.conformance.report import to_json, to_markdown, to_text, write_json
     from kvcore.conformance.results import EXIT_FAIL
-    from kvcore.conformance.runner import run_suite, stderr_progress
-    from kvcore.conformance.settings import DEFAULT_MODELS, TIERS, SuiteConfig
+    from kvcore.conformance.runner import prepare_kernels, run_suite, stderr_notice, stderr_progress
+    from kvcore.conformance.settings import DEFAULT_MODELS, SAMPLER_TIERS, TIERS, SuiteConfig
     from kvcore.conformance.target import BrokenTargetError, resolve_target
 
     if args.threads < 0:
         return _error(f"--threads must be >= 0, got {args.threads}")
     if args.threads:
         torch.set_num_threads(args.threads)
+    sampler_only = args.sampler is not None and args.backend is None and args.kv_cache is None
+    default_tiers = SAMPLER_TIERS if sampler_only else TIERS
     try:
         cfg = SuiteConfig(
             dtype=args.dtype,
             device=args.device,
             quick=args.quick,
             models=_split(args.model) or DEFAULT_MODELS,
-            tiers=_split(args.tier) or TIERS,
+            tiers=_split(args.tier) or default_tiers,
             tensor_parallel_size=args.tensor_parallel_size,
+            seed=args.seed,
         )
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -122,6 +132,7 @@ def run(args: argparse.Namespace) -> int:
             )
             try:
                 if target.availability() is None:
+                    prepare_kernels(cfg, stderr_notice)  # announced here: constructors may load them
                     target.preflight()  # bad options fail here, as a usage error
             except BrokenTargetError:
                 pass  # run_suite reports it as a failure, in every output format
@@ -146,15 +157,22 @@ def run(args: argparse.Namespace) -> int:
             if problem:
                 return _error(f"{problem}; leave it out with --model (e.g. --model tiny)")
 
+    if sampler_only and not args.tier:
+        print(f"kvcore conformance: sampler only: running the tiers that judge a sampler ({', '.join(SAMPLER_TIERS)})",
+              file=sys.stderr)
     progress = None if args.no_progress else stderr_progress
-    report = run_suite(target, cfg, progress=progress)
+    report = run_suite(target, cfg, progress=progress, notice=stderr_notice)
     if args.report:
         try:
             Path(args.report).write_text(to_markdown(report), encoding="utf-8")
         except OSError as exc:
             return _error(f"cannot write report '{args.report}': {exc.strerror or exc}")
-    if args.json:
-        print(to_json(report))
-    else:
-        print(to_text(report, verbose=args.verbose))
+    if args.json and args.json != "-":
+        try:
+            write_json(report, args.json)
+        except OSError as exc:
+            return _error(f"cannot write JSON report '{args.json}': {exc.strerror or exc}")
+    text = to_json(report) if args.json == "-" else to_text(report, verbose=args.verbose)
+    sys.stdout.write(text + "\n")  # one write: a redirected file holds the whole report or nothing
+    sys.stdout.flush()
     return report.exit_code

@@ -7,14 +7,29 @@ from collections.abc import Sequence
 import torch
 
 from kvcore.conformance.cases import OpCase
+from kvcore.conformance.sampler_oracle import OracleCase
 from kvcore.conformance.settings import SuiteConfig
 
-__all__ = ["tier_coverage", "coverage_line"]
+__all__ = ["tier_coverage", "coverage_line", "case_dimensions"]
 
 
 def _dtype_names(cases: Sequence, cfg: SuiteConfig) -> list[str]:
     dtypes = {c.dtype or cfg.dtype for c in cases}
     return [str(d).removeprefix("torch.") for d in (torch.float32, torch.bfloat16, torch.float16) if d in dtypes]
+
+
+def case_dimensions(case, cfg: SuiteConfig) -> dict[str, str]:
+    """The dimensions one case takes a value in (what a report groups failures by)."""
+    dtype = str(getattr(case, "dtype", None) or cfg.dtype).removeprefix("torch.")
+    if isinstance(case, OpCase):
+        return {"dtype": dtype, "kv_cache": case.kv_cache or "", "heads": f"{case.num_heads}/{case.num_kv_heads}",
+                "head_dim": str(case.head_dim), "block_size": str(case.block_size), "scenario": case.scenario}
+    if isinstance(case, OracleCase):
+        return {"kind": "sampler oracle", "scenario": case.id.removeprefix("oracle-")}
+    if hasattr(case, "model"):
+        return {"kind": "model", "dtype": dtype, "model": case.model, "variant": case.variant,
+                "reader": case.reader or "the backend"}
+    return {"kind": "cache driven directly", "dtype": dtype}
 
 
 def tier_coverage(tier: str, cases: Sequence, cfg: SuiteConfig, kv_caches: Sequence[str] = ()) -> dict:
@@ -34,12 +49,22 @@ def tier_coverage(tier: str, cases: Sequence, cfg: SuiteConfig, kv_caches: Seque
             "scenarios": sorted({c.scenario for c in cases}),
             "max_keys": max(max(c.final_lens) for c in cases),
         }
-    return {
+    oracle = [c.id.removeprefix("oracle-") for c in cases if isinstance(c, OracleCase)]
+    models = [c for c in cases if hasattr(c, "model")]
+    cov = {
         "cases": len(cases),
-        "dtypes": _dtype_names(cases, cfg),
-        "models": sorted({c.model for c in cases}),
-        "variants": sorted({c.variant for c in cases}),
+        "dtypes": _dtype_names(models, cfg),
+        "models": sorted({c.model for c in models}),
+        "variants": sorted({c.variant for c in models}),
     }
+    if oracle:
+        cov["sampler_oracle"] = oracle
+    readers = sorted({c.reader for c in models if c.reader})
+    if readers:
+        cov["readers"] = readers
+    if any(c.id.startswith("store") for c in cases):
+        cov["store"] = list(kv_caches)
+    return cov
 
 
 def coverage_line(tier: str, cov: dict) -> str:
@@ -60,4 +85,10 @@ def coverage_line(tier: str, cov: dict) -> str:
         ]
     else:
         parts += [f"models {', '.join(cov['models'])}", f"variants {', '.join(cov['variants'])}"]
+        if cov.get("store"):
+            parts.append(f"driven directly: {', '.join(cov['store'])}")
+        if cov.get("readers"):
+            parts.append(f"also read through {', '.join(cov['readers'])}")
+        if cov.get("sampler_oracle"):
+            parts.append(f"sampler oracle {', '.join(cov['sampler_oracle'])}")
     return f"{tier}: " + "; ".join(parts)

@@ -19,7 +19,10 @@ from kvcore.interfaces.kv_cache import CacheSpec
 from kvcore.interfaces.sampler import Sampler, SamplingParams, SamplingRow
 from kvcore.scheduling.kv_manager import KVCacheManager
 
-__all__ = ["Stream", "RecordingSampler", "run_engine", "run_churn", "ChurnRequest", "cache_spec", "forward_logits"]
+__all__ = [
+    "Stream", "RecordingSampler", "run_engine", "run_churn", "ChurnRequest", "cache_spec", "forward_logits",
+    "recurring_shapes",
+]
 
 
 @dataclass
@@ -36,8 +39,10 @@ class RecordingSampler(Sampler):
     def __init__(self, inner: Sampler) -> None:
         self.inner = inner
         self.rows: dict[str, list[torch.Tensor]] = defaultdict(list)
+        self.batches: list[tuple[int, ...]] = []  # per call: each row's length (prompt + output so far)
 
     def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        self.batches.append(tuple(len(r.prompt_ids) + len(r.output_ids) for r in rows))
         for i, row in enumerate(rows):
             self.rows[row.request_id].append(logits[i].detach().float().cpu())
         return self.inner.sample(logits, rows)
@@ -138,8 +143,21 @@ def run_churn(
         logits = torch.stack(rows) if rows else torch.empty(0, cm.config.vocab_size)
         streams.append(Stream(list(res.token_ids), logits))
     facts = {"engine_steps": step, "preemptions": preemptions, "max_num_seqs": max_num_seqs,
-             "paged": engine.cache.paged, "num_blocks": num_blocks if engine.cache.paged else None}
+             "paged": engine.cache.paged, "num_blocks": num_blocks if engine.cache.paged else None,
+             "recurring_shapes": recurring_shapes(recorder.batches)}
     return streams, facts
+
+
+def recurring_shapes(batches: Sequence[tuple[int, ...]]) -> int:
+    """How many calls had a shape (batch size, longest row) seen before with other per-row lengths."""
+    seen: dict[tuple[int, int], set[tuple[int, ...]]] = {}
+    count = 0
+    for lens in batches:
+        shape = (len(lens), max(lens))
+        earlier = seen.setdefault(shape, set())
+        count += bool(earlier - {lens})
+        earlier.add(lens)
+    return count
 
 
 def cache_spec(cm: ConformanceModel, cfg: SuiteConfig, num_seqs: int, max_len: int, block_size: int = 16) -> CacheSpec:

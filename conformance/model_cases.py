@@ -21,10 +21,12 @@ class ModelCase:
     variant: str
     steps: int  # decode steps / new tokens
     dtype: torch.dtype | None = None  # None: the run's dtype
+    reader: str | None = None  # a backend other than the one under test that reads the cache under test
 
     @property
     def id(self) -> str:
-        return f"{_short(self.model)}-{self.variant}{dtype_suffix(self.dtype)}"
+        via = f"-via-{self.reader}" if self.reader else ""
+        return f"{_short(self.model)}-{self.variant}{via}{dtype_suffix(self.dtype)}"
 
 
 def _short(spec: str) -> str:

@@ -3,20 +3,73 @@
 from __future__ import annotations
 
 import json
+import os
+import re
+import tempfile
 from collections import Counter
+from pathlib import Path
 
 from kvcore.conformance import tolerances
 from kvcore.conformance.coverage import coverage_line
 from kvcore.conformance.results import SuiteReport
 
-__all__ = ["to_text", "to_markdown", "to_json", "TIER_TITLES"]
+__all__ = ["to_text", "to_markdown", "to_json", "TIER_TITLES", "failure_summary", "write_json"]
+
+#: failures printed in full per tier without --verbose (the summary line groups them all)
+SHOWN_FAILURES = 3
 
 TIER_TITLES = {
     "op": "op level (attention vs reference)",
     "cache": "cache consistency (cached decode vs recompute)",
     "stream": "token streams (greedy vs reference)",
-    "sampling": "sampling (seeded reproducibility)",
+    "sampling": "sampling (draws vs reference, seeded reproducibility)",
 }
+
+_PHASE = re.compile(r"^call \d+/\d+ \(([^;)]+)")
+
+
+def _phase(result) -> str | None:
+    """The phase of the call a failure happened in (op: the call's kind; cache: prefill or decode)."""
+    m = _PHASE.match(result.detail)
+    if m:
+        return m.group(1)
+    step = result.info.get("step")
+    if result.tier == "cache" and isinstance(step, int):
+        return "prefill" if step == 0 else "decode"
+    return None
+
+
+def _few(values: list[str], shown: int = 6) -> str:
+    more = f" and {len(values) - shown} more" if len(values) > shown else ""
+    return ", ".join(values[:shown]) + more
+
+
+def failure_summary(r: SuiteReport, tier: str) -> str | None:
+    """One line saying what a tier's failures have in common: per dimension, the values every case with which
+    failed against the values every case with which passed (``phase``: where the failing calls were)."""
+    ran = [x for x in r.by_tier(tier) if not x.skipped]
+    failed = [x for x in ran if x.failed]
+    if not failed:
+        return None
+    table: dict[str, dict[str, list[int]]] = {}  # dimension -> value -> [failed, ran]
+    for x in ran:
+        for dim, value in x.info.get("dimensions", {}).items():
+            counts = table.setdefault(dim, {}).setdefault(value, [0, 0])
+            counts[0] += x.failed
+            counts[1] += 1
+    parts = []
+    for dim, values in table.items():
+        always = [v for v, (f, n) in values.items() if f == n]
+        never = [v for v, (f, n) in values.items() if f == 0]
+        if always and never:
+            parts.append(f"{dim} {_few(always)}: every case fails; {_few(never)}: every case passes")
+    phases = Counter(p for p in map(_phase, failed) if p)
+    if phases:
+        parts.append("failing calls: " + ", ".join(f"{p} {n}" for p, n in phases.most_common()))
+    if len(failed) == len(ran):
+        parts.insert(0, "every case fails")
+    common = "; ".join(parts) if parts else "no dimension separates failing from passing cases"
+    return f"{tier}: {len(failed)} of {len(ran)} failed. {common}"
 
 
 def _headline(r: SuiteReport) -> str:
@@ -37,6 +90,10 @@ def _coverage(r: SuiteReport) -> list[str]:
 
 
 def _verdict(r: SuiteReport) -> str:
+    if r.interrupted:
+        c = r.counts()
+        return (f"INTERRUPTED (exit {r.exit_code}): {c['pass']} passed, {c['fail']} failed, {c['skip']} skipped "
+                f"before Ctrl-C")
     if r.error:
         return f"FAIL (exit {r.exit_code}): {r.error.splitlines()[0]}"
     if r.status == "unavailable":
@@ -76,10 +133,15 @@ def to_text(r: SuiteReport, verbose: bool = False) -> str:
                      f"{secs:>8.1f}s")
     if r.failures:
         lines += ["", "FAILURES"]
-        for x in r.failures:
-            lines.append(x.describe())
-            if verbose and x.info.get("traceback"):
-                lines.append("  " + x.info["traceback"].replace("\n", "\n  "))
+        lines += [line for tier in r.tiers if (line := failure_summary(r, tier))]
+        for tier in r.tiers:
+            failed = [x for x in r.failures if x.tier == tier]
+            for x in failed if verbose else failed[:SHOWN_FAILURES]:
+                lines.append(x.describe())
+                if verbose and x.info.get("traceback"):
+                    lines.append("  " + x.info["traceback"].replace("\n", "\n  "))
+            if not verbose and len(failed) > SHOWN_FAILURES:
+                lines.append(f"[{tier}] ... and {len(failed) - SHOWN_FAILURES} more failures (-v lists them all)")
     skips = _skip_summary(r)
     if skips:
         lines += ["", "SKIPPED"]
@@ -97,8 +159,12 @@ def _md_escape(text: str) -> str:
 
 def to_markdown(r: SuiteReport) -> str:
     out = [f"# Conformance report: `{r.backend}`", "", _headline(r), "", f"**Result: {_verdict(r)}**", ""]
-    env = ", ".join(f"{k} {v}" for k, v in r.environment.items())
+    env = ", ".join(f"{k} {v}" for k, v in r.environment.items() if k != "under_test")
     out += [f"Environment: {env}", ""]
+    for kind, c in r.environment.get("under_test", {}).items():
+        dist = f"{c['distribution']} {c['version']}" if c.get("distribution") else "no installed distribution"
+        out.append(f"* {kind} `{c['name']}`: `{c['class']}` (plugin {c['plugin']}, {dist})")
+    out.append("")
     if r.error:
         out += ["```", r.error, "```", ""]
     if r.unavailable or r.error:
@@ -115,6 +181,7 @@ def to_markdown(r: SuiteReport) -> str:
     out.append("")
     if r.failures:
         out += ["## Failures", ""]
+        out += [f"* {_md_escape(line)}" for tier in r.tiers if (line := failure_summary(r, tier))] + [""]
         for x in r.failures:
             out += [f"### [{x.tier}] {x.case}", "", x.detail, ""]
             if x.info.get("traceback"):
@@ -132,4 +199,20 @@ def to_markdown(r: SuiteReport) -> str:
 
 
 def to_json(r: SuiteReport) -> str:
-    return json.dumps(r.as_dict(), indent=2, default=str)
+    data = r.as_dict()
+    data["summary"] = {t: line for t in r.tiers if (line := failure_summary(r, t))}
+    return json.dumps(data, indent=2, default=str)
+
+
+def write_json(r: SuiteReport, path: str) -> None:
+    """Write the JSON report to ``path`` atomically: a temporary file in the same folder, then a rename, so
+    the file is the whole report or absent (never half written, even when the run was interrupted)."""
+    target = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent if str(target.parent) else ".")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(to_json(r) + "\n")
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

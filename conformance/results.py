@@ -6,7 +6,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 __all__ = [
-    "PASS", "FAIL", "SKIP", "CaseResult", "SuiteReport", "EXIT_PASS", "EXIT_FAIL", "EXIT_USAGE", "EXIT_UNAVAILABLE"
+    "PASS", "FAIL", "SKIP", "CaseResult", "SuiteReport", "EXIT_PASS", "EXIT_FAIL", "EXIT_USAGE", "EXIT_UNAVAILABLE",
+    "EXIT_INTERRUPTED", "SCHEMA_VERSION",
 ]
 
 PASS, FAIL, SKIP = "pass", "fail", "skip"
@@ -16,6 +17,10 @@ EXIT_PASS = 0  # every case that ran passed (skips allowed)
 EXIT_FAIL = 1  # at least one case failed, or the backend is broken (its import, availability() or constructor raised)
 EXIT_USAGE = 2  # bad flags, unknown backend or model, bad configuration
 EXIT_UNAVAILABLE = 3  # the backend cannot run here at all (or nothing could be tested): not a failure
+EXIT_INTERRUPTED = 130  # Ctrl-C: the report holds the cases that finished (the shell's code for SIGINT)
+
+#: version of the ``--json`` report's layout; raised when a key changes meaning or goes away
+SCHEMA_VERSION = 2
 
 
 @dataclass
@@ -71,6 +76,7 @@ class SuiteReport:
     error: str | None = None
     seconds: float = 0.0
     environment: dict[str, Any] = field(default_factory=dict)
+    interrupted: bool = False  # Ctrl-C stopped the run; ``results`` holds the cases that finished
 
     def by_tier(self, tier: str) -> list[CaseResult]:
         return [r for r in self.results if r.tier == tier]
@@ -96,6 +102,8 @@ class SuiteReport:
 
     @property
     def status(self) -> str:
+        if self.interrupted:
+            return "interrupted"
         if self.error:
             return FAIL
         if self.unavailable:
@@ -112,12 +120,16 @@ class SuiteReport:
             return EXIT_PASS
         if status == FAIL:
             return EXIT_FAIL
+        if status == "interrupted":
+            return EXIT_INTERRUPTED
         return EXIT_UNAVAILABLE  # unavailable, or every case skipped: nothing was proven
 
     def as_dict(self) -> dict[str, Any]:
         return {
+            "schema_version": SCHEMA_VERSION,
             "backend": self.backend,
             "status": self.status,
+            "interrupted": self.interrupted,
             "exit_code": self.exit_code,
             "unavailable": self.unavailable,
             "error": self.error,

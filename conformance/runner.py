@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import platform
 import sys
 import time
@@ -12,15 +13,18 @@ from types import ModuleType
 import torch
 
 from kvcore.conformance import cache_tier, op_tier, sampling_tier, stream_tier
-from kvcore.conformance.coverage import tier_coverage
+from kvcore.conformance.coverage import case_dimensions, tier_coverage
 from kvcore.conformance.results import FAIL, PASS, SKIP, CaseResult, SuiteReport
 from kvcore.conformance.settings import SuiteConfig
 from kvcore.conformance.target import BrokenTargetError, Target, resolve_target
+from kvcore.errors import BackendUnavailableError
 from kvcore.interfaces.attention import AttentionBackend
+from kvcore.kernels.cpu_kernels import kernel_reasons, kernels_built, load_kernels
 from kvcore.plugins.registry import PluginRegistry
 from kvcore.version import __version__
 
-__all__ = ["TIER_MODULES", "run_suite", "tier_cases", "run_case", "stderr_progress"]
+__all__ = ["TIER_MODULES", "run_suite", "tier_cases", "run_case", "stderr_progress", "stderr_notice",
+           "prepare_kernels"]
 
 TIER_MODULES: dict[str, ModuleType] = {
     op_tier.NAME: op_tier,
@@ -30,6 +34,7 @@ TIER_MODULES: dict[str, ModuleType] = {
 }
 
 Progress = Callable[[str, int, int, object, CaseResult | None], None]
+Notice = Callable[[str], None]
 
 
 def tier_cases(target: Target, tier: str, cfg: SuiteConfig) -> list:
@@ -46,6 +51,7 @@ def run_case(target: Target, tier: str, case, cfg: SuiteConfig) -> CaseResult:
     cfg = cfg.for_dtype(getattr(case, "dtype", None))
     start = time.perf_counter()
     result = CaseResult(tier=tier, case=case.id, status=PASS, tolerance=module.tolerance(target, case, cfg))
+    result.info["dimensions"] = case_dimensions(case, cfg)
     try:
         reasons = module.skip_reasons(target, case, cfg)
         if reasons:
@@ -70,19 +76,68 @@ def stderr_progress(tier: str, index: int, total: int, case, result: CaseResult 
         print(f" {result.status} ({result.seconds:.2f}s)", file=sys.stderr, flush=True)
 
 
+def stderr_notice(message: str) -> None:
+    print(f"kvcore conformance: {message}", file=sys.stderr, flush=True)
+
+
+def prepare_kernels(cfg: SuiteConfig, notice: Notice | None) -> str:
+    """Build kvcore's C++ CPU kernels before the first case when they are not built yet, saying so (a build
+    inside a case would be silent and be counted as that case's time). Returns what the report records."""
+    if cfg.torch_device.type != "cpu":
+        return "not used (device is not cpu)"
+    reasons = kernel_reasons()
+    if reasons:
+        return "unavailable: " + "; ".join(reasons)
+    if kernels_built():
+        return "built"
+    if notice:
+        notice("building kvcore's C++ CPU kernels (once per machine and torch version) ...")
+    start = time.perf_counter()
+    try:
+        load_kernels()
+    except BackendUnavailableError as exc:
+        if notice:
+            notice(f"kernel build failed: {exc}")
+        return f"build failed: {exc}"
+    if notice:
+        notice(f"kernels built in {time.perf_counter() - start:.0f}s")
+    return "built now"
+
+
+def _distribution(cls: type) -> dict:
+    """The installed distribution (name and version) that ships ``cls``'s top-level package, if any."""
+    top = cls.__module__.split(".")[0]
+    names = importlib.metadata.packages_distributions().get(top) or []
+    if not names:
+        return {"distribution": None, "version": None}
+    return {"distribution": names[0], "version": importlib.metadata.version(names[0])}
+
+
+def _component(cls: type, name: str, entry) -> dict:
+    return {"name": name, "class": f"{cls.__module__}.{cls.__qualname__}",
+            "plugin": entry.plugin if entry is not None else None, **_distribution(cls)}
+
+
 def environment(target: Target) -> dict:
-    plugin = None
+    """Versions and where each thing under test comes from (plugin, distribution name and version)."""
     entry = target.registry.backends.get(target.name)
-    if entry is not None:
-        plugin = entry.plugin
+    components = {"backend": _component(target.cls, target.name, entry)}
+    if target.kv_cache:
+        components["kv_cache"] = _component(target.cache_class(target.kv_cache), target.kv_cache,
+                                            target.registry.kv_caches.get(target.kv_cache))
+    sampler = target.sampler or "default"
+    sampler_entry = target.registry.samplers.get(sampler)
+    if sampler_entry is not None:
+        components["sampler"] = _component(sampler_entry.cls, sampler, sampler_entry)
     return {
         "kvcore": __version__,
         "torch": torch.__version__,
         "python": platform.python_version(),
         "platform": platform.platform(),
         "torch_threads": torch.get_num_threads(),
-        "backend_class": f"{target.cls.__module__}.{target.cls.__qualname__}",
-        "plugin": plugin,
+        "backend_class": components["backend"]["class"],
+        "plugin": components["backend"]["plugin"],
+        "under_test": components,
     }
 
 
@@ -92,11 +147,14 @@ def run_suite(
     *,
     registry: PluginRegistry | None = None,
     progress: Progress | None = None,
+    notice: Notice | None = None,
 ) -> SuiteReport:
     """Run every tier of ``cfg`` against ``backend`` (a name, ``module:Class``, a class, or a Target).
 
     An unavailable backend gives a report with ``unavailable`` set and no cases; a broken one (its
-    ``availability()`` or constructor raised) a report with ``error`` set (a failure). Unknown names raise
+    ``availability()`` or constructor raised) a report with ``error`` set (a failure); Ctrl-C during the cases
+    a report of the cases that finished with ``interrupted`` set. ``notice`` gets one-line announcements
+    (the kernel build before the first case). Unknown names raise
     :class:`~kvcore.errors.UnknownBackendError` / :class:`~kvcore.errors.ConfigError`.
     """
     cfg = cfg or SuiteConfig()
@@ -104,6 +162,7 @@ def run_suite(
     settings = {**cfg.as_dict(), "kv_caches": list(target.cache_names()), "sampler": target.sampler or "default"}
     report = SuiteReport(backend=target.name, settings=settings, tiers=list(cfg.tiers))
     report.environment = environment(target)
+    report.environment["kernels"] = prepare_kernels(cfg, notice)
     start = time.perf_counter()
     try:
         reason = target.availability()
@@ -115,15 +174,18 @@ def run_suite(
     if reason:
         report.unavailable = reason
         return report
-    for tier in cfg.tiers:
-        cases = tier_cases(target, tier, cfg)
-        report.settings.setdefault("coverage", {})[tier] = tier_coverage(tier, cases, cfg, target.cache_names())
-        for i, case in enumerate(cases, 1):
-            if progress:
-                progress(tier, i, len(cases), case, None)
-            result = run_case(target, tier, case, cfg)
-            report.results.append(result)
-            if progress:
-                progress(tier, i, len(cases), case, result)
+    try:
+        for tier in cfg.tiers:
+            cases = tier_cases(target, tier, cfg)
+            report.settings.setdefault("coverage", {})[tier] = tier_coverage(tier, cases, cfg, target.cache_names())
+            for i, case in enumerate(cases, 1):
+                if progress:
+                    progress(tier, i, len(cases), case, None)
+                result = run_case(target, tier, case, cfg)
+                report.results.append(result)
+                if progress:
+                    progress(tier, i, len(cases), case, result)
+    except KeyboardInterrupt:  # Ctrl-C: the cases so far are still a report (and the JSON a complete one)
+        report.interrupted = True
     report.seconds = time.perf_counter() - start
     return report

@@ -1,4 +1,6 @@
-"""Sampling tier: seeded sampling is reproducible, and (float32) identical across backends.
+"""Sampling tier: the sampler against kvcore's reference (the ``oracle-*`` cases, see
+:mod:`kvcore.conformance.sampler_oracle`), and seeded sampling through the engine is reproducible and
+(float32) identical across backends.
 
 ``repeat``: the backend under test runs the same two seeded requests (a ragged batch) twice; the
 streams must be identical. ``vs-reference`` (float32 only): the same seeded requests on ``naive`` give
@@ -12,6 +14,7 @@ from kvcore.conformance.model_cases import ModelCase, dtype_plan, tier_models
 from kvcore.conformance.model_cases import skip_reasons as model_skip_reasons
 from kvcore.conformance.models import get_model
 from kvcore.conformance.results import FAIL, CaseResult
+from kvcore.conformance.sampler_oracle import FAMILY_ALPHA, OracleCase, check_oracle, oracle_cases
 from kvcore.conformance.settings import SuiteConfig
 from kvcore.conformance.stream_tier import compare_streams, reference_streams
 from kvcore.conformance.target import Target
@@ -21,7 +24,7 @@ from kvcore.interfaces.sampler import SamplingParams
 __all__ = ["NAME", "cases", "tolerance", "skip_reasons", "check"]
 
 NAME = "sampling"
-TITLE = "Sampling: seeded streams reproducible and equal across backends"
+TITLE = "Sampling: draws vs kvcore's reference; seeded streams reproducible and equal across backends"
 VARIANTS = ("repeat", "vs-reference")
 SEEDS = (11, 22)
 _EXACT = TieRule(exact=True)
@@ -33,8 +36,8 @@ def _new_tokens(model: str, quick: bool) -> int:
     return 6 if quick else 12
 
 
-def cases(target: Target, cfg: SuiteConfig) -> list[ModelCase]:
-    out = []
+def cases(target: Target, cfg: SuiteConfig) -> list[OracleCase | ModelCase]:
+    out: list[OracleCase | ModelCase] = oracle_cases()
     for dtype, reduced in dtype_plan(cfg):
         models = cfg.models[:1] if reduced else tier_models(cfg, first_only_when_quick=True)
         variants = ("repeat",) if reduced else VARIANTS  # across backends: float32 only
@@ -48,11 +51,15 @@ def sampled_params(n: int) -> list[SamplingParams]:
     ]
 
 
-def tolerance(target: Target, case: ModelCase, cfg: SuiteConfig) -> str:
+def tolerance(target: Target, case: OracleCase | ModelCase, cfg: SuiteConfig) -> str:
+    if isinstance(case, OracleCase) and case.kind == "draws":
+        return f"reference support exact, chi-square at family alpha {FAMILY_ALPHA:g}"
     return "exact"
 
 
-def skip_reasons(target: Target, case: ModelCase, cfg: SuiteConfig) -> list[str]:
+def skip_reasons(target: Target, case: OracleCase | ModelCase, cfg: SuiteConfig) -> list[str]:
+    if isinstance(case, OracleCase):
+        return []
     reasons = model_skip_reasons(target, case, cfg)
     if case.variant == "vs-reference" and cfg.dtype_name != "float32":
         reasons.append(f"sampled streams are compared across backends in float32 only (got {cfg.dtype_name})")
@@ -62,7 +69,10 @@ def skip_reasons(target: Target, case: ModelCase, cfg: SuiteConfig) -> list[str]
     return reasons
 
 
-def check(target: Target, case: ModelCase, cfg: SuiteConfig, result: CaseResult) -> None:
+def check(target: Target, case: OracleCase | ModelCase, cfg: SuiteConfig, result: CaseResult) -> None:
+    if isinstance(case, OracleCase):
+        check_oracle(target, case, cfg, result)
+        return
     cm = get_model(case.model, cfg.dtype, cfg.device)
     prompts = list(cm.prompts[:2])
     params = sampled_params(case.steps)

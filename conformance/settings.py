@@ -9,10 +9,13 @@ import torch
 from kvcore.engine.core import parse_dtype
 from kvcore.errors import ConfigError
 
-__all__ = ["SuiteConfig", "TIERS", "DEFAULT_MODELS", "ALL_DTYPES"]
+__all__ = ["SuiteConfig", "TIERS", "SAMPLER_TIERS", "DEFAULT_MODELS", "ALL_DTYPES"]
 
 #: tier names, in run order
 TIERS = ("op", "cache", "stream", "sampling")
+#: the tiers that judge a sampler, all a sampler-only run needs: op and cache never call one, and the stream
+#: tier runs the sampler under test on both sides (backend and reference), so it judges the backend
+SAMPLER_TIERS = ("sampling",)
 #: ``tiny``: a random-weights Llama built in memory (fast); ``smollm2``: the embedded default model
 DEFAULT_MODELS = ("tiny", "smollm2")
 #: what a run certifies by default: float32 (exact) and every reduced precision (tie-aware)
@@ -35,6 +38,8 @@ class SuiteConfig:
     models: tuple[str, ...] = DEFAULT_MODELS
     tiers: tuple[str, ...] = TIERS
     tensor_parallel_size: int = 1  # ranks the engine-level tiers (stream, sampling) run the model on
+    #: base of the seeds the sampler oracle draws with: a run is reproducible, another seed another trial
+    seed: int = 0
     dtypes: tuple[torch.dtype, ...] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -54,6 +59,8 @@ class SuiteConfig:
         tp = self.tensor_parallel_size
         if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
             raise ConfigError(f"tensor_parallel_size must be a positive integer, got {tp!r}")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed < 1 << 32:
+            raise ConfigError(f"seed must be an integer in [0, 2^32), got {self.seed!r}")
 
     def for_dtype(self, dtype: torch.dtype | None) -> SuiteConfig:
         """This configuration narrowed to one dtype (a case's own); ``None`` keeps it."""
@@ -78,4 +85,5 @@ class SuiteConfig:
             "models": list(self.models),
             "tiers": list(self.tiers),
             "tensor_parallel_size": self.tensor_parallel_size,
+            "seed": self.seed,
         }

@@ -9,7 +9,10 @@ there. Variants: ``single-<i>`` (prompt ``i`` alone), ``batch`` (all prompts, on
 running and, over a paged cache, a block pool of about 1.5 requests' worth, so six requests of different
 lengths join at different steps, finish at different steps and are preempted (and recomputed); every
 stream must equal the same request run alone on the reference. Plans or masks memoised across steps by
-shape, or state kept between calls, show here. ``compiled``: a backend that declares
+shape, or state kept between calls, show here. ``recurring``: the same rule, with requests chosen so that
+decode batches of one size and longest length come back with other per-slot lengths in other slots (the
+longest request leaves first and queued ones refill its slot), which state kept per shape gets wrong.
+``compiled``: a backend that declares
 ``capabilities.compilable`` runs the batch again with its decode steps through ``torch.compile``
 (``EngineConfig.compile``), held to the same rule (float32: exact): what the capability promises.
 """
@@ -56,6 +59,7 @@ def cases(target: Target, cfg: SuiteConfig) -> list[ModelCase]:
             out.append(ModelCase(model, "batch", n, dtype))
             if model == models[0]:
                 out.append(ModelCase(model, "churn", n, dtype))
+                out.append(ModelCase(model, "recurring", n, dtype))
                 out.append(ModelCase(model, "compiled", n, dtype))
     return out
 
@@ -83,13 +87,23 @@ def churn_requests(cm, n: int) -> list[ChurnRequest]:
     ]
 
 
+def recurring_requests(cm, n: int) -> list[ChurnRequest]:
+    """Three running requests, the longest (20 tokens) leaving first; queued requests refill its slot, the
+    first with another 20-token prompt, so decode batches of the same size and longest length recur with
+    other per-slot lengths, in other slots (``n``: the longest output)."""
+    lens = ((20, 3), (8, n), (12, n), (20, max(4, n // 2)), (6, 4))
+    return [ChurnRequest(tuple(cm.continuation(p, salt=f"recurring-{i}")), m, 0) for i, (p, m) in enumerate(lens)]
+
+
 def _check_churn(target: Target, cm, case: ModelCase, cfg: SuiteConfig, result: CaseResult) -> None:
-    requests = churn_requests(cm, case.steps)
+    requests = churn_requests(cm, case.steps) if case.variant == "churn" else recurring_requests(cm, case.steps)
     longest = max(len(r.prompt) + r.max_new_tokens for r in requests)
     result.info.update(model=case.model, prompt_lens=[len(r.prompt) for r in requests],
                        new_tokens=[r.max_new_tokens for r in requests], join_steps=[r.join_step for r in requests])
     result.info["where"] = f"model {case.model}: continuous batching"
-    got, facts = run_churn(target, cm, requests, cfg, max_num_seqs=3, num_blocks_tokens=longest * 3 // 2)
+    # churn: a pool of about 1.5 requests forces preemptions; recurring: room for all, so nothing is preempted
+    pool = longest * 3 // 2 if case.variant == "churn" else sum(len(r.prompt) + r.max_new_tokens for r in requests)
+    got, facts = run_churn(target, cm, requests, cfg, max_num_seqs=3, num_blocks_tokens=pool)
     result.info.update(facts)
     ref = []
     for r in requests:
@@ -100,7 +114,8 @@ def _check_churn(target: Target, cm, case: ModelCase, cfg: SuiteConfig, result: 
     _judge(result, case, prompts, ref, got, tie_rule(cfg.dtype, target.unit_roundoff))
     if result.status != FAIL:
         result.detail += (f" ({len(requests)} requests alone on the reference vs one engine: {facts['engine_steps']} "
-                          f"steps, {facts['preemptions']} preemption(s))")
+                          f"steps, {facts['preemptions']} preemption(s), {facts['recurring_shapes']} batch(es) "
+                          "repeating an earlier shape with other lengths)")
 
 
 def _prompts(cm, case: ModelCase) -> list[list[int]]:
@@ -130,7 +145,7 @@ def tolerance(target: Target, case: ModelCase, cfg: SuiteConfig) -> str:
 
 def check(target: Target, case: ModelCase, cfg: SuiteConfig, result: CaseResult) -> None:
     cm = get_model(case.model, cfg.dtype, cfg.device)
-    if case.variant == "churn":
+    if case.variant in ("churn", "recurring"):
         _check_churn(target, cm, case, cfg, result)
         return
     prompts = _prompts(cm, case)

@@ -7,7 +7,7 @@ import importlib
 import inspect
 import traceback
 import types
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvcore.errors import ConfigError, KVCoreError, UnknownBackendError
@@ -116,6 +116,19 @@ class Target:
             if same:
                 names.append(same[0])
         return tuple(names)
+
+    def other_readers(self) -> tuple[str, ...]:
+        """Available built-in backends other than this one that read the layout of the cache under test
+        (``naive`` first): a cache is certified through each of them, not only through the backend it came with."""
+        layout = self.cache_class(self.kv_cache).layout
+        names = [e.name for e in self.registry.backends.values()
+                 if e.plugin.startswith("kvcore.") and e.name != self.name and layout in e.cls.capabilities.kv_layouts
+                 and e.availability() is None]
+        return tuple(sorted(names, key=lambda n: (n != REFERENCE_BACKEND, n)))
+
+    def via(self, backend: str) -> Target:
+        """This target with ``backend`` (a registered name, default options) in place of the backend under test."""
+        return replace(self, name=backend, cls=self.registry.get(backend).cls, options={})
 
     def cache_class(self, name: str) -> type[KVCache]:
         return self.registry.get(name, KV_CACHE).cls

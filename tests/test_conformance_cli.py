@@ -113,11 +113,14 @@ def test_plugin_runs_the_bundled_suite(pytester):
     from kvcore.conformance.settings import ALL_DTYPES
 
     result = pytester.runpytest("--kvcore-backend", "paged", *PLUGIN_ARGS, "-k", "test_op and mha8x8 or test_cache",
-                                "-v")
+                                "-v", "--junitxml", "junit.xml")
     num_op = sum("mha8x8" in c.id for c in op_cases(quick=True, dtypes=ALL_DTYPES))
-    result.assert_outcomes(passed=num_op + 3 * len(ALL_DTYPES))  # cache tier: 3 variants per dtype
-    result.stdout.fnmatch_lines(["*TestConformance::test_op[[]mha8x8-d32-ragged[]] PASSED*",
-                                 "*TestConformance::test_cache[[]tiny-chunked[]] PASSED*"])
+    # cache tier: 3 variants and the cache driven directly, per dtype
+    result.assert_outcomes(passed=num_op + 4 * len(ALL_DTYPES))
+    result.stdout.fnmatch_lines(["*TestConformance::test_op[[]paged-mha8x8-d32-ragged[]] PASSED*",
+                                 "*TestConformance::test_cache[[]paged-tiny-chunked[]] PASSED*"])
+    junit = (pytester.path / "junit.xml").read_text()
+    assert 'name="test_op[paged-mha8x8-d32-ragged]"' in junit  # two certified plugins never share an id
 
 
 def test_plugin_adds_nothing_without_the_option(pytester):
@@ -153,7 +156,7 @@ def test_plugin_reports_unavailable_backend_as_skips(pytester):
         """
     )
     result = pytester.runpytest("-p", "no:cacheprovider", "-rs")
-    result.assert_outcomes(skipped=9)  # 3 variants x float32, bfloat16, float16
+    result.assert_outcomes(skipped=12)  # (3 variants + the cache driven directly) x float32, bfloat16, float16
     result.stdout.fnmatch_lines(["*backend 'gone' is unavailable: no CUDA device*"])
 
 
@@ -191,8 +194,8 @@ def test_subclassed_base_classes_fail_a_planted_bug(pytester):
     from kvcore.conformance.cases import op_cases
 
     assert outcomes["failed"] == outcomes["passed"] == sum("ragged" in c.id for c in op_cases(quick=True))
-    result.stdout.fnmatch_lines(["*TestGood::test_op[[]gqa8x2-d64-ragged[]] PASSED*",
-                                 "*TestBad::test_op[[]gqa8x2-d64-ragged[]] FAILED*",
+    result.stdout.fnmatch_lines(["*TestGood::test_op[[]TestGood-gqa8x2-d64-ragged[]] PASSED*",
+                                 "*TestBad::test_op[[]TestBad-gqa8x2-d64-ragged[]] FAILED*",
                                  "*[[]op[]] gqa8x2-d64-ragged: FAIL*",
                                  "*max |err|*Shapes: H=8 H_kv=2 D=64*"])
 
@@ -276,11 +279,11 @@ def test_model_that_cannot_be_loaded_is_an_error_unless_left_out(capsys, tmp_pat
 def test_plugin_passes_constructor_options(pytester):
     result = pytester.runpytest("--kvcore-backend", "paged", "--kvcore-backend-option", "bogus=1", *PLUGIN_ARGS,
                                 "-k", "test_cache", "--kvcore-dtype", "float32")
-    result.assert_outcomes(errors=3)
+    result.assert_outcomes(errors=4)  # 3 variants and the cache driven directly
     result.stdout.fnmatch_lines(["*got unknown options: bogus*"])
     result = pytester.runpytest("--kvcore-kv-cache", "paged", "--kvcore-kv-cache-option", "block_size=8",
                                 *PLUGIN_ARGS, "-k", "test_cache", "--kvcore-dtype", "float32")
-    result.assert_outcomes(passed=3)
+    result.assert_outcomes(passed=4)
 
 
 def test_bundled_suite_from_the_repo_root_sees_third_party_plugins():
@@ -302,4 +305,4 @@ def test_bundled_suite_from_the_repo_root_sees_third_party_plugins():
         cwd=root, env=env, capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert "3 passed" in proc.stdout
+    assert "4 passed" in proc.stdout  # 3 variants and the cache driven directly

@@ -378,7 +378,9 @@ def test_fork_without_copy_on_write_is_caught_by_the_fork_scenario():
     op = _first_failure_of(target, "op")
     assert op is not None and "-fork" in op.case, op
     assert "fork" in op.case and ("cached" in op.detail or "diverges" in op.detail)
-    assert _first_failure_of(target, "cache") is None  # no forks there: consistent
+    cache = _first_failure_of(target, "cache")  # the cache driven directly forks too
+    assert cache is not None and cache.case.startswith("store"), cache
+    assert "fork" in cache.detail
 
 
 def test_new_dimension_bugs_are_missed_by_the_tiny_model_tiers():

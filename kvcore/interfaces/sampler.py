@@ -13,13 +13,19 @@ import torch
 from kvcore.errors import ConfigError, InvalidRequestError
 from kvcore.interfaces.structured import StructuredOutput
 
-__all__ = ["MAX_LOGPROBS", "MAX_LOGIT_BIAS", "SamplingParams", "SamplingRow", "Sampler"]
+__all__ = ["MAX_LOGPROBS", "MAX_LOGIT_BIAS", "SAMPLING_FEATURES", "SamplingParams", "SamplingRow", "Sampler"]
 
 
 #: most alternatives ``logprobs`` may ask for (OpenAI's and vLLM's default cap)
 MAX_LOGPROBS = 20
 #: allowed range of a ``logit_bias`` value (OpenAI's)
 MAX_LOGIT_BIAS = 100.0
+#: the standard :class:`SamplingParams` features a sampler may implement as this module defines them
+#: (``Sampler.features``; the conformance suite checks each declared one against its reference)
+SAMPLING_FEATURES = frozenset({
+    "greedy", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+    "frequency_penalty", "logit_bias", "logprobs",
+})
 
 
 def _is_number(x: Any) -> bool:
@@ -171,6 +177,9 @@ class Sampler(abc.ABC):
 
     name: ClassVar[str]
     description: ClassVar[str] = ""
+    #: the :data:`SAMPLING_FEATURES` this sampler implements exactly as :class:`SamplingParams` defines them;
+    #: all of them unless it declares fewer (a sampler that reshapes a feature its own way leaves it out)
+    features: ClassVar[frozenset[str]] = SAMPLING_FEATURES
 
     def __init__(self, **options: Any) -> None:
         if options:

@@ -51,8 +51,8 @@ from kvcore.errors import BackendUnavailableError, KernelBuildError
 from kvcore.kernels.cpu import cpu_features
 from kvcore.paths import cache_root, private_dir, verify_entry, warn_no_cache, write_entry
 
-__all__ = ["bf16_linear_ready", "cxx_compiler", "extension_reasons", "int4a8_reasons", "kernel_reasons", "load_kernels",
-           "vector_isa"]
+__all__ = ["bf16_linear_ready", "cxx_compiler", "extension_reasons", "int4a8_reasons", "kernel_reasons",
+           "kernels_built", "load_kernels", "vector_isa"]
 
 _SOURCES = ("bf16_linear.cpp", "decode_attention.cpp", "int4_linear.cpp", "isa.cpp", "prefill_attention.cpp",
             "rescore_top_k.cpp")
@@ -185,6 +185,14 @@ def _cached_or_built(cxx: str, sources: list[Path], folder: Path, name: str) -> 
                 return entry / _LIBRARY
         _load(built, None)  # mapped now: the folder can go
         return built
+
+
+def kernels_built() -> bool:
+    """Whether the kernels for this machine and torch are already built (so :func:`load_kernels` only loads)."""
+    if kernel_reasons():
+        return False
+    sources = [_CSRC / name for name in _SOURCES]
+    return verify_entry(cache_root() / "kernels" / _entry_name(cxx_compiler(), sources))
 
 
 @functools.cache

@@ -25,6 +25,7 @@ import torch
 
 from kvcore import DefaultSampler, Sampler, SamplingRow
 from kvcore.errors import ConfigError
+from kvcore.sampling.sampler import SAMPLING_FEATURES
 
 __all__ = ["RepetitionPenaltySampler", "apply_repetition_penalty"]
 
@@ -51,6 +52,8 @@ def apply_repetition_penalty(logits: torch.Tensor, histories: Sequence[Sequence[
 class RepetitionPenaltySampler(Sampler):
     name = "example_repetition_penalty"
     description = "example plugin: CTRL repetition penalty over prompt + output, then the default sampler"
+    #: its own penalty comes on top of any the request asks for, so the penalties are not the standard ones
+    features = SAMPLING_FEATURES - {"repetition_penalty", "presence_penalty", "frequency_penalty"}
 
     def __init__(self, penalty: float = 1.2, base: str | Sampler = "default", **options: Any) -> None:
         super().__init__(**options)  # rejects unknown options
@@ -79,3 +82,8 @@ class RepetitionPenaltySampler(Sampler):
     def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         apply_repetition_penalty(logits, [r.prompt_ids + r.output_ids for r in rows], self.penalty)
         return self.base.sample(logits, rows)
+
+    def logprobs(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        """The base sampler's log-probabilities of the penalised logits: what :meth:`sample` draws from."""
+        apply_repetition_penalty(logits, [r.prompt_ids + r.output_ids for r in rows], self.penalty)
+        return self.base.logprobs(logits, rows)

@@ -1,0 +1,64 @@
+"""Caches certified through every reader and driven directly: a planted cache whose write() drops a row."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+
+import pytest
+
+from kvcore.backends.contiguous import ContiguousKVCache
+from kvcore.cli import main
+from kvcore.conformance.runner import tier_cases
+from kvcore.conformance.settings import SuiteConfig
+from kvcore.conformance.target import resolve_target
+from kvcore.hookspecs import hookimpl
+from kvcore.plugins.registry import get_registry
+
+
+class DropsLastRowCache(ContiguousKVCache):
+    """write() stores every row of a call but its last."""
+
+    name = "planted_drops_last_row"
+
+    def write(self, layer_idx, k, v, meta):
+        keep = meta.slot_mapping.numel() - 1
+        rows = dataclasses.replace(meta, slot_mapping=meta.slot_mapping[:keep], positions=meta.positions[:keep])
+        super().write(layer_idx, k[:keep], v[:keep], rows)
+
+
+@pytest.fixture
+def planted_cache():
+    plugin = types.ModuleType("planted_cache")
+
+    @hookimpl
+    def kvcore_register_kv_caches(register):
+        register(DropsLastRowCache)
+
+    plugin.kvcore_register_kv_caches = kvcore_register_kv_caches
+    name = get_registry().register_plugin(plugin, name="planted-cache")
+    try:
+        yield DropsLastRowCache.name
+    finally:
+        get_registry().unregister_plugin(name)
+
+
+def test_cache_dropping_a_row_in_write_is_caught(planted_cache, capsys):
+    rc = main(["conformance", "--kv-cache", planted_cache, "--quick", "--model", "tiny", "--dtype", "float32",
+               "--tier", "cache", "--no-progress", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert rc == 1
+    failed = {r["case"]: r["detail"] for r in report["results"] if r["status"] == "fail"}
+    assert "store" in failed
+    assert "differs from what was written" in failed["store"]
+    assert any("-via-naive" in case for case in failed), failed  # read through naive, which calls write()
+
+
+def test_cache_runs_through_every_builtin_reader_of_its_layout():
+    target = resolve_target(None, kv_cache="contiguous")
+    readers = target.other_readers()
+    assert readers[0] == "naive" and target.name not in readers
+    ids = [c.id for c in tier_cases(target, "cache", SuiteConfig(quick=True, models=("tiny",), dtype="float32"))]
+    assert "store" in ids
+    assert {f"tiny-single-via-{r}" for r in readers} <= set(ids)
