@@ -16,7 +16,7 @@ import time
 import torch
 
 from kvcore.conformance.runner import run_case
-from kvcore.conformance.sampler_oracle import FAMILY_ALPHA, oracle_cases
+from kvcore.conformance.sampler_scenarios import FAMILY_ALPHA, oracle_cases
 from kvcore.conformance.settings import SuiteConfig
 from kvcore.conformance.target import resolve_target
 

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import torch
 
 from kvcore.conformance.cases import OpCase
-from kvcore.conformance.sampler_oracle import OracleCase
+from kvcore.conformance.sampler_scenarios import OracleCase
 from kvcore.conformance.settings import SuiteConfig
 
 __all__ = ["tier_coverage", "coverage_line", "case_dimensions"]

@@ -14,9 +14,10 @@ import torch
 
 from kvcore.backends.contiguous import ContiguousKVCache
 from kvcore.backends.naive import NaiveBackend
-from kvcore.conformance.cases import NUM_LAYERS, Fork, OpCase, op_cases
+from kvcore.conformance.cases import NUM_LAYERS, OpCase, op_cases
 from kvcore.conformance.compare import compare
 from kvcore.conformance.results import FAIL, CaseResult
+from kvcore.conformance.scenarios import Fork
 from kvcore.conformance.settings import SuiteConfig
 from kvcore.conformance.target import Target
 from kvcore.conformance.tolerances import op_tolerance

@@ -22,145 +22,32 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import torch
 
 from kvcore.conformance.results import FAIL, CaseResult
-from kvcore.conformance.sampler_reference import Level, RowReference, features_used, reference_row
+from kvcore.conformance.sampler_reference import Level, RowReference, features_used
+from kvcore.conformance.sampler_scenarios import (
+    FAMILY_ALPHA,
+    GREEDY_ROWS,
+    NUM_DRAWS,
+    VOCAB,
+    OracleCase,
+    Row,
+    Scenario,
+    num_chi_square_tests,
+    scenarios,
+)
 from kvcore.conformance.settings import SuiteConfig
 from kvcore.conformance.target import Target
-from kvcore.interfaces.sampler import Sampler, SamplingParams
+from kvcore.interfaces.sampler import Sampler
 from kvcore.sampling.sampler import sample_checked
 
-__all__ = ["OracleCase", "oracle_cases", "check_oracle", "chi_square", "NUM_DRAWS", "FAMILY_ALPHA", "VOCAB"]
+__all__ = ["check_oracle", "chi_square"]
 
-VOCAB = 64
-#: tokens whose logit is -inf in every scenario; the history of scenarios without penalties uses them, so a
-#: penalty a sampler applies on its own changes nothing there
-_MASKED = tuple(range(56, 64))
-NUM_DRAWS = 1000
-_GREEDY_ROWS = 32
-#: probability that a correct sampler fails any chi-square test of one run (split evenly between the tests)
-FAMILY_ALPHA = 1e-3
 _MIN_EXPECTED = 10.0
 #: a sampler's logprobs() must agree with the reference to this (absolute, in nats; finite entries)
 LOGPROB_ATOL = 1e-4
-
-
-@dataclass(frozen=True)
-class _Row:
-    """A :class:`~kvcore.sampling.sampler.SamplingRow` made up for the oracle."""
-
-    request_id: str
-    prompt_ids: list[int]
-    output_ids: list[int]
-    params: SamplingParams
-    seed: int
-
-
-@dataclass(frozen=True)
-class Scenario:
-    name: str
-    feature: str  # what a failure names
-    logits: tuple[float, ...]
-    params: SamplingParams
-    prompt_ids: tuple[int, ...] = _MASKED[:4]
-    output_ids: tuple[int, ...] = _MASKED[4:6]
-
-    def row(self, seed: int, request_id: str) -> _Row:
-        return _Row(request_id, list(self.prompt_ids), list(self.output_ids), self.params, seed)
-
-    def reference(self) -> RowReference:
-        return reference_row(torch.tensor(self.logits), self.prompt_ids, self.output_ids, self.params)
-
-
-@dataclass(frozen=True)
-class OracleCase:
-    kind: str  # "draws" or "independence"
-    scenario: Scenario | None = None
-    dtype: None = None  # logits reach a sampler in float32 whatever the model dtype
-    index: int = field(default=0, compare=False)
-
-    @property
-    def id(self) -> str:
-        return f"oracle-{self.scenario.name if self.scenario else self.kind}"
-
-
-def _base_logits() -> list[float]:
-    """56 logits drawn once from a fixed seed, rounded to multiples of 1/64 (exact in float32, so ties made
-    below stay ties in every precision), then the masked tokens."""
-    g = torch.Generator().manual_seed(20240607)
-    x = (torch.randn(56, generator=g) * 1.5 * 64).round() / 64
-    return x.tolist() + [-math.inf] * len(_MASKED)
-
-
-def _with(values: dict[int, float], base: list[float] | None = None, fill: float | None = None) -> tuple[float, ...]:
-    x = list(base if base is not None else _base_logits())
-    if fill is not None:
-        x = [fill] * 56 + [-math.inf] * len(_MASKED)
-    for i, v in values.items():
-        x[i] = v
-    return tuple(x)
-
-
-def _penalty_logits() -> tuple[float, ...]:
-    """Small base logits (|x| <= 0.25) and four stand-outs: 10 (in the prompt), 20 (in the output, three
-    times), 30 (in neither), 11 (negative, in the prompt)."""
-    small = [v / 8 for v in _base_logits()[:56]] + [-math.inf] * len(_MASKED)
-    small = [max(-0.25, min(0.25, v)) if v != -math.inf else v for v in small]
-    return _with({10: 4.0, 20: 3.5, 30: 3.0, 11: -0.5}, small)
-
-
-def scenarios() -> list[Scenario]:
-    base = tuple(_base_logits())
-    top = max(base)
-    low = min(range(56), key=lambda i: base[i])
-    argtop = base.index(top)
-    pen = _penalty_logits()
-    hist = {"prompt_ids": (10, 11, 12, 10), "output_ids": (20, 5, 20, 20)}
-    P = SamplingParams  # noqa: N806
-    return [
-        Scenario("greedy", "greedy (argmax of the processed logits)", base, P(temperature=0.0)),
-        Scenario("greedy-tie", "greedy (a tie goes to the first maximum, as torch.argmax)",
-                 _with({3: top + 1, 40: top + 1}, list(base)), P(temperature=0.0)),
-        Scenario("temperature-1", "temperature 1", base, P(temperature=1.0)),
-        Scenario("temperature-0.5", "temperature 0.5", base, P(temperature=0.5)),
-        Scenario("temperature-2", "temperature 2", base, P(temperature=2.0)),
-        Scenario("top_k", "top_k 5", base, P(temperature=1.0, top_k=5)),
-        Scenario("top_k-tie", "top_k 2 cutting a three-way tie", _with({7: top + 1, 8: top, 9: top}, list(base)),
-                 P(temperature=1.0, top_k=2)),
-        Scenario("top_p", "top_p 0.8", base, P(temperature=1.0, top_p=0.8)),
-        Scenario("top_p-boundary", "top_p 0.75 exactly at a cumulative boundary (4 tokens of 0.25)",
-                 _with({0: 0.0, 1: 0.0, 2: 0.0, 3: 0.0}, fill=-math.inf), P(temperature=1.0, top_p=0.75)),
-        Scenario("top_k-top_p", "top_k 20 then top_p 0.9 at temperature 0.8", base,
-                 P(temperature=0.8, top_k=20, top_p=0.9)),
-        Scenario("min_p", "min_p 0.1", base, P(temperature=1.0, min_p=0.1)),
-        Scenario("min_p-1", "min_p 1 (only tokens tied with the top stay)",
-                 _with({4: top + 1, 14: top + 1, 24: top + 1}, list(base)), P(temperature=1.0, min_p=1.0)),
-        Scenario("repetition_penalty-greedy", "repetition_penalty over prompt + output tokens (greedy)", pen,
-                 P(temperature=0.0, repetition_penalty=2.0), **hist),
-        Scenario("repetition_penalty", "repetition_penalty over prompt + output tokens", pen,
-                 P(temperature=1.0, repetition_penalty=1.5), **hist),
-        Scenario("frequency_penalty-greedy", "frequency_penalty and presence_penalty over output tokens (greedy)",
-                 pen, P(temperature=0.0, frequency_penalty=2.0, presence_penalty=0.5), **hist),
-        Scenario("presence_penalty", "presence_penalty over output tokens", pen,
-                 P(temperature=1.0, presence_penalty=1.5), **hist),
-        Scenario("frequency_penalty", "frequency_penalty over output tokens", pen,
-                 P(temperature=1.0, frequency_penalty=0.7), **hist),
-        Scenario("logit_bias-greedy", "logit_bias (greedy)", base,
-                 P(temperature=0.0, logit_bias={low: 9.0, argtop: -100.0})),
-        Scenario("logit_bias", "logit_bias", base, P(temperature=1.0, logit_bias={low: 4.0, argtop: -100.0})),
-    ]
-
-
-def oracle_cases() -> list[OracleCase]:
-    found = [OracleCase("draws", s, index=i) for i, s in enumerate(scenarios())]
-    return found + [OracleCase("independence", index=len(found))]
-
-
-def _num_chi_square_tests() -> int:
-    return sum(not s.params.is_greedy for s in scenarios())
 
 
 def _seed(cfg: SuiteConfig, case: OracleCase, i: int) -> int:
@@ -205,7 +92,7 @@ def chi_square(draws: Sequence[int], levels: Sequence[Level]) -> tuple[float, in
     return stat, dof, p
 
 
-def _own_reference(sampler: Sampler, logits: torch.Tensor, row: _Row) -> RowReference:
+def _own_reference(sampler: Sampler, logits: torch.Tensor, row: Row) -> RowReference:
     """The distribution the sampler's ``logprobs()`` states for ``row`` (for features it does not declare)."""
     lp = sampler.logprobs(logits[None].clone(), [row])[0].double().cpu()
     if row.params.is_greedy:
@@ -250,7 +137,7 @@ def _check_draws(sampler: Sampler, case: OracleCase, cfg: SuiteConfig, result: C
             if problem:
                 _fail(result, f"logprobs ({sc.feature})", problem)
                 return
-    num = _GREEDY_ROWS if sc.params.is_greedy else NUM_DRAWS
+    num = GREEDY_ROWS if sc.params.is_greedy else NUM_DRAWS
     rows = [sc.row(_seed(cfg, case, i), f"oracle-{i}") for i in range(num)]
     result.info["where"] = f"scenario {sc.name}: sample() of {num} rows"
     draws, _ = sample_checked(sampler, logits[None].expand(num, -1).clone(), rows)
@@ -280,7 +167,7 @@ def _check_draws(sampler: Sampler, case: OracleCase, cfg: SuiteConfig, result: C
                       f"where only {lv.kept} may stay", tie=list(lv.tokens), kept=lv.kept)
                 return
     stat, dof, p = chi_square(draws, ref.levels)
-    alpha = FAMILY_ALPHA / _num_chi_square_tests()
+    alpha = FAMILY_ALPHA / num_chi_square_tests()
     result.info.update(chi_square=stat, dof=dof, p_value=p, alpha=alpha)
     if p < alpha:
         counts = sorted(((draws.count(t), t) for t in set(draws)), reverse=True)[:5]

@@ -14,7 +14,8 @@ from kvcore.conformance.model_cases import ModelCase, dtype_plan, tier_models
 from kvcore.conformance.model_cases import skip_reasons as model_skip_reasons
 from kvcore.conformance.models import get_model
 from kvcore.conformance.results import FAIL, CaseResult
-from kvcore.conformance.sampler_oracle import FAMILY_ALPHA, OracleCase, check_oracle, oracle_cases
+from kvcore.conformance.sampler_oracle import check_oracle
+from kvcore.conformance.sampler_scenarios import FAMILY_ALPHA, OracleCase, oracle_cases
 from kvcore.conformance.settings import SuiteConfig
 from kvcore.conformance.stream_tier import compare_streams, reference_streams
 from kvcore.conformance.target import Target

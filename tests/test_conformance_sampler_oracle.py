@@ -13,8 +13,9 @@ import torch
 
 from kvcore.cli import main
 from kvcore.conformance.results import PASS, CaseResult
-from kvcore.conformance.sampler_oracle import OracleCase, check_oracle, chi_square, scenarios
+from kvcore.conformance.sampler_oracle import check_oracle, chi_square
 from kvcore.conformance.sampler_reference import Level, reference_row
+from kvcore.conformance.sampler_scenarios import OracleCase, scenarios
 from kvcore.conformance.settings import SuiteConfig
 from kvcore.hookspecs import hookimpl
 from kvcore.interfaces.sampler import Sampler, SamplingParams

@@ -21,14 +21,22 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from kvcore.errors import ConfigError, KVCoreError
 from kvcore.interfaces.sampler import SamplingParams
 from kvcore.scheduling.request import TokenEvent
 from kvcore.serving.metrics import ServingMetrics
-from kvcore.serving.stream import END, EngineDeadError, EngineStepError, QueueFullError, RequestStream, ServingStats
+from kvcore.serving.stream import (
+    END,
+    EngineDeadError,
+    EngineStepError,
+    QueueFullError,
+    RequestStream,
+    ServingStats,
+    StreamEntry,
+    serving_stats,
+)
 
 __all__ = ["AsyncEngine", "ServingStats", "RequestStream", "QueueFullError", "EngineDeadError"]
 
@@ -36,21 +44,6 @@ logger = logging.getLogger(__name__)
 
 #: seconds one engine step may run before :meth:`AsyncEngine.health` reports the engine stalled
 DEFAULT_STEP_WATCHDOG_S = 60.0
-
-
-@dataclass
-class _Entry:
-    """Engine-loop-side state of one request."""
-
-    stream: RequestStream
-    sample_ids: list[str]
-    submit_time: float
-    index: dict[str, int] = field(default_factory=dict)
-    num_finished: int = 0
-    num_tokens: int = 0
-    first_token_time: float | None = None
-    last_token_time: float | None = None
-    status: str = "ok"  # "error" once any sample failed
 
 
 class AsyncEngine:
@@ -85,8 +78,8 @@ class AsyncEngine:
         self._commands: deque[tuple] = deque()
         self._num_in_flight = 0  # submitted and not yet ended; guarded by _cv
         self._stopping = False
-        self._entries: dict[str, _Entry] = {}  # loop thread only
-        self._owner: dict[str, _Entry] = {}  # sample id -> its request; loop thread only
+        self._entries: dict[str, StreamEntry] = {}  # loop thread only
+        self._owner: dict[str, StreamEntry] = {}  # sample id -> its request; loop thread only
         self._ids = itertools.count()
         self.stats = self._snapshot()
         self._thread = threading.Thread(target=self._run, name="kvcore-engine-loop", daemon=True)
@@ -215,7 +208,7 @@ class AsyncEngine:
                 self._reject(stream, exc)
                 return
             sample_ids = list(self.engine.sample_ids(rid)) if hasattr(self.engine, "sample_ids") else [rid]
-            entry = _Entry(stream, sample_ids, submit_time, index={sid: i for i, sid in enumerate(sample_ids)})
+            entry = StreamEntry(stream, sample_ids, submit_time, index={sid: i for i, sid in enumerate(sample_ids)})
             self._entries[rid] = entry
             for sid in sample_ids:
                 self._owner[sid] = entry
@@ -268,7 +261,7 @@ class AsyncEngine:
                 if entry.num_finished == len(entry.sample_ids):
                     self._end(entry, entry.status)
 
-    def _end(self, entry: _Entry, status: str, notify: BaseException | None = None) -> None:
+    def _end(self, entry: StreamEntry, status: str, notify: BaseException | None = None) -> None:
         """Abort what is unfinished, release every sample, close the stream, count it (once)."""
         rid = entry.stream.request_id
         if self._entries.pop(rid, None) is None:
@@ -291,20 +284,7 @@ class AsyncEngine:
             m.time_per_output_token.observe((entry.last_token_time - entry.first_token_time) / (per_sample - 1))
         with self._cv:
             self._num_in_flight -= 1
-        # Last, so that whoever reads the end of the stream sees the blocks back and the request counted.
-        self.stats = self._snapshot()
-        entry.stream._put(notify if notify is not None else END)
-
-    def _snapshot(self) -> ServingStats:
-        engine = self.engine
-        blocks = engine.kv.blocks
-        with self._cv:
             queued = sum(1 for c in self._commands if c[0] == "add")
-        return ServingStats(
-            num_running=engine.num_running,
-            num_waiting=engine.num_waiting + queued,
-            num_kv_blocks_total=blocks.num_blocks,
-            num_kv_blocks_used=blocks.num_blocks - blocks.num_free_blocks,
-            num_requests_tracked=len(getattr(engine, "_requests", ())),
-            engine_counters=tuple(engine.stats.as_dict().items()) if hasattr(engine, "stats") else (),
-        )
+        # Last, so that whoever reads the end of the stream sees the blocks back and the request counted.
+        self.stats = serving_stats(self.engine, queued)
+        entry.stream._put(notify if notify is not None else END)

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvcore.errors import KVCoreError
 from kvcore.interfaces.sampler import SamplingParams
 from kvcore.scheduling.request import TokenEvent
 
-__all__ = ["RequestStream", "ServingStats", "QueueFullError", "EngineDeadError", "EngineStepError", "END"]
+__all__ = [
+    "RequestStream", "StreamEntry", "ServingStats", "serving_stats", "QueueFullError", "EngineDeadError",
+    "EngineStepError", "END",
+]
 
 
 class QueueFullError(KVCoreError):
@@ -95,3 +98,31 @@ class RequestStream:
 
     async def __aexit__(self, *exc_info: object) -> None:
         self.abort()
+
+
+def serving_stats(engine: Any, num_queued: int) -> ServingStats:
+    """The counters of ``engine`` as the server reports them; ``num_queued`` requests not yet handed to it."""
+    blocks = engine.kv.blocks
+    return ServingStats(
+        num_running=engine.num_running,
+        num_waiting=engine.num_waiting + num_queued,
+        num_kv_blocks_total=blocks.num_blocks,
+        num_kv_blocks_used=blocks.num_blocks - blocks.num_free_blocks,
+        num_requests_tracked=len(getattr(engine, "_requests", ())),
+        engine_counters=tuple(engine.stats.as_dict().items()) if hasattr(engine, "stats") else (),
+    )
+
+
+@dataclass
+class StreamEntry:
+    """Engine-loop-side state of one request."""
+
+    stream: RequestStream
+    sample_ids: list[str]
+    submit_time: float
+    index: dict[str, int] = field(default_factory=dict)
+    num_finished: int = 0
+    num_tokens: int = 0
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    status: str = "ok"  # "error" once any sample failed
