@@ -8,11 +8,18 @@ Tokens of all sequences in one forward call are *packed* along a single axis (vL
 * decode: ``query_len = 1``, attends to the whole cache with no mask;
 * a prefill that continues an existing cache: ``context_len > 0``, ``query_len > 1``; the causal mask is
   aligned bottom-right, i.e. query row ``i`` sits at absolute position ``context_len + i``.
+
+How each decoder layer attends is its :class:`LayerAttention` (the scale, and the variants beyond plain
+causal attention: a sliding window, logit soft-capping, attention sinks). The model declares one per layer,
+the metadata carries them (:meth:`AttentionMetadata.layer`), and a backend declares the variants it serves
+per phase in :class:`BackendCapabilities` (see docs/attention-variants.md).
 """
 
 from __future__ import annotations
 
 import abc
+import math
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
@@ -21,10 +28,70 @@ import torch
 if TYPE_CHECKING:
     from kvcore.kv_cache import KVCache
 
-__all__ = ["AttentionMetadata", "BackendCapabilities", "AttentionBackend", "causal_mask", "cu_seqlens"]
+__all__ = [
+    "AttentionMetadata", "BackendCapabilities", "AttentionBackend", "LayerAttention", "VARIANTS", "causal_mask",
+    "cu_seqlens", "explicit_attention", "variants_of",
+]
 
 #: a backend's own per-call plan type (``AttentionMetadata`` itself when it needs nothing more)
 PlanT = TypeVar("PlanT")
+
+
+#: the attention variants beyond plain causal attention, by the name capabilities use -> what a reason says is
+#: missing ("no soft-capping")
+VARIANTS = {"sliding_window": "sliding windows", "softcap": "soft-capping", "sinks": "attention sinks"}
+
+
+@dataclass(frozen=True, eq=False)
+class LayerAttention:
+    """How one decoder layer attends (every layer is causal). For query ``i`` at absolute position ``p_i``
+    and key ``j`` at position ``p_j``:
+
+    1. ``s_ij = scale · q_i · k_j`` (``scale``: ``1 / √head_dim``, or Gemma's ``query_pre_attn_scalar ** -0.5``);
+    2. with ``softcap = c``: ``s_ij = c · tanh(s_ij / c)``, before any mask (Gemma 2);
+    3. key ``j`` is visible when ``p_j <= p_i`` and, with ``sliding_window = W``, ``p_i - p_j < W``: the query
+       and the ``W - 1`` keys before it (Hugging Face's ``sliding_window``; flash-attn's ``window_size =
+       (W - 1, 0)``); invisible scores are ``-∞``;
+    4. ``P = softmax`` over the visible keys and, with ``sinks`` (``[H]`` float32, one learned logit per query
+       head, GPT-OSS), that head's sink logit as one more entry that weights no value;
+    5. ``o_i = Σ_j P_ij v_j``.
+    """
+
+    scale: float
+    sliding_window: int | None = None  # tokens a query sees, itself included (None: the whole sequence)
+    softcap: float | None = None  # c of c · tanh(s / c) on the scaled scores
+    sinks: torch.Tensor | None = None  # [H] float32, one logit per query head
+
+    def __post_init__(self) -> None:
+        window, cap = self.sliding_window, self.softcap
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+            raise ValueError(f"sliding_window must be a positive integer or None, got {window!r}")
+        if cap is not None and not (isinstance(cap, (int, float)) and math.isfinite(cap) and cap > 0):
+            raise ValueError(f"softcap must be a finite number > 0 or None, got {cap!r}")
+        if self.sinks is not None and (self.sinks.dim() != 1 or not self.sinks.is_floating_point()):
+            raise ValueError(f"sinks must be a 1-D float tensor [num_heads], got {tuple(self.sinks.shape)}")
+
+    @property
+    def variants(self) -> frozenset[str]:
+        """The :data:`VARIANTS` this layer uses (empty: plain causal attention)."""
+        used = {"sliding_window": self.sliding_window is not None, "softcap": self.softcap is not None,
+                "sinks": self.sinks is not None}
+        return frozenset(name for name, on in used.items() if on)
+
+    def describe(self) -> str:
+        parts = [f"scale {self.scale:.4g}"]
+        if self.sliding_window is not None:
+            parts.append(f"window {self.sliding_window}")
+        if self.softcap is not None:
+            parts.append(f"softcap {self.softcap:g}")
+        if self.sinks is not None:
+            parts.append("sinks")
+        return ", ".join(parts)
+
+
+def variants_of(layers: Sequence[LayerAttention]) -> frozenset[str]:
+    """Every variant any of ``layers`` uses."""
+    return frozenset().union(*(layer.variants for layer in layers))
 
 
 @dataclass(frozen=True)
@@ -47,7 +114,18 @@ class AttentionMetadata:
     seq_lens_t: torch.Tensor  # [B] int32, context_len + query_len per sequence
     block_tables_t: torch.Tensor  # [B, max_blocks] int32, padded with block 0 (masked by seq_lens)
     slot_mapping: torch.Tensor  # [T] int64, block_id * block_size + offset of every packed token
-    scale: float  # softmax scale, from the model (1 / sqrt(head_dim) for Llama)
+    scale: float  # softmax scale of a layer without its own spec, from the model (1 / sqrt(head_dim) for Llama)
+    #: each decoder layer's attention, from the model; empty: every layer plain causal at ``scale``
+    layers: tuple[LayerAttention, ...] = ()
+
+    def layer(self, layer_idx: int) -> LayerAttention:
+        """How layer ``layer_idx`` attends: what a backend's ``forward`` must implement."""
+        return self.layers[layer_idx] if self.layers else LayerAttention(self.scale)
+
+    @property
+    def variants(self) -> frozenset[str]:
+        """The variants this call's layers use (what the backend must declare for the call's phase)."""
+        return variants_of(self.layers)
 
     @property
     def num_seqs(self) -> int:
@@ -89,8 +167,10 @@ class AttentionMetadata:
         block_size: int,
         scale: float,
         device: torch.device,
+        layers: Sequence[LayerAttention] = (),
     ) -> AttentionMetadata:
-        """The metadata of one call: ``query_lens[i]`` new tokens after ``context_lens[i]`` cached ones."""
+        """The metadata of one call: ``query_lens[i]`` new tokens after ``context_lens[i]`` cached ones;
+        ``layers``: each decoder layer's attention (empty: plain causal at ``scale``)."""
         positions = torch.cat([torch.arange(c, c + q) for c, q in zip(context_lens, query_lens)])  # [T]
         seq_lens = torch.tensor([c + q for c, q in zip(context_lens, query_lens)], dtype=torch.int32)
         max_blocks = max(len(t) for t in block_tables)
@@ -108,6 +188,7 @@ class AttentionMetadata:
             block_tables_t=tables.to(device),
             slot_mapping=(blocks * block_size + positions % block_size).to(device),
             scale=scale,
+            layers=tuple(layers),
         )
 
 
@@ -119,12 +200,46 @@ def cu_seqlens(lengths: list[int], device: torch.device | str = "cpu") -> torch.
     return out.to(device)
 
 
-def causal_mask(context_len: int, query_len: int, device: torch.device) -> torch.Tensor:
+def causal_mask(
+    context_len: int, query_len: int, device: torch.device, window: int | None = None
+) -> torch.Tensor:
     """``[query_len, context_len + query_len]`` bool, True where attention is allowed: the causal mask
     aligned bottom-right, query ``i`` sitting at absolute position ``context_len + i`` and seeing keys
-    ``0 .. context_len + i``. With ``context_len == 0`` it is the ordinary lower-triangular mask."""
+    ``0 .. context_len + i``. With ``context_len == 0`` it is the ordinary lower-triangular mask. With a
+    sliding ``window``, only the last ``window`` of those keys (the query's own included)."""
     query_pos = torch.arange(context_len, context_len + query_len, device=device)[:, None]
-    return torch.arange(context_len + query_len, device=device)[None, :] <= query_pos
+    key_pos = torch.arange(context_len + query_len, device=device)[None, :]
+    allowed = key_pos <= query_pos
+    if window is not None:
+        allowed &= key_pos > query_pos - window
+    return allowed
+
+
+def explicit_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, layer: LayerAttention
+) -> torch.Tensor:
+    """Attention with every :class:`LayerAttention` variant, spelled out in float32 for backends whose fused
+    kernel lacks one (soft-capping and sinks have no ``scaled_dot_product_attention`` argument).
+
+    :param q: ``[B, H, n, D]``; ``k``, ``v``: ``[B, H_kv, S, D]`` (``H % H_kv == 0``).
+    :param mask: broadcastable to ``[B, H, n, S]``: bool (True = visible) or additive float; None: all visible.
+    :returns: ``[B, H, n, D]`` in ``q``'s dtype.
+    """
+    group = q.shape[1] // k.shape[1]
+    k = k.float().repeat_interleave(group, dim=1)  # (B, H, S, D)
+    v = v.float().repeat_interleave(group, dim=1)
+    scores = q.float() @ k.transpose(-2, -1) * layer.scale  # (B, H, n, S)
+    if layer.softcap is not None:
+        scores = torch.tanh(scores / layer.softcap) * layer.softcap
+    if mask is not None and mask.dtype == torch.bool:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    elif mask is not None:
+        scores = scores + mask.float()
+    if layer.sinks is None:
+        return (scores.softmax(dim=-1) @ v).to(q.dtype)
+    sink = layer.sinks.float().to(q.device).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)  # (B, H, n, 1)
+    probs = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]  # the sink weights no value
+    return (probs @ v).to(q.dtype)
 
 
 @dataclass(frozen=True)
@@ -145,6 +260,24 @@ class BackendCapabilities:
     #: no host syncs, reads only the plan's tensors and ints, writes the cache only through whole cache
     #: tensors, never views of them (see kvcore/compile.py)
     compilable: bool = False
+    #: the :data:`VARIANTS` (``"sliding_window"``, ``"softcap"``, ``"sinks"``) its prefill / its decode
+    #: implements; a layer using another is refused with :meth:`reasons_variants`, never run wrong
+    prefill_variants: frozenset[str] = frozenset()
+    decode_variants: frozenset[str] = frozenset()
+
+    def variants(self, phase: str) -> frozenset[str]:
+        """The variants of ``phase`` ("prefill" or "decode")."""
+        return self.prefill_variants if phase == "prefill" else self.decode_variants
+
+    def reasons_variants(self, needed: Collection[str], phases: Sequence[str] = ("prefill", "decode")) -> list[str]:
+        """Human reasons ("decode: no soft-capping") why the ``needed`` variants are not all served in
+        ``phases`` ([] = fine)."""
+        reasons = []
+        for phase in phases:
+            missing = sorted(set(needed) - self.variants(phase))
+            if missing:
+                reasons.append(f"{phase}: no {', no '.join(VARIANTS.get(m, m) for m in missing)}")
+        return reasons
 
     def reasons_unsupported(
         self, *, device: torch.device, dtype: torch.dtype, head_dim: int, num_heads: int, num_kv_heads: int
@@ -229,9 +362,11 @@ class AttentionBackend(abc.ABC, Generic[PlanT]):
         cache: KVCache,
         plan: PlanT,
     ) -> torch.Tensor:
-        """Write this call's K/V into ``cache`` (``cache.write``), then attend.
+        """Write this call's K/V into ``cache`` (``cache.write``), then attend as the layer's
+        :class:`LayerAttention` (``meta.layer(layer_idx)``) says: a backend is only handed layers whose
+        variants its capabilities declare for the call's phase.
 
-        :param layer_idx: decoder layer, selects the cache layer.
+        :param layer_idx: decoder layer, selects the cache layer and the layer's attention spec.
         :param q: ``[T, H, D]`` queries, RoPE already applied.
         :param k: ``[T, H_kv, D]`` new keys, RoPE already applied.
         :param v: ``[T, H_kv, D]`` new values.

@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from kvcore.attention import variants_of
 from kvcore.backend_check import BackendGuard
 from kvcore.engine_config import (
     EngineConfig,
@@ -99,7 +100,8 @@ class Engine(EngineStep):
             self.runner = TensorParallelRunner(model, config)
             mc = self.runner.model.config  # local heads: backends and the KV cache see only this rank's
         heads = dict(num_heads=mc.num_attention_heads, num_kv_heads=mc.num_key_value_heads)
-        chosen = select_components(registry, config, head_dim=mc.head_dim, **heads)
+        chosen = select_components(registry, config, head_dim=mc.head_dim, variants=variants_of(model.attention_layers),
+                                   **heads)
         self.prefill_backend, self.decode_backend = chosen.prefill_backend, chosen.decode_backend
         # one guard per backend instance: it remembers which kinds of forward it verified (one-process runs)
         checked = config.check_backend_outputs and config.tensor_parallel_size == 1

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kvcore.attention import AttentionMetadata
+from kvcore.attention import AttentionMetadata, LayerAttention
 from kvcore.block_manager import BlockManager
 from kvcore.kv_cache import KVCache
 
@@ -50,8 +50,11 @@ class KVCacheManager:
         return self.blocks.can_reserve(seq_ids, query_lens)
 
     # -- one forward call ----------------------------------------------------------------------------
-    def prepare(self, seq_ids: Sequence[int], query_lens: Sequence[int], scale: float) -> AttentionMetadata:
-        """Reserve room for ``query_lens[i]`` new tokens of each sequence and describe the call.
+    def prepare(
+        self, seq_ids: Sequence[int], query_lens: Sequence[int], scale: float, layers: Sequence[LayerAttention] = ()
+    ) -> AttentionMetadata:
+        """Reserve room for ``query_lens[i]`` new tokens of each sequence and describe the call (``layers``:
+        the model's per-layer attention, :attr:`~kvcore.model.DecoderModel.attention_layers`).
 
         All or nothing: when the batch does not fit, nothing is reserved and the error names it.
         """
@@ -67,6 +70,7 @@ class KVCacheManager:
             self.cache.block_size,
             scale,
             self.cache.spec.device,
+            layers,
         )
 
     def read(self, layer_idx: int, seq_id: int) -> tuple[torch.Tensor, torch.Tensor]:
