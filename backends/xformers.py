@@ -76,6 +76,8 @@ class XFormersBackend(KernelBackend):
         head_dim_multiple=8,
         supports_gqa=True,
         min_compute_capability=XFORMERS_MIN_CC,
+        # no attention variants: memory_efficient_attention has no soft-cap or sink argument, and its local
+        # (windowed) biases are not wired here; such layers are refused with the reason
     )
 
     # memory_efficient_attention, BlockDiagonalCausalMask, BlockDiagonalCausalWithOffsetPaddedKeysMask
@@ -121,7 +123,8 @@ class XFormersBackend(KernelBackend):
                 q_seqlen=meta.query_lens, kv_padding=pad, kv_seqlen=meta.seq_lens, device=q.device
             )
         query, keys, values = _grouped(q.unsqueeze(0), keys, values)
-        out = xf.memory_efficient_attention(query, keys, values, attn_bias=bias, p=0.0, scale=meta.scale)
+        scale = meta.layer(layer_idx).scale
+        out = xf.memory_efficient_attention(query, keys, values, attn_bias=bias, p=0.0, scale=scale)
         return out.reshape(q.shape)
 
     @staticmethod
