@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvcore.attention import variants_of
 from kvcore.conformance.cases import dtype_suffix
 from kvcore.conformance.models import get_model
 from kvcore.conformance.settings import SuiteConfig
@@ -28,7 +29,7 @@ class ModelCase:
 
 
 def _short(spec: str) -> str:
-    if spec in ("tiny", "smollm2"):
+    if spec in ("tiny", "tiny-local", "smollm2"):
         return spec
     return spec.rstrip("/").replace("\\", "/").split("/")[-1]
 
@@ -58,6 +59,7 @@ def skip_reasons(target: Target, case: ModelCase, cfg: SuiteConfig) -> list[str]
         reasons.append("backend declares no prefill support")
     if not caps.supports_decode:
         reasons.append("backend declares no decode support")
+    reasons += caps.reasons_variants(variants_of(cm.model.attention_layers))
     names = target.cache_names()
     if names:
         cache_caps = target.cache_class(names[0]).capabilities

@@ -4,6 +4,8 @@ and sinks are caught."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -100,3 +102,73 @@ def test_a_backend_not_declaring_a_variant_is_skipped_with_the_reason():
     assert by_pattern["window7"].status == PASS
     assert by_pattern["softcap"].status == SKIP and by_pattern["softcap"].detail == "decode: no soft-capping"
     assert by_pattern["sinks"].detail == "decode: no attention sinks"
+
+
+def test_stream_tier_runs_a_windowed_soft_capped_model():
+    """The stream tier's ``tiny-local`` model (a local layer, soft-capped scores): a backend that declares the
+    variants but attends as if every layer were plain diverges from the reference stream."""
+
+    class IgnoresLayerSpecs(NaiveBackend):
+        name = "planted_ignores_layer_specs"
+
+        def forward(self, layer_idx, q, k, v, cache, meta):
+            return super().forward(layer_idx, q, k, v, cache, dataclasses.replace(meta, layers=()))
+
+    cfg = SuiteConfig(quick=True, dtype="float32", models=("tiny",))
+    for cls, status in ((NaiveBackend, PASS), (IgnoresLayerSpecs, FAIL)):
+        target = resolve_target(cls)
+        case = next(c for c in tier_cases(target, "stream", cfg) if c.id == "tiny-local-single-1")
+        result = run_case(target, "stream", case, cfg)
+        assert result.status == status, result.detail
+
+
+def test_the_backend_author_page_examples_run():
+    """docs/attention-variants.md's python blocks run as written."""
+    import re
+    from pathlib import Path
+
+    page = (Path(__file__).parents[1] / "docs" / "attention-variants.md").read_text(encoding="utf-8")
+    blocks = re.findall(r"^```python\n(.*?)^```$", page, re.S | re.M)
+    assert blocks
+    for body in blocks:
+        exec(compile(body, "docs/attention-variants.md", "exec"), {})
+
+
+def test_engine_picks_only_backends_that_serve_the_models_variants():
+    from kvcore import Engine, EngineConfig
+    from kvcore.conformance.models import get_model
+    from kvcore.errors import BackendUnavailableError
+    from kvcore.hookspecs import hookimpl
+    from kvcore.plugins import PluginRegistry
+
+    class NoSoftcap(Textbook):
+        name = "no_softcap"
+        priority = 100  # would win the automatic choice
+        capabilities = BackendCapabilities(
+            devices=frozenset({"cpu"}), dtypes=ALL_DTYPES, kv_layouts=("contiguous",),
+            prefill_variants=frozenset({"sliding_window"}), decode_variants=frozenset({"sliding_window"}),
+        )
+
+    class Plugin:
+        @hookimpl
+        def kvcore_register_backends(self, register):
+            register(NoSoftcap)
+
+    registry = PluginRegistry(load_entrypoints=False)
+    registry.register_plugin(Plugin(), name="no-softcap")
+    try:
+        local = get_model("tiny-local", torch.float32, "cpu").model  # a windowed, soft-capped layer
+        plain = get_model("tiny", torch.float32, "cpu").model
+        def auto(model):
+            return Engine(model, None, EngineConfig(max_model_len=64), registry=registry).prefill_backend.name
+
+        assert (auto(plain), auto(local)) == ("no_softcap", "sdpa")
+        with pytest.raises(BackendUnavailableError, match="'no_softcap' cannot run this model here: prefill: no "
+                                                          "soft-capping; decode: no soft-capping"):
+            Engine(local, None, EngineConfig(backend="no_softcap", max_model_len=64), registry=registry)
+        with pytest.raises(BackendUnavailableError, match="'no_softcap' cannot run this model here: decode: no "
+                                                          "soft-capping"):
+            Engine(local, None, EngineConfig(prefill_backend="naive", decode_backend="no_softcap", max_model_len=64),
+                   registry=registry)
+    finally:
+        registry.unregister_plugin("no-softcap")
