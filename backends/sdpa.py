@@ -156,23 +156,18 @@ class SDPABackend(AttentionBackend[SDPAPlan]):
         ks = k_cache[first : first + num_seqs, :, :max_len]  # (B, H_kv, max_len, D) view
         vs = v_cache[first : first + num_seqs, :, :max_len]
         num_kv_heads = ks.shape[1]
-        if layer.variants:
-            mask = plan.window_masks[layer.sliding_window] if layer.sliding_window is not None else plan.decode_mask
-            if layer.softcap is not None or layer.sinks is not None:
-                qh = q.reshape(num_seqs, num_heads, 1, head_dim)  # (B, H, 1, D)
-                out = explicit_attention(qh, ks, vs, mask, layer)
-                return out.view(num_seqs, num_heads, head_dim)
-            qs = q.reshape(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
-            out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=layer.scale)
-            return out.view(num_seqs, num_heads, head_dim)
         qs = q.reshape(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)  # (B, H_kv, G, D): group = rows
-        return self._decode_attend(qs, ks, vs, plan, layer).view(num_seqs, num_heads, head_dim)
+        return self._decode_attend(qs, ks, vs, plan, layer).reshape(num_seqs, num_heads, head_dim)
 
     @staticmethod
     def _decode_attend(qs, ks, vs, plan: SDPAPlan, layer: LayerAttention) -> torch.Tensor:
-        """``qs [B, H_kv, G, D]`` against the cache views ``ks``/``vs [B, H_kv, max_len, D]`` -> ``[B, H_kv, G, D]``
-        (a layer without variants)."""
-        return F.scaled_dot_product_attention(qs, ks, vs, attn_mask=plan.decode_mask, scale=layer.scale)
+        """``qs [B, H_kv, G, D]`` against the cache views ``ks``/``vs [B, H_kv, max_len, D]`` -> ``[B, H_kv, G, D]``."""
+        mask = plan.window_masks[layer.sliding_window] if layer.sliding_window is not None else plan.decode_mask
+        if layer.softcap is not None or layer.sinks is not None:
+            b, h_kv, g, d = qs.shape
+            out = explicit_attention(qs.reshape(b, h_kv * g, 1, d), ks, vs, mask, layer)  # (B, H, 1, D)
+            return out.view(b, h_kv, g, d)
+        return F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=layer.scale)
 
 
 @hookimpl
