@@ -18,7 +18,10 @@ torch's CPU flash-attention kernel runs bfloat16 no faster than float32 here (be
 attention kernel"). float32 prefill stays torch's, the exact path.
 
 Everything else is the ``sdpa`` backend's: the same contiguous cache and cache writes; a decode batch whose
-sequences are not on consecutive slots goes through the prefill path.
+sequences are not on consecutive slots goes through the prefill path. Attention variants: the decode kernel
+takes a layer's sliding window (it reads only the last ``window`` keys of each row) and soft-cap (applied to
+each block's scores before its online-softmax step); decode layers with sinks, and prefill layers with any
+variant, run sdpa's masked and explicit paths (correct, not the kernels' speed).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import torch
 
 from kvcore.hookspecs import hookimpl
 from kvcore.interfaces.attention import BackendCapabilities
+from kvcore.interfaces.layer_attention import VARIANTS, LayerAttention
 from kvcore.interfaces.metadata import AttentionMetadata
 from kvcore.kernels.cpu_kernels import kernel_reasons, load_kernels
 
@@ -47,6 +51,9 @@ class CPUDecodeBackend(SDPABackend):
         kv_layouts=("contiguous",),
         max_head_dim=MAX_HEAD_DIM,
         compilable=True,
+        # the decode kernel takes windows and soft-caps; the rest runs sdpa's paths (see the module docstring)
+        prefill_variants=frozenset(VARIANTS),
+        decode_variants=frozenset(VARIANTS),
     )
 
     def __init__(self, **options) -> None:
@@ -68,17 +75,21 @@ class CPUDecodeBackend(SDPABackend):
         return reasons
 
     @staticmethod
-    def _decode_mask(meta: AttentionMetadata, dtype: torch.dtype) -> None:
-        return None  # the kernel reads each row's length instead
+    def _decode_mask(meta: AttentionMetadata, dtype: torch.dtype) -> torch.Tensor | None:
+        # the kernel reads each row's length instead; layers with sinks run sdpa's masked path
+        return SDPABackend._decode_mask(meta, dtype) if "sinks" in meta.variants else None
 
-    def _prefill_attend(self, q, k, v, context_len: int, scale: float) -> torch.Tensor:
-        if self._bf16_prefill and q.dtype == torch.bfloat16:
-            return torch.ops.kvcore.prefill_attention(q, k, v, context_len, scale)
-        return super()._prefill_attend(q, k, v, context_len, scale)
+    def _prefill_attend(self, q, k, v, context_len: int, layer: LayerAttention) -> torch.Tensor:
+        if self._bf16_prefill and q.dtype == torch.bfloat16 and not layer.variants:
+            return torch.ops.kvcore.prefill_attention(q, k, v, context_len, layer.scale)
+        return super()._prefill_attend(q, k, v, context_len, layer)
 
     @staticmethod
-    def _decode_attend(qs, ks, vs, plan: SDPAPlan) -> torch.Tensor:
-        return torch.ops.kvcore.decode_attention(qs.contiguous(), ks, vs, plan.meta.seq_lens_t, plan.meta.scale)
+    def _decode_attend(qs, ks, vs, plan: SDPAPlan, layer: LayerAttention) -> torch.Tensor:
+        if layer.sinks is not None:
+            return SDPABackend._decode_attend(qs, ks, vs, plan, layer)
+        return torch.ops.kvcore.decode_attention(qs.contiguous(), ks, vs, plan.meta.seq_lens_t, layer.scale,
+                                                 layer.sliding_window or 0, layer.softcap or 0.0)
 
 
 @hookimpl

@@ -12,6 +12,10 @@ Two kernels, one per phase:
   the new K/V rows *in place* at ``cache_seqlens`` (the lengths **before** the append) and attends, in
   one kernel. ``cache_batch_idx`` maps batch rows to cache slots, so a batch need not be slots 0..B-1.
 
+Attention variants: a layer's sliding window ``W`` is flash-attn's ``window_size = (W - 1, 0)`` (the query
+and the ``W - 1`` keys before it), its soft-cap the ``softcap`` argument (flash-attn >= 2.6), its scale
+``softmax_scale``; both kernels take them. flash-attn 2 has no attention sinks.
+
 GQA/MQA needs nothing: flash-attn takes fewer KV heads than query heads (query head ``h`` reads KV head
 ``h // (H / H_kv)``, the same grouping as Llama's).
 
@@ -208,6 +212,8 @@ class FlashAttn2Backend(KernelBackend):
         head_dim_multiple=8,
         supports_gqa=True,
         min_compute_capability=FLASH_MIN_CC,
+        prefill_variants=frozenset({"sliding_window", "softcap"}),
+        decode_variants=frozenset({"sliding_window", "softcap"}),
     )
 
     _load_kernels = staticmethod(_flash_attn_module)  # flash_attn_varlen_func, flash_attn_with_kvcache
@@ -229,11 +235,17 @@ class FlashAttn2Backend(KernelBackend):
         plan: SlotPlan,
     ) -> torch.Tensor:
         k_cache, v_cache = kv_views(cache, layer_idx)  # [slots, S, H_kv, D]
+        layer = plan.meta.layer(layer_idx)
+        variants = {
+            "softmax_scale": layer.scale,
+            "window_size": (-1, -1) if layer.sliding_window is None else (layer.sliding_window - 1, 0),
+            "softcap": layer.softcap or 0.0,
+        }
         if plan.meta.is_decode:
-            return self._decode(q, k, v, k_cache, v_cache, plan)
-        return self._prefill(layer_idx, q, k, v, cache, k_cache, v_cache, plan)
+            return self._decode(q, k, v, k_cache, v_cache, plan, variants)
+        return self._prefill(layer_idx, q, k, v, cache, k_cache, v_cache, plan, variants)
 
-    def _decode(self, q, k, v, k_cache, v_cache, plan: SlotPlan) -> torch.Tensor:
+    def _decode(self, q, k, v, k_cache, v_cache, plan: SlotPlan, variants: dict[str, Any]) -> torch.Tensor:
         out = self.kernels.flash_attn_with_kvcache(
             q.unsqueeze(1),  # [B, 1, H, D]
             k_cache,
@@ -242,12 +254,12 @@ class FlashAttn2Backend(KernelBackend):
             v=v.unsqueeze(1),
             cache_seqlens=plan.context_lens_i32,  # lengths BEFORE this step's append
             cache_batch_idx=plan.slots_i32,
-            softmax_scale=plan.meta.scale,
-            causal=True,  # one query row: the kernel treats it as non-causal, it sees every key
+            causal=True,  # one query row: the kernel treats it as non-causal, it sees every key (in its window)
+            **variants,
         )
         return out.squeeze(1)
 
-    def _prefill(self, layer_idx, q, k, v, cache: KVCache, k_cache, v_cache, plan: SlotPlan):
+    def _prefill(self, layer_idx, q, k, v, cache: KVCache, k_cache, v_cache, plan: SlotPlan, variants: dict):
         meta = plan.meta
         cache.write(layer_idx, k, v, meta)
         if plan.gather_slot is None:  # every sequence starts fresh: this call's K/V are all the keys
@@ -266,8 +278,8 @@ class FlashAttn2Backend(KernelBackend):
             max_seqlen_q=meta.max_query_len,
             max_seqlen_k=max_k,
             dropout_p=0.0,
-            softmax_scale=meta.scale,
             causal=True,  # bottom-right aligned: query i of a sequence is at position context_len + i
+            **variants,
         )
 
 

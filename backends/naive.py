@@ -1,9 +1,12 @@
 """``naive``: the reference backend, the textbook algorithm written out literally.
 
-Per head: ``S = Q Kᵀ · scale`` (the model's softmax scale, ``1 / √d_h`` for Llama); in prefill the
-causal mask sets ``S[i, j] = -∞`` where key ``j`` lies in query ``i``'s future; ``P = softmax(S)``;
-``O = P V``. Query head ``h`` reads KV head ``h // (H / H_kv)`` (GQA). K/V rows are written into the
-preallocated contiguous cache at their positions, never concatenated. Computed in float32 whatever the
+Per head: ``S = Q Kᵀ · scale`` (the layer's softmax scale, ``1 / √d_h`` for Llama); with a soft-cap
+``c``, ``S = c · tanh(S / c)``; the causal mask sets ``S[i, j] = -∞`` where key ``j`` lies in query ``i``'s
+future or, with a sliding window ``W``, ``W`` or more positions in its past; with sinks, each head's sink
+logit joins the softmax as one more column that weights no value; ``P = softmax(S)``; ``O = P V``.
+Every :class:`~kvcore.interfaces.attention.LayerAttention` variant, in both phases. Query head ``h`` reads KV head
+``h // (H / H_kv)`` (GQA). K/V rows are written into the preallocated contiguous cache at their positions,
+never concatenated. Computed in float32 whatever the
 model dtype: this is the oracle every other backend is tested against, so clarity beats speed here.
 """
 
@@ -13,6 +16,7 @@ import torch
 
 from kvcore.hookspecs import hookimpl
 from kvcore.interfaces.attention import AttentionBackend, BackendCapabilities, causal_mask
+from kvcore.interfaces.layer_attention import VARIANTS
 from kvcore.interfaces.metadata import AttentionMetadata
 
 from .contiguous import ALL_DTYPES, ContiguousKVCache
@@ -26,6 +30,8 @@ class NaiveBackend(AttentionBackend[AttentionMetadata]):
         devices=frozenset({"cpu", "cuda"}),
         dtypes=ALL_DTYPES,
         kv_layouts=("contiguous",),
+        prefill_variants=frozenset(VARIANTS),
+        decode_variants=frozenset(VARIANTS),
     )
 
     def forward(
@@ -39,6 +45,7 @@ class NaiveBackend(AttentionBackend[AttentionMetadata]):
     ) -> torch.Tensor:
         # Step 1: append this call's K/V rows at their positions in the preallocated cache.
         cache.write(layer_idx, k, v, meta)
+        layer = meta.layer(layer_idx)
 
         num_heads = q.shape[1]
         num_kv_heads = k.shape[1]
@@ -52,12 +59,17 @@ class NaiveBackend(AttentionBackend[AttentionMetadata]):
             K = cache.k[layer_idx, slot, :, :seq_len].float()[kv_head_of]  # (H, seq_len, D)
             V = cache.v[layer_idx, slot, :, :seq_len].float()[kv_head_of]  # (H, seq_len, D)
 
-            S = Q @ K.transpose(-2, -1) * meta.scale  # (H, q_len, seq_len); scale = 1/√d_h for Llama
-            if q_len > 1:
-                # Prefill: query row i sits at absolute position ctx + i and may see keys 0..ctx+i.
-                S = S.masked_fill(~causal_mask(ctx, q_len, q.device), float("-inf"))
-            # Decode (q_len == 1): the query is the newest token, every cached key is in its past: no mask.
-            P = torch.softmax(S, dim=-1)  # (H, q_len, seq_len)
+            S = Q @ K.transpose(-2, -1) * layer.scale  # (H, q_len, seq_len); scale = 1/√d_h for Llama
+            if layer.softcap is not None:  # before the mask: capped, a masked -∞ would become -c, a visible key
+                S = torch.tanh(S / layer.softcap) * layer.softcap
+            # Query row i sits at absolute position ctx + i and may see keys 0..ctx+i (the last
+            # sliding_window of them on a windowed layer). In decode that is every cached key, or the window.
+            S = S.masked_fill(~causal_mask(ctx, q_len, q.device, layer.sliding_window), float("-inf"))
+            if layer.sinks is not None:  # one more logit per head in the softmax, weighting no value
+                sink = layer.sinks.float().to(q.device)[:, None, None].expand(num_heads, q_len, 1)
+                P = torch.softmax(torch.cat([S, sink], dim=-1), dim=-1)[..., :seq_len]
+            else:
+                P = torch.softmax(S, dim=-1)  # (H, q_len, seq_len)
             O = P @ V  # (H, q_len, D)
             out[starts[i] : starts[i + 1]] = O.transpose(0, 1).to(q.dtype)  # (q_len, H, D)
         return out

@@ -21,6 +21,10 @@ Backend
       or tokens), each gathering its own blocks, with the causal mask aligned bottom-right.
 
     Attention runs in the input dtype; SDPA accumulates the softmax in float32 for half types.
+
+    Attention variants (:class:`~kvcore.interfaces.attention.LayerAttention`): a sliding window narrows the masks
+    (planned once per window for decode); layers with soft-capping or sinks run
+    :func:`~kvcore.interfaces.attention.explicit_attention` over the same gathered blocks and masks.
 """
 
 from __future__ import annotations
@@ -33,8 +37,9 @@ import torch.nn.functional as F
 
 from kvcore.errors import ConfigError
 from kvcore.hookspecs import hookimpl
-from kvcore.interfaces.attention import AttentionBackend, BackendCapabilities, causal_mask
+from kvcore.interfaces.attention import AttentionBackend, BackendCapabilities, causal_mask, explicit_attention
 from kvcore.interfaces.kv_cache import CacheCapabilities, CacheSpec, KVCache, copy_block_rows
+from kvcore.interfaces.layer_attention import VARIANTS, LayerAttention
 from kvcore.interfaces.metadata import AttentionMetadata, host_to_device
 
 from .contiguous import ALL_DTYPES
@@ -120,6 +125,8 @@ class PagedPlan:
     #: a fresh prefill (context 0) over a lossless cache attends to this call's own K/V, which equal what
     #: was just written: no gather back from the pool
     fresh_from_input: bool = False
+    #: sliding window -> ``key_mask`` narrowed to each row's last ``window`` keys (decode)
+    window_masks: dict[int, torch.Tensor] | None = None
 
 
 class PagedBackend(AttentionBackend[PagedPlan]):
@@ -130,6 +137,8 @@ class PagedBackend(AttentionBackend[PagedPlan]):
         devices=frozenset({"cpu", "cuda"}),
         dtypes=ALL_DTYPES,
         kv_layouts=("paged",),
+        prefill_variants=frozenset(VARIANTS),
+        decode_variants=frozenset(VARIANTS),
     )
 
     def plan(self, meta: AttentionMetadata, cache: PagedKVCache) -> PagedPlan:
@@ -137,8 +146,11 @@ class PagedBackend(AttentionBackend[PagedPlan]):
         if meta.max_query_len == 1:
             bt = meta.block_tables_t.long()  # [B, MB]
             keys = bt.shape[1] * meta.block_size
-            valid = torch.arange(keys, device=device)[None, :] < meta.seq_lens_t[:, None]  # [B, keys]
-            return PagedPlan(meta, bt.flatten(), valid[:, None, None, :], [])
+            key_pos, lens = torch.arange(keys, device=device)[None, :], meta.seq_lens_t[:, None]
+            valid = key_pos < lens  # [B, keys]
+            windows = {layer.sliding_window for layer in meta.layers} - {None}
+            window_masks = {w: (valid & (key_pos >= lens - w))[:, None, None, :] for w in windows}
+            return PagedPlan(meta, bt.flatten(), valid[:, None, None, :], [], window_masks=window_masks)
         tables = host_to_device([torch.tensor(t, dtype=torch.long) for t in meta.block_tables], device)
         lossless = cache.capabilities.unit_roundoff is None
         return PagedPlan(meta, torch.empty(0, dtype=torch.long), None, tables, fresh_from_input=lossless)
@@ -153,25 +165,32 @@ class PagedBackend(AttentionBackend[PagedPlan]):
         plan: PagedPlan,
     ) -> torch.Tensor:
         cache.write(layer_idx, k, v, plan.meta)
+        layer = plan.meta.layer(layer_idx)
         if plan.key_mask is not None:
-            return self._decode(layer_idx, q, cache, plan)
-        return self._prefill(layer_idx, q, k, v, cache, plan)
+            return self._decode(layer_idx, q, cache, plan, layer)
+        return self._prefill(layer_idx, q, k, v, cache, plan, layer)
 
     @staticmethod
-    def _decode(layer_idx: int, q: torch.Tensor, cache: PagedKVCache, plan: PagedPlan) -> torch.Tensor:
+    def _decode(
+        layer_idx: int, q: torch.Tensor, cache: PagedKVCache, plan: PagedPlan, layer: LayerAttention
+    ) -> torch.Tensor:
         num_seqs, num_heads, d = q.shape
         k, v = cache.gather_blocks(layer_idx, plan.flat_tables)  # [B * MB, block_size, H_kv, D]
         h_kv = k.shape[2]
         k = k.view(num_seqs, -1, h_kv, d).transpose(1, 2)  # [B, H_kv, keys, D]
         v = v.view(num_seqs, -1, h_kv, d).transpose(1, 2)
+        mask = plan.key_mask if layer.sliding_window is None else plan.window_masks[layer.sliding_window]
+        if layer.softcap is not None or layer.sinks is not None:
+            out = explicit_attention(q.reshape(num_seqs, num_heads, 1, d), k, v, mask, layer)  # [B, H, 1, D]
+            return out.reshape(num_seqs, num_heads, d)
         qg = q.view(num_seqs, h_kv, num_heads // h_kv, d)  # [B, H_kv, G, D]
-        out = F.scaled_dot_product_attention(
-            qg, k.to(q.dtype), v.to(q.dtype), attn_mask=plan.key_mask, scale=plan.meta.scale
-        )
+        out = F.scaled_dot_product_attention(qg, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=layer.scale)
         return out.reshape(num_seqs, num_heads, d)
 
     @staticmethod
-    def _prefill(layer_idx: int, q, k_new, v_new, cache: PagedKVCache, plan: PagedPlan) -> torch.Tensor:
+    def _prefill(
+        layer_idx: int, q, k_new, v_new, cache: PagedKVCache, plan: PagedPlan, layer: LayerAttention
+    ) -> torch.Tensor:
         meta = plan.meta
         out = torch.empty_like(q)
         start = 0
@@ -185,10 +204,16 @@ class PagedBackend(AttentionBackend[PagedPlan]):
             ks = k.reshape(-1, h_kv, d)[:seq_len].transpose(0, 1).to(q.dtype)[None]  # [1, H_kv, S, D]
             vs = v.reshape(-1, h_kv, d)[:seq_len].transpose(0, 1).to(q.dtype)[None]
             qs = q[start : start + q_len].transpose(0, 1)[None]  # [1, H, q_len, D]
-            mask = None if ctx == 0 else causal_mask(ctx, q_len, q.device)  # is_causal aligns top-left
-            o = F.scaled_dot_product_attention(
-                qs, ks, vs, attn_mask=mask, is_causal=ctx == 0, scale=meta.scale, enable_gqa=True
-            )
+            if layer.variants:
+                mask, causal = causal_mask(ctx, q_len, q.device, layer.sliding_window), False
+            else:  # is_causal aligns top-left: right for a fresh prefill only
+                mask, causal = (None, True) if ctx == 0 else (causal_mask(ctx, q_len, q.device), False)
+            if layer.softcap is not None or layer.sinks is not None:
+                o = explicit_attention(qs, ks, vs, mask, layer)
+            else:
+                o = F.scaled_dot_product_attention(
+                    qs, ks, vs, attn_mask=mask, is_causal=causal, scale=layer.scale, enable_gqa=True
+                )
             out[start : start + q_len] = o[0].transpose(0, 1)
             start += q_len
         return out

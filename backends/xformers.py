@@ -114,6 +114,8 @@ class XFormersBackend(KernelBackend):
         supports_gqa=True,
         min_compute_capability=XFORMERS_MIN_CC,
         dtype_compute_capability=XFORMERS_DTYPE_CC,
+        # no attention variants: memory_efficient_attention has no soft-cap or sink argument, and its local
+        # (windowed) biases are not wired here; such layers are refused with the reason
     )
 
     # memory_efficient_attention, BlockDiagonalCausalMask, BlockDiagonalCausalWithOffset{Padded,Gappy}KeysMask
@@ -163,9 +165,8 @@ class XFormersBackend(KernelBackend):
         else:
             keys, values = k.unsqueeze(0), v.unsqueeze(0)  # [1, T, H_kv, D]
         query, keys, values = _grouped(q.unsqueeze(0), keys, values)
-        out = self.kernels.memory_efficient_attention(
-            query, keys, values, attn_bias=plan.bias, p=0.0, scale=plan.slots.meta.scale
-        )
+        scale = plan.slots.meta.layer(layer_idx).scale
+        out = self.kernels.memory_efficient_attention(query, keys, values, attn_bias=plan.bias, p=0.0, scale=scale)
         return out.reshape(q.shape)
 
     @staticmethod

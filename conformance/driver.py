@@ -184,6 +184,6 @@ def forward_logits(
 ) -> torch.Tensor:
     """One packed forward of ``chunks[i]`` appended to sequence ``seq_ids[i]``; ``[B, V]`` float32 logits of
     each chunk's last token."""
-    meta = kv.prepare(list(seq_ids), [len(c) for c in chunks], cm.model.attention_scale)
+    meta = kv.prepare(list(seq_ids), [len(c) for c in chunks], cm.model.attention_scale, cm.model.attention_layers)
     input_ids = [t for c in chunks for t in c]
     return last_token_logits(cm.model, backend, kv.cache, meta, input_ids).float().cpu()

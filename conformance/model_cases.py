@@ -11,6 +11,7 @@ from kvcore.conformance.models import get_model
 from kvcore.conformance.settings import SuiteConfig
 from kvcore.conformance.target import Target
 from kvcore.errors import KVCoreError
+from kvcore.interfaces.layer_attention import variants_of
 
 __all__ = ["ModelCase", "tier_models", "skip_reasons", "dtype_plan"]
 
@@ -30,7 +31,7 @@ class ModelCase:
 
 
 def _short(spec: str) -> str:
-    if spec in ("tiny", "smollm2"):
+    if spec in ("tiny", "tiny-local", "smollm2"):
         return spec
     return spec.rstrip("/").replace("\\", "/").split("/")[-1]
 
@@ -60,6 +61,7 @@ def skip_reasons(target: Target, case: ModelCase, cfg: SuiteConfig) -> list[str]
         reasons.append("backend declares no prefill support")
     if not caps.supports_decode:
         reasons.append("backend declares no decode support")
+    reasons += caps.reasons_variants(variants_of(cm.model.attention_layers))
     names = target.cache_names()
     if names:
         cache_caps = target.cache_class(names[0]).capabilities

@@ -4,6 +4,10 @@
     A random-weights Llama built in memory from a fixed seed (no files): 2 layers, 4 query heads over
     2 KV heads (GQA), head_dim 32, vocab 512. Weights are scaled so attention scores are O(1) and
     logits have clear top-1 gaps; it runs a decode step in milliseconds.
+``tiny-local``
+    ``tiny`` with attention variants (the stream tier's variant dimension): layer 0 attends through an
+    8-token sliding window, both layers soft-cap their scores at 10; its prompts (up to 33 tokens) and
+    decodes run past the window.
 ``smollm2``
     The embedded SmolLM2-135M-Instruct (30 layers, 9 heads over 3 KV heads, head_dim 64).
 anything else
@@ -14,7 +18,7 @@ from __future__ import annotations
 
 import functools
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -36,6 +40,9 @@ TINY_CONFIG = ModelConfig(
     tie_word_embeddings=False,
     eos_token_id=2,
 )
+
+#: ``tiny`` with a local layer and soft-capped scores (see the module docstring)
+TINY_LOCAL_CONFIG = replace(TINY_CONFIG, sliding_window=8, sliding_window_layers=(0,), attn_logit_softcapping=10.0)
 
 _SMOLLM2_PROMPTS = (
     "The capital of France is",
@@ -65,8 +72,7 @@ class ConformanceModel:
         return torch.randint(3, self.config.vocab_size, (length,), generator=gen).tolist()
 
 
-def _tiny_weights() -> LlamaModel:
-    c = TINY_CONFIG
+def _tiny_weights(c: ModelConfig = TINY_CONFIG) -> LlamaModel:
     gen = torch.Generator().manual_seed(1234)
     model = LlamaModel(c, torch.float32)
     with torch.no_grad():
@@ -97,10 +103,10 @@ def _loaded(spec: str):
 @functools.lru_cache(maxsize=8)
 def get_model(spec: str, dtype: torch.dtype, device: str) -> ConformanceModel:
     """The model ``spec`` in ``dtype`` on ``device``, cached per process. Raises :class:`KVCoreError`."""
-    if spec == "tiny":
-        model = _tiny_weights()
+    if spec in ("tiny", "tiny-local"):
+        model = _tiny_weights(TINY_CONFIG if spec == "tiny" else TINY_LOCAL_CONFIG)
         model = model.to(dtype=dtype, device=device) if dtype != torch.float32 or device != "cpu" else model
-        return ConformanceModel("tiny", model, _tiny_prompts())
+        return ConformanceModel(spec, model, _tiny_prompts())
     loaded = _loaded(spec)
     model = LlamaModel.from_weights(loaded.config, loaded.weights, dtype).to(device)
     tok = loaded.tokenizer

@@ -14,6 +14,7 @@ import torch
 
 from kvcore.backends.contiguous import ContiguousKVCache
 from kvcore.backends.naive import NaiveBackend
+from kvcore.conformance.attention_cases import case_layers, case_variants, variant_cases
 from kvcore.conformance.cases import NUM_LAYERS, OpCase, op_cases
 from kvcore.conformance.compare import compare
 from kvcore.conformance.results import FAIL, CaseResult
@@ -35,7 +36,7 @@ _LONG_V_MEAN = 1.0  # magnitude of the K/V the fragmenting sequences leave behin
 
 
 def cases(target: Target, cfg: SuiteConfig) -> list[OpCase]:
-    return op_cases(cfg.quick, target.cache_names(), cfg.dtypes)
+    return op_cases(cfg.quick, target.cache_names(), cfg.dtypes) + variant_cases(target.cache_names())
 
 
 def skip_reasons(target: Target, case: OpCase, cfg: SuiteConfig) -> list[str]:
@@ -51,6 +52,7 @@ def skip_reasons(target: Target, case: OpCase, cfg: SuiteConfig) -> list[str]:
         reasons.append("backend declares no prefill support (every op case starts with a prefill)")
     if not caps.supports_decode:
         reasons.append("backend declares no decode support")
+    reasons += caps.reasons_variants(case_variants(case))
     names = target.cache_names()
     if names:
         name = _cache_name(target, case)
@@ -138,6 +140,7 @@ def _run(target: Target, case: OpCase, cfg: SuiteConfig, result: CaseResult) -> 
     dtype, device = cfg.dtype, cfg.torch_device
     H, H_kv, D = case.num_heads, case.num_kv_heads, case.head_dim
     scale = D**-0.5
+    layers = case_layers(case, scale)  # the attention-variant dimension (attention_cases.py); () for plain cases
     n = case.num_seqs
     max_len = max(case.final_lens) + max(case.block_size, 16)  # slack: a write past the end lands in real memory
     spec = CacheSpec(
@@ -188,9 +191,9 @@ def _run(target: Target, case: OpCase, cfg: SuiteConfig, result: CaseResult) -> 
         context_lens = [ref_cache.seq_len(i) for i in seq_idx]
         where = _describe_call(call_idx, len(calls), seq_idx, query_lens, context_lens)
         result.info["where"] = where
-        meta = cache.prepare([_SEQ_ID_BASE + i for i in seq_idx], query_lens, scale)
+        meta = cache.prepare([_SEQ_ID_BASE + i for i in seq_idx], query_lens, scale, layers)
         plan = backend.plan(meta, cache.cache)
-        ref_meta = ref_cache.prepare(seq_idx, query_lens, scale)
+        ref_meta = ref_cache.prepare(seq_idx, query_lens, scale, layers)
         T = sum(query_lens)
         for layer in range(NUM_LAYERS):
             result.info["where"] = f"{where} layer {layer}"

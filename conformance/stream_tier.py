@@ -43,7 +43,7 @@ _REFERENCE_CACHE: dict[tuple, list[Stream]] = {}
 
 
 def _new_tokens(model: str, quick: bool) -> int:
-    if model == "tiny":
+    if model in ("tiny", "tiny-local"):
         return 16 if quick else 32
     return 8 if quick else 24
 
@@ -61,6 +61,8 @@ def cases(target: Target, cfg: SuiteConfig) -> list[ModelCase]:
                 out.append(ModelCase(model, "churn", n, dtype))
                 out.append(ModelCase(model, "recurring", n, dtype))
                 out.append(ModelCase(model, "compiled", n, dtype))
+    # the attention-variant dimension: a model with a local, soft-capped layer (kvcore/conformance/models.py)
+    out += [ModelCase("tiny-local", variant, _new_tokens("tiny", cfg.quick)) for variant in ("single-1", "batch")]
     return out
 
 

@@ -14,7 +14,10 @@ compared with the ``naive`` oracle. They were written from the libraries' docstr
 * ``flash_attn.flash_attn_varlen_func`` (flash-attn 2.x): packed ``q [total_q, H, D]``,
   ``k/v [total_k, H_kv, D]``, int32 ``cu_seqlens_q/k [B + 1]``; ``causal=True`` is aligned to the
   **bottom-right** corner of each sequence's ``(seqlen_q, seqlen_k)`` matrix (since 2.1); a query row whose
-  mask is all zero outputs 0; query head ``h`` reads KV head ``h // (H / H_kv)``.
+  mask is all zero outputs 0; query head ``h`` reads KV head ``h // (H / H_kv)``; ``window_size = (left,
+  right)`` other than ``(-1, -1)``: "query at position i will only attend to keys between [i + seqlen_k -
+  seqlen_q - window_size[0], i + seqlen_k - seqlen_q + window_size[1]] inclusive"; ``softcap > 0``: the
+  scaled scores become ``softcap · tanh(s / softcap)`` before masking (both kernels).
 * ``flash_attn.flash_attn_with_kvcache``: ``q [B, seqlen_q, H, D]``; ``k_cache [B_cache, seqlen_cache,
   H_kv, D]`` (or paged ``[num_blocks, page_block_size, H_kv, D]`` with an int32 ``block_table
   [B, max_blocks]``, ``page_block_size`` a multiple of 256); when ``k``/``v`` are given they are written
@@ -31,8 +34,8 @@ These are oracles for the glue, not fast paths: they loop over sequences. They a
 than the real kernels — a wrong ``cu_seqlens``, a too-small ``max_seqlen`` or an append past the end of a
 cache row raises ``ValueError`` here, where the CUDA kernel would silently read or write garbage. Beyond
 that, fp32 inputs are accepted (the real kernels take fp16/bf16 only; xformers also fp32) so tests can
-compare exactly on CPU. Features the backends never use (dropout, sliding windows, softcap, ALiBi,
-rotary, left padding) raise ``NotImplementedError`` rather than being guessed at.
+compare exactly on CPU. Features the backends never use (dropout, ALiBi, rotary, left padding) raise
+``NotImplementedError`` rather than being guessed at.
 """
 
 from __future__ import annotations
@@ -59,8 +62,10 @@ _NEG_INF = float("-inf")
 
 
 # -- shared core ---------------------------------------------------------------------------------------
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None, scale: float):
-    """softmax(scale · Q Kᵀ + mask) V in float32 for one block, GQA by head grouping.
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None, scale: float,
+            softcap: float = 0.0):
+    """softmax(scale · Q Kᵀ + mask) V in float32 for one block, GQA by head grouping (``softcap > 0``: the
+    scaled scores capped, ``softcap · tanh(s / softcap)``, before the mask).
 
     q ``[Lq, H, D]``, k/v ``[Lk, H_kv, D]``, allowed ``[Lq, Lk]`` bool (True = may attend) or None.
     Returns (out ``[Lq, H, D]`` float32, lse ``[H, Lq]`` float32). Rows with nothing allowed give 0 / -inf.
@@ -73,6 +78,8 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Te
     K = k.float().transpose(0, 1)[kv_head_of]  # (H, Lk, D)
     V = v.float().transpose(0, 1)[kv_head_of]
     S = (Q @ K.transpose(-2, -1)) * scale  # (H, Lq, Lk)
+    if softcap > 0:
+        S = torch.tanh(S / softcap) * softcap
     if allowed is not None:
         S = S.masked_fill(~allowed, _NEG_INF)
     lse = torch.logsumexp(S, dim=-1)  # (H, Lq); -inf for fully masked rows
@@ -87,6 +94,25 @@ def _bottom_right_causal(seqlen_q: int, seqlen_k: int, device: torch.device) -> 
     i = torch.arange(seqlen_q, device=device)[:, None]
     j = torch.arange(seqlen_k, device=device)[None, :]
     return j <= i + (seqlen_k - seqlen_q)
+
+
+def _flash_allowed(
+    seqlen_q: int, seqlen_k: int, causal: bool, window_size: Sequence[int], device: torch.device
+) -> torch.Tensor | None:
+    """flash-attn's mask: bottom-right causal and/or the local window (None: every key)."""
+    left, right = window_size
+    if causal:
+        right = 0  # flash-attn: causal is window_size[1] = 0
+    if left < 0 and (right < 0 or (causal and seqlen_q == 1)):
+        return _bottom_right_causal(seqlen_q, seqlen_k, device) if causal and seqlen_q > 1 else None
+    i = torch.arange(seqlen_q, device=device)[:, None] + (seqlen_k - seqlen_q)
+    j = torch.arange(seqlen_k, device=device)[None, :]
+    allowed = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=device)
+    if left >= 0:
+        allowed &= j >= i - left
+    if right >= 0:
+        allowed &= j <= i + right
+    return allowed
 
 
 def _check_int32_vector(name: str, t: Any, length: int | None = None) -> list[int]:
@@ -147,8 +173,6 @@ def emulated_flash_attn_varlen_func(
     """Emulates ``flash_attn.flash_attn_varlen_func`` (forward, no dropout). Returns ``[total_q, H, D]``."""
     _unsupported(
         dropout_p=(dropout_p, 0.0),
-        window_size=(tuple(window_size), (-1, -1)),
-        softcap=(softcap, 0.0),
         alibi_slopes=(alibi_slopes, None),
         return_attn_probs=(return_attn_probs, False),
         block_table=(block_table, None),
@@ -176,8 +200,8 @@ def emulated_flash_attn_varlen_func(
         if lens_q[b] == 0:
             continue
         qi, ki, vi = q[cq[b] : cq[b + 1]], k[ck[b] : ck[b + 1]], v[ck[b] : ck[b + 1]]
-        allowed = _bottom_right_causal(lens_q[b], lens_k[b], q.device) if causal else None
-        out[cq[b] : cq[b + 1]] = _attend(qi, ki, vi, allowed, scale)[0]
+        allowed = _flash_allowed(lens_q[b], lens_k[b], causal, window_size, q.device)
+        out[cq[b] : cq[b + 1]] = _attend(qi, ki, vi, allowed, scale, softcap)[0]
     return out.to(q.dtype)
 
 
@@ -210,8 +234,6 @@ def emulated_flash_attn_with_kvcache(
         rotary_cos=(rotary_cos, None),
         rotary_sin=(rotary_sin, None),
         cache_leftpad=(cache_leftpad, None),
-        window_size=(tuple(window_size), (-1, -1)),
-        softcap=(softcap, 0.0),
         alibi_slopes=(alibi_slopes, None),
     )
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
@@ -290,8 +312,8 @@ def emulated_flash_attn_with_kvcache(
         if seqlen_k > capacity:
             raise ValueError(f"cache_seqlens[{b}]={lens[b]} exceeds the cache capacity {capacity}")
         r, o = locate(b, torch.arange(seqlen_k, device=k_cache.device))
-        allowed = _bottom_right_causal(seqlen_q, seqlen_k, q.device) if causal and seqlen_q > 1 else None
-        out[b], lse[b] = _attend(q[b], k_cache[r, o], v_cache[r, o], allowed, scale)
+        allowed = _flash_allowed(seqlen_q, seqlen_k, causal, window_size, q.device)
+        out[b], lse[b] = _attend(q[b], k_cache[r, o], v_cache[r, o], allowed, scale, softcap)
     out = out.to(q.dtype)
     return (out, lse) if return_softmax_lse else out
 

@@ -164,7 +164,7 @@ def test_correct_backends_pass_the_reference_check_in_every_phase(random_model):
 def test_reference_attention_matches_sdpa():
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(s, generator=gen) for s in ((3, 4, 8), (7, 2, 8), (7, 2, 8)))
-    ref = reference_attention(q, k, v, context_len=4, scale=8**-0.5)
+    ref = reference_attention(q, k, v, context_len=4, layer=8**-0.5)
     mask = torch.ones(3, 7, dtype=torch.bool).tril(diagonal=4)
     want = torch.nn.functional.scaled_dot_product_attention(
         q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, enable_gqa=True)

@@ -109,12 +109,13 @@ PLUGIN_ARGS = ["--kvcore-quick", "--kvcore-model", "tiny", "-p", "no:cacheprovid
 
 
 def test_plugin_runs_the_bundled_suite(pytester):
+    from kvcore.conformance.attention_cases import variant_cases
     from kvcore.conformance.cases import op_cases
     from kvcore.conformance.settings import ALL_DTYPES
 
     result = pytester.runpytest("--kvcore-backend", "paged", *PLUGIN_ARGS, "-k", "test_op and mha8x8 or test_cache",
                                 "-v", "--junitxml", "junit.xml")
-    num_op = sum("mha8x8" in c.id for c in op_cases(quick=True, dtypes=ALL_DTYPES))
+    num_op = sum("mha8x8" in c.id for c in op_cases(quick=True, dtypes=ALL_DTYPES) + variant_cases())
     # cache tier: 3 variants and the cache driven directly, per dtype
     result.assert_outcomes(passed=num_op + 4 * len(ALL_DTYPES))
     result.stdout.fnmatch_lines(["*TestConformance::test_op[[]paged-mha8x8-d32-ragged[]] PASSED*",

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import itertools
+import math
 import sys
 from types import SimpleNamespace
 
@@ -43,6 +44,7 @@ from kvcore.backends.xformers import XFormersBackend
 from kvcore.errors import BackendUnavailableError, ConfigError
 from kvcore.hookspecs import hookimpl
 from kvcore.interfaces.kv_cache import CacheSpec
+from kvcore.interfaces.layer_attention import LayerAttention
 from kvcore.plugins.registry import KV_CACHE, PluginRegistry, get_registry
 from kvcore.plugins.support import backend_rows
 from kvcore.scheduling.kv_manager import KVCacheManager
@@ -71,8 +73,10 @@ class Pair:
     (own cache of ``kind``, made by the plugin registry), with identical random q/k/v, and compares every
     output. Both caches are addressed by their own :class:`KVCacheManager`, as the engine does."""
 
-    def __init__(self, backend, kind, num_heads, num_kv_heads, head_dim, *, dtype=torch.float32, seed=0, **spec_kw):
+    def __init__(self, backend, kind, num_heads, num_kv_heads, head_dim, *, dtype=torch.float32, seed=0, layers=(),
+                 **spec_kw):
         spec = cache_spec(num_kv_heads, head_dim, dtype, **spec_kw)
+        self.layers = layers  # each layer's LayerAttention (empty: plain causal)
         self.ref, self.ref_kv = NaiveBackend(), KVCacheManager(ContiguousKVCache(spec))
         self.backend, self.kv = backend, KVCacheManager(get_registry().create_cache(kind, spec))
         assert self.cache.layout == kind and self.cache.layout in backend.capabilities.kv_layouts
@@ -102,8 +106,8 @@ class Pair:
         """One forward call of every layer; returns the call's metadata."""
         num_heads, num_kv_heads, head_dim = self.shape
         scale = head_dim**-0.5
-        meta_ref = self.ref_kv.prepare(seq_ids, query_lens, scale)
-        meta = self.kv.prepare(seq_ids, query_lens, scale)
+        meta_ref = self.ref_kv.prepare(seq_ids, query_lens, scale, self.layers)
+        meta = self.kv.prepare(seq_ids, query_lens, scale, self.layers)
         assert meta.block_tables == meta_ref.block_tables  # both caches put each sequence in the same slot
         plan_ref = self.ref.plan(meta_ref, self.ref_kv.cache)  # once per call, as the model runner does
         plan = self.backend.plan(meta, self.cache)
@@ -373,6 +377,35 @@ def test_flash_causal_mask_is_bottom_right_as_documented():
     out = emulated_flash_attn_varlen_func(q5, k[:2], v[:2], _prefix([5]), _prefix([2]), 5, 2, causal=True)
     assert out[:3].abs().max() == 0
     assert (out[3, 0, :2] > 0).tolist() == [True, False] and (out[4, 0, :2] > 0).tolist() == [True, True]
+
+
+def test_flash_window_is_as_documented():
+    """flash-attn's docstring: query i attends to keys [i + seqlen_k - seqlen_q - left, i + seqlen_k - seqlen_q +
+    right]; with causal the right side is 0; softcap caps the scaled scores."""
+    d = 8
+    k, v = torch.randn(7, 1, d), torch.zeros(7, 1, d)
+    v[torch.arange(7), 0, torch.arange(7)] = 1.0  # one-hot values: the output is the attention weights
+    q = torch.randn(3, 1, d)
+    out = emulated_flash_attn_varlen_func(q, k, v, _prefix([3]), _prefix([7]), 3, 7, causal=True, window_size=(2, 0))
+    assert [(row[0, :7] > 0).nonzero().flatten().tolist() for row in out] == [[2, 3, 4], [3, 4, 5], [4, 5, 6]]
+    capped = emulated_flash_attn_varlen_func(q * 100, k, v, _prefix([3]), _prefix([7]), 3, 7, softcap=1.0)
+    assert capped[..., :7].min() > math.exp(-2) / 7  # |scores| <= 1: no weight below e^-2 / n
+
+
+VARIANT_LAYERS = (LayerAttention(64**-0.5, sliding_window=5, softcap=1.5), LayerAttention(64**-0.5, sliding_window=1))
+
+
+@pytest.mark.parametrize("kind", ["flash_contiguous", "contiguous"])
+def test_flash_windows_and_softcap_match_naive(kind):
+    """The glue turns each layer's window and soft-cap into flash-attn's window_size / softcap, both kernels."""
+    assert {"sliding_window", "softcap"} <= FlashAttn2Backend.capabilities.decode_variants
+    mixed_scenario(Pair(make_backend("flash_attn2"), kind, 8, 2, 64, layers=VARIANT_LAYERS))
+
+
+def test_xformers_declares_no_variants_and_is_refused_for_them():
+    caps = XFormersBackend.capabilities
+    assert caps.reasons_variants({"softcap"}) == ["prefill: no soft-capping", "decode: no soft-capping"]
+    assert "sinks" not in FlashAttn2Backend.capabilities.prefill_variants  # flash-attn 2 has none
 
 
 def test_emulated_padded_mask_matches_docstring_example():

@@ -1,9 +1,10 @@
 """config.json of released checkpoints (as published, weights not needed) -> the decoder options kvcore
-derives, and what a model built from them refuses."""
+derives, each layer's attention, and what a model built from them refuses."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from kvcore.errors import ModelLoadError
 from kvcore.model.decoder import DecoderModel
@@ -38,12 +39,15 @@ def test_llama31():
     assert model.rotary.cos.shape[0] == 4096  # sized to the engine's reach, not 131072
 
 
-def test_mistral_window_served_up_to_its_length():
+def windows(model: DecoderModel) -> list[int | None]:
+    return [a.sliding_window for a in model.attention_layers]
+
+
+def test_mistral_window_declared_where_it_is_shorter_than_the_context():
     c = config_of(MISTRAL01)
     assert (c.sliding_window, c.sliding_window_layers) == (4096, None)
-    with pytest.raises(ModelLoadError, match=r"window 4096 tokens.*at most 4096 tokens per request"):
-        DecoderModel(c, max_positions=8192)
-    assert DecoderModel(c, max_positions=4096).config.max_position_embeddings == 4096
+    assert windows(DecoderModel(c, max_positions=8192)) == [4096] * 4
+    assert windows(DecoderModel(c, max_positions=4096)) == [None] * 4  # it hides nothing there
 
 
 def test_qwen25_window_off_unless_use_sliding_window():
@@ -56,17 +60,38 @@ def test_qwen25_window_off_unless_use_sliding_window():
 def test_phi3_mini_4k_window():
     c = config_of(PHI3_MINI_4K)
     assert c.sliding_window == 2047 and c.rope_scaling is None
-    with pytest.raises(ModelLoadError, match="window 2047 tokens"):
-        DecoderModel(c, max_positions=4096)
+    assert windows(DecoderModel(c, max_positions=4096)) == [2047] * 4
 
 
-def test_gemma2_options_and_refusal():
+def test_gemma2_options_and_attention():
     c = config_of(GEMMA2)
     assert (c.norm_offset, c.sandwich_norms, c.hidden_act) == (1.0, True, "gelu_pytorch_tanh")
     assert c.embedding_multiplier == 8.0 and c.final_logit_softcapping == 30.0 and c.tie_word_embeddings
     assert (c.sliding_window, c.sliding_window_layers) == (4096, (0, 2))
-    with pytest.raises(ModelLoadError, match=r"attention-logit soft-capping \(attn_logit_softcapping=50.0\)"):
-        DecoderModel(c, max_positions=4096)
+    layers = DecoderModel(c, max_positions=8192).attention_layers
+    assert windows(DecoderModel(c, max_positions=8192)) == [4096, None, 4096, None]
+    assert {(a.softcap, a.scale) for a in layers} == {(50.0, 0.25)}
+
+
+#: Gemma 3 1B's config.json as published (transformers 4.x keys), sizes shrunk
+GEMMA3_1B = {**BASE, "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "head_dim": 16,
+             "num_hidden_layers": 12, "hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": 256,
+             "sliding_window": 512, "sliding_window_pattern": 6, "rope_theta": 1000000, "rope_local_base_freq": 10000,
+             "rope_scaling": None, "final_logit_softcapping": None, "attn_logit_softcapping": None,
+             "max_position_embeddings": 32768}
+
+
+@pytest.mark.parametrize("rope", [{}, {"rope_parameters": {
+    "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}}], ids=["4.x", "5.x"])
+def test_gemma3_local_global_layers(rope):
+    c = config_of({**GEMMA3_1B, **rope})
+    assert (c.qk_norm, c.sandwich_norms, c.norm_offset, c.rope_theta, c.rope_local_base_freq) == (
+        True, True, 1.0, 1e6, 1e4)
+    model = DecoderModel(c, max_positions=1024)
+    assert windows(model) == [512] * 5 + [None] + [512] * 5 + [None]  # five local : one global
+    assert {a.scale for a in model.attention_layers} == {256**-0.5}
+    assert model.rotary_local is not None and not torch.equal(model.rotary_local.cos, model.rotary.cos)
 
 
 @pytest.mark.parametrize("bad, message", [

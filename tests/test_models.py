@@ -1,14 +1,24 @@
 """Every supported family against transformers: a tiny random checkpoint built in the test, saved as
 safetensors and written to GGUF the way llama.cpp's converter lays it out, gives transformers' greedy ids
-(float32, EOS suppressed) through the naive, sdpa and paged backends, from both formats."""
+(float32, EOS suppressed) through the naive, sdpa and paged backends (and cpu_decode for the families
+whose sliding windows and soft-caps act on the prompts), from both formats."""
 
 from __future__ import annotations
 
 import pytest
-from tiny_checkpoints import COMMON, FAMILIES, build_hf, greedy_reference, save_hf, write_gguf
+from tiny_checkpoints import (
+    COMMON,
+    FAMILIES,
+    GGUF_WITHOUT_WINDOW,
+    WINDOWED,
+    build_hf,
+    greedy_reference,
+    save_hf,
+    write_gguf,
+)
 
 from kvcore import Engine, EngineConfig, SamplingParams
-from kvcore.errors import ModelLoadError
+from kvcore.backends.cpu_decode import CPUDecodeBackend
 from kvcore.loaders import build_model, load_model
 
 pytest.importorskip("transformers")
@@ -39,13 +49,18 @@ def checkpoints(tmp_path_factory):
 @pytest.mark.parametrize("fmt", ["hf", "gguf"])
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_family_matches_transformers(checkpoints, family, fmt):
+    if fmt == "gguf" and family in GGUF_WITHOUT_WINDOW:
+        pytest.skip("llama.cpp's converter writes no sliding window for this arch")
     hf_dir, gguf_file, want = checkpoints[family]
     loaded = load_model(str(hf_dir if fmt == "hf" else gguf_file))
     arch = family.split("-")[0].removesuffix("3.1")
-    assert loaded.config.architecture == ("llama" if (family, fmt) == ("mistral", "gguf") else arch)
+    assert loaded.config.architecture == ("llama" if (arch, fmt) == ("mistral", "gguf") else arch)
     model = build_model(loaded, max_model_len=MAX_MODEL_LEN.get(family))
     params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
-    for backend in BACKENDS:
+    backends = BACKENDS
+    if family in WINDOWED and CPUDecodeBackend.availability() is None:  # its variant layers run sdpa's paths
+        backends += ("cpu_decode",)
+    for backend in backends:
         engine = Engine(model, loaded.tokenizer, EngineConfig(backend=backend, max_num_seqs=4))
         got = [r.token_ids for r in engine.generate(PROMPTS, params)]
         assert got == want, f"{family} ({fmt}) through {backend} diverges from transformers"
@@ -60,26 +75,24 @@ def test_rope_tables_sized_to_max_model_len(checkpoints):
     assert build_model(loaded).rotary.cos.shape[0] == 128  # default: the window (capped at 4096)
 
 
-def test_sliding_window_shorter_than_max_model_len_is_refused(tmp_path):
+def test_windows_shorter_than_the_context_are_declared_per_layer(tmp_path):
     import transformers
 
     config = transformers.MistralConfig(**{**_small(), "sliding_window": 16})
-    save_hf_dir = save_hf(transformers.MistralForCausalLM(config), tmp_path / "mistral")
-    loaded = load_model(str(save_hf_dir))
+    loaded = load_model(str(save_hf(transformers.MistralForCausalLM(config), tmp_path / "mistral")))
     assert loaded.config.sliding_window == 16
-    refused = r"sliding-window attention \(window 16 tokens\) is not supported.*at most 16"
-    with pytest.raises(ModelLoadError, match=refused):
-        build_model(loaded)
-    assert build_model(loaded, max_model_len=16).config.max_position_embeddings == 16  # then it is plain attention
+    assert [a.sliding_window for a in build_model(loaded).attention_layers] == [16, 16]
+    # a window as long as every sequence this instance serves hides nothing: plain causal layers
+    assert [a.variants for a in build_model(loaded, max_model_len=16).attention_layers] == [frozenset()] * 2
 
 
-def test_gemma2_attention_softcapping_is_refused(tmp_path):
+def test_gemma2_attention_softcapping_is_declared(tmp_path):
     import transformers
 
-    config = transformers.Gemma2Config(**{**_small(), "attn_logit_softcapping": 50.0, "sliding_window": 4096})
+    config = transformers.Gemma2Config(**{**_small(), "attn_logit_softcapping": 50.0, "sliding_window": 8})
     loaded = load_model(str(save_hf(transformers.Gemma2ForCausalLM(config), tmp_path / "g")))
-    with pytest.raises(ModelLoadError, match=r"gemma2: attention-logit soft-capping \(attn_logit_softcapping=50.0\)"):
-        build_model(loaded)
+    layers = build_model(loaded).attention_layers
+    assert [(a.sliding_window, a.softcap, a.scale) for a in layers] == [(8, 50.0, 256**-0.5), (None, 50.0, 256**-0.5)]
 
 
 def _small() -> dict:

@@ -103,12 +103,35 @@ def test_kvcore_models_lists_families_and_serving_backends(capsys):
     assert rows["qwen2"]["hugging_face"] == "Qwen2ForCausalLM" and rows["qwen2"]["gguf"] == "qwen2"
     assert rows["mistral"]["gguf"] == "-"  # llama.cpp writes Mistral as "llama"
     assert {"naive", "sdpa", "paged"} <= set(rows["llama"]["backends"].split(","))
-    assert rows["gemma2"]["backends"] == "none (needs: attn_logit_softcapping)"
+    assert {"naive", "sdpa", "paged", "cpu_decode"} <= set(rows["gemma2"]["backends"].split(","))
     assert "qk_norm=True" in rows["qwen3"]["options"]
     assert main(["models"]) == 0
     text = capsys.readouterr().out
     assert text.splitlines()[0].split()[:3] == ["architecture", "plugin", "hugging_face"]
     assert all(name in text for name in rows)
+
+
+def test_models_say_which_variant_no_backend_serves():
+    from types import SimpleNamespace
+
+    import torch
+
+    from kvcore.interfaces.attention import BackendCapabilities
+    from kvcore.model.families import Gemma2, Llama
+    from kvcore.plugins.model_support import serving_backends
+
+    def backend(prefill, decode):
+        caps = BackendCapabilities(devices=frozenset({"cpu"}), dtypes=frozenset({torch.float32}),
+                                   kv_layouts=("contiguous",), prefill_variants=frozenset(prefill),
+                                   decode_variants=frozenset(decode))
+        return SimpleNamespace(cls=SimpleNamespace(capabilities=caps))
+
+    registry = SimpleNamespace(backends={"a": backend({"sliding_window", "softcap"}, {"sliding_window"}),
+                                         "b": backend({"sliding_window"}, {"sliding_window", "softcap"})})
+    assert serving_backends(registry, Gemma2) == ([], ["soft-capping"])  # each lacks it in one phase
+    assert serving_backends(registry, Llama) == (["a", "b"], [])
+    registry.backends["c"] = backend({"sliding_window", "softcap"}, {"sliding_window", "softcap"})
+    assert serving_backends(registry, Gemma2) == (["c"], [])
 
 
 def test_readme_models_table_is_generated():

@@ -52,7 +52,21 @@ FAMILIES: dict[str, tuple[str, str, str, dict[str, Any]]] = {
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", "gemma2", {
         "tie_word_embeddings": True, "attn_logit_softcapping": None, "final_logit_softcapping": 3.0,
         "query_pre_attn_scalar": 16, "sliding_window": 4096, "hidden_activation": "gelu_pytorch_tanh"}),
+    # windows shorter than the prompts (WINDOWED); llama.cpp's llama and qwen2 archs have no window key
+    "mistral-window": ("MistralConfig", "MistralForCausalLM", "llama", {"sliding_window": 5}),
+    "qwen2-window": ("Qwen2Config", "Qwen2ForCausalLM", "qwen2", {
+        "use_sliding_window": True, "sliding_window": 5, "max_window_layers": 1}),
+    "phi3-window": ("Phi3Config", "Phi3ForCausalLM", "phi3", {"sliding_window": 5}),
+    "gemma2-window": ("Gemma2Config", "Gemma2ForCausalLM", "gemma2", {
+        "tie_word_embeddings": True, "attn_logit_softcapping": 1.5, "final_logit_softcapping": 3.0,
+        "query_pre_attn_scalar": 16, "sliding_window": 5, "hidden_activation": "gelu_pytorch_tanh"}),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", "gemma3", {
+        "tie_word_embeddings": True, "num_hidden_layers": 6, "query_pre_attn_scalar": 16, "sliding_window": 5,
+        "hidden_activation": "gelu_pytorch_tanh"}),
 }
+#: the families whose windows (or soft-caps) act on the test prompts, and the GGUF files that cannot say so
+WINDOWED = ("mistral-window", "qwen2-window", "phi3-window", "gemma2-window", "gemma3")
+GGUF_WITHOUT_WINDOW = ("mistral-window", "qwen2-window")
 
 
 @lru_cache(maxsize=1)
@@ -86,7 +100,7 @@ def build_hf(family: str, seed: int = 0):
         for name, p in sorted(model.named_parameters()):
             noise = torch.randn(p.shape, generator=gen)
             if name.endswith("norm.weight"):
-                p.copy_(0.1 * noise if family == "gemma2" else 1.0 + 0.1 * noise)
+                p.copy_(0.1 * noise if family.startswith("gemma") else 1.0 + 0.1 * noise)
             elif name.endswith(".bias"):
                 p.copy_(0.1 * noise)
             else:
@@ -146,6 +160,7 @@ def write_gguf(model, family: str, path: Path) -> Path:
     w.add_value_length(c.head_dim)
     w.add_rope_dimension_count(c.head_dim)
     rope = dict(c.rope_parameters)
+    rope = rope.get("full_attention", rope)  # Gemma 3: the global layers' (llama.cpp fixes the local base)
     w.add_rope_freq_base(rope["rope_theta"])
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     if rope["rope_type"] == "linear":
@@ -168,6 +183,7 @@ def write_gguf(model, family: str, path: Path) -> Path:
         w.add_final_logit_softcapping(c.final_logit_softcapping)
         if c.attn_logit_softcapping is not None:
             w.add_attn_logit_softcapping(c.attn_logit_softcapping)
+    if arch in ("gemma2", "gemma3") or (arch == "phi3" and c.sliding_window):
         w.add_sliding_window(c.sliding_window)
     _write_vocab(w)
     for hf_name, tensor in model.state_dict().items():
@@ -178,7 +194,7 @@ def write_gguf(model, family: str, path: Path) -> Path:
             data = _permute(data, c.num_attention_heads)
         elif arch == "llama" and ".k_proj." in hf_name:
             data = _permute(data, c.num_key_value_heads)
-        if arch == "gemma2" and hf_name.endswith("norm.weight"):
+        if arch in ("gemma2", "gemma3") and hf_name.endswith("norm.weight"):
             data = data + 1  # convert_hf_to_gguf.py's Gemma2Model: llama.cpp multiplies by the stored weight
         w.add_tensor(names.get_name(hf_name, try_suffixes=(".weight", ".bias")), data)
     w.write_header_to_file()

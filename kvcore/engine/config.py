@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -11,6 +12,7 @@ import torch
 
 from kvcore.errors import BackendUnavailableError, ConfigError, PluginError
 from kvcore.interfaces.attention import AttentionBackend
+from kvcore.interfaces.layer_attention import VARIANTS
 from kvcore.kernels.quant import check_runnable, check_weight_format
 from kvcore.model.config import DEFAULT_MAX_MODEL_LEN
 from kvcore.model.lm_head import check_lm_head
@@ -84,7 +86,7 @@ class EngineConfig:
     DEFAULT_MAX_MODEL_LEN = DEFAULT_MAX_MODEL_LEN
 
     def __post_init__(self) -> None:
-        # "auto" settings are checked once decided (kvcore.engine.core.defaults.choose_defaults)
+        # "auto" settings are checked once decided (kvcore.engine.defaults.choose_defaults)
         dtype = None if self.dtype == AUTO else parse_dtype(self.dtype)
         if dtype is None:
             check_weight_format(self.weights)
@@ -166,15 +168,22 @@ class Components:
 
 
 def select_components(
-    registry: PluginRegistry, config: EngineConfig, *, head_dim: int, num_heads: int, num_kv_heads: int
+    registry: PluginRegistry,
+    config: EngineConfig,
+    *,
+    head_dim: int,
+    num_heads: int,
+    num_kv_heads: int,
+    variants: Collection[str] = (),
 ) -> Components:
-    """Resolve the prefill and decode backends and the KV cache they share, or raise with the reason."""
+    """Resolve the prefill and decode backends and the KV cache they share, or raise with the reason;
+    ``variants``: the attention variants the model's layers use (each backend must serve them in its phase)."""
     device, dtype = torch.device(config.device), parse_dtype(config.dtype)
     shape = dict(device=device, dtype=dtype, head_dim=head_dim, num_heads=num_heads, num_kv_heads=num_kv_heads)
 
-    def make(name: str) -> AttentionBackend:
+    def make(name: str, phases: tuple[str, ...]) -> AttentionBackend:
         backend = registry.create(name, config.backend_options.get(name))
-        reasons = backend.validate(**shape)
+        reasons = backend.validate(**shape) + backend.capabilities.reasons_variants(variants, phases)
         if reasons:
             raise BackendUnavailableError(f"backend '{name}' cannot run this model here: {'; '.join(reasons)}")
         return backend
@@ -183,19 +192,24 @@ def select_components(
         usable = [
             e for e in registry.backends.values()
             if e.availability() is None and not e.cls.capabilities.reasons_unsupported(**shape)
+            and not e.cls.capabilities.reasons_variants(variants)
         ]
         if config.kv_cache is not None:
             layout = registry.get(config.kv_cache, KV_CACHE).cls.layout
             usable = [e for e in usable if layout in e.cls.capabilities.kv_layouts]
         if not usable:
             cache = f" that reads the '{config.kv_cache}' KV cache" if config.kv_cache else ""
-            raise BackendUnavailableError(f"no registered backend{cache} supports {dtype} on {device.type}")
+            needs = f" with {', '.join(VARIANTS[v] for v in sorted(variants))}" if variants else ""
+            raise BackendUnavailableError(
+                f"no registered backend{cache} supports {dtype} on {device.type}{needs}")
         return max(usable, key=lambda e: (e.cls.priority, e.name)).name
 
     prefill_name = config.prefill_backend or config.backend or auto()
     decode_name = config.decode_backend or config.backend or prefill_name
-    prefill = make(prefill_name)
-    decode = prefill if decode_name == prefill_name else make(decode_name)
+    if decode_name == prefill_name:
+        prefill = decode = make(prefill_name, ("prefill", "decode"))
+    else:
+        prefill, decode = make(prefill_name, ("prefill",)), make(decode_name, ("decode",))
     if not prefill.capabilities.supports_prefill:
         raise ConfigError(f"backend '{prefill_name}' cannot run prefill")
     if not decode.capabilities.supports_decode:

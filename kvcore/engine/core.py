@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from kvcore.engine.config import EngineConfig, check_cache_memory, parse_dtype, select_components
-from kvcore.engine.core.defaults import DefaultChoice, choose_defaults, file_facts, model_facts
+from kvcore.engine.defaults import DefaultChoice, choose_defaults, file_facts, model_facts
 from kvcore.engine.settings import Settings
 from kvcore.engine.step import EngineStep
 from kvcore.errors import (
@@ -50,6 +50,7 @@ from kvcore.errors import (
 from kvcore.execution.backend_check import BackendGuard
 from kvcore.execution.runner import Executor, ModelRunner
 from kvcore.interfaces.kv_cache import CacheSpec
+from kvcore.interfaces.layer_attention import variants_of
 from kvcore.interfaces.sampler import Sampler, SamplingParams
 from kvcore.model.config import check_max_model_len
 from kvcore.model.decoder import LlamaModel
@@ -101,7 +102,8 @@ class Engine(EngineStep):
             tp_runner = TensorParallelRunner(model, config)
             mc = tp_runner.model.config  # local heads: backends and the KV cache see only this rank's
         heads = dict(num_heads=mc.num_attention_heads, num_kv_heads=mc.num_key_value_heads)
-        chosen = select_components(registry, config, head_dim=mc.head_dim, **heads)
+        chosen = select_components(registry, config, head_dim=mc.head_dim, variants=variants_of(model.attention_layers),
+                                   **heads)
         self.prefill_backend, self.decode_backend = chosen.prefill_backend, chosen.decode_backend
         # one guard per backend instance: it remembers which kinds of forward it verified (one-process runs)
         checked = config.check_backend_outputs and config.tensor_parallel_size == 1

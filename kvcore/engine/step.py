@@ -74,7 +74,8 @@ class EngineStep:
         backend = self.prefill_backend if batch.is_prefill else self.decode_backend
         sampling = [i for i, s in enumerate(batch.samples) if s]
         try:
-            meta = self.kv.prepare([r.seq_id for r in reqs], batch.query_lens, self.model.attention_scale)
+            meta = self.kv.prepare([r.seq_id for r in reqs], batch.query_lens, self.model.attention_scale,
+                                   self.model.attention_layers)
         except KVCoreError as exc:  # reserve() is all or nothing: nothing to roll back
             return self._fail(reqs, exc)
         try:

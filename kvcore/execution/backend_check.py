@@ -16,7 +16,8 @@ engine runs every forward through a :class:`BackendGuard`, which raises :class:`
   SmolLM2 decode that was measured at a few percent of the step (benchmarks/backend_check_overhead.py);
 - the first forward of each kind a backend serves (prefill, continued prefill, decode), then every
   ``verify_every`` steps: layer 0's output for one sequence against a float32 reference computed from
-  the queries and what the cache holds (textbook attention, bottom-right causal mask). This catches a
+  the queries and what the cache holds (textbook attention, bottom-right causal mask, with layer 0's
+  window, soft-cap and sinks). This catches a
   result of the right shape with the wrong layout, which no shape check can.
 """
 
@@ -25,22 +26,25 @@ from __future__ import annotations
 import torch
 
 from kvcore.errors import BackendOutputError, NonFiniteRowsError
-from kvcore.interfaces.attention import AttentionBackend, causal_mask
+from kvcore.interfaces.attention import AttentionBackend, causal_mask, explicit_attention
 from kvcore.interfaces.kv_cache import KVCache
+from kvcore.interfaces.layer_attention import LayerAttention
 from kvcore.interfaces.metadata import AttentionMetadata
 
 __all__ = ["BackendGuard", "reference_attention"]
 
 
-def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context_len: int, scale: float):
+def reference_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context_len: int, layer: LayerAttention | float
+):
     """Float32 attention of one sequence: ``q [n, H, D]`` against ``k, v [context_len + n, H_kv, D]``,
-    query ``i`` at position ``context_len + i``; returns ``[n, H, D]`` float32."""
-    group = q.shape[1] // k.shape[1]
-    k = k.float().repeat_interleave(group, dim=1)  # (S, H, D)
-    v = v.float().repeat_interleave(group, dim=1)
-    scores = torch.einsum("nhd,shd->hns", q.float(), k) * scale  # (H, n, S)
-    scores = scores.masked_fill(~causal_mask(context_len, q.shape[0], q.device), float("-inf"))
-    return torch.einsum("hns,shd->nhd", scores.softmax(dim=-1), v)
+    query ``i`` at position ``context_len + i``, as ``layer`` attends (a float: plain causal at that scale);
+    returns ``[n, H, D]`` float32."""
+    layer = layer if isinstance(layer, LayerAttention) else LayerAttention(layer)
+    mask = causal_mask(context_len, q.shape[0], q.device, layer.sliding_window)
+    out = explicit_attention(q.float().transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                             mask, layer)  # (1, H, n, D)
+    return out[0].transpose(0, 1)
 
 
 class BackendGuard:
@@ -92,7 +96,7 @@ class _StepCheck:
         i = len(meta.query_lens) - 1  # the last sequence: in a mixed batch, a prefill's
         start, n = int(meta.cu_seqlens_q[i]), meta.query_lens[i]
         k, v = self.cache.read(0, meta.block_tables[i], meta.seq_lens[i])
-        ref = reference_attention(q[start : start + n], k, v, meta.context_lens[i], meta.scale)
+        ref = reference_attention(q[start : start + n], k, v, meta.context_lens[i], meta.layer(0))
         got = out[start : start + n].float()
         if not bool(torch.isfinite(got).all()):
             return  # finish() fails the sequences that are not finite, and only them

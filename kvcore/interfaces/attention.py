@@ -1,11 +1,18 @@
 """The attention-backend interface: declared capabilities, the per-layer forward, the causal mask.
 
 The packed layout every backend receives is described in :mod:`kvcore.interfaces.metadata`.
+
+How each decoder layer attends is its :class:`~kvcore.interfaces.layer_attention.LayerAttention` (the scale,
+and the variants beyond plain causal attention: a sliding window, logit soft-capping, attention sinks). The
+model declares one per layer, the metadata carries them
+(:meth:`~kvcore.interfaces.metadata.AttentionMetadata.layer`), and a backend declares the variants it serves
+per phase in :class:`BackendCapabilities` (see docs/attention-variants.md).
 """
 
 from __future__ import annotations
 
 import abc
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Generic, TypeVar
 
@@ -13,20 +20,55 @@ import torch
 
 from kvcore.errors import ConfigError
 from kvcore.interfaces.kv_cache import KVCache
+from kvcore.interfaces.layer_attention import VARIANTS, LayerAttention
 from kvcore.interfaces.metadata import AttentionMetadata
 
-__all__ = ["BackendCapabilities", "AttentionBackend", "causal_mask"]
+__all__ = ["BackendCapabilities", "AttentionBackend", "causal_mask", "explicit_attention"]
 
 #: a backend's own per-call plan type (``AttentionMetadata`` itself when it needs nothing more)
 PlanT = TypeVar("PlanT")
 
 
-def causal_mask(context_len: int, query_len: int, device: torch.device) -> torch.Tensor:
+def causal_mask(
+    context_len: int, query_len: int, device: torch.device, window: int | None = None
+) -> torch.Tensor:
     """``[query_len, context_len + query_len]`` bool, True where attention is allowed: the causal mask
     aligned bottom-right, query ``i`` sitting at absolute position ``context_len + i`` and seeing keys
-    ``0 .. context_len + i``. With ``context_len == 0`` it is the ordinary lower-triangular mask."""
+    ``0 .. context_len + i``. With ``context_len == 0`` it is the ordinary lower-triangular mask. With a
+    sliding ``window``, only the last ``window`` of those keys (the query's own included)."""
     query_pos = torch.arange(context_len, context_len + query_len, device=device)[:, None]
-    return torch.arange(context_len + query_len, device=device)[None, :] <= query_pos
+    key_pos = torch.arange(context_len + query_len, device=device)[None, :]
+    allowed = key_pos <= query_pos
+    if window is not None:
+        allowed &= key_pos > query_pos - window
+    return allowed
+
+
+def explicit_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, layer: LayerAttention
+) -> torch.Tensor:
+    """Attention with every :class:`LayerAttention` variant, spelled out in float32 for backends whose fused
+    kernel lacks one (soft-capping and sinks have no ``scaled_dot_product_attention`` argument).
+
+    :param q: ``[B, H, n, D]``; ``k``, ``v``: ``[B, H_kv, S, D]`` (``H % H_kv == 0``).
+    :param mask: broadcastable to ``[B, H, n, S]``: bool (True = visible) or additive float; None: all visible.
+    :returns: ``[B, H, n, D]`` in ``q``'s dtype.
+    """
+    group = q.shape[1] // k.shape[1]
+    k = k.float().repeat_interleave(group, dim=1)  # (B, H, S, D)
+    v = v.float().repeat_interleave(group, dim=1)
+    scores = q.float() @ k.transpose(-2, -1) * layer.scale  # (B, H, n, S)
+    if layer.softcap is not None:
+        scores = torch.tanh(scores / layer.softcap) * layer.softcap
+    if mask is not None and mask.dtype == torch.bool:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    elif mask is not None:
+        scores = scores + mask.float()
+    if layer.sinks is None:
+        return (scores.softmax(dim=-1) @ v).to(q.dtype)
+    sink = layer.sinks.float().to(q.device).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)  # (B, H, n, 1)
+    probs = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]  # the sink weights no value
+    return (probs @ v).to(q.dtype)
 
 
 @dataclass(frozen=True)
@@ -50,6 +92,24 @@ class BackendCapabilities:
     #: no host syncs, reads only the plan's tensors and ints, writes the cache only through whole cache
     #: tensors, never views of them (see kvcore/execution/compile.py)
     compilable: bool = False
+    #: the :data:`VARIANTS` (``"sliding_window"``, ``"softcap"``, ``"sinks"``) its prefill / its decode
+    #: implements; a layer using another is refused with :meth:`reasons_variants`, never run wrong
+    prefill_variants: frozenset[str] = frozenset()
+    decode_variants: frozenset[str] = frozenset()
+
+    def variants(self, phase: str) -> frozenset[str]:
+        """The variants of ``phase`` ("prefill" or "decode")."""
+        return self.prefill_variants if phase == "prefill" else self.decode_variants
+
+    def reasons_variants(self, needed: Collection[str], phases: Sequence[str] = ("prefill", "decode")) -> list[str]:
+        """Human reasons ("decode: no soft-capping") why the ``needed`` variants are not all served in
+        ``phases`` ([] = fine)."""
+        reasons = []
+        for phase in phases:
+            missing = sorted(set(needed) - self.variants(phase))
+            if missing:
+                reasons.append(f"{phase}: no {', no '.join(VARIANTS.get(m, m) for m in missing)}")
+        return reasons
 
     def reasons_unsupported(
         self, *, device: torch.device, dtype: torch.dtype, head_dim: int, num_heads: int, num_kv_heads: int
@@ -151,9 +211,11 @@ class AttentionBackend(abc.ABC, Generic[PlanT]):
         cache: KVCache,
         plan: PlanT,
     ) -> torch.Tensor:
-        """Write this call's K/V into ``cache`` (``cache.write``), then attend.
+        """Write this call's K/V into ``cache`` (``cache.write``), then attend as the layer's
+        :class:`LayerAttention` (``meta.layer(layer_idx)``) says: a backend is only handed layers whose
+        variants its capabilities declare for the call's phase.
 
-        :param layer_idx: decoder layer, selects the cache layer.
+        :param layer_idx: decoder layer, selects the cache layer and the layer's attention spec.
         :param q: ``[T, H, D]`` queries, RoPE already applied.
         :param k: ``[T, H_kv, D]`` new keys, RoPE already applied.
         :param v: ``[T, H_kv, D]`` new values.

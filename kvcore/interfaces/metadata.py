@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvcore.interfaces.layer_attention import LayerAttention, variants_of
+
 __all__ = ["AttentionMetadata", "cu_seqlens", "host_to_device"]
 
 
@@ -42,7 +44,18 @@ class AttentionMetadata:
     seq_lens_t: torch.Tensor  # [B] int32, context_len + query_len per sequence
     block_tables_t: torch.Tensor  # [B, max_blocks] int32, padded with block 0 (masked by seq_lens)
     slot_mapping: torch.Tensor  # [T] int64, block_id * block_size + offset of every packed token
-    scale: float  # softmax scale, from the model (1 / sqrt(head_dim) for Llama)
+    scale: float  # softmax scale of a layer without its own spec, from the model (1 / sqrt(head_dim) for Llama)
+    #: each decoder layer's attention, from the model; empty: every layer plain causal at ``scale``
+    layers: tuple[LayerAttention, ...] = ()
+
+    def layer(self, layer_idx: int) -> LayerAttention:
+        """How layer ``layer_idx`` attends: what a backend's ``forward`` must implement."""
+        return self.layers[layer_idx] if self.layers else LayerAttention(self.scale)
+
+    @property
+    def variants(self) -> frozenset[str]:
+        """The variants this call's layers use (what the backend must declare for the call's phase)."""
+        return variants_of(self.layers)
 
     @property
     def num_seqs(self) -> int:
@@ -89,8 +102,10 @@ class AttentionMetadata:
         block_size: int,
         scale: float,
         device: torch.device,
+        layers: Sequence[LayerAttention] = (),
     ) -> AttentionMetadata:
-        """The metadata of one call: ``query_lens[i]`` new tokens after ``context_lens[i]`` cached ones."""
+        """The metadata of one call: ``query_lens[i]`` new tokens after ``context_lens[i]`` cached ones;
+        ``layers``: each decoder layer's attention (empty: plain causal at ``scale``)."""
         positions = torch.cat([torch.arange(c, c + q) for c, q in zip(context_lens, query_lens)])  # [T]
         seq_lens = torch.tensor([c + q for c, q in zip(context_lens, query_lens)], dtype=torch.int32)
         max_blocks = max(len(t) for t in block_tables)
@@ -113,6 +128,7 @@ class AttentionMetadata:
             block_tables_t=tables,
             slot_mapping=slot_mapping,
             scale=scale,
+            layers=tuple(layers),
         )
 
 

@@ -63,8 +63,8 @@ class Architecture:
     gguf_permute_qk: ClassVar[bool] = False
     #: llama.cpp's converter stores RMSNorm weights with the family's offset added (Gemma: 1 + w)
     gguf_norm_offset_baked: ClassVar[bool] = False
-    #: attention features the family's checkpoints need from a backend, named as BackendCapabilities
-    #: flags (a backend serves the family when every flag is true on its capabilities)
+    #: attention variants (:data:`kvcore.interfaces.attention.VARIANTS`) the family's layers may use; ``kvcore models``
+    #: lists the backends that serve them in both phases (the engine checks the loaded model's actual layers)
     attention_features: ClassVar[tuple[str, ...]] = ()
 
     @classmethod

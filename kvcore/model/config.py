@@ -90,6 +90,7 @@ class ModelConfig:
     attn_logit_softcapping: float | None = None  # the same on attention scores (needs backend support)
     sliding_window: int | None = None  # keys a query may see on windowed layers (None: no window)
     sliding_window_layers: tuple[int, ...] | None = None  # layers that use the window; None: all of them
+    rope_local_base_freq: float | None = None  # RoPE base of the windowed layers (Gemma 3); None: rope_theta
 
     def __post_init__(self) -> None:
         positive = (
@@ -110,7 +111,7 @@ class ModelConfig:
             raise ModelLoadError(f"model config: head_dim ({self.head_dim}) must be even (RoPE rotates pairs)")
         checked_number("norm_offset", self.norm_offset, positive=False)
         optional = ("embedding_multiplier", "query_pre_attn_scalar", "final_logit_softcapping",
-                    "attn_logit_softcapping")
+                    "attn_logit_softcapping", "rope_local_base_freq")
         for name in optional:
             if getattr(self, name) is not None:
                 checked_number(name, getattr(self, name))

@@ -3,8 +3,9 @@
 Every supported family (see :mod:`kvcore.model.architectures`) is this decoder with options from its
 :class:`~kvcore.model.config.ModelConfig`: Q/K/V biases (Qwen2), per-head Q/K RMSNorm (Qwen3), RMSNorm
 weight offset (Gemma), scaled embeddings, sandwich norms and final-logit soft-capping (Gemma 2), GeLU-tanh
-or SiLU gates, RoPE scaling schemes. Sliding windows and attention-logit soft-capping are attention
-features: the model declares them (:attr:`DecoderModel.sliding_windows`) and refuses what it cannot serve.
+or SiLU gates, RoPE scaling schemes, a second RoPE base on sliding-window layers (Gemma 3). Sliding windows
+and attention-logit soft-capping are attention variants: the model declares each layer's
+(:attr:`DecoderModel.attention_layers`) and the engine picks backends that serve them.
 
 Tensors are packed: a forward call carries ``T`` tokens from ``B`` sequences (see
 :class:`~kvcore.interfaces.attention.AttentionMetadata`). Q/K/V and gate/up projections are fused into one matmul each.
@@ -21,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvcore.errors import ConfigError, ModelLoadError
+from kvcore.interfaces.layer_attention import LayerAttention
 from kvcore.kernels.linear import DenseMatmuls, set_layout
 from kvcore.model.config import ModelConfig
 from kvcore.model.rope import RotaryEmbedding
@@ -66,12 +68,7 @@ class DecoderModel(nn.Module):
         super().__init__()
         c = config
         max_positions = min(max_positions or c.max_position_embeddings, c.max_position_embeddings)
-        self.sliding_windows = _windows(c, max_positions)
-        if c.attn_logit_softcapping is not None:
-            raise ModelLoadError(
-                f"{c.architecture}: attention-logit soft-capping (attn_logit_softcapping="
-                f"{c.attn_logit_softcapping}) is not supported by kvcore's attention backends"
-            )
+        self.attention_layers = _attention_layers(c, max_positions)
         self.config = dataclasses.replace(c, max_position_embeddings=max_positions)
         L, d = c.num_hidden_layers, c.hidden_size
         q_size, kv_size = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
@@ -100,6 +97,10 @@ class DecoderModel(nn.Module):
         self.lm_head = self.embed_tokens if c.tie_word_embeddings else empty(c.vocab_size, d)
         self.rotary = RotaryEmbedding(
             c.head_dim, max_positions, c.rope_theta, c.rope_scaling, c.max_position_embeddings
+        )
+        #: Gemma 3: sliding-window layers rotate with their own base and no scaling
+        self.rotary_local = None if c.rope_local_base_freq is None else RotaryEmbedding(
+            c.head_dim, max_positions, c.rope_local_base_freq, None, c.max_position_embeddings
         )
         self.act = _ACTIVATIONS[c.hidden_act]
         #: "float", or "int4"/"int4a8"/"int8" when the layer matmuls run on quantized weights (kernels.quant)
@@ -261,13 +262,17 @@ class DecoderModel(nn.Module):
         eps = c.rms_norm_eps
         num_heads, num_kv, head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         qk_size = self.q_size + self.kv_size
-        cos, sin = self.rotary.tables(positions, self.dtype)  # once per call, shared by all layers
+        tables = [self.rotary.tables(positions, self.dtype)] * c.num_hidden_layers  # once per call, shared
+        if self.rotary_local is not None:
+            local = self.rotary_local.tables(positions, self.dtype)
+            tables = [local if c.layer_window(i) is not None else t for i, t in enumerate(tables)]
         mm = matmuls or self.matmuls(num_tokens)
         qkv_w, o_w, gate_up_w, down_w = mm["qkv"], mm["o"], mm["gate_up"], mm["down"]  # x [T, in] -> [T, out]
         h = F.embedding(input_ids, self.embed_tokens)  # (T, d)
         if c.embedding_multiplier is not None:
             h = h * torch.tensor(c.embedding_multiplier, dtype=h.dtype)  # Gemma rounds the factor to the dtype
         for i in range(c.num_hidden_layers):
+            cos, sin = tables[i]
             x = rms_norm(h, self.input_norm[i], eps)
             qkv = qkv_w[i](x)  # (T, (H + 2 H_kv) D)
             if self.qkv_bias is not None:
@@ -277,7 +282,7 @@ class DecoderModel(nn.Module):
                 qk = qkv[:, :qk_size].view(num_tokens, num_heads + num_kv, head_dim)
                 qk = self.rotary.rotate(qk, cos, sin)
                 q, k = qk[:, :num_heads], qk[:, num_heads:]  # (T, H, D), (T, H_kv, D) views
-            else:  # Qwen3: each head's Q and K RMS-normalised before RoPE
+            else:  # Qwen3, Gemma 3: each head's Q and K RMS-normalised before RoPE
                 q = rms_norm(qkv[:, : self.q_size].reshape(num_tokens, num_heads, head_dim), self.q_norm[i], eps)
                 k = rms_norm(qkv[:, self.q_size : qk_size].reshape(num_tokens, num_kv, head_dim), self.k_norm[i], eps)
                 q, k = self.rotary.rotate(q, cos, sin), self.rotary.rotate(k, cos, sin)
@@ -316,17 +321,16 @@ class DecoderModel(nn.Module):
         return logits.float()
 
 
-def _windows(c: ModelConfig, max_positions: int) -> tuple[int | None, ...]:
-    """Each layer's sliding window, or None where it covers every reachable position; a window shorter
-    than ``max_positions`` is refused: kvcore's attention backends attend to the whole sequence."""
-    windows = tuple(c.layer_window(i) for i in range(c.num_hidden_layers))
-    short = sorted({w for w in windows if w is not None and w < max_positions})
-    if short:
-        raise ModelLoadError(
-            f"{c.architecture}: sliding-window attention (window {short[0]} tokens) is not supported by "
-            f"kvcore's attention backends; serve at most {short[0]} tokens per request (max_model_len)"
-        )
-    return tuple(None for _ in windows)
+def _attention_layers(c: ModelConfig, max_positions: int) -> tuple[LayerAttention, ...]:
+    """Each layer's attention: the scale, the soft-cap, and the sliding window where it is shorter than
+    ``max_positions`` (a longer one hides no key this instance can hold)."""
+    scale = (c.query_pre_attn_scalar or c.head_dim) ** -0.5
+    layers = []
+    for i in range(c.num_hidden_layers):
+        window = c.layer_window(i)
+        window = window if window is not None and window < max_positions else None
+        layers.append(LayerAttention(scale, sliding_window=window, softcap=c.attn_logit_softcapping))
+    return tuple(layers)
 
 
 #: the historical name: every family runs on the same decoder

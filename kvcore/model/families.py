@@ -12,7 +12,7 @@ from typing import Any
 from kvcore.hookspecs import hookimpl
 from kvcore.model.architectures import Architecture, layer_types_window
 
-__all__ = ["Llama", "Mistral", "Qwen2", "Qwen3", "Phi3", "Gemma2", "BUILTIN_ARCHITECTURES"]
+__all__ = ["Llama", "Mistral", "Qwen2", "Qwen3", "Phi3", "Gemma2", "Gemma3", "BUILTIN_ARCHITECTURES"]
 
 
 class Llama(Architecture):
@@ -31,10 +31,11 @@ class Llama(Architecture):
 
 class Mistral(Llama):
     name = "mistral"
-    description = "Mistral 7B v0.1-v0.3 (sliding window up to max_model_len); GGUF files say 'llama'"
+    description = "Mistral 7B v0.1-v0.3 (sliding window); GGUF files say 'llama'"
     hf_architectures = ("MistralForCausalLM",)
     hf_model_types = ("mistral",)
     gguf_arch = None  # llama.cpp's converter writes Mistral as "llama"
+    attention_features = ("sliding_window",)
 
     @classmethod
     def hf_options(cls, cfg: dict[str, Any]) -> dict[str, Any]:
@@ -48,6 +49,7 @@ class Qwen2(Architecture):
     hf_model_types = ("qwen2",)
     gguf_arch = "qwen2"
     options = {"attention_bias": True}
+    attention_features = ("sliding_window",)  # use_sliding_window: layers from max_window_layers on
 
     @classmethod
     def hf_options(cls, cfg: dict[str, Any]) -> dict[str, Any]:
@@ -81,6 +83,7 @@ class Phi3(Architecture):
     hf_model_types = ("phi3",)
     gguf_arch = "phi3"
     hf_defaults = {"tie_word_embeddings": False, "rms_norm_eps": 1e-5}
+    attention_features = ("sliding_window",)
     hf_fused = {
         "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
         "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
@@ -114,7 +117,7 @@ class Gemma2(Architecture):
         "post_ffw_norm": "post_feedforward_layernorm",
     }
     gguf_norm_offset_baked = True
-    attention_features = ("attn_logit_softcapping",)
+    attention_features = ("sliding_window", "softcap")
 
     @classmethod
     def hf_options(cls, cfg: dict[str, Any]) -> dict[str, Any]:
@@ -141,8 +144,66 @@ class Gemma2(Architecture):
         }
 
 
+class Gemma3(Architecture):
+    name = "gemma3"
+    description = ("Gemma 3 text (local/global layers 5:1 with two RoPE bases, QK-norm, sandwich norms, "
+                   "scaled embeddings)")
+    hf_architectures = ("Gemma3ForCausalLM",)
+    hf_model_types = ("gemma3_text",)
+    gguf_arch = "gemma3"
+    hf_defaults = {"tie_word_embeddings": True, "rms_norm_eps": 1e-6}
+    options = {"norm_offset": 1.0, "sandwich_norms": True, "qk_norm": True, "hidden_act": "gelu_pytorch_tanh"}
+    gguf_names = Gemma2.gguf_names
+    gguf_norm_offset_baked = True
+    attention_features = ("sliding_window",)
+
+    @classmethod
+    def config_from_hf(cls, cfg: dict[str, Any], eos: Any, where: str):
+        # transformers >= 5 nests rope_parameters per layer type: the common reader takes the global layers'
+        rope = cfg.get("rope_parameters")
+        if isinstance(rope, dict) and isinstance(rope.get("full_attention"), dict):
+            local = rope.get("sliding_attention") or {}
+            cfg = {**cfg, "rope_parameters": rope["full_attention"],
+                   "rope_local_base_freq": local.get("rope_theta", cfg.get("rope_local_base_freq"))}
+        return super().config_from_hf(cfg, eos, where)
+
+    @classmethod
+    def hf_options(cls, cfg: dict[str, Any]) -> dict[str, Any]:
+        layers = int(cfg["num_hidden_layers"])
+        types = cfg.get("layer_types") or _every_nth_global(int(cfg.get("sliding_window_pattern", 6)), layers)
+        return {
+            "hidden_act": cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh",
+            "embedding_multiplier": math.sqrt(cfg["hidden_size"]),
+            "query_pre_attn_scalar": float(cfg.get("query_pre_attn_scalar", 256)),
+            "final_logit_softcapping": cfg.get("final_logit_softcapping"),
+            "attn_logit_softcapping": cfg.get("attn_logit_softcapping"),
+            "rope_local_base_freq": float(cfg.get("rope_local_base_freq", 10000.0)),
+            **_alternating(cfg.get("sliding_window"), types, layers),
+        }
+
+    @classmethod
+    def gguf_options(cls, meta: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+        layers, hidden, heads = config["num_hidden_layers"], config["hidden_size"], config["num_attention_heads"]
+        # llama.cpp scales queries by 1/sqrt(head_dim), except Gemma 3 27B (62 layers): 1/sqrt(hidden/heads)
+        scalar = hidden // heads if layers == 62 else config["head_dim"]
+        return {
+            "embedding_multiplier": math.sqrt(hidden),
+            "query_pre_attn_scalar": float(scalar),
+            "final_logit_softcapping": meta.get("final_logit_softcapping"),
+            "attn_logit_softcapping": meta.get("attn_logit_softcapping"),
+            # llama.cpp's default when the file does not say: local layers rotate with base 10000
+            "rope_local_base_freq": float(meta.get("rope.freq_base_swa", 10000.0)),
+            **_alternating(meta.get("attention.sliding_window"), _every_nth_global(6, layers), layers),
+        }
+
+
+def _every_nth_global(pattern: int, layers: int) -> list[str]:
+    """Gemma 3's layer types: every ``pattern``-th layer global, the others local (five local : one global)."""
+    return ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)]
+
+
 def _alternating(window: Any, layer_types: list[str] | None, layers: int) -> dict[str, Any]:
-    """Gemma 2's windows: on the layers ``layer_types`` marks, else every even layer (0, 2, ...)."""
+    """Gemma's windows: on the layers ``layer_types`` marks, else every even layer (0, 2, ...; Gemma 2)."""
     if not window:
         return {}
     if layer_types:
@@ -152,7 +213,7 @@ def _alternating(window: Any, layer_types: list[str] | None, layers: int) -> dic
     return {"sliding_window": int(window), "sliding_window_layers": sliding}
 
 
-BUILTIN_ARCHITECTURES = (Llama, Mistral, Qwen2, Qwen3, Phi3, Gemma2)
+BUILTIN_ARCHITECTURES = (Llama, Mistral, Qwen2, Qwen3, Phi3, Gemma2, Gemma3)
 
 
 @hookimpl

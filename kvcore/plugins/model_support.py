@@ -6,6 +6,7 @@ import json
 from typing import Any
 
 from kvcore.hookspecs import hookimpl
+from kvcore.interfaces.layer_attention import VARIANTS
 from kvcore.plugins.registry import ARCHITECTURE, PluginRegistry, get_registry
 from kvcore.plugins.support import format_table
 
@@ -13,14 +14,13 @@ __all__ = ["architecture_rows", "serving_backends", "markdown_rows"]
 
 
 def serving_backends(registry: PluginRegistry, arch: type) -> tuple[list[str], list[str]]:
-    """(backends whose capabilities declare every attention feature ``arch`` needs, the missing features)."""
-    served, missing = [], set(arch.attention_features)
-    for name, entry in sorted(registry.backends.items()):
-        lacking = {f for f in arch.attention_features if not getattr(entry.cls.capabilities, f, False)}
-        if not lacking:
-            served.append(name)
-        missing &= lacking
-    return served, sorted(missing)
+    """(backends whose capabilities declare every attention variant ``arch`` may use, in both phases; the
+    variants no backend serves, as reasons say them: "soft-capping")."""
+    backends = sorted(registry.backends.items())
+    served = [name for name, e in backends if not e.cls.capabilities.reasons_variants(arch.attention_features)]
+    missing = [VARIANTS[f] for f in arch.attention_features
+               if all(e.cls.capabilities.reasons_variants([f]) for _, e in backends)]
+    return served, missing
 
 
 def architecture_rows(registry: PluginRegistry) -> list[dict[str, Any]]:

@@ -8,7 +8,20 @@ from kvcore.plugins.registry import PluginEntry, PluginRegistry
 
 __all__ = ["backend_rows", "plugin_rows", "format_table", "markdown_table"]
 
-COLUMNS = ("backend", "plugin", "available", "devices", "dtypes", "head_dims", "gqa", "kv_layouts", "phases")
+COLUMNS = ("backend", "plugin", "available", "devices", "dtypes", "head_dims", "gqa", "kv_layouts", "phases",
+           "variants")
+#: short names of the attention variants in the table
+_VARIANT_NAMES = {"sliding_window": "window", "softcap": "softcap", "sinks": "sinks"}
+
+
+def _variants(caps) -> str:
+    """``window,softcap,sinks`` when both phases serve the same; ``prefill: ...; decode: ...`` otherwise."""
+    def names(variants) -> str:
+        return ",".join(_VARIANT_NAMES[v] for v in _VARIANT_NAMES if v in variants) or "-"
+
+    if caps.prefill_variants == caps.decode_variants:
+        return names(caps.prefill_variants)
+    return f"prefill: {names(caps.prefill_variants)}; decode: {names(caps.decode_variants)}"
 
 
 def _dtype_names(dtypes, caps=None) -> str:
@@ -53,6 +66,7 @@ def backend_rows(registry: PluginRegistry) -> list[dict[str, Any]]:
                 "gqa": "yes" if caps.supports_gqa else "no",
                 "kv_layouts": ",".join(caps.kv_layouts),
                 "phases": ",".join(phases),
+                "variants": _variants(caps),
                 "description": entry.cls.description,
             }
         )

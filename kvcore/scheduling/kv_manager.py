@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import torch
 
 from kvcore.interfaces.kv_cache import KVCache
+from kvcore.interfaces.layer_attention import LayerAttention
 from kvcore.interfaces.metadata import AttentionMetadata
 from kvcore.scheduling.block_manager import BlockManager
 
@@ -56,8 +57,11 @@ class KVCacheManager:
         return self.blocks.can_reserve(seq_ids, query_lens)
 
     # -- one forward call ----------------------------------------------------------------------------
-    def prepare(self, seq_ids: Sequence[int], query_lens: Sequence[int], scale: float) -> AttentionMetadata:
-        """Reserve room for ``query_lens[i]`` new tokens of each sequence and describe the call.
+    def prepare(
+        self, seq_ids: Sequence[int], query_lens: Sequence[int], scale: float, layers: Sequence[LayerAttention] = ()
+    ) -> AttentionMetadata:
+        """Reserve room for ``query_lens[i]`` new tokens of each sequence and describe the call (``layers``:
+        the model's per-layer attention, :attr:`~kvcore.model.decoder.DecoderModel.attention_layers`).
 
         All or nothing: when the batch does not fit, nothing is reserved and the error names it.
         """
@@ -73,6 +77,7 @@ class KVCacheManager:
             self.cache.block_size,
             scale,
             self.cache.spec.device,
+            layers,
         )
 
     def read(self, layer_idx: int, seq_id: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -99,7 +99,8 @@ def serve(group: RankGroup, model: LlamaModel, device: torch.device) -> None:
             if step.copies:
                 cache.copy_blocks(step.copies)
             meta = AttentionMetadata.build(
-                step.query_lens, step.context_lens, step.block_tables, step.block_size, step.scale, device
+                step.query_lens, step.context_lens, step.block_tables, step.block_size, step.scale, device,
+                model.attention_layers,
             )
             run_model(model, prefill if step.is_prefill else decode, cache, meta, step.input_ids)
 

@@ -12,6 +12,8 @@
 //   q        [B, H_kv, G, D]   float32 or bfloat16, contiguous
 //   k, v     [B, H_kv, L, D]   same dtype; any strides on the first three dims, rows contiguous
 //   seq_lens [B]               int32, keys of sequence b: 0 .. seq_lens[b] - 1 (1 <= seq_lens[b] <= L)
+//   window                     > 0: a sliding window, only keys seq_lens[b] - window .. seq_lens[b] - 1 (0: all)
+//   softcap                    > 0: the scaled scores become softcap * tanh(s / softcap) (0: none)
 //   returns  [B, H_kv, G, D]   dtype of q
 
 #include <ATen/ATen.h>
@@ -90,7 +92,9 @@ inline __m512 sum16(const __m512* s) {
 // One block's online-softmax step for one query row: its n scores p[0..n) become exp(score - max) in place
 // (p[n..kBlock) are set to 0), and its running max m and sum l take the block in. Returns the factor for what
 // was accumulated before: exp(old max - new max), 1 when the max did not move, 0 on the first block (m = -inf).
-inline float softmax_block(float* p, int64_t n, float& m, float& l) {
+inline float softmax_block(float* p, int64_t n, float& m, float& l, float softcap) {
+  if (softcap > 0.f)  // Gemma 2's soft-capping, on the scaled scores before the softmax
+    for (int64_t j = 0; j < n; ++j) p[j] = softcap * std::tanh(p[j] / softcap);
   std::fill(p + n, p + kBlock, kNegInf);  // padding: exp gives 0
   Vec top = Vec::loadu(p);
   for (int64_t j = Vec::size(); j < kBlock; j += Vec::size()) top = at::vec::maximum(top, Vec::loadu(p + j));
@@ -113,7 +117,7 @@ inline float softmax_block(float* p, int64_t n, float& m, float& l) {
 // buffers that stay in L1; the per-row loops then keep their query and accumulator vectors in registers.
 template <typename T, int64_t NV>
 void attend_chunk(const T* q, const T* k, const T* v, int64_t k_stride, int64_t v_stride, int64_t begin,
-                  int64_t end, int64_t G, int64_t D, float scale, float* acc, float* m, float* l) {
+                  int64_t end, int64_t G, int64_t D, float scale, float softcap, float* acc, float* m, float* l) {
   constexpr int64_t W = NV * Vec::size();
   alignas(64) float kf[kBlock][W];
   alignas(64) float vf[kBlock][W];
@@ -164,7 +168,7 @@ void attend_chunk(const T* q, const T* k, const T* v, int64_t k_stride, int64_t 
         for (int64_t i = 1; i < NV; ++i) s = at::vec::fmadd(qv[i], Vec::loadu(kf[j] + i * Vec::size()), s);
         p[g][j] = sum(s);
       }
-      const float correction = softmax_block(p[g], n, m[g], l[g]);
+      const float correction = softmax_block(p[g], n, m[g], l[g], softcap);
       for (int64_t i = 0; i < NV; ++i) out[i] = Vec::loadu(acc + g * W + i * Vec::size()) * Vec(correction);
       for (int64_t j = 0; j < n; ++j) {
         const Vec pj(p[g][j]);
@@ -186,7 +190,7 @@ void attend_chunk(const T* q, const T* k, const T* v, int64_t k_stride, int64_t 
 // (per 128-bit lane: 4 dims from the low half, 4 from the high half) until the chunk is written out.
 template <int64_t NB>
 void attend_chunk_bf16(const c10::BFloat16* q, const c10::BFloat16* k, const c10::BFloat16* v, int64_t k_stride,
-                       int64_t v_stride, int64_t begin, int64_t end, int64_t G, float scale, float* acc, float* m,
+                       int64_t v_stride, int64_t begin, int64_t end, int64_t G, float scale, float softcap, float* acc, float* m,
                        float* l) {
   constexpr int64_t D = 32 * NB;
   alignas(64) float p[kMaxGroup][kBlock];
@@ -234,7 +238,7 @@ void attend_chunk_bf16(const c10::BFloat16* q, const c10::BFloat16* k, const c10
         }
         _mm512_store_ps(p[g] + j0, _mm512_mul_ps(sum16(sc), _mm512_set1_ps(scale)));
       }
-      const float correction = softmax_block(p[g], n, m[g], l[g]);
+      const float correction = softmax_block(p[g], n, m[g], l[g], softcap);
       if (correction != 1.f) {  // the running max moved: rescale what was accumulated
         const __m512 c = _mm512_set1_ps(correction);
         for (int64_t i = 0; i < 2 * NB; ++i) _mm512_store_ps(ob[g][i], _mm512_mul_ps(_mm512_load_ps(ob[g][i]), c));
@@ -267,7 +271,7 @@ void attend_chunk_bf16(const c10::BFloat16* q, const c10::BFloat16* k, const c10
 
 template <typename T, int64_t NV>
 void decode_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const int32_t* seq_lens,
-                           float scale, at::Tensor& out) {
+                           float scale, int64_t window, float softcap, at::Tensor& out) {
   const int64_t B = q.size(0), H = q.size(1), G = q.size(2), D = q.size(3), W = NV * Vec::size();
   int64_t max_len = 0;
   for (int64_t b = 0; b < B; ++b) max_len = std::max<int64_t>(max_len, seq_lens[b]);
@@ -286,7 +290,9 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
   at::parallel_for(0, items, grain, [&](int64_t first, int64_t last) {
     for (int64_t item = first; item < last; ++item) {
       const int64_t c = item % chunks, bh = item / chunks, b = bh / H, h = bh % H;
-      const int64_t begin = c * chunk, end = std::min<int64_t>(seq_lens[b], begin + chunk);
+      // a sliding window: only the last `window` keys of the row (the query's own included)
+      const int64_t first_key = window > 0 ? std::max<int64_t>(0, seq_lens[b] - window) : 0;
+      const int64_t begin = std::max(c * chunk, first_key), end = std::min<int64_t>(seq_lens[b], c * chunk + chunk);
       float* as = acc.data() + item * G * W;
       float* ms = m.data() + item * G;
       float* ls = l.data() + item * G;
@@ -301,7 +307,7 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
         if (D == W) {  // whole 32-dim bfloat16 vectors
           attend_chunk_bf16<NV / 2>(qp + bh * G * D, kp + b * k.stride(0) + h * k.stride(1),
                                     vp + b * v.stride(0) + h * v.stride(1), k.stride(2), v.stride(2), begin, end, G,
-                                    scale, as, ms, ls);
+                                    scale, softcap, as, ms, ls);
           done = true;
         }
       }
@@ -309,7 +315,7 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
       if (!done)
         attend_chunk<T, NV>(qp + bh * G * D, kp + b * k.stride(0) + h * k.stride(1),
                             vp + b * v.stride(0) + h * v.stride(1), k.stride(2), v.stride(2), begin, end, G, D, scale,
-                            as, ms, ls);
+                            softcap, as, ms, ls);
       if (chunks == 1)  // the whole row in one item: normalise here, no merge pass (the same values: w = 1)
         for (int64_t g = 0; g < G; ++g)
           for (int64_t d = 0; d < D; ++d) op[(bh * G + g) * D + d] = static_cast<T>(as[g * W + d] / ls[g]);
@@ -338,24 +344,24 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
 // NV = vectors per row, rounded up to an instantiated count (extra vectors are zero padding).
 template <typename T>
 void dispatch_head_dim(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const int32_t* lens,
-                       float scale, at::Tensor& out) {
+                       float scale, int64_t window, float softcap, at::Tensor& out) {
   const int64_t nv = (q.size(3) + Vec::size() - 1) / Vec::size();
-  if (nv <= 1) return decode_attention_impl<T, 1>(q, k, v, lens, scale, out);
-  if (nv <= 2) return decode_attention_impl<T, 2>(q, k, v, lens, scale, out);
-  if (nv <= 3) return decode_attention_impl<T, 3>(q, k, v, lens, scale, out);
-  if (nv <= 4) return decode_attention_impl<T, 4>(q, k, v, lens, scale, out);
-  if (nv <= 5) return decode_attention_impl<T, 5>(q, k, v, lens, scale, out);
-  if (nv <= 6) return decode_attention_impl<T, 6>(q, k, v, lens, scale, out);
-  if (nv <= 7) return decode_attention_impl<T, 7>(q, k, v, lens, scale, out);
-  if (nv <= 8) return decode_attention_impl<T, 8>(q, k, v, lens, scale, out);
-  if (nv <= 12) return decode_attention_impl<T, 12>(q, k, v, lens, scale, out);
-  if (nv <= 16) return decode_attention_impl<T, 16>(q, k, v, lens, scale, out);
-  if (nv <= 24) return decode_attention_impl<T, 24>(q, k, v, lens, scale, out);
-  return decode_attention_impl<T, 32>(q, k, v, lens, scale, out);
+  if (nv <= 1) return decode_attention_impl<T, 1>(q, k, v, lens, scale, window, softcap, out);
+  if (nv <= 2) return decode_attention_impl<T, 2>(q, k, v, lens, scale, window, softcap, out);
+  if (nv <= 3) return decode_attention_impl<T, 3>(q, k, v, lens, scale, window, softcap, out);
+  if (nv <= 4) return decode_attention_impl<T, 4>(q, k, v, lens, scale, window, softcap, out);
+  if (nv <= 5) return decode_attention_impl<T, 5>(q, k, v, lens, scale, window, softcap, out);
+  if (nv <= 6) return decode_attention_impl<T, 6>(q, k, v, lens, scale, window, softcap, out);
+  if (nv <= 7) return decode_attention_impl<T, 7>(q, k, v, lens, scale, window, softcap, out);
+  if (nv <= 8) return decode_attention_impl<T, 8>(q, k, v, lens, scale, window, softcap, out);
+  if (nv <= 12) return decode_attention_impl<T, 12>(q, k, v, lens, scale, window, softcap, out);
+  if (nv <= 16) return decode_attention_impl<T, 16>(q, k, v, lens, scale, window, softcap, out);
+  if (nv <= 24) return decode_attention_impl<T, 24>(q, k, v, lens, scale, window, softcap, out);
+  return decode_attention_impl<T, 32>(q, k, v, lens, scale, window, softcap, out);
 }
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                            const at::Tensor& seq_lens, double scale) {
+                            const at::Tensor& seq_lens, double scale, int64_t window, double softcap) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "decode_attention: q, k, v must be 4-d");
   TORCH_CHECK(q.is_contiguous(), "decode_attention: q must be contiguous");
   TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1, "decode_attention: K/V rows must be contiguous");
@@ -370,12 +376,14 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   for (int64_t b = 0; b < q.size(0); ++b)
     TORCH_CHECK(lens[b] >= 1 && lens[b] <= k.size(2), "decode_attention: seq_lens out of range 1..L");
+  TORCH_CHECK(window >= 0 && softcap >= 0, "decode_attention: window and softcap must be >= 0 (0: none)");
   at::Tensor out = at::empty_like(q);
+  const float cap = static_cast<float>(softcap);
   if (q.scalar_type() == at::kFloat) {
-    dispatch_head_dim<float>(q, k, v, lens, static_cast<float>(scale), out);
+    dispatch_head_dim<float>(q, k, v, lens, static_cast<float>(scale), window, cap, out);
   } else {
     TORCH_CHECK(q.scalar_type() == at::kBFloat16, "decode_attention: dtype must be float32 or bfloat16");
-    dispatch_head_dim<c10::BFloat16>(q, k, v, lens, static_cast<float>(scale), out);
+    dispatch_head_dim<c10::BFloat16>(q, k, v, lens, static_cast<float>(scale), window, cap, out);
   }
   return out;
 }
@@ -383,7 +391,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvcore, m) {
-  m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor seq_lens, float scale) -> Tensor");
+  m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor seq_lens, float scale, int window=0, "
+        "float softcap=0.0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvcore, CPU, m) { m.impl("decode_attention", &decode_attention); }

@@ -4,16 +4,20 @@ For each sequence, keys and values are visited ``chunk_size`` at a time, keeping
 running maximum ``m``, a running normaliser ``l`` and an unnormalised output ``acc`` (the
 flash-attention recurrence, in float32)::
 
-    s     = q · k_chunkᵀ · scale      (masked: key position > query position → -inf)
+    s     = q · k_chunkᵀ · scale      (soft-capped c · tanh(s / c) on a layer with a soft-cap, then masked:
+                                       key position > query position, or outside the layer's window → -inf)
     m'    = max(m, rowmax(s))
     p     = exp(s - m')
     l     = l · exp(m - m') + rowsum(p)
     acc   = acc · exp(m - m') + p · v_chunk
     out   = acc / l
 
-Chunks that lie wholly in every query's future are never read. GQA: query head ``h`` reads KV head
-``h // (H / H_kv)``; the group's query heads are stacked as rows of one matmul per KV head, so K/V
-are never repeated.
+Chunks that lie wholly in every query's future are never read. Attention variants: the layer's
+(``meta.layer(layer_idx)``) sliding window and soft-cap, in both phases; no sinks (declared in
+``capabilities``, so a model with sinks is refused with the reason instead of run wrong).
+
+GQA: query head ``h`` reads KV head ``h // (H / H_kv)``; the group's query heads are stacked as rows of
+one matmul per KV head, so K/V are never repeated.
 
 It reads two KV-cache layouts (``BackendCapabilities.kv_layouts``), preferring the first:
 
@@ -35,6 +39,7 @@ import torch
 
 from kvcore import AttentionBackend, AttentionMetadata, BackendCapabilities, KVCache
 from kvcore.errors import ConfigError
+from kvcore.interfaces.layer_attention import LayerAttention
 
 __all__ = ["ChunkedAttentionBackend"]
 
@@ -48,6 +53,8 @@ class ChunkedAttentionBackend(AttentionBackend[AttentionMetadata]):
         dtypes=frozenset({torch.float32, torch.bfloat16, torch.float16}),
         kv_layouts=("contiguous", "paged"),
         max_head_dim=256,
+        prefill_variants=frozenset({"sliding_window", "softcap"}),
+        decode_variants=frozenset({"sliding_window", "softcap"}),
     )
 
     def __init__(self, chunk_size: int = 64, **options) -> None:
@@ -93,6 +100,10 @@ class ChunkedAttentionBackend(AttentionBackend[AttentionMetadata]):
         """``[n, c]`` mask: query at ``query_pos[i]`` may attend to the key at ``key_pos[j]``."""
         return key_pos[None, :] <= query_pos[:, None]
 
+    def in_window(self, query_pos: torch.Tensor, key_pos: torch.Tensor, window: int) -> torch.Tensor:
+        """``[n, c]`` mask: the key is one of the ``window`` last positions up to the query's (its own included)."""
+        return key_pos[None, :] > query_pos[:, None] - window
+
     def group_queries(self, q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
         """``[n, H, D]`` → ``[H_kv, G·n, D]``: KV head ``j`` gets query heads ``j·G … j·G+G-1``."""
         n, h, d = q.shape
@@ -117,18 +128,24 @@ class ChunkedAttentionBackend(AttentionBackend[AttentionMetadata]):
         self.write_kv(layer_idx, k, v, cache, meta)
         num_heads, head_dim = q.shape[1], q.shape[2]
         scale = self.softmax_scale(meta, head_dim)
+        layer = meta.layer(layer_idx)
         out = torch.empty_like(q)
         starts = meta.query_starts  # host list: no device sync per layer
         for i, (ctx, n) in enumerate(zip(meta.context_lens, meta.query_lens)):
             seq_len = ctx + n
             keys, values = self.sequence_kv(layer_idx, cache, meta, i, seq_len)  # [H_kv, S, D]
             qi = q[starts[i] : starts[i + 1]]  # [n, H, D]
-            o = self._attend(self.group_queries(qi.float(), keys.shape[0]), keys, values, ctx, n, scale)
+            o = self._attend(self.group_queries(qi.float(), keys.shape[0]), keys, values, ctx, n, scale, layer)
             out[starts[i] : starts[i + 1]] = self.ungroup(o, num_heads).to(q.dtype)
         return out
 
-    def _attend(self, qg, keys, values, ctx: int, n: int, scale: float) -> torch.Tensor:
-        """``qg`` ``[H_kv, G·n, D]`` float32 over ``keys``/``values`` ``[H_kv, S, D]`` → ``[H_kv, G·n, D]``."""
+    def _attend(
+        self, qg, keys, values, ctx: int, n: int, scale: float, layer: LayerAttention | None = None
+    ) -> torch.Tensor:
+        """``qg`` ``[H_kv, G·n, D]`` float32 over ``keys``/``values`` ``[H_kv, S, D]`` → ``[H_kv, G·n, D]``,
+        with ``layer``'s window and soft-cap (None: plain causal)."""
+        window = layer.sliding_window if layer is not None else None
+        softcap = layer.softcap if layer is not None else None
         h_kv, rows, d = qg.shape
         device = qg.device
         group = rows // n
@@ -144,7 +161,12 @@ class ChunkedAttentionBackend(AttentionBackend[AttentionMetadata]):
             c1 = min(c0 + self.chunk_size, seq_len)
             kc, vc = keys[:, c0:c1].float(), values[:, c0:c1].float()  # [H_kv, c, D]
             s = (qg @ kc.transpose(1, 2)) * scale  # [H_kv, rows, c]
-            mask = self.visible(query_pos, torch.arange(c0, c1, device=device))  # [rows, c]
+            if softcap is not None:  # before the mask: a capped -inf would be a visible -c
+                s = torch.tanh(s / softcap) * softcap
+            key_pos = torch.arange(c0, c1, device=device)
+            mask = self.visible(query_pos, key_pos)  # [rows, c]
+            if window is not None:
+                mask = mask & self.in_window(query_pos, key_pos, window)
             s = s.masked_fill(~mask, -math.inf)
             m_new = torch.maximum(m, s.amax(dim=-1))
             # rows with nothing visible yet keep m = -inf; exp(-inf - -inf) would be nan, so pin them

@@ -1,0 +1,89 @@
+"""The attention-variant dimension of the op tier: cases whose two layers use sliding windows, soft-caps and
+sinks (:class:`~kvcore.interfaces.attention.LayerAttention`), checked against ``naive`` like every op case.
+
+Each row is an ordinary op case (layout, head size, scenario, block size) plus a *pattern*: the two layers'
+attention. The rows put the window edge where bugs live: a window smaller than a block, equal to the
+block size, crossing block boundaries and the chunk boundaries of the ``mixed`` scenario (13-token chunks
+at several offsets), window 1 (the query alone), decode far past the window (``ragged`` decodes a 33-token
+prompt), soft-cap values that bite (1.5) and that barely do (30), per-head sinks in prefill and decode,
+and a layer pattern mixing a windowed soft-capped layer with a global one with sinks. A backend that does
+not declare a pattern's variants for both phases skips the case with the reason.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from kvcore.conformance.cases import BLOCK_SIZE, OpCase
+from kvcore.interfaces.layer_attention import LayerAttention, variants_of
+
+__all__ = ["PATTERNS", "VariantOpCase", "variant_cases", "case_layers"]
+
+#: pattern -> per layer (sliding window, soft-cap, sinks?) of the two op-tier layers
+PATTERNS: dict[str, tuple[tuple[int | None, float | None, bool], ...]] = {
+    "window7": ((7, None, False), (7, None, False)),  # smaller than a block
+    "window16": ((BLOCK_SIZE, None, False), (None, None, False)),  # equal to the block size; a global layer
+    "window20": ((20, None, False), (20, None, False)),  # crossing block and chunk boundaries
+    "window1": ((1, None, False), (1, None, False)),  # the query alone
+    "softcap": ((None, 1.5, False), (None, 30.0, False)),
+    "window13-softcap": ((13, 1.5, False), (13, 1.5, False)),
+    "sinks": ((None, None, True), (None, None, True)),
+    "mixed": ((5, 2.0, False), (None, None, True)),  # a local soft-capped layer, a global one with sinks
+}
+
+#: (layout, head_dim, scenario, block_size, pattern)
+ROWS = (
+    ("gqa", 64, "ragged", 16, "window7"),
+    ("gqa", 64, "ragged", 16, "window16"),
+    ("mqa", 32, "mixed", 12, "window20"),
+    ("gqa8x4", 64, "continue", 8, "window20"),
+    ("mha", 64, "fork", 8, "window1"),
+    ("gqa6x2", 40, "ragged", 16, "softcap"),
+    ("gqa", 64, "mixed", 16, "window13-softcap"),
+    ("gqa", 64, "continue", 16, "sinks"),
+    ("mqa", 64, "ragged", 1, "mixed"),
+    ("gqa", 128, "fragmented", 16, "window16"),
+)
+
+
+@dataclass(frozen=True)
+class VariantOpCase(OpCase):
+    """An op case whose layers attend as :data:`PATTERNS` ``[pattern]`` says."""
+
+    pattern: str = "window7"
+
+    @property
+    def id(self) -> str:
+        return f"{super().id}-{self.pattern}"
+
+    def shapes(self) -> dict:
+        return {**super().shapes(), "attention": self.pattern}
+
+
+def case_layers(case: OpCase, scale: float) -> tuple[LayerAttention, ...]:
+    """The layers' attention of ``case`` (empty: a plain op case). Sinks are drawn from the case's seed."""
+    pattern = getattr(case, "pattern", None)
+    if pattern is None:
+        return ()
+    gen = torch.Generator().manual_seed(case.seed + 1)
+    layers = []
+    for window, softcap, sinks in PATTERNS[pattern]:
+        logits = torch.randn(case.num_heads, generator=gen) * 2 if sinks else None  # some heads sink a lot
+        layers.append(LayerAttention(scale, sliding_window=window, softcap=softcap, sinks=logits))
+    return tuple(layers)
+
+
+def case_variants(case: OpCase) -> frozenset[str]:
+    """The variants ``case`` needs a backend to serve (empty: a plain op case)."""
+    return variants_of(case_layers(case, 1.0))
+
+
+def variant_cases(kv_caches: tuple[str, ...] | None = None) -> list[VariantOpCase]:
+    """The variant rows (the same in quick and full runs: they are short), once per cache under test when
+    there are several."""
+    rows = [VariantOpCase(layout, d, s, block_size=bs, pattern=p) for layout, d, s, bs, p in ROWS]
+    if not kv_caches or len(kv_caches) < 2:
+        return rows
+    return [replace(c, kv_cache=name) for name in kv_caches for c in rows]
