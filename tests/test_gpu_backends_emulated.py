@@ -657,7 +657,7 @@ def test_flash_attn2_checks_the_real_extension_not_the_namespace(monkeypatch, tm
 
 def test_xformers_dtypes_follow_the_compute_capability(monkeypatch):
     """fp32 has one xformers operator (cutlassF, sm60-sm90) and bf16 needs sm80: declared, and refused with
-    a reason elsewhere; the support table shows the ranges."""
+    a reason elsewhere."""
     caps = XFormersBackend.capabilities
     assert caps.dtypes_on((9, 0)) == {torch.float32, torch.float16, torch.bfloat16}
     assert caps.dtypes_on((10, 0)) == {torch.float16, torch.bfloat16}
@@ -673,8 +673,6 @@ def test_xformers_dtypes_follow_the_compute_capability(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
     reasons = xf.validate(dtype=torch.bfloat16, **shape)
     assert "dtype bfloat16 is not served on compute capability 7.5 (sm80+)" in reasons
-    row = next(r for r in backend_rows(PluginRegistry(load_entrypoints=False)) if r["backend"] == "xformers")
-    assert row["dtypes"] == "float32 (sm60-sm90),bfloat16 (sm80+),float16"
 
 
 def _really_installed(module: str) -> bool:

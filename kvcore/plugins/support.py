@@ -24,16 +24,10 @@ def _variants(caps) -> str:
     return f"prefill: {names(caps.prefill_variants)}; decode: {names(caps.decode_variants)}"
 
 
-def _dtype_names(dtypes, caps=None) -> str:
-    """``float32,bfloat16`` - with a backend's ``caps``, a dtype served on part of the CUDA range alone
-    carries that range: ``float32 (sm60-sm90)``."""
+def _dtype_names(dtypes) -> str:
     order = {"float32": 0, "bfloat16": 1, "float16": 2}
-    ranged = {d for d, _, _ in caps.dtype_compute_capability} if caps is not None else set()
-    names = {str(d).removeprefix("torch."): d for d in dtypes}
-    return ",".join(
-        n + (f" ({caps.dtype_range(names[n])})" if names[n] in ranged else "")
-        for n in sorted(names, key=lambda n: order.get(n, 9))
-    )
+    names = [str(d).removeprefix("torch.") for d in dtypes]
+    return ",".join(sorted(names, key=lambda n: order.get(n, 9)))
 
 
 def _availability(entry: PluginEntry) -> str:
@@ -61,7 +55,7 @@ def backend_rows(registry: PluginRegistry) -> list[dict[str, Any]]:
                 "plugin": entry.plugin,
                 "available": _availability(entry),
                 "devices": ",".join(sorted(caps.devices)),
-                "dtypes": _dtype_names(caps.dtypes, caps),
+                "dtypes": _dtype_names(caps.dtypes),
                 "head_dims": head_dims,
                 "gqa": "yes" if caps.supports_gqa else "no",
                 "kv_layouts": ",".join(caps.kv_layouts),
