@@ -46,7 +46,6 @@ from kvcore.hookspecs import hookimpl
 from kvcore.interfaces.kv_cache import CacheSpec
 from kvcore.interfaces.layer_attention import LayerAttention
 from kvcore.plugins.registry import KV_CACHE, PluginRegistry, get_registry
-from kvcore.plugins.support import backend_rows
 from kvcore.scheduling.kv_manager import KVCacheManager
 
 CPU = torch.device("cpu")
