@@ -36,21 +36,19 @@ emulations of the documented kernel semantics.
 
 from __future__ import annotations
 
-import importlib.util
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from kvcore.errors import BackendError, ConfigError
 from kvcore.hookspecs import hookimpl
-from kvcore.interfaces.attention import AttentionBackend, BackendCapabilities
+from kvcore.interfaces.attention import BackendCapabilities
 from kvcore.interfaces.kv_cache import KVCache
-from kvcore.interfaces.metadata import AttentionMetadata, cu_seqlens, host_to_device
+from kvcore.interfaces.metadata import AttentionMetadata
 
 from .contiguous import ContiguousKVCache
+from .cuda_glue import KernelBackend, SlotPlan, cuda_availability, import_reason, kv_views
 
-__all__ = ["FlashAttn2Backend", "FlashKVCache", "KernelBackend", "SlotPlan", "cuda_availability", "kv_views"]
+__all__ = ["FlashAttn2Backend", "FlashKVCache"]
 
 FLASH_ATTN_INSTALL = "pip install flash-attn --no-build-isolation; see docs/gpu-backends.md"
 #: flash-attn 2.8.3's csrc/flash_attn/flash_api.cpp: ``TORCH_CHECK(cc_major >= 8, "FlashAttention only
@@ -61,41 +59,6 @@ FLASH_MIN_VERSION = (2, 6)  # flash_attn_with_kvcache with cache_batch_idx / cac
 #: ``flash_attn`` without it is not flash-attn 2 (flash-attn-4 installs an empty ``flash_attn`` namespace).
 FLASH_EXTENSION = "flash_attn_2_cuda"
 FLASH_FUNCTIONS = ("flash_attn_varlen_func", "flash_attn_with_kvcache")  # what this backend calls
-
-
-# -- availability (shared with the xformers backend) ---------------------------------------------------
-def cuda_availability(
-    module: str, install_hint: str, min_cc: tuple[int, int], extension: str | None = None
-) -> str | None:
-    """The first reason ``module``'s CUDA kernels cannot run here, or None. Never raises.
-
-    Order: package missing (cheap ``find_spec``, no import) → its compiled ``extension`` module missing →
-    no CUDA device → compute capability.
-    """
-    try:
-        if importlib.util.find_spec(module) is None:
-            return f"package '{module}' is not installed ({install_hint})"
-        if extension is not None and importlib.util.find_spec(extension) is None:
-            return (f"'{module}' is there but its CUDA extension '{extension}' is not (a namespace or another "
-                    f"major version, e.g. flash-attn-4; {install_hint})")
-        if not torch.cuda.is_available():
-            return "no CUDA device (torch.cuda.is_available() is False)"
-        major, minor = torch.cuda.get_device_capability()
-        if (major, minor) < min_cc:
-            need = f"sm{min_cc[0]}{min_cc[1]}+ required"
-            return f"GPU compute capability {major}.{minor} < {min_cc[0]}.{min_cc[1]} ({need})"
-    except Exception as exc:  # availability() must never raise
-        return f"availability check failed: {type(exc).__name__}: {exc}".splitlines()[0]
-    return None
-
-
-def _import_reason(module: str) -> str | None:
-    """Import ``module`` (only once CUDA is known to be there); a one-line reason if that fails."""
-    try:
-        importlib.import_module(module)
-    except Exception as exc:
-        return f"package '{module}' is installed but failed to import: {type(exc).__name__}: {exc}".splitlines()[0]
-    return None
 
 
 # -- the flash-layout KV cache ---------------------------------------------------------------------------
@@ -123,81 +86,11 @@ class FlashKVCache(ContiguousKVCache):
         return self.k[layer_idx, slot, :length].clone(), self.v[layer_idx, slot, :length].clone()
 
 
-# -- glue shared with the xformers backend -----------------------------------------------------------------
-def kv_views(cache: KVCache, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """One layer of a per-slot cache as ``[num_slots, max_seq_len, H_kv, D]`` views (no copy)."""
-    if cache.layout == "flash_contiguous":
-        return cache.k[layer_idx], cache.v[layer_idx]
-    if cache.layout == "contiguous":
-        # [slots, H_kv, S, D] -> [slots, S, H_kv, D]: strided view, last dim still contiguous
-        return cache.k[layer_idx].transpose(1, 2), cache.v[layer_idx].transpose(1, 2)
-    raise BackendError(f"cannot read a '{cache.layout}' KV cache (reads: flash_contiguous, contiguous)")
-
-
-@dataclass(frozen=True)
-class SlotPlan:
-    """What every layer of one call over a per-slot cache shares (flash_attn2, xformers)."""
-
-    meta: AttentionMetadata
-    slots_t: torch.Tensor  # [B] int64, cache slot of each sequence
-    slots_i32: torch.Tensor  # [B] int32 (flash-attn's cache_batch_idx)
-    context_lens_i32: torch.Tensor  # [B] int32, lengths before this call (flash-attn's cache_seqlens)
-    gather_slot: torch.Tensor | None  # [sum(seq_lens)] int64: every sequence's full key range, by slot ...
-    gather_pos: torch.Tensor | None  # ... and position (a prefill continuing the cache)
-    cu_seqlens_k: torch.Tensor | None  # [B + 1] int32, prefix sums of seq_lens
-
-
-def slot_plan(meta: AttentionMetadata) -> SlotPlan:
-    """Built on the host from the metadata's lists and sent in one copy: no device sync, one transfer."""
-    slots = torch.tensor(meta.slots, dtype=torch.long)
-    host = [slots, slots.to(torch.int32), torch.tensor(meta.context_lens, dtype=torch.int32)]
-    if not meta.is_decode and max(meta.context_lens) > 0:
-        cu_k = cu_seqlens(meta.seq_lens, "cpu")
-        lens = torch.tensor(meta.seq_lens, dtype=torch.long)
-        starts = cu_k[:-1].long().repeat_interleave(lens)  # first packed row of each row's sequence
-        host += [cu_k, slots.repeat_interleave(lens), torch.arange(int(cu_k[-1])) - starts]
-    slots_t, slots_i32, context_lens_i32, *gather = host_to_device(host, meta.positions.device)
-    cu_k, gather_slot, gather_pos = gather or (None, None, None)
-    return SlotPlan(
-        meta=meta,
-        slots_t=slots_t,
-        slots_i32=slots_i32,
-        context_lens_i32=context_lens_i32,
-        gather_slot=gather_slot,
-        gather_pos=gather_pos,
-        cu_seqlens_k=cu_k,
-    )
-
-
 # -- the backend ---------------------------------------------------------------------------------------
 def _flash_attn_module() -> Any:
     import flash_attn  # optional, CUDA-only: imported on first use
 
     return flash_attn
-
-
-class KernelBackend(AttentionBackend[SlotPlan]):
-    """A backend over a per-slot cache that calls its kernels through ``self.kernels``: the real package
-    by default (imported on first use), or an object passed as ``kernels=`` (tests pass CPU emulations)."""
-
-    @staticmethod
-    def _load_kernels() -> Any:
-        raise NotImplementedError
-
-    def __init__(self, kernels: Any = None, **options: Any) -> None:
-        super().__init__(**options)
-        if isinstance(kernels, str):
-            raise ConfigError(f"backend '{self.name}': 'kernels' is a testing hook and cannot be set from a config")
-        self._kernels = kernels
-
-    @property
-    def kernels(self) -> Any:
-        if self._kernels is None:
-            self._kernels = self._load_kernels()
-        return self._kernels
-
-    def plan(self, meta: AttentionMetadata, cache: KVCache) -> SlotPlan:
-        return slot_plan(meta)
 
 
 class FlashAttn2Backend(KernelBackend):
@@ -222,7 +115,7 @@ class FlashAttn2Backend(KernelBackend):
     def availability(cls) -> str | None:
         reason = cuda_availability("flash_attn", FLASH_ATTN_INSTALL, FLASH_MIN_CC, extension=FLASH_EXTENSION)
         if reason is None:
-            reason = _import_reason("flash_attn") or _api_reason()
+            reason = import_reason("flash_attn") or _api_reason()
         return reason
 
     def forward(

@@ -45,7 +45,7 @@ from kvcore.interfaces.attention import BackendCapabilities
 from kvcore.interfaces.kv_cache import KVCache
 from kvcore.interfaces.metadata import AttentionMetadata
 
-from .flash_attn2 import KernelBackend, SlotPlan, cuda_availability, kv_views, slot_plan
+from .cuda_glue import KernelBackend, SlotPlan, cuda_availability, kv_views, slot_plan
 
 __all__ = ["XFormersBackend", "XFormersPlan"]
 

@@ -34,11 +34,12 @@ from kernel_emulation import (
     emulated_memory_efficient_attention,
 )
 
-import kvcore.backends.flash_attn2 as flash_mod
+import kvcore.backends.cuda_glue as cuda_glue
 import kvcore.backends.xformers as xformers_mod
 from kvcore import Engine, EngineConfig, SamplingParams
 from kvcore.backends.contiguous import ContiguousKVCache
-from kvcore.backends.flash_attn2 import FlashAttn2Backend, FlashKVCache, SlotPlan
+from kvcore.backends.cuda_glue import SlotPlan
+from kvcore.backends.flash_attn2 import FlashAttn2Backend, FlashKVCache
 from kvcore.backends.naive import NaiveBackend
 from kvcore.backends.xformers import XFormersBackend
 from kvcore.errors import BackendUnavailableError, ConfigError
@@ -551,8 +552,8 @@ def test_planted_kernel_argument_bugs_are_caught(bug):
 
 
 def test_planted_cu_seqlens_helper_bug_is_caught(monkeypatch):
-    real = flash_mod.cu_seqlens
-    monkeypatch.setattr(flash_mod, "cu_seqlens", lambda lens, device: real([n + 1 for n in lens], device) - 1)
+    real = cuda_glue.cu_seqlens  # where the slot plan computes the keys' offsets
+    monkeypatch.setattr(cuda_glue, "cu_seqlens", lambda lens, device: real([n + 1 for n in lens], device) - 1)
     with pytest.raises(CAUGHT):
         mixed_scenario(Pair(make_backend("flash_attn2"), "flash_contiguous", 4, 4, 64))
 
