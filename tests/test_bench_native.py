@@ -48,9 +48,9 @@ def test_the_tools_json_is_read(tmp_path):
     fake_tool(tmp_path / "llama-batched-bench", lines)
     rows = batched_bench(tmp_path, Path("m.gguf"), 2, [1, 8], 64, 128, ctx=2048)
     assert [r["speed_tg"] for r in rows] == [10.0, 80.0]
-    assert "-npl 1,8" in (tmp_path / "llama-batched-bench.args").read_text()
+    assert "--no-repack -npl 1,8" in (tmp_path / "llama-batched-bench.args").read_text()
     fake_tool(tmp_path / "llama-bench", "", rc=1)
-    with pytest.raises(ConfigError, match="llama-bench failed"):
+    with pytest.raises(ConfigError, match=r"llama-bench failed \(exit code 1\)"):
         llama_bench(tmp_path, Path("m.gguf"), 2)
 
 

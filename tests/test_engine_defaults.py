@@ -130,3 +130,17 @@ def test_cli_reports_the_choice_and_peak_memory(capsys):
     assert err.count("kvcore: chose dtype float32, weights float, lm_head dense because dtype float32") == 1
     memory = result["memory"]
     assert memory["peak_rss_bytes"] >= memory["rss_before_load_bytes"] > 10 * 2**20
+
+
+def test_peak_rss_is_this_programs_own_after_a_fork_and_exec():
+    """A child started by a big parent (fork + exec, as subprocess does) reports its own peak, not the parent's
+    (getrusage's maxrss keeps the parent's peak across the exec)."""
+    import subprocess
+    import sys
+
+    import torch
+
+    ballast = torch.ones(400 * 2**20, dtype=torch.uint8)  # 400 MiB resident in the parent
+    code = "from kvcore.cli.generate import peak_rss_bytes; print(peak_rss_bytes())"
+    child = int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
+    assert int(ballast.sum()) == 400 * 2**20 and 0 < child < 200 * 2**20

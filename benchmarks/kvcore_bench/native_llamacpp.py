@@ -84,7 +84,8 @@ def _run_json(command: list[str]) -> list[dict[str, Any]]:
     if done.returncode != 0:
         from kvcore.errors import ConfigError
 
-        raise ConfigError(f"{Path(command[0]).name} failed: {done.stderr.strip().splitlines()[-1:]}")
+        why = f"signal {-done.returncode}" if done.returncode < 0 else f"exit code {done.returncode}"
+        raise ConfigError(f"{Path(command[0]).name} failed ({why}): {done.stderr.strip().splitlines()[-1:]}")
     text = done.stdout.strip()
     if text.startswith("["):
         return json.loads(text)
@@ -102,7 +103,9 @@ def llama_bench(bin_dir: Path, gguf: Path, threads: int, n_gen: int = 128, reps:
 def batched_bench(bin_dir: Path, gguf: Path, threads: int, npl: list[int], npp: int, ntg: int,
                   ctx: int) -> list[dict[str, Any]]:
     """``llama-batched-bench -npl ...`` (parallel sequences, each ``npp`` prompt tokens then ``ntg`` generated):
-    one JSON row per parallel count (``speed_tg``: aggregate generation tok/s)."""
+    one JSON row per parallel count (``speed_tg``: aggregate generation tok/s). ``--no-repack``: on a VM whose
+    CPU reports AMX, batched steps on ggml's repacked (AMX) weight buffers died of SIGILL; without them llama.cpp
+    runs its AVX-512 kernels on the blocks as stored."""
     return _run_json([str(bin_dir / "llama-batched-bench"), "-m", str(gguf), "-t", str(threads), "-c", str(ctx),
-                      "-b", "2048", "-ub", "512", "-npp", str(npp), "-ntg", str(ntg),
+                      "-b", "2048", "-ub", "512", "-npp", str(npp), "-ntg", str(ntg), "--no-repack",
                       "-npl", ",".join(map(str, npl)), "--output-format", "jsonl"])

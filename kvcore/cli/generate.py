@@ -185,13 +185,22 @@ def result_payload(loaded: Loaded, result, finish_reason: str | None = None) -> 
 
 
 def peak_rss_bytes() -> int | None:
-    """This process's peak resident set size so far (None where the OS does not report it)."""
+    """This process's peak resident set size so far (None where the OS does not report it). Linux: ``VmHWM``,
+    the peak of this program's own memory map; ``getrusage`` would carry a forking parent's peak over into a
+    child started with fork + exec."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
     try:
         import resource
     except ImportError:  # not POSIX
         return None
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB on Linux
+    return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB elsewhere
 
 
 def chat_prompt_ids(tok, messages: list[dict[str, str]]) -> list[int]:
