@@ -25,7 +25,7 @@ import torch
 
 from kvcore import DefaultSampler, Sampler, SamplingRow
 from kvcore.errors import ConfigError
-from kvcore.sampling.sampler import SAMPLING_FEATURES
+from kvcore.interfaces.sampler import SAMPLING_FEATURES
 
 __all__ = ["RepetitionPenaltySampler", "apply_repetition_penalty"]
 
