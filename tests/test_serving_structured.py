@@ -255,6 +255,14 @@ def test_tool_calls_validate_against_their_schemas(tool_server):
                                      parallel_tool_calls=False)
     (call,) = resp.choices[0].message.tool_calls
     assert call.function.name == "get_time"
+    for seed in range(4):  # "auto": a valid call, or a text answer that does not open one
+        resp = c.chat.completions.create(model=NAME, messages=USER, tools=[WEATHER, TIME], max_tokens=60,
+                                         parallel_tool_calls=False, temperature=1.0, seed=seed)
+        message = resp.choices[0].message
+        if message.tool_calls:
+            _check_calls(message.tool_calls, schemas)
+        else:
+            assert not message.content.startswith("<"), message
     # streamed: the calls come as one delta at the end
     chunks = list(c.chat.completions.create(model=NAME, messages=USER, tools=[WEATHER], tool_choice="required",
                                             parallel_tool_calls=False, max_tokens=200, stream=True))
