@@ -28,11 +28,14 @@ API_ONLY = {
     "stop_token_ids": "per request (HTTP and API)",
 }
 #: flags that are about one command, not a run setting
+_RUN = {"json", "config", "no_model_cache", "debug", "verbose"}
+#: a request's structured-output constraint, read from a file or given once (SamplingParams.structured_output)
+_STRUCTURED = {"json_schema", "regex", "grammar"}
 COMMAND_ONLY = {
-    "generate": {"prompt", "prompt_file", "json", "config", "no_model_cache", "debug"},
-    "chat": {"prompt", "prompt_file", "json", "config", "no_model_cache", "debug", "interactive", "system"},
-    "serve": {"config", "no_model_cache", "debug", "host", "port", "api_key", "served_model_name", "log_level",
-              "max_queue_len", "step_watchdog_s"},
+    "generate": {"prompt", "prompt_file"} | _RUN | _STRUCTURED,
+    "chat": {"prompt", "prompt_file", "interactive", "system"} | _RUN | _STRUCTURED,
+    "serve": {"config", "no_model_cache", "debug", "verbose", "host", "port", "api_key", "served_model_name",
+              "log_level", "max_queue_len", "step_watchdog_s", "strict"},
 }
 
 
