@@ -24,6 +24,7 @@ SAMPLING = {f.name for f in fields(SamplingParams)}
 API_ONLY = {
     "n": "per request (HTTP and API)",
     "cache_salt": "per request or tenant (HTTP and API)",
+    "structured_output": "per request (HTTP fields, --json-schema / --regex / --grammar)",
     "logit_bias": "per request: token ids are the model's, TOML keys are strings",
     "stop_token_ids": "per request (HTTP and API)",
 }
