@@ -57,7 +57,7 @@ def test_decodes_run_every_step_while_a_long_prompt_is_chunked(model):
     engine = Engine(model, None, EngineConfig(backend="sdpa", max_model_len=1024, max_num_batched_tokens=budget))
     sizes = []
     prepare = engine.kv.prepare
-    engine.kv.prepare = lambda ids, lens, scale: sizes.append(list(lens)) or prepare(ids, lens, scale)
+    engine.kv.prepare = lambda ids, lens, *rest: sizes.append(list(lens)) or prepare(ids, lens, *rest)
     short = engine.add_request([1, 2, 3], SamplingParams(max_new_tokens=40, ignore_eos=True))
     engine.step()
     long_prompt = [(i * 7) % 290 + 5 for i in range(600)]
