@@ -19,23 +19,24 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
-from kvcore.errors import (
-    ChatTemplateError,
-    ContextLengthError,
-    GrammarError,
-    InvalidRequestError,
-    KVCoreError,
-    OutOfBlocksError,
-)
+from kvcore.errors import ContextLengthError, GrammarError, KVCoreError
 from kvcore.serving.async_engine import AsyncEngine
+from kvcore.serving.http import (
+    HTTPError,
+    SSEResponse,
+    decode_json_body,
+    error_response,
+    merge_streams,
+    sse_event,
+    until_disconnect,
+)
 from kvcore.serving.metrics import CONTENT_TYPE
 from kvcore.serving.protocol import (
     GenerationJob,
@@ -48,126 +49,21 @@ from kvcore.serving.protocol import (
     parse_tokenize,
 )
 from kvcore.serving.responses import ChatFormat, Choice, CompletionFormat, TokenTexts
-from kvcore.serving.stream import EngineDeadError, EngineStepError, QueueFullError, RequestStream
+from kvcore.serving.stream import EngineDeadError, RequestStream
 
-__all__ = ["build_app", "RETRY_AFTER_S"]
+__all__ = ["build_app"]
 
 logger = logging.getLogger(__name__)
 
-#: what a 429 tells the client to wait before retrying, in seconds
-RETRY_AFTER_S = 1
 #: largest request body read (bytes): far below what would hurt the server; a bigger body is answered 413
 #: without being read to the end. A body past what the model's context can use (protocol.max_body_bytes)
 #: is read but refused unparsed (400 context_length_exceeded)
 MAX_REQUEST_BYTES = 16 * 1024 * 1024
 #: seconds a client may take to send its whole request body once the headers are in (408 after that)
 BODY_TIMEOUT_S = 30.0
-#: most '{' and '[' bytes a body may hold (inside strings too): each JSON object or array costs tens of bytes
-#: of memory once parsed, so this bounds what a body of tiny containers can cost
-MAX_JSON_CONTAINERS = 1_000_000
 #: requests parsed and tokenised at once, in worker threads; others wait their turn without blocking
 #: the event loop (a parse holds at most one body's worth of JSON in memory)
 MAX_CONCURRENT_PARSES = 4
-
-
-class _HTTPError(Exception):
-    def __init__(self, status: int, message: str, err_type: str, code: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.err_type, self.code = status, err_type, code
-
-
-def _error_response(exc: BaseException) -> JSONResponse:
-    """The HTTP answer for an exception: its status, and OpenAI's error body."""
-    headers = None
-    param = getattr(exc, "param", None)
-    if isinstance(exc, _HTTPError):
-        status, err_type, code = exc.status, exc.err_type, exc.code
-    elif isinstance(exc, ContextLengthError):
-        status, err_type, code = 400, "invalid_request_error", "context_length_exceeded"
-    elif isinstance(exc, (InvalidRequestError, OutOfBlocksError)):
-        status, err_type, code = 400, "invalid_request_error", None
-    elif isinstance(exc, ChatTemplateError):  # the client's messages drove the render past a limit (as vLLM: 400)
-        status, err_type, code = 400, "invalid_request_error", "chat_template_error"
-    elif isinstance(exc, QueueFullError):
-        status, err_type, code = 429, "rate_limit_error", "queue_full"
-        headers = {"Retry-After": str(RETRY_AFTER_S)}
-    elif isinstance(exc, EngineDeadError):
-        status, err_type, code = 503, "server_error", "engine_unavailable"
-    elif isinstance(exc, EngineStepError):
-        status, err_type, code = 500, "server_error", "engine_error"
-    elif isinstance(exc, KVCoreError):
-        status, err_type, code = 500, "server_error", type(exc).__name__
-    else:
-        logger.exception("internal error while serving a request", exc_info=exc)
-        status, err_type, code = 500, "server_error", "internal_error"
-    message = str(exc) if isinstance(exc, KVCoreError | _HTTPError) else f"internal error: {type(exc).__name__}"
-    return JSONResponse(error_body(message, err_type, code, param), status_code=status, headers=headers)
-
-
-class _SSEResponse(StreamingResponse):
-    """Server-sent events that stop at once when the client goes away, whatever the ASGI version: a
-    disconnect cancels the stream, and the body iterator is always closed (its ``finally`` aborts)."""
-
-    def __init__(self, content: AsyncIterator[str]) -> None:
-        super().__init__(content, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
-    async def __call__(self, scope, receive, send) -> None:
-        streaming = asyncio.ensure_future(self._send_all(send))
-        listening = asyncio.ensure_future(self.listen_for_disconnect(receive))
-        try:
-            await asyncio.wait({streaming, listening}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for task in (streaming, listening):
-                task.cancel()
-            await asyncio.gather(streaming, listening, return_exceptions=True)
-            await self.body_iterator.aclose()
-
-    async def _send_all(self, send) -> None:
-        with contextlib.suppress(OSError):  # the client went away while we were writing
-            await self.stream_response(send)
-
-
-async def _merge(streams: list[RequestStream], n: int) -> AsyncIterator[tuple[int, Any]]:
-    """``(choice index, event)`` from every prompt's stream: choice ``p * n + i`` (OpenAI's order)."""
-    if len(streams) == 1:
-        async for i, event in streams[0]:
-            yield i, event
-        return
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def forward(p: int, stream: RequestStream) -> None:
-        try:
-            async for i, event in stream:
-                await queue.put((p * n + i, event))
-            await queue.put(None)
-        except BaseException as exc:  # noqa: BLE001 - handed to the consumer, which re-raises it
-            await queue.put(exc)
-
-    tasks = [asyncio.ensure_future(forward(p, s)) for p, s in enumerate(streams)]
-    try:
-        open_streams = len(streams)
-        while open_streams:
-            item = await queue.get()
-            if item is None:
-                open_streams -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield item
-    finally:
-        for task in tasks:
-            task.cancel()
-
-
-def _event(obj: Any) -> str:
-    """One server-sent event carrying ``obj`` as compact JSON."""
-    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
-
-
-async def _until_disconnect(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
 
 
 def build_app(
@@ -197,7 +93,7 @@ def build_app(
             except ClientDisconnect:  # the client hung up before its request was in: nobody to answer
                 response = Response(status_code=499)
             except Exception as exc:  # noqa: BLE001 - every failure becomes an OpenAI error body
-                response = _error_response(exc)
+                response = error_response(exc)
             metrics.http_requests.labels(endpoint=endpoint, status=str(response.status_code)).inc()
             return response
 
@@ -208,12 +104,12 @@ def build_app(
             return
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
-            raise _HTTPError(401, "invalid API key: send 'Authorization: Bearer <key>'", "invalid_request_error",
+            raise HTTPError(401, "invalid API key: send 'Authorization: Bearer <key>'", "invalid_request_error",
                              "invalid_api_key")
 
     async def read_body(request: Request) -> bytes:
         """The body's bytes, bounded in size and in time; a body this model cannot use is not parsed."""
-        too_large = _HTTPError(413, f"the request body exceeds {MAX_REQUEST_BYTES} bytes", "invalid_request_error",
+        too_large = HTTPError(413, f"the request body exceeds {MAX_REQUEST_BYTES} bytes", "invalid_request_error",
                                "request_too_large")
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > MAX_REQUEST_BYTES:
@@ -227,7 +123,7 @@ def build_app(
                         raise too_large
                     chunks.append(chunk)
         except TimeoutError:
-            raise _HTTPError(408, f"the request body did not arrive within {BODY_TIMEOUT_S:g} s",
+            raise HTTPError(408, f"the request body did not arrive within {BODY_TIMEOUT_S:g} s",
                              "invalid_request_error", "request_timeout") from None
         if size > body_limit:
             raise ContextLengthError(
@@ -236,25 +132,11 @@ def build_app(
             )
         return b"".join(chunks)
 
-    def decode_body(data: bytes) -> dict:
-        if data.count(b"{") + data.count(b"[") > MAX_JSON_CONTAINERS:
-            raise InvalidRequestError(f"the request body has more than {MAX_JSON_CONTAINERS} '{{' and '[' characters; "
-                                      "no request needs that many (write them inside strings as \\u007b, \\u005b)")
-        try:
-            body = json.loads(data)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise InvalidRequestError(f"the request body is not valid JSON: {exc}") from None
-        except RecursionError:
-            raise InvalidRequestError("the request body is nested too deeply to be a request") from None
-        if not isinstance(body, dict):
-            raise InvalidRequestError("the request body must be a JSON object")
-        return body
-
     def prepare(data: bytes, parse: Callable, fmt_cls: type, request_id: str):
         """Body → job and response format: JSON decoding, templating and tokenising (a worker thread)."""
-        job: GenerationJob = parse(decode_body(data), tokenizer, **limits, strict=strict)
+        job: GenerationJob = parse(decode_json_body(data), tokenizer, **limits, strict=strict)
         if job.model is not None and job.model != model_name:
-            raise _HTTPError(404, f"the model '{job.model}' does not exist; this server serves '{model_name}'",
+            raise HTTPError(404, f"the model '{job.model}' does not exist; this server serves '{model_name}'",
                              "invalid_request_error", "model_not_found")
         extra = {}
         if fmt_cls is CompletionFormat:
@@ -289,11 +171,11 @@ def build_app(
                 s.abort()
             raise
         if job.stream:
-            response = _SSEResponse(_sse(job, fmt, streams))
+            response = SSEResponse(_sse(job, fmt, streams))
             response.headers.update(headers)
             return response
         work = asyncio.ensure_future(_collect(job, fmt, streams))
-        watch = asyncio.ensure_future(_until_disconnect(request))
+        watch = asyncio.ensure_future(until_disconnect(request))
         try:
             await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -309,7 +191,7 @@ def build_app(
 
     async def _collect(job: GenerationJob, fmt, streams: list[RequestStream]) -> dict:
         choices = [Choice(i) for i in range(len(job.prompts) * job.params.n)]
-        async for index, event in _merge(streams, job.params.n):
+        async for index, event in merge_streams(streams, job.params.n):
             if event.error is not None:
                 raise event.error
             choices[index].add(event)
@@ -319,20 +201,20 @@ def build_app(
         choices = [Choice(i) for i in range(len(job.prompts) * job.params.n)]
         try:
             for chunk in fmt.first_chunks(len(choices)):
-                yield _event(chunk)
-            async for index, event in _merge(streams, job.params.n):
+                yield sse_event(chunk)
+            async for index, event in merge_streams(streams, job.params.n):
                 if event.error is not None:
-                    body = json.loads(_error_response(event.error).body)
-                    yield _event(body)
+                    body = json.loads(error_response(event.error).body)
+                    yield sse_event(body)
                     break
                 choices[index].add(event)
                 chunk = fmt.chunk(index, event)
                 if chunk is not None:
-                    yield _event(chunk)
+                    yield sse_event(chunk)
             if job.include_usage:
-                yield _event(fmt.usage_chunk(choices, sum(s.num_cached_tokens for s in streams)))
+                yield sse_event(fmt.usage_chunk(choices, sum(s.num_cached_tokens for s in streams)))
         except KVCoreError as exc:  # the engine stopped mid-stream: tell the client in the stream
-            yield _event(json.loads(_error_response(exc).body))
+            yield sse_event(json.loads(error_response(exc).body))
         finally:
             for s in streams:
                 s.abort()
@@ -353,7 +235,7 @@ def build_app(
             raise EngineDeadError("this server's model has no tokenizer")
         data = await read_body(request)
         async with parsing:  # tokenising is unbounded work: off the event loop, as for generation
-            ids = await asyncio.to_thread(lambda: parse_tokenize(decode_body(data), tokenizer))
+            ids = await asyncio.to_thread(lambda: parse_tokenize(decode_json_body(data), tokenizer))
         return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": limits["max_model_len"]})
 
     async def detokenize(request: Request) -> Response:
@@ -363,7 +245,7 @@ def build_app(
         data = await read_body(request)
 
         def detokenized() -> str:  # JSON decoding and detokenising: off the event loop
-            ids = parse_detokenize(decode_body(data), limits["vocab_size"])
+            ids = parse_detokenize(decode_json_body(data), limits["vocab_size"])
             return tokenizer.decode(ids, skip_special_tokens=False)
 
         async with parsing:
@@ -376,7 +258,7 @@ def build_app(
         if name is None:
             return JSONResponse({"object": "list", "data": [card]})
         if name != model_name:
-            raise _HTTPError(404, f"the model '{name}' does not exist", "invalid_request_error", "model_not_found")
+            raise HTTPError(404, f"the model '{name}' does not exist", "invalid_request_error", "model_not_found")
         return JSONResponse(card)
 
     async def health(request: Request) -> Response:
