@@ -20,7 +20,7 @@ from kvcore.errors import ModelLoadError, ModelNotFoundError
 from kvcore.loaders import LoadedModel, expected_shapes, load_model, resolve
 from kvcore.loaders.gguf import _Reader, load_gguf, unpermute_qk
 from kvcore.model.config import ModelConfig
-from kvcore.text.tokenizer import Tokenizer
+from kvcore.text.vocab import byte_level_bpe
 
 # --------------------------------------------------------------------------- fixtures
 
@@ -405,7 +405,7 @@ def _hf_config(config: ModelConfig, **overrides: object) -> dict:
 
 def _write_tokenizer_files(path: Path) -> None:
     tokens, merges, types = _tiny_vocab()
-    Tokenizer.from_bpe_vocab(tokens, merges, token_types=types, pre_tokenizer="smollm").backend.save(
+    byte_level_bpe(tokens, merges, types, "smollm").save(
         str(path / "tokenizer.json")
     )
     (path / "tokenizer_config.json").write_text(

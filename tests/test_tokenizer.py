@@ -14,6 +14,7 @@ from kvcore.errors import ConfigError, InvalidRequestError, ModelNotFoundError
 from kvcore.loaders import resolve
 from kvcore.loaders.gguf import _Reader, load_gguf_tokenizer
 from kvcore.text.tokenizer import Tokenizer
+from kvcore.text.vocab import byte_level_bpe
 
 STRINGS = [
     "",
@@ -194,7 +195,7 @@ def test_roundtrip_and_stream_property(tok: Tokenizer, text: str) -> None:
 
 def _tiny(**kwargs) -> Tokenizer:
     tokens = ["<|endoftext|>", "<s>", "<|eot_id|>"] + [chr(c) for c in range(ord("!"), ord("~") + 1)] + ["Ġ"]
-    return Tokenizer.from_bpe_vocab(tokens, [], token_types=[3, 3, 3] + [1] * (len(tokens) - 3), **kwargs)
+    return Tokenizer(byte_level_bpe(tokens, [], [3, 3, 3] + [1] * (len(tokens) - 3), None), **kwargs)
 
 
 def test_no_chat_template_is_a_config_error() -> None:

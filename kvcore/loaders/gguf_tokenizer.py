@@ -7,6 +7,7 @@ from typing import Any
 
 from kvcore.errors import ModelLoadError
 from kvcore.text.tokenizer import Tokenizer
+from kvcore.text.vocab import byte_level_bpe, sentencepiece_bpe
 
 __all__ = ["gguf_tokenizer"]
 
@@ -39,32 +40,25 @@ def gguf_tokenizer(metadata: dict[str, Any], path: Path) -> Tokenizer:
         return value
 
     eos = [i for i in (token_id("eos"), token_id("eot"), token_id("eom")) if i is not None]
+    types = metadata.get("tokenizer.ggml.token_type")
     common = dict(
-        token_types=metadata.get("tokenizer.ggml.token_type"),
         bos_token_id=token_id("bos"),
         eos_token_ids=eos,
         pad_token_id=token_id("padding"),
         chat_template=metadata.get("tokenizer.chat_template"),
     )
     if kind == "llama":
-        return Tokenizer.from_sentencepiece_vocab(
-            tokens,
-            metadata.get("tokenizer.ggml.scores"),
-            unk_token_id=token_id("unknown"),
-            add_space_prefix=bool(metadata.get("tokenizer.ggml.add_space_prefix", True)),
-            add_bos=bool(metadata.get("tokenizer.ggml.add_bos_token", True)),  # llama.cpp's SentencePiece default
-            **common,
+        backend = sentencepiece_bpe(
+            tokens, metadata.get("tokenizer.ggml.scores"), types, token_id("unknown"),
+            bool(metadata.get("tokenizer.ggml.add_space_prefix", True)),
         )
+        add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", True))  # llama.cpp's SentencePiece default
+        return Tokenizer(backend, add_bos=add_bos, **common)
     merges = _array(metadata, "merges", str, path)
     if merges is None:
         raise ModelLoadError(f"'{path}': GGUF has no tokenizer.ggml.merges for its BPE vocabulary")
-    return Tokenizer.from_bpe_vocab(
-        tokens,
-        merges,
-        pre_tokenizer=metadata.get("tokenizer.ggml.pre"),
-        add_bos=bool(metadata.get("tokenizer.ggml.add_bos_token", False)),
-        **common,
-    )
+    backend = byte_level_bpe(tokens, merges, types, metadata.get("tokenizer.ggml.pre"))
+    return Tokenizer(backend, add_bos=bool(metadata.get("tokenizer.ggml.add_bos_token", False)), **common)
 
 
 def _array(metadata: dict[str, Any], key: str, kind: type | tuple[type, ...], path: Path) -> list | None:

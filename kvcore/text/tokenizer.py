@@ -4,8 +4,8 @@
 generation loop needs on top: the model's BOS/EOS conventions, its Jinja chat template, and a
 :class:`StreamDecoder` that turns one token id at a time into text without ever emitting half a UTF-8
 character. It is built either from a ``tokenizer.json`` (:meth:`Tokenizer.from_file`, Hugging Face
-directories) or from a GGUF vocabulary (:mod:`kvcore.text.vocab`): byte-level BPE (:meth:`Tokenizer.from_bpe_vocab`)
-or SentencePiece (:meth:`Tokenizer.from_sentencepiece_vocab`).
+directories) or around a backend built from a GGUF vocabulary (:mod:`kvcore.text.vocab`: byte-level BPE
+or SentencePiece).
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ import tokenizers
 
 from kvcore.errors import ConfigError, InvalidRequestError, ModelLoadError
 from kvcore.text.stream_decoder import StreamDecoder
-from kvcore.text.vocab import byte_level_bpe, sentencepiece_bpe
 
 if TYPE_CHECKING:  # jinja2 is imported on the first chat template use: a plain `generate` never needs it
     import jinja2
@@ -129,75 +128,6 @@ class Tokenizer:
             pad_token_id=token_id("pad_token"),
             add_bos=bool(add_bos),
             chat_template=template if isinstance(template, str) else None,
-        )
-
-    @classmethod
-    def from_bpe_vocab(
-        cls,
-        tokens: Sequence[str],
-        merges: Sequence[str],
-        *,
-        token_types: Sequence[int] | None = None,
-        pre_tokenizer: str | None = None,
-        bos_token_id: int | None = None,
-        eos_token_ids: Sequence[int] = (),
-        pad_token_id: int | None = None,
-        add_bos: bool = False,
-        chat_template: str | None = None,
-    ) -> Tokenizer:
-        """Build a byte-level BPE tokenizer (GPT-2 style) from a GGUF-style vocabulary.
-
-        Args:
-            tokens: the vocabulary; ``tokens[i]`` is token id ``i``, spelled in GPT-2's byte alphabet.
-            merges: BPE merges, best first, each ``"left right"``.
-            token_types: llama.cpp token types per id; 3 (control) become special tokens, 4
-                (user-defined) plain added tokens, so both match whole in the text.
-            pre_tokenizer: llama.cpp's ``tokenizer.ggml.pre`` name (``"smollm"``, ``"llama-bpe"``, ...).
-            Other arguments: as for :class:`Tokenizer`.
-        """
-        backend = byte_level_bpe(tokens, merges, token_types, pre_tokenizer)
-        return cls(
-            backend,
-            bos_token_id=bos_token_id,
-            eos_token_ids=eos_token_ids,
-            pad_token_id=pad_token_id,
-            add_bos=add_bos,
-            chat_template=chat_template,
-        )
-
-    @classmethod
-    def from_sentencepiece_vocab(
-        cls,
-        tokens: Sequence[str],
-        scores: Sequence[float] | None,
-        *,
-        token_types: Sequence[int] | None = None,
-        unk_token_id: int | None = None,
-        add_space_prefix: bool = True,
-        bos_token_id: int | None = None,
-        eos_token_ids: Sequence[int] = (),
-        pad_token_id: int | None = None,
-        add_bos: bool = True,
-        chat_template: str | None = None,
-    ) -> Tokenizer:
-        """Build a SentencePiece BPE tokenizer (Llama 2, Mistral, Phi-3, Gemma) from a GGUF-style vocabulary.
-
-        Args:
-            tokens: the pieces; ``tokens[i]`` is token id ``i`` (``▁`` for a space, ``<0x0A>`` byte pieces).
-            scores: per piece, higher merges first (SentencePiece's scores); None ranks by id.
-            token_types: llama.cpp token types (2 unknown, 3 control, 6 byte...).
-            unk_token_id: the unknown piece (used when a byte piece is missing).
-            add_space_prefix: SentencePiece's ``add_dummy_prefix`` (a ``▁`` before the text).
-            Other arguments: as for :class:`Tokenizer`.
-        """
-        backend = sentencepiece_bpe(tokens, scores, token_types, unk_token_id, add_space_prefix)
-        return cls(
-            backend,
-            bos_token_id=bos_token_id,
-            eos_token_ids=eos_token_ids,
-            pad_token_id=pad_token_id,
-            add_bos=add_bos,
-            chat_template=chat_template,
         )
 
     # ------------------------------------------------------------------ properties
