@@ -37,19 +37,14 @@ from typing import Any
 
 import torch
 
-from kvcore.engine.config import EngineConfig, check_cache_memory, parse_dtype, select_components
+from kvcore.engine.build import build_kv_cache, check_model, local_execution, serving_config, tensor_parallel_runner
+from kvcore.engine.config import EngineConfig, parse_dtype, select_components
 from kvcore.engine.defaults import DefaultChoice, choose_defaults, file_facts, model_facts
+from kvcore.engine.requests import prompt_batch, prompt_token_ids, request_result, run_batch, run_chat, stream_events
 from kvcore.engine.settings import Settings
 from kvcore.engine.step import EngineStep
-from kvcore.errors import (
-    ConfigError,
-    ContextLengthError,
-    InvalidRequestError,
-    RequestAbortedError,
-)
-from kvcore.execution.backend_check import BackendGuard
+from kvcore.errors import InvalidRequestError, RequestAbortedError
 from kvcore.execution.runner import Executor, ModelRunner
-from kvcore.interfaces.kv_cache import CacheSpec
 from kvcore.interfaces.layer_attention import variants_of
 from kvcore.interfaces.sampler import Sampler, SamplingParams
 from kvcore.model.config import check_max_model_len
@@ -88,66 +83,26 @@ class Engine(EngineStep):
         self.model, self.tokenizer = model, tokenizer
         mc = model.config
         self.dtype, self.device = parse_dtype(config.dtype), torch.device(config.device)
-        if model.dtype != self.dtype:
-            raise ConfigError(f"model weights are {model.dtype} but the engine was configured for {self.dtype}")
-        weight_format = getattr(model, "weight_format", "float")
-        if config.weights not in ("auto", weight_format):
-            raise ConfigError(f"model weights are {weight_format} but the engine was configured for {config.weights}")
-        tp_runner = None  # tensor parallelism: rank 0's side of the group; this process computes rank 0's shard
-        if config.tensor_parallel_size > 1:
-            from kvcore.execution.distributed import TensorParallelRunner
-            from kvcore.execution.distributed.sharding import check_shardable
-
-            check_shardable(model)  # before any process is spawned
-            tp_runner = TensorParallelRunner(model, config)
+        weight_format = check_model(model, config)
+        tp_runner = tensor_parallel_runner(model, config)
+        if tp_runner is not None:
             mc = tp_runner.model.config  # local heads: backends and the KV cache see only this rank's
         heads = dict(num_heads=mc.num_attention_heads, num_kv_heads=mc.num_key_value_heads)
         chosen = select_components(registry, config, head_dim=mc.head_dim, variants=variants_of(model.attention_layers),
                                    **heads)
         self.prefill_backend, self.decode_backend = chosen.prefill_backend, chosen.decode_backend
-        # one guard per backend instance: it remembers which kinds of forward it verified (one-process runs)
-        checked = config.check_backend_outputs and config.tensor_parallel_size == 1
-        guards = {id(b): BackendGuard(b, config.backend_check_interval)
-                  for b in (self.prefill_backend, self.decode_backend) if checked}
-        self.compiled_decode = self.lm_head = None
-        for option, value in (("compile", config.compile), ("lm_head", config.lm_head != "dense")):
-            if value and tp_runner is not None:
-                raise ConfigError(f"{option} runs in one process; it cannot be combined with tensor_parallel_size > 1")
-        if config.compile:
-            from kvcore.execution.compile import CompiledDecode
-
-            self.compiled_decode = CompiledDecode(self.decode_backend, self.device)
-        if config.lm_head == "int4":
-            from kvcore.model.lm_head import RescoredInt4Head
-
-            self.lm_head = RescoredInt4Head(model.lm_head, a8=getattr(model, "weight_format", "") == "int4a8")
+        backends = (self.prefill_backend, self.decode_backend)
+        guards, self.compiled_decode, self.lm_head = local_execution(
+            model, config, backends, self.device, tensor_parallel=tp_runner is not None
+        )
         #: runs each step's forward: here, or on every rank of the tensor-parallel group
         self.runner: Executor = tp_runner or ModelRunner(model, guards, self.compiled_decode, self.lm_head)
         self.sampler = sampler or registry.create_sampler(config.sampler, config.sampler_options.get(config.sampler))
         window = mc.max_position_embeddings
         check_max_model_len(config.max_model_len, window)
         self.max_model_len = config.max_model_len or min(window, EngineConfig.DEFAULT_MAX_MODEL_LEN)
-        spec = CacheSpec(
-            num_layers=mc.num_hidden_layers,
-            num_kv_heads=mc.num_key_value_heads,
-            head_dim=mc.head_dim,
-            dtype=self.dtype,
-            device=self.device,
-            max_num_seqs=config.max_num_seqs,
-            max_seq_len=self.max_model_len,
-            block_size=config.block_size,
-            num_blocks=config.num_blocks,
-        )
-        cache_name, cache_options = chosen.kv_cache.name, config.kv_cache_options.get(chosen.kv_cache.name)
-        self.kv_cache_name = cache_name
-        if config.kv_cache_bytes and not config.num_blocks:
-            if not chosen.kv_cache.cls.paged:
-                raise ConfigError(f"kv_cache_bytes sizes a paged cache; '{cache_name}' reserves one slot per sequence")
-            block_size = (cache_options or {}).get("block_size", config.block_size)
-            per_block = chosen.kv_cache.cls.token_bytes(spec) * block_size
-            spec = dataclasses.replace(spec, num_blocks=max(1, config.kv_cache_bytes // per_block))
-        check_cache_memory(chosen.kv_cache.cls, spec, cache_options)
-        cache = registry.create_cache(cache_name, spec, cache_options)
+        cache, self.kv_cache_name = build_kv_cache(registry, chosen.kv_cache, config, mc, self.max_model_len)
+        cache_name = self.kv_cache_name
         self.runner.start(self.prefill_backend, self.decode_backend, cache, config)
         # one cache serves one model, but the prefix keys name what made the K/V anyway: a key never means
         # the same tokens under another model, dtype, weight format or cache layout
@@ -171,17 +126,7 @@ class Engine(EngineStep):
     def serving_config(self) -> dict[str, Any]:
         """What serves requests: backends, KV cache, sampler, dtype, weights, device and limits (the start-up
         banner and ``/v1/models`` show it)."""
-        return {
-            "prefill_backend": self.prefill_backend.name,
-            "decode_backend": self.decode_backend.name,
-            "kv_cache": self.kv_cache_name,
-            "sampler": self.sampler.name,
-            "dtype": str(self.dtype).removeprefix("torch."),
-            "weights": getattr(self.model, "weight_format", "float"),
-            "device": str(self.device),
-            "max_num_seqs": self.config.max_num_seqs,
-            "max_model_len": self.max_model_len,
-        }
+        return serving_config(self)
 
     def close(self) -> None:
         """Stop the tensor-parallel workers, if any (also done when the engine is collected or at exit)."""
@@ -241,7 +186,9 @@ class Engine(EngineStep):
         """Queue a request; returns its id (with ``params.n > 1`` the group id, see :meth:`sample_ids`).
         Invalid requests raise and leave the engine untouched."""
         params = params or SamplingParams()
-        prompt_ids = self._prompt_ids(prompt, params)
+        prompt_ids = prompt_token_ids(
+            prompt, params, self.tokenizer, self.model.config.vocab_size, self.config.max_num_seqs, self.max_model_len
+        )
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         ids = [request_id] if params.n == 1 else [f"{request_id}:{i}" for i in range(params.n)]
         taken = [r for r in (request_id, *ids) if r in self._requests or r in self._groups]
@@ -265,35 +212,6 @@ class Engine(EngineStep):
         self.scheduler.add(reqs[0])
         return request_id
 
-    def _prompt_ids(self, prompt: str | Sequence[int], params: SamplingParams) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise InvalidRequestError("this engine has no tokenizer: pass prompt token ids")
-            if not prompt:
-                raise InvalidRequestError("prompt is empty")
-            prompt_ids = self.tokenizer.encode(prompt)
-        else:
-            prompt_ids = [int(t) for t in prompt]
-        if not prompt_ids:
-            raise InvalidRequestError("prompt is empty (no tokens)")
-        vocab = self.model.config.vocab_size
-        bad = [t for t in prompt_ids if not 0 <= t < vocab] + [t for t, _ in params.logit_bias if t >= vocab]
-        if bad:
-            what = "prompt token id" if bad[0] in prompt_ids else "logit_bias token id"
-            raise InvalidRequestError(f"{what} {bad[0]} is outside the vocabulary [0, {vocab})")
-        if params.stop and self.tokenizer is None:
-            raise InvalidRequestError("stop strings need a tokenizer; this engine has none (use stop_token_ids)")
-        if params.n > self.config.max_num_seqs:
-            raise InvalidRequestError(
-                f"n = {params.n} samples cannot run together: max_num_seqs is {self.config.max_num_seqs}")
-        total = len(prompt_ids) + params.max_new_tokens
-        if total > self.max_model_len:
-            raise ContextLengthError(
-                f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({params.max_new_tokens}) = {total} exceeds "
-                f"the context limit of {self.max_model_len} tokens; shorten the prompt or lower max_new_tokens"
-            )
-        return prompt_ids
-
     def sample_ids(self, request_id: str) -> list[str]:
         """The request ids of the samples of ``request_id``: ``[f"{rid}:{i}" for i in range(n)]`` for a
         request added with ``n > 1``, else ``[request_id]``. Each is streamed, aborted and released on its
@@ -312,35 +230,13 @@ class Engine(EngineStep):
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def is_finished(self, request_id: str) -> bool:
+        """Whether request ``request_id`` (a sample id for ``n > 1``) has finished."""
+        return self._requests[request_id].is_finished
+
     def result(self, request_id: str) -> GenerationResult:
         """The state of one request (a sample id for ``n > 1``); final once it finished."""
-        req = self._requests[request_id]
-        out = self._outputs[request_id]
-        if req.params.stop or self.tokenizer is None:
-            text = out.text  # what was streamed: cut before a stop string
-        else:
-            text = self.tokenizer.decode(req.output_ids)
-        with_logprobs = req.params.logprobs is not None
-        decoded = top_decoded = None
-        if with_logprobs and self.tokenizer is not None:
-            def piece(token_id: int) -> str:
-                return self.tokenizer.decode([token_id], skip_special_tokens=False)
-
-            decoded = [piece(t) for t in req.output_ids]
-            top_decoded = [[piece(t) for t, _ in alts] for alts in req.top_logprobs]
-        return GenerationResult(
-            request_id=req.request_id,
-            prompt_token_ids=list(req.prompt_ids),
-            token_ids=list(req.output_ids),
-            text=text,
-            finish_reason=req.finish_reason,
-            metrics=req.metrics,
-            error=req.error,
-            logprobs=list(req.logprobs) if with_logprobs else None,
-            top_logprobs=[list(t) for t in req.top_logprobs] if with_logprobs else None,
-            decoded_tokens=decoded,
-            top_decoded_tokens=top_decoded,
-        )
+        return request_result(self._requests[request_id], self._outputs[request_id], self.tokenizer)
 
     def release(self, request_id: str) -> GenerationResult:
         """Result of a finished request, then forget it."""
@@ -362,24 +258,7 @@ class Engine(EngineStep):
         """Run a batch of prompts (any lengths) to completion; results in prompt order (with ``n > 1``,
         a prompt's n samples in sample order). A single string is one prompt (as in vLLM); so is a flat
         list of token ids. Interrupted, it aborts and forgets its requests."""
-        if isinstance(prompts, str):
-            prompts = [prompts]
-        prompts = list(prompts)
-        if prompts and all(isinstance(t, int) for t in prompts):
-            prompts = [prompts]
-        per = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
-        if len(per) != len(prompts):
-            raise InvalidRequestError(f"got {len(prompts)} prompts but {len(per)} sampling params")
-        ids: list[str] = []
-        try:
-            for prompt, p in zip(prompts, per):
-                ids += self.sample_ids(self.add_request(prompt, p))
-            while any(not self._requests[r].is_finished for r in ids):
-                self.step()
-        except BaseException:
-            self._drop(ids)  # leave the engine as we found it
-            raise
-        return [self.release(r) for r in ids]
+        return run_batch(self, prompt_batch(prompts, params))
 
     def chat(
         self, messages: list[dict], params: SamplingParams | None = None, tools: list[dict] | None = None
@@ -387,28 +266,12 @@ class Engine(EngineStep):
         """Answer one conversation (``[{"role": ..., "content": ...}, ...]``): the messages rendered with the
         model's chat template (:meth:`Tokenizer.apply_chat_template`, with ``tools`` when given), then
         generated to completion; with ``params.n > 1`` the first sample (use :meth:`generate` for all)."""
-        if self.tokenizer is None:
-            raise InvalidRequestError("this engine has no tokenizer: chat needs one for the chat template")
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
-        return self.generate([self.tokenizer.encode(text, add_bos=False)], params)[0]
+        return run_chat(self, messages, params, tools)
 
     def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> Iterator[TokenEvent]:
         """Yield the :class:`TokenEvent` of each generated token of one request (of each sample, n > 1).
         The request is released when the stream ends or is closed; keep the events for its text."""
-        ids = self.sample_ids(self.add_request(prompt, params))
-        try:
-            while any(not self._requests[r].is_finished for r in ids):
-                for event in self.step():
-                    if event.request_id in ids:
-                        yield event
-        finally:
-            self._drop(ids)
-
-    def _drop(self, ids: list[str]) -> None:
-        for rid in ids:
-            if rid in self._requests:
-                self.abort(rid)
-                self.release(rid)
+        return stream_events(self, prompt, params)
 
     @property
     def num_running(self) -> int:

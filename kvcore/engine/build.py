@@ -1,0 +1,116 @@
+"""What :class:`~kvcore.engine.core.Engine` assembles from its configuration: the KV cache, sized and checked
+before it is allocated, and the parts of a one-process forward (backend output guards, compiled decode
+steps, the LM head format)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from kvcore.engine.config import EngineConfig, check_cache_memory, parse_dtype
+from kvcore.errors import ConfigError
+from kvcore.execution.backend_check import BackendGuard
+from kvcore.interfaces.attention import AttentionBackend
+from kvcore.interfaces.kv_cache import CacheSpec, KVCache
+from kvcore.model.config import ModelConfig
+from kvcore.plugins.registry import PluginEntry, PluginRegistry
+
+__all__ = ["build_kv_cache", "check_model", "local_execution", "serving_config", "tensor_parallel_runner"]
+
+
+def build_kv_cache(
+    registry: PluginRegistry, entry: PluginEntry, config: EngineConfig, mc: ModelConfig, max_model_len: int
+) -> tuple[KVCache, str]:
+    """The KV cache ``entry`` names, for this process's share of the model ``mc`` (its local heads under
+    tensor parallelism), and its name. ``kv_cache_bytes`` sizes a paged cache; the memory is checked
+    before anything is allocated."""
+    dtype, device = parse_dtype(config.dtype), torch.device(config.device)
+    spec = CacheSpec(
+        num_layers=mc.num_hidden_layers,
+        num_kv_heads=mc.num_key_value_heads,
+        head_dim=mc.head_dim,
+        dtype=dtype,
+        device=device,
+        max_num_seqs=config.max_num_seqs,
+        max_seq_len=max_model_len,
+        block_size=config.block_size,
+        num_blocks=config.num_blocks,
+    )
+    cache_name, cache_options = entry.name, config.kv_cache_options.get(entry.name)
+    if config.kv_cache_bytes and not config.num_blocks:
+        if not entry.cls.paged:
+            raise ConfigError(f"kv_cache_bytes sizes a paged cache; '{cache_name}' reserves one slot per sequence")
+        block_size = (cache_options or {}).get("block_size", config.block_size)
+        per_block = entry.cls.token_bytes(spec) * block_size
+        spec = dataclasses.replace(spec, num_blocks=max(1, config.kv_cache_bytes // per_block))
+    check_cache_memory(entry.cls, spec, cache_options)
+    cache = registry.create_cache(cache_name, spec, cache_options)
+    return cache, cache_name
+
+
+def local_execution(
+    model: Any, config: EngineConfig, backends: Sequence[AttentionBackend], device: torch.device, *,
+    tensor_parallel: bool,
+) -> tuple[dict[int, BackendGuard], Any, Any]:
+    """A one-process forward's guards (``id(backend)`` → its :class:`BackendGuard`), compiled decode steps
+    (EngineConfig.compile, else None) and LM head (EngineConfig.lm_head "int4", else None: dense), for
+    ``backends`` = (prefill, decode). Compiling and the int4 head run in one process only."""
+    # one guard per backend instance: it remembers which kinds of forward it verified (one-process runs)
+    checked = config.check_backend_outputs and config.tensor_parallel_size == 1
+    guards = {id(b): BackendGuard(b, config.backend_check_interval)
+              for b in backends if checked}
+    compiled = head = None
+    for option, value in (("compile", config.compile), ("lm_head", config.lm_head != "dense")):
+        if value and tensor_parallel:
+            raise ConfigError(f"{option} runs in one process; it cannot be combined with tensor_parallel_size > 1")
+    if config.compile:
+        from kvcore.execution.compile import CompiledDecode
+
+        compiled = CompiledDecode(backends[-1], device)
+    if config.lm_head == "int4":
+        from kvcore.model.lm_head import RescoredInt4Head
+
+        head = RescoredInt4Head(model.lm_head, a8=getattr(model, "weight_format", "") == "int4a8")
+    return guards, compiled, head
+
+
+def check_model(model: Any, config: EngineConfig) -> str:
+    """That ``model`` is what ``config`` asks for (dtype, weight format); returns its weight format."""
+    dtype = parse_dtype(config.dtype)
+    if model.dtype != dtype:
+        raise ConfigError(f"model weights are {model.dtype} but the engine was configured for {dtype}")
+    weight_format = getattr(model, "weight_format", "float")
+    if config.weights not in ("auto", weight_format):
+        raise ConfigError(f"model weights are {weight_format} but the engine was configured for {config.weights}")
+    return weight_format
+
+
+def tensor_parallel_runner(model: Any, config: EngineConfig) -> Any:
+    """With ``tensor_parallel_size > 1``, rank 0's side of the group (this process computes rank 0's shard;
+    its ``model`` is that shard); else None."""
+    if config.tensor_parallel_size == 1:
+        return None
+    # imported here: spawning and process groups only for the tensor-parallel engines that use them
+    from kvcore.execution.distributed import TensorParallelRunner
+    from kvcore.execution.distributed.sharding import check_shardable
+
+    check_shardable(model)  # before any process is spawned
+    return TensorParallelRunner(model, config)
+
+
+def serving_config(engine: Any) -> dict[str, Any]:
+    """What serves ``engine``'s requests: backends, KV cache, sampler, dtype, weights, device and limits."""
+    return {
+        "prefill_backend": engine.prefill_backend.name,
+        "decode_backend": engine.decode_backend.name,
+        "kv_cache": engine.kv_cache_name,
+        "sampler": engine.sampler.name,
+        "dtype": str(engine.dtype).removeprefix("torch."),
+        "weights": getattr(engine.model, "weight_format", "float"),
+        "device": str(engine.device),
+        "max_num_seqs": engine.config.max_num_seqs,
+        "max_model_len": engine.max_model_len,
+    }
