@@ -326,7 +326,7 @@ def test_text_file_named_gguf(tmp_path: Path) -> None:
 
 def test_unsupported_architecture(tmp_path: Path) -> None:
     path = write_tiny_gguf(tmp_path / "gpt2.gguf", _hf_weights(TINY), arch="gpt2")
-    supported = r"\(supported: gemma2, llama, phi3, qwen2, qwen3\)"
+    supported = r"\(supported: gemma2, gemma3, llama, phi3, qwen2, qwen3\)"
     with pytest.raises(ModelLoadError, match=rf"unsupported architecture 'gpt2' {supported}"):
         load_model(str(path))
 
@@ -535,7 +535,8 @@ def test_hf_rope_scaling_unsupported(tmp_path: Path) -> None:
 
 def test_hf_unsupported_architecture_and_bias(tmp_path: Path) -> None:
     path = write_tiny_hf_dir(tmp_path / "gpt2", architectures=["GPT2LMHeadModel"], model_type="gpt2")
-    with pytest.raises(ModelLoadError, match="unsupported architecture 'GPT2LMHeadModel' \\(supported: gemma2, llama"):
+    supported = "supported: gemma2, gemma3, llama"
+    with pytest.raises(ModelLoadError, match=f"unsupported architecture 'GPT2LMHeadModel' \\({supported}"):
         load_model(str(path))
     weights = {**_hf_weights(TINY), "model.layers.0.self_attn.q_proj.bias": np.zeros(64, dtype=np.float32)}
     path = write_tiny_hf_dir(tmp_path / "bias", weights=weights)
