@@ -8,14 +8,13 @@ reads each key and value row once for the ``H / H_kv`` query heads sharing it, s
 chunks so every thread has work even at batch 1 ("split-K", merged with the online-softmax rescaling) and
 computes in float32 (bfloat16 rows on AVX512_BF16 CPUs: products of bfloat16 pairs summed in float32 by
 ``vdpbf16ps``, probabilities rounded to bfloat16 as in prefill). At long contexts with many sequences both
-kernels wait on memory (measured speed: benchmarks/README.md, "Decode attention kernel").
+kernels wait on memory.
 
 In bfloat16 on CPUs with AVX512_BF16, prefill attention is kvcore's too: ``torch.ops.kvcore.prefill_attention``
 multiplies bfloat16 pairs into float32 sums with ``vdpbf16ps``, flash-attention style (tiles of 4 query rows
 against blocks of 32 keys, online softmax, probabilities rounded to bfloat16 before they weight the values, as
 GPU flash attention does), after repacking each KV head's keys and values so one vector load feeds 16 lanes.
-torch's CPU flash-attention kernel runs bfloat16 no faster than float32 here (benchmarks/README.md, "Prefill
-attention kernel"). float32 prefill stays torch's, the exact path.
+torch's CPU flash-attention kernel runs bfloat16 no faster than float32. float32 prefill stays torch's, the exact path.
 
 Everything else is the ``sdpa`` backend's: the same contiguous cache and cache writes; a decode batch whose
 sequences are not on consecutive slots goes through the prefill path. Attention variants: the decode kernel

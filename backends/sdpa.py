@@ -6,8 +6,8 @@ On CPU this runs PyTorch's fused flash-attention kernel. Details that matter:
   key range (a fresh prefill). A prefill that continues a cache needs the mask aligned bottom-right
   (query ``i`` at absolute position ``context_len + i``), so we pass an explicit boolean mask then.
 * GQA never repeats K/V. Prefill uses the kernel's ``enable_gqa=True``; decode lays the ``H / H_kv``
-  query heads of a group out as that KV head's query rows (``q.view(B, H_kv, G, D)``), which is as fast
-  in float32 and 3-6x faster in bfloat16 on CPU than ``enable_gqa`` with one query row.
+  query heads of a group out as that KV head's query rows (``q.view(B, H_kv, G, D)``): a small matmul per
+  KV head instead of the kernel's broadcast over one query row, which is slow on CPU in bfloat16.
 * Per-call work (the cache rows each token's K/V go to, the decode key-padding mask) is planned once per
   forward call in :meth:`SDPABackend.plan`; every layer then does one ``index_copy_`` per K and V and
   one attention call.

@@ -2,7 +2,7 @@
 
 ``EngineConfig`` leaves ``dtype``, ``weights`` and ``lm_head`` at ``"auto"`` and the backends at ``None``;
 :func:`choose_defaults` decides them from the model file and this machine, and says why. The rule: the
-fastest configuration whose accuracy is measured (benchmarks/results/quant_accuracy.md, docs/performance.md):
+fastest configuration whose accuracy is measured and stated (docs/performance.md):
 
 * a GGUF whose layer matmul weights are all Q4_0 / Q4_1 blocks runs them natively: bfloat16 activations,
   ``int4a8`` weights (kvcore's VNNI kernel; ``int4`` on torch's kernel where it cannot run), the ``int4`` LM

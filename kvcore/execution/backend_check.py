@@ -12,8 +12,8 @@ engine runs every forward through a :class:`BackendGuard`, which raises :class:`
   later layer reaches the logits, so it is caught there (the message then says layer 0 was finite).
   Sequences do not mix in a forward, so when only some sequences are not finite, only they fail
   (:class:`~kvcore.errors.NonFiniteRowsError`: the engine samples the others);
-  Checking every layer's output would cost three small device ops per layer and step; on the 30-layer
-  SmolLM2 decode that was measured at a few percent of the step (benchmarks/backend_check_overhead.py);
+  Checking every layer's output would cost three small device ops per layer and step, a visible share of a
+  small model's decode step;
 - the first forward of each kind a backend serves (prefill, continued prefill, decode), then every
   ``verify_every`` steps: layer 0's output for one sequence against a float32 reference computed from
   the queries and what the cache holds (textbook attention, bottom-right causal mask, with layer 0's

@@ -39,8 +39,8 @@ __all__ = ["BF16_KERNEL_MAX_ROWS", "BF16_KERNEL_MAX_ROWS_AMX", "COLUMN_MAJOR_MIN
 COLUMN_MAJOR_MIN_NUMEL = 1 << 17
 
 
-#: bfloat16 forwards of up to this many rows run kvcore's bf16_linear kernel (where it runs); from about here on
-#: plain F.linear (oneDNN's GEMM) is as fast (benchmarks/results/weight_kernels-bf16.txt, a CPU without AMX)
+#: bfloat16 forwards of up to this many rows run kvcore's bf16_linear kernel (where it runs); past it plain
+#: F.linear (oneDNN's GEMM, compute-bound from there on) is as fast
 BF16_KERNEL_MAX_ROWS = 128
 #: the same limit on CPUs with AMX, whose tiles oneDNN uses for bfloat16 GEMMs: only decode-sized batches (memory-bound
 #: streams over the weights) stay on the kernel; not measured here (no AMX on this project's machines)
@@ -161,11 +161,9 @@ class DenseMatmuls:
     """The callables (:class:`DenseLinear`, :class:`Bf16Linear`) of a model's dense weight lists for a forward of
     ``num_rows`` rows.
 
-    Prepacked copies (oneDNN's, or the bf16_linear kernel's) are built on first use (~0.7 s for SmolLM2-135M in
-    float32) and rebuilt when a weight changes (storage or in-place version); they cost one extra copy of those
-    weights in memory. Multi-row float32 GEMMs on them run 1.5-2.3x faster than MKL at 2-16 rows on a 2-core AVX2
-    machine (MKL repacks the whole weight on every small-M call), bfloat16 ones also at one row
-    (benchmarks/matmul_kernels.py)."""
+    Prepacked copies (oneDNN's, or the bf16_linear kernel's) are built on first use and rebuilt when a weight
+    changes (storage or in-place version); they cost one extra copy of those weights in memory, and pay because
+    MKL repacks the whole weight on every few-row float32 call (bfloat16: at one row too)."""
 
     def __init__(self) -> None:
         self._cache: dict[str, tuple[tuple, dict[str, list[DenseLinear]]]] = {}

@@ -10,7 +10,7 @@ A decoder's matmul weights can be stored in one of these formats (``EngineConfig
   min/max (gpt-fast's scheme).
 * ``int4a8``: the ``int4`` weights (groups of 32), every matmul on kvcore's own kernel with the activations
   quantized to int8 per row and group of 32 (:class:`Int4A8Linear`; AVX512-VNNI). Faster than ``int4`` and less
-  exact (benchmarks/results/quant_accuracy.md).
+  exact (docs/formats-and-kernels.md states the accuracy of each format).
 * ``int8``: int8 codes with one scale per output row, symmetric (``W = q * s``, ``s = max|w| / 127``),
   run by ``aten._weight_int8pack_mm``; always quantized at load from the float (or dequantized) weights.
 * ``auto``: ``int4`` for a GGUF whose layer weights are all Q4_0 / Q4_1 when the model runs in bfloat16
@@ -19,7 +19,7 @@ A decoder's matmul weights can be stored in one of these formats (``EngineConfig
 torch's kernels take bfloat16 activations and scales on CPU (their float32 paths are reference loops, several
 times slower than float32 dense weights), so the quantized formats need ``dtype = "bfloat16"`` and a CPU
 device. The embedding table and the LM head stay dense in the model dtype: the lookup needs dense rows, and
-an int8 head measured no faster than oneDNN's bfloat16 one (benchmarks/results/weights.md) for less accuracy.
+an int8 head is no faster than oneDNN's bfloat16 one, for less accuracy.
 """
 
 from __future__ import annotations

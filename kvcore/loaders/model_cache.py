@@ -46,7 +46,7 @@ __all__ = ["CACHE_FORMAT", "MAX_ENTRIES", "cache_dir", "cache_root", "cache_enab
 
 #: bumped whenever what an entry holds or how the decoder stores its weights changes
 CACHE_FORMAT = 1
-#: entries kept (each holds a whole model's weights: ~540 MB for SmolLM2-135M in float32)
+#: entries kept (each holds a whole model's weights in float32)
 MAX_ENTRIES = 4
 _HEADER_BYTES = 1 << 20
 

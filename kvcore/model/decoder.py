@@ -8,7 +8,7 @@ and attention-logit soft-capping are attention variants: the model declares each
 (:attr:`DecoderModel.attention_layers`) and the engine picks backends that serve them.
 
 Tensors are packed: a forward call carries ``T`` tokens from ``B`` sequences (see
-:class:`~kvcore.interfaces.attention.AttentionMetadata`). Q/K/V and gate/up projections are fused into one matmul each.
+:class:`~kvcore.interfaces.metadata.AttentionMetadata`). Q/K/V and gate/up projections are fused into one matmul each.
 The model knows nothing of caches or backends: it calls the ``attention`` it is handed.
 """
 
@@ -21,37 +21,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvcore.errors import ConfigError, ModelLoadError
-from kvcore.interfaces.layer_attention import LayerAttention
+from kvcore.errors import ConfigError
 from kvcore.kernels.linear import DenseMatmuls, set_layout
 from kvcore.model.config import ModelConfig
+from kvcore.model.layers import ACTIVATIONS, attention_layers, rms_norm
 from kvcore.model.rope import RotaryEmbedding
-from kvcore.model.weights import LINEAR_PARTS, dense, quantized_linears
+from kvcore.model.weights import LINEAR_PARTS, WeightCopier, quantized_linears
 
 __all__ = ["DecoderModel", "LlamaModel", "RotaryEmbedding", "rms_norm", "Attention"]
 
 #: ``attention(layer_idx, q [T, H, D], k [T, H_kv, D], v [T, H_kv, D]) -> [T, H, D]``: stores this call's
 #: K/V and attends (a backend bound to its cache and plan by the model runner)
 Attention = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``x / rms(x) * weight``, the statistics in float32 (as Hugging Face Llama does).
-
-    One ``F.rms_norm`` call computes ``x * rsqrt(mean(x²) + eps)`` (on CPU ATen runs the same elementwise
-    ops from C++, without a Python dispatch between each); in float32 (weight included) it gives bitwise
-    the values of spelling the ops out (tests/test_model_ops.py). A narrower dtype keeps Hugging Face's
-    rounding: normalised in float32, rounded to the dtype, then scaled by the weight."""
-    shape = (x.shape[-1],)
-    if x.dtype == torch.float32 and weight.dtype == torch.float32:
-        return F.rms_norm(x, shape, weight, eps)
-    normed = F.rms_norm(x.float(), shape, None, eps).to(x.dtype)  # a new tensor
-    if weight.dtype != normed.dtype:
-        return weight * normed  # type promotion
-    return normed.mul_(weight)  # in place (no allocation): same values as ``weight * normed``
-
-
-_ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
 
 class DecoderModel(nn.Module):
@@ -68,7 +49,7 @@ class DecoderModel(nn.Module):
         super().__init__()
         c = config
         max_positions = min(max_positions or c.max_position_embeddings, c.max_position_embeddings)
-        self.attention_layers = _attention_layers(c, max_positions)
+        self.attention_layers = attention_layers(c, max_positions)
         self.config = dataclasses.replace(c, max_position_embeddings=max_positions)
         L, d = c.num_hidden_layers, c.hidden_size
         q_size, kv_size = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
@@ -102,7 +83,7 @@ class DecoderModel(nn.Module):
         self.rotary_local = None if c.rope_local_base_freq is None else RotaryEmbedding(
             c.head_dim, max_positions, c.rope_local_base_freq, None, c.max_position_embeddings
         )
-        self.act = _ACTIVATIONS[c.hidden_act]
+        self.act = ACTIVATIONS[c.hidden_act]
         #: "float", or "int4"/"int4a8"/"int8" when the layer matmuls run on quantized weights (kernels.quant)
         self.weight_format = "float"
         self._quantized: dict[str, list] | None = None  # {"qkv"|"o"|"gate_up"|"down": [per layer]}
@@ -120,11 +101,9 @@ class DecoderModel(nn.Module):
         return self
 
     def _set_weight_layout(self) -> None:
-        """Store each matmul weight (logical shape ``[out, in]`` always) in the memory order the
-        device/dtype reads fastest: on CPU in float32, column-major (``W.t()`` contiguous), so
-        ``F.linear`` runs MKL's ``x @ Wt`` kernel, measurably faster for the memory-bound 1..8-row decode
-        GEMMs (see benchmarks/README.md); row-major everywhere else (bfloat16 GEMMs on CPU are much
-        slower column-major) and for small weights."""
+        """Store each matmul weight (logical shape ``[out, in]``) in the order its device and dtype read fastest:
+        column-major on CPU in float32 (``F.linear`` then runs MKL's ``x @ Wt`` kernel, faster for few-row
+        decode GEMMs), row-major elsewhere (bfloat16 CPU GEMMs are slow column-major) and for small weights."""
         column_major = self.device.type == "cpu" and self.dtype == torch.float32
         self._dense.reset()
         with torch.no_grad():
@@ -188,22 +167,7 @@ class DecoderModel(nn.Module):
                 for i in range(c.num_hidden_layers):  # no dense copy: the quantized weights are the model's
                     plist[i] = nn.Parameter(torch.empty(0, c.hidden_size, dtype=dtype), requires_grad=False)
 
-        def take(name: str) -> torch.Tensor:
-            try:
-                return dense(weights[name])
-            except KeyError:
-                raise ModelLoadError(f"model weights lack '{name}'") from None
-
-        def put(param: torch.Tensor, value: torch.Tensor, name: str, norm: bool = False) -> None:
-            if tuple(param.shape) != tuple(value.shape):
-                raise ModelLoadError(f"weight '{name}' has shape {tuple(value.shape)}, expected {tuple(param.shape)}")
-            if norm and c.norm_offset:  # Gemma scales by (1 + w): folded into the weight once, in float32
-                value = value.float() + c.norm_offset
-            param.copy_(value.to(dtype))
-
-        def put_names(param: torch.Tensor, names: list[str], norm: bool = False) -> None:
-            value = take(names[0]) if len(names) == 1 else torch.cat([take(n) for n in names], 0)
-            put(param, value, names[0] if len(names) == 1 else ", ".join(names), norm)
+        put_names = WeightCopier(weights, c, dtype).put
 
         with torch.no_grad():
             put_names(model.embed_tokens, ["model.embed_tokens.weight"])
@@ -319,18 +283,6 @@ class DecoderModel(nn.Module):
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
         return logits.float()
-
-
-def _attention_layers(c: ModelConfig, max_positions: int) -> tuple[LayerAttention, ...]:
-    """Each layer's attention: the scale, the soft-cap, and the sliding window where it is shorter than
-    ``max_positions`` (a longer one hides no key this instance can hold)."""
-    scale = (c.query_pre_attn_scalar or c.head_dim) ** -0.5
-    layers = []
-    for i in range(c.num_hidden_layers):
-        window = c.layer_window(i)
-        window = window if window is not None and window < max_positions else None
-        layers.append(LayerAttention(scale, sliding_window=window, softcap=c.attn_logit_softcapping))
-    return tuple(layers)
 
 
 #: the historical name: every family runs on the same decoder

@@ -5,17 +5,17 @@
   whole vocabulary, then the ``top_k`` (64) best candidates of each row are scored again with the dense
   weights and those exact logits replace theirs (kvcore's C++ kernel ``rescore_top_k``: one pass over the
   row's estimates, then 64 dot products; it needs kvcore's CPU kernels, :mod:`kvcore.kernels.cpu_kernels`). For a
-  batch-1 decode step of a small model the head is the biggest single matmul (SmolLM2-135M: 49,152 x 576, 56 MB
-  in bfloat16 per token); int4 reads a quarter of that. What stays approximate is the tail: a logit outside the
-  top 64 carries int4 rounding (on SmolLM2 a median error of about one logit), which shifts the sampled
+  batch-1 decode step of a small model with a large vocabulary the head is the biggest single matmul; int4 reads
+  a quarter of its bytes. What stays approximate is the tail: a logit outside the
+  top 64 carries int4 rounding (about one logit), which shifts the sampled
   distribution's far tail only. Greedy decoding, top-k up to 64 and the reported top logprobs read exact logits
-  whenever the exact best candidates are among the int4 top 64 (benchmarks/results/quant_accuracy.md measures
-  streams and perplexity).
+  whenever the exact best candidates are among the int4 top 64 (docs/formats-and-kernels.md states the
+  accuracy).
   Batches of more than :data:`INT4_MAX_ROWS` rows run the dense head: the int4 kernel's cost grows with the
   rows, and from about four rows oneDNN's bfloat16 GEMM is as fast. With ``int4a8`` weights the scores come
   from that format's int8-activation kernel (:class:`~kvcore.kernels.quant.Int4A8Linear`) for up to
-  :data:`A8_MAX_ROWS` rows (the batch sizes of decode steps, where it was measured faster than the dense head:
-  ``python benchmarks/weight_kernels.py --rows 1,8``); the rescored top 64 stay exact.
+  :data:`A8_MAX_ROWS` rows (the batch sizes of decode steps, where it is faster than the dense head); the
+  rescored top 64 stay exact.
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from kvcore.errors import ModelLoadError
 from kvcore.kernels.cpu import cpu_features
 from kvcore.kernels.linear import DenseLinear, prepack
 from kvcore.kernels.quant import (
@@ -26,7 +27,8 @@ from kvcore.kernels.quant import (
 )
 from kvcore.model.config import ModelConfig
 
-__all__ = ["LINEAR_PARTS", "dense", "resolve_weights", "quantized_linears", "uses_quantized_blocks"]
+__all__ = [
+    "WeightCopier","LINEAR_PARTS", "dense", "resolve_weights", "quantized_linears", "uses_quantized_blocks"]
 
 #: the model's fused matmul lists -> the canonical weights (under ``model.layers.{i}.``) stacked in each
 LINEAR_PARTS = {
@@ -105,3 +107,28 @@ def _quantize(values: list[Any], fmt: str, dtype: torch.dtype, group_size: int):
         return Int8Linear(torch.cat([dense(v) for v in values]), dtype)
     w = torch.cat([dense(v) for v in values]).to(dtype).contiguous()
     return DenseLinear(w, prepack(w) if cpu_features().bf16_matmul else None)
+
+
+class WeightCopier:
+    """Copies named tensors of a checkpoint (kvcore's canonical names) into a model's parameters: shapes
+    checked against the parameter, norm weights offset as the config says (Gemma's ``1 + w``, folded in
+    float32), values cast to the model's dtype. A missing name or a wrong shape is a ModelLoadError."""
+
+    def __init__(self, weights: dict[str, Any], config: ModelConfig, dtype: torch.dtype) -> None:
+        self.weights, self.config, self.dtype = weights, config, dtype
+
+    def take(self, name: str) -> torch.Tensor:
+        try:
+            return dense(self.weights[name])
+        except KeyError:
+            raise ModelLoadError(f"model weights lack '{name}'") from None
+
+    def put(self, param: torch.Tensor, names: list[str], norm: bool = False) -> None:
+        """``param`` = the tensor ``names[0]``, or the named tensors concatenated along dim 0 (fused Q/K/V)."""
+        value = self.take(names[0]) if len(names) == 1 else torch.cat([self.take(n) for n in names], 0)
+        if tuple(param.shape) != tuple(value.shape):
+            name = ", ".join(names)
+            raise ModelLoadError(f"weight '{name}' has shape {tuple(value.shape)}, expected {tuple(param.shape)}")
+        if norm and self.config.norm_offset:
+            value = value.float() + self.config.norm_offset
+        param.copy_(value.to(self.dtype))

@@ -1,0 +1,44 @@
+"""The decoder's stateless pieces: RMSNorm, the MLP activations and each layer's attention spec from the
+model configuration."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kvcore.interfaces.layer_attention import LayerAttention
+from kvcore.model.config import ModelConfig
+
+__all__ = ["rms_norm", "ACTIVATIONS", "attention_layers"]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x / rms(x) * weight``, the statistics in float32 (as Hugging Face Llama does).
+
+    One ``F.rms_norm`` call computes ``x * rsqrt(mean(x²) + eps)`` (on CPU ATen runs the same elementwise
+    ops from C++, without a Python dispatch between each); in float32 (weight included) it gives bitwise
+    the values of spelling the ops out (tests/test_model_ops.py). A narrower dtype keeps Hugging Face's
+    rounding: normalised in float32, rounded to the dtype, then scaled by the weight."""
+    shape = (x.shape[-1],)
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        return F.rms_norm(x, shape, weight, eps)
+    normed = F.rms_norm(x.float(), shape, None, eps).to(x.dtype)  # a new tensor
+    if weight.dtype != normed.dtype:
+        return weight * normed  # type promotion
+    return normed.mul_(weight)  # in place (no allocation): same values as ``weight * normed``
+
+
+#: the MLP activations by Hugging Face's ``hidden_act`` name
+ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+
+def attention_layers(c: ModelConfig, max_positions: int) -> tuple[LayerAttention, ...]:
+    """Each layer's attention: the scale, the soft-cap, and the sliding window where it is shorter than
+    ``max_positions`` (a longer one hides no key this instance can hold)."""
+    scale = (c.query_pre_attn_scalar or c.head_dim) ** -0.5
+    layers = []
+    for i in range(c.num_hidden_layers):
+        window = c.layer_window(i)
+        window = window if window is not None and window < max_positions else None
+        layers.append(LayerAttention(scale, sliding_window=window, softcap=c.attn_logit_softcapping))
+    return tuple(layers)
