@@ -149,7 +149,8 @@ def test_seed_is_taken_mod_2_64(capsys):
 
 
 @pytest.mark.parametrize("toml, message", [
-    ("max_num_seqs = 100000000000\n", "KV cache (100,000,000,000 sequence slots of 256 tokens) would take"),
+    # one-shot generate sizes each slot to its request (prompt + 128 new tokens), not to the 256-token window
+    ("max_num_seqs = 100000000000\n", "KV cache (100,000,000,000 sequence slots of 130 tokens) would take"),
     ("backend = 'paged'\nnum_blocks = 100000000000\n", "'paged' KV cache (100,000,000,000 blocks of 16 tokens)"),
     ("backend = 'paged'\nkv_cache_bytes = 100000000000000000\n", "lower num_blocks, kv_cache_bytes or block_size"),
     ("backend = 'paged'\nblock_size = 100000000000\n", "blocks of 100,000,000,000 tokens) would take"),
