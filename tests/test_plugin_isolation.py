@@ -12,7 +12,7 @@ from helpers import make_plugin, registered
 
 from kvcore import BackendCapabilities, hookimpl
 from kvcore.backends.sdpa import SDPABackend
-from kvcore.plugins.registry import kinds as plugin_kinds
+from kvcore.plugins import kinds as plugin_kinds
 from kvcore.plugins.registry import BACKEND, PluginRegistry
 
 CAPS = BackendCapabilities(devices=frozenset({"cpu"}), dtypes=frozenset({torch.float32}), kv_layouts=("contiguous",))
