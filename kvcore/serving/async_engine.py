@@ -81,7 +81,7 @@ class AsyncEngine:
         self._entries: dict[str, StreamEntry] = {}  # loop thread only
         self._owner: dict[str, StreamEntry] = {}  # sample id -> its request; loop thread only
         self._ids = itertools.count()
-        self.stats = self._snapshot()
+        self.stats = serving_stats(self.engine, 0)
         self._thread = threading.Thread(target=self._run, name="kvcore-engine-loop", daemon=True)
         self._thread.start()
 
@@ -179,7 +179,7 @@ class AsyncEngine:
                     break
                 if self.engine.has_unfinished():
                     self._step()
-                self.stats = self._snapshot()
+                self.stats = serving_stats(self.engine, 0)
         except BaseException as exc:  # noqa: BLE001 - a dying loop must still end every stream
             logger.exception("kvcore engine loop failed")
             self.error = exc
@@ -194,7 +194,7 @@ class AsyncEngine:
                     self._reject(cmd[1], dead)
             for entry in list(self._entries.values()):
                 self._end(entry, "abort", notify=dead)
-            self.stats = self._snapshot()
+            self.stats = serving_stats(self.engine, 0)
 
     def _handle(self, cmd: tuple) -> None:
         if cmd[0] == "add":
