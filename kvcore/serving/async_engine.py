@@ -179,7 +179,7 @@ class AsyncEngine:
                     break
                 if self.engine.has_unfinished():
                     self._step()
-                self.stats = serving_stats(self.engine, 0)
+                self.stats = self._stats()
         except BaseException as exc:  # noqa: BLE001 - a dying loop must still end every stream
             logger.exception("kvcore engine loop failed")
             self.error = exc
@@ -194,7 +194,7 @@ class AsyncEngine:
                     self._reject(cmd[1], dead)
             for entry in list(self._entries.values()):
                 self._end(entry, "abort", notify=dead)
-            self.stats = serving_stats(self.engine, 0)
+            self.stats = self._stats()
 
     def _handle(self, cmd: tuple) -> None:
         if cmd[0] == "add":
@@ -288,3 +288,8 @@ class AsyncEngine:
         # Last, so that whoever reads the end of the stream sees the blocks back and the request counted.
         self.stats = serving_stats(self.engine, queued)
         entry.stream._put(notify if notify is not None else END)
+
+    def _stats(self) -> ServingStats:
+        with self._cv:
+            queued = sum(1 for c in self._commands if c[0] == "add")  # submitted, not yet handed to the engine
+        return serving_stats(self.engine, queued)
