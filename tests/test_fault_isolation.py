@@ -58,7 +58,7 @@ def test_a_nan_decode_row_fails_only_its_request(random_model):
     engine = Engine(random_model, None, EngineConfig(backend="sdpa", max_model_len=64, max_num_seqs=6))
     backend = NaNOnce(at=len(PROMPTS[TARGET]) + NTH_DECODE - 1)
     engine.decode_backend = backend
-    engine._guards[id(backend)] = BackendGuard(backend)
+    engine.runner.guards[id(backend)] = BackendGuard(backend)
     results = engine.generate(PROMPTS, GREEDY)
     assert backend.done
     for i, res in enumerate(results):
@@ -154,6 +154,6 @@ def test_health_is_503_after_a_tensor_parallel_worker_is_killed(random_model):
 
 def test_the_reference_check_interval_is_configurable(random_model):
     engine = Engine(random_model, None, EngineConfig(backend="sdpa", max_model_len=64, backend_check_interval=7))
-    assert {g.verify_every for g in engine._guards.values()} == {7}
+    assert {g.verify_every for g in engine.runner.guards.values()} == {7}
     with pytest.raises(ConfigError, match="backend_check_interval"):
         EngineConfig(backend_check_interval=0)
