@@ -230,10 +230,10 @@ class ReducedPrecisionAccumulation(ChunkedAttentionBackend):
         self._dtype = q.dtype
         return super().forward(layer_idx, q, k, v, cache, meta)
 
-    def _attend(self, qg, keys, values, ctx, n, scale):
+    def _attend(self, qg, keys, values, ctx, n, scale, layer=None):
         dt = self._dtype
-        if dt == torch.float32:
-            return super()._attend(qg, keys, values, ctx, n, scale)
+        if dt == torch.float32 or (layer is not None and layer.variants):  # plain layers carry the bug
+            return super()._attend(qg, keys, values, ctx, n, scale, layer)
         group = qg.shape[1] // n
         query_pos = (ctx + torch.arange(n)).repeat(group)
         s = (qg @ keys.float().transpose(1, 2)) * scale  # [H_kv, rows, S]
@@ -303,8 +303,14 @@ def first_failure(cls, tier: str, cfg: SuiteConfig = CFG):
         result = run_case(target, tier, case, cfg)
         if result.status == FAIL:
             return result
-        assert result.status == PASS or (result.status == SKIP and "compiled" in result.case), result.describe()
+        assert result.status == PASS or (result.status == SKIP and _declared_skip(result)), result.describe()
     return None
+
+
+def _declared_skip(result) -> bool:
+    """A skip the contract allows: the stream tier's ``compiled`` cases for a backend with no compilable decode
+    path, an attention variant the backend does not declare (the reason names it: "no attention sinks")."""
+    return "compiled" in result.case or "no " in result.describe()
 
 
 def test_unplanted_example_passes_op_and_cache_tiers():
@@ -333,6 +339,8 @@ def test_planted_bug_is_caught_in_expected_tiers(cls):
 def test_gqa_bug_shows_only_on_grouped_layouts():
     target = resolve_target(GQAHeadMapping)
     results = {c.id: run_case(target, "op", c, CFG) for c in tier_cases(target, "op", CFG) if "ragged" in c.id}
+    results = {i: r for i, r in results.items() if not (r.status == SKIP and _declared_skip(r))}
+    assert any(i.startswith("gqa") for i in results) and not all(i.startswith("gqa") for i in results)
     for case_id, r in results.items():
         grouped = case_id.startswith("gqa")  # MHA (group 1) and MQA (one KV head) map heads identically
         assert r.status == (FAIL if grouped else PASS), r.describe()
@@ -360,7 +368,8 @@ def _first_failure_of(target, tier: str, cfg: SuiteConfig = CFG):
         result = run_case(target, tier, case, cfg)
         if result.status == FAIL:
             return result
-        assert result.status == PASS, result.describe()
+        # a variant the backend does not declare is skipped with the reason, never failed
+        assert result.status == PASS or (result.status == SKIP and _declared_skip(result)), result.describe()
     return None
 
 
