@@ -425,14 +425,18 @@ def torch_flash_kernels(varlen=None) -> SimpleNamespace:
 
     if varlen is None:
         def varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
-                   softmax_scale=None, causal=False):
+                   softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0):
+            if softcap:
+                raise NotImplementedError("torch's FlashAttention-2 kernel has no soft-cap argument")
+            left, right = window_size
+            window = {} if (left, right) == (-1, -1) else {"window_size_left": left, "window_size_right": right}
             return torch.ops.aten._flash_attention_forward(
                 q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, causal, False,
-                scale=softmax_scale,
+                scale=softmax_scale, **window,
             )[0]
 
     def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, cache_batch_idx=None,
-                                softmax_scale=None, causal=False):
+                                softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0):
         batch, seqlen_q, heads, head_dim = q.shape
         rows = torch.arange(batch, device=q.device) if cache_batch_idx is None else cache_batch_idx.long()
         before = cache_seqlens.long()
@@ -446,7 +450,8 @@ def torch_flash_kernels(varlen=None) -> SimpleNamespace:
         cu_q = torch.arange(0, (batch + 1) * seqlen_q, seqlen_q, dtype=torch.int32, device=q.device)
         out = varlen(q.reshape(batch * seqlen_q, heads, head_dim), k_cache[row_of, pos], v_cache[row_of, pos],
                      cu_seqlens_q=cu_q, cu_seqlens_k=cu_seqlens(lens, q.device), max_seqlen_q=seqlen_q,
-                     max_seqlen_k=max(lens), softmax_scale=softmax_scale, causal=causal)
+                     max_seqlen_k=max(lens), softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                     softcap=softcap)
         return out.view(q.shape)
 
     return SimpleNamespace(flash_attn_varlen_func=varlen, flash_attn_with_kvcache=flash_attn_with_kvcache)

@@ -24,7 +24,7 @@ from kernel_emulation import (
 )
 from torch.overrides import TorchFunctionMode
 
-import kvcore.interfaces.attention as attention_mod
+import kvcore.interfaces.metadata as metadata_mod  # where AttentionMetadata.build sends its tensors
 from kvcore.backends.flash_attn2 import FlashAttn2Backend
 from kvcore.backends.naive import NaiveBackend
 from kvcore.backends.paged import PagedBackend
@@ -154,7 +154,7 @@ def test_planted_per_layer_sync_is_caught(monkeypatch):
 
 def test_planted_per_tensor_copies_are_caught(monkeypatch):
     """Metadata sent one tensor at a time (what AttentionMetadata.build did) fails the count."""
-    monkeypatch.setattr(attention_mod, "host_to_device", lambda tensors, device: [t.to(device) for t in tensors])
+    monkeypatch.setattr(metadata_mod, "host_to_device", lambda tensors, device: [t.to(device) for t in tensors])
     with pytest.raises(AssertionError, match="the metadata took 5 host-to-device copies"):
         test_metadata_path_has_no_host_sync_and_one_copy_per_stage("sdpa")
 

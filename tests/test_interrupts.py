@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 import kvcore.engine.step
+import kvcore.execution.runner
 from kvcore import Engine, EngineConfig, FinishReason, SamplingParams
 
 WORKLOAD = [
@@ -52,7 +53,7 @@ def stages(engine: Engine) -> dict[str, tuple[object, str]]:
     return {
         "schedule": (engine.scheduler, "schedule"),
         "prepare": (engine.kv, "prepare"),
-        "forward": (kvcore.engine.step, "last_token_logits"),
+        "forward": (kvcore.execution.runner, "last_token_logits"),  # what the step's runner calls
         "commit": (engine.kv.blocks, "commit"),
         "logprobs": (engine.sampler, "logprobs"),
         "sample": (engine.sampler, "sample"),
@@ -115,7 +116,7 @@ def test_an_exception_outside_forward_and_sampler_is_recovered_too(random_model,
 def test_a_failing_forward_fails_its_requests_cleanly(random_model, baseline, monkeypatch):
     engine = Engine(random_model, None, EngineConfig(**CONFIG))
     # a mixed step fails, and so do both its per-phase retries
-    inject(monkeypatch, kvcore.engine.step, "last_token_logits", 3, False, RuntimeError, times=3)
+    inject(monkeypatch, kvcore.execution.runner, "last_token_logits", 3, False, RuntimeError, times=3)
     results, _, interrupted = drive(engine)
     assert interrupted == 0
     failed = [r for r in results.values() if r.finish_reason is FinishReason.ERROR]

@@ -71,11 +71,18 @@ def test_bf16_kernel_rows_do_not_depend_on_their_batch():
     assert torch.equal(lin(x), alone)
 
 
-def test_bf16_kernel_shapes_and_dense_matmul_modes():
+def test_bf16_kernel_shapes_and_dense_matmul_modes(monkeypatch):
     """Weights the kernel cannot take (output rows not in 16s, input columns not in 32s, small ones) stay on
-    F.linear; a bfloat16 forward of up to BF16_KERNEL_MAX_ROWS rows runs the kernel, beyond that F.linear."""
+    F.linear; a bfloat16 forward of up to BF16_KERNEL_MAX_ROWS rows runs the kernel, beyond that F.linear (on a
+    CPU without AMX: the AMX limit has its own test below, so this one holds on either kind of CPU)."""
     _bf16_kernel_or_skip()
+    import types
+
+    import kvcore.kernels.linear
     from kvcore.kernels.linear import BF16_KERNEL_MAX_ROWS, Bf16Linear, DenseLinear, DenseMatmuls, pack_bf16
+
+    no_amx = types.SimpleNamespace(amx=False, bf16_matmul=True)
+    monkeypatch.setattr(kvcore.kernels.linear, "cpu_features", lambda: no_amx)
 
     assert pack_bf16(torch.zeros(1000, 576, dtype=torch.bfloat16)) is None  # 1000 rows: not in blocks of 16
     assert pack_bf16(torch.zeros(1024, 600, dtype=torch.bfloat16)) is None  # 600 columns: not in 32s

@@ -21,8 +21,10 @@ ROOT = Path(__file__).parent.parent
 README = ROOT / "README.md"
 PAGES = [README, *sorted((ROOT / "docs").glob("*.md")), ROOT / "benchmarks" / "README.md"]
 TINY = Path(__file__).parent / "data" / "tiny-llama"
-FENCE = re.compile(r"(?:^<!-- readme-test: skip: (?P<reason>[^>]*?) -->\n)?^```(?P<lang>\w+)\n(?P<body>.*?)^```$",
-                   re.S | re.M)
+FENCE = re.compile(r"(?:^<!-- readme-test: skip: (?P<reason>[^>]*?) -->\n|^<!-- docs-test: (?P<tag>[\w-]+) -->\n)?"
+                   r"^```(?P<lang>\w+)\n(?P<body>.*?)^```$", re.S | re.M)
+#: pages whose ``<!-- docs-test: TAG -->`` blocks a test of their own checks
+DOCS_TESTS = {"docs/gpu-backends.md": "tests/test_gpu_check.py"}
 
 
 def blocks():
@@ -33,7 +35,10 @@ def blocks():
         for m in FENCE.finditer(text):
             if m["lang"] in ("bash", "sh", "python", "toml"):
                 line = text[: m.start("lang")].count("\n") + 1
-                found.append(pytest.param(name, m["lang"], m["body"], m["reason"], id=f"{name}-{m['lang']}-line{line}"))
+                reason = m["reason"]
+                if m["tag"]:
+                    reason = f"checked by {DOCS_TESTS[name]} (docs-test: {m['tag']})"
+                found.append(pytest.param(name, m["lang"], m["body"], reason, id=f"{name}-{m['lang']}-line{line}"))
     return found
 
 
