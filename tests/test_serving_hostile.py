@@ -15,7 +15,7 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-import kvcore.serving.http as http
+import kvcore.serving.http as serving_http
 import kvcore.serving.openai_api as openai_api
 from kvcore import Engine, EngineConfig
 from kvcore.serving import AsyncEngine, build_app
@@ -131,7 +131,7 @@ def test_bad_bodies_are_400(server, body, needle):
 
 
 def test_a_body_of_many_tiny_containers_is_refused_unparsed(server, monkeypatch):
-    monkeypatch.setattr(http, "MAX_JSON_CONTAINERS", 1000)  # where the body is decoded
+    monkeypatch.setattr(serving_http, "MAX_JSON_CONTAINERS", 1000)  # where the body is decoded
     status, payload = call(server, "POST", "/v1/completions", b'{"prompt": [' + b"[]," * 1000 + b'[]]}')
     assert status == 400 and "more than 1000" in payload["error"]["message"], payload
     status, _ = call(server, "POST", "/v1/completions", {"prompt": "{" * 100 + "[" * 50, "max_tokens": 1})
