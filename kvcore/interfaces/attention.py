@@ -19,7 +19,7 @@ from typing import Any, ClassVar, Generic, TypeVar
 import torch
 
 from kvcore.errors import ConfigError
-from kvcore.interfaces.kv_cache import KVCache
+from kvcore.interfaces.kv_cache import KVCache, placement_reasons
 from kvcore.interfaces.layer_attention import VARIANTS, LayerAttention
 from kvcore.interfaces.metadata import AttentionMetadata
 
@@ -115,12 +115,7 @@ class BackendCapabilities:
         self, *, device: torch.device, dtype: torch.dtype, head_dim: int, num_heads: int, num_kv_heads: int
     ) -> list[str]:
         """Human reasons why this configuration is outside the declared capabilities ([] = fine)."""
-        reasons = []
-        if device.type not in self.devices:
-            reasons.append(f"device '{device.type}' not supported (supports: {', '.join(sorted(self.devices))})")
-        if dtype not in self.dtypes:
-            names = ", ".join(sorted(str(d).removeprefix("torch.") for d in self.dtypes))
-            reasons.append(f"dtype {str(dtype).removeprefix('torch.')} not supported (supports: {names})")
+        reasons = placement_reasons(self.devices, self.dtypes, device=device, dtype=dtype)
         if self.head_dims is not None and head_dim not in self.head_dims:
             reasons.append(f"head_dim {head_dim} not supported (supports: {sorted(self.head_dims)})")
         if self.max_head_dim is not None and head_dim > self.max_head_dim:

@@ -27,7 +27,7 @@ from kvcore.errors import ConfigError
 if TYPE_CHECKING:
     from kvcore.interfaces.metadata import AttentionMetadata
 
-__all__ = ["CacheSpec", "KVCache", "CacheCapabilities", "copy_block_rows"]
+__all__ = ["CacheSpec", "KVCache", "CacheCapabilities", "copy_block_rows", "placement_reasons"]
 
 
 def copy_block_rows(tensors: tuple[torch.Tensor, ...], pairs: list[tuple[int, int]]) -> None:
@@ -38,6 +38,20 @@ def copy_block_rows(tensors: tuple[torch.Tensor, ...], pairs: list[tuple[int, in
     dst = torch.tensor([d for _, d in pairs], device=device)
     for t in tensors:
         t[:, dst] = t[:, src]
+
+
+def placement_reasons(
+    devices: frozenset[str], dtypes: frozenset[torch.dtype], *, device: torch.device, dtype: torch.dtype
+) -> list[str]:
+    """Why ``device`` / ``dtype`` fall outside a plugin's declared ``devices`` / ``dtypes`` ([] = fine):
+    the part every pluggable kind's capabilities share."""
+    reasons = []
+    if device.type not in devices:
+        reasons.append(f"device '{device.type}' not supported (supports: {', '.join(sorted(devices))})")
+    if dtype not in dtypes:
+        names = ", ".join(sorted(str(d).removeprefix("torch.") for d in dtypes))
+        reasons.append(f"dtype {str(dtype).removeprefix('torch.')} not supported (supports: {names})")
+    return reasons
 
 
 @dataclass(frozen=True)
@@ -82,13 +96,7 @@ class CacheCapabilities:
     unit_roundoff: float | None = None
 
     def reasons_unsupported(self, *, device: torch.device, dtype: torch.dtype) -> list[str]:
-        reasons = []
-        if device.type not in self.devices:
-            reasons.append(f"device '{device.type}' not supported (supports: {', '.join(sorted(self.devices))})")
-        if dtype not in self.dtypes:
-            names = ", ".join(sorted(str(d).removeprefix("torch.") for d in self.dtypes))
-            reasons.append(f"dtype {str(dtype).removeprefix('torch.')} not supported (supports: {names})")
-        return reasons
+        return placement_reasons(self.devices, self.dtypes, device=device, dtype=dtype)
 
 
 class KVCache(abc.ABC):
