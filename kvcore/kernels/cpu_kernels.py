@@ -35,6 +35,7 @@ is a :class:`~kvcore.errors.KernelBuildError` with the compiler's first error li
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import hashlib
 import os
@@ -104,7 +105,8 @@ def kernel_reasons() -> list[str]:
     return reasons
 
 
-def _command(cxx: str, sources: list[Path], out: Path) -> list[str]:
+def _flags(cxx: str) -> tuple[list[str], list[str], list[str]]:
+    """The compiler command, the compile flags and the link flags of the kernels."""
     torch_dir = Path(torch.__file__).parent
     isa = vector_isa()
     macro, isa_flags, _ = _ISAS.get(isa, ("", (), set()))
@@ -114,10 +116,23 @@ def _command(cxx: str, sources: list[Path], out: Path) -> list[str]:
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     # -fopenmp: at::parallel_for is inline OpenMP code compiled here (without it, one thread); the library then
     # needs libgomp.so.1, which resolves to the copy torch has already loaded, with torch's thread count
-    return [*shlex.split(cxx), "-O3", "-std=c++20", "-shared", "-fPIC", "-fopenmp", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
-            *([f"-D{macro}"] if macro else []), *isa_flags,
-            "-isystem", str(torch_dir / "include"), *map(str, sources),
-            f"-L{torch_dir / 'lib'}", "-lc10", "-ltorch_cpu", "-o", str(out)]
+    compile_flags = ["-O3", "-std=c++20", "-fPIC", "-fopenmp", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+                     *([f"-D{macro}"] if macro else []), *isa_flags, "-isystem", str(torch_dir / "include")]
+    return shlex.split(cxx), compile_flags, ["-fopenmp", f"-L{torch_dir / 'lib'}", "-lc10", "-ltorch_cpu"]
+
+
+def _command(cxx: str, sources: list[Path], out: Path) -> list[str]:
+    """The build as one command (what the cache key hashes); :func:`_build` runs the same flags as one
+    compile per source, in parallel, and a link."""
+    compiler, compile_flags, link_flags = _flags(cxx)
+    return [*compiler, *compile_flags, "-shared", *map(str, sources), *link_flags, "-o", str(out)]
+
+
+def _compile_all(commands: list[list[str]]) -> list[subprocess.CompletedProcess]:
+    """Run the per-source compiles, as many at a time as this process may use cores."""
+    workers = max(1, min(len(commands), len(os.sched_getaffinity(0))))
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        return list(pool.map(lambda cmd: subprocess.run(cmd, capture_output=True, text=True), commands))
 
 
 def _first_error(stderr: str) -> str:
@@ -129,13 +144,21 @@ def _first_error(stderr: str) -> str:
 def _build(cxx: str, sources: list[Path], folder: Path) -> Path:
     """Compile the kernels into ``folder``; raises :class:`KernelBuildError` with the compiler's first error."""
     library = folder / _LIBRARY
+    compiler, compile_flags, link_flags = _flags(cxx)
+    objects = [folder / f"{i}-{src.stem}.o" for i, src in enumerate(sources)]
+    compiles = [[*compiler, *compile_flags, "-c", str(src), "-o", str(obj)] for src, obj in zip(sources, objects)]
+    link = [*compiler, "-shared", *map(str, objects), *link_flags, "-o", str(library)]
     try:
-        done = subprocess.run(_command(cxx, sources, library), capture_output=True, text=True)
+        done = [*_compile_all(compiles)]
+        if all(step.returncode == 0 for step in done):
+            done.append(subprocess.run(link, capture_output=True, text=True))
     except OSError as exc:  # the compiler is not there or cannot run
         raise KernelBuildError(f"building kvcore's CPU kernels failed ({cxx}): cannot run the compiler: "
                                f"{exc.strerror or exc}; {_COMPILER_FIX}") from None
-    if done.returncode != 0 or not library.is_file():
-        raise KernelBuildError(f"building kvcore's CPU kernels failed ({cxx}): {_first_error(done.stderr)}; "
+    failed = next((step for step in done if step.returncode != 0), None)
+    if failed is not None or not library.is_file():
+        stderr = failed.stderr if failed is not None else ""
+        raise KernelBuildError(f"building kvcore's CPU kernels failed ({cxx}): {_first_error(stderr)}; "
                                f"{_COMPILER_FIX}")
     return library
 
