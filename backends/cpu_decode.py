@@ -53,6 +53,7 @@ class CPUDecodeBackend(SDPABackend):
         # the decode kernel takes windows and soft-caps; the rest runs sdpa's paths (see the module docstring)
         prefill_variants=frozenset(VARIANTS),
         decode_variants=frozenset(VARIANTS),
+        multi_token_decode=True,  # several-token rows take the chunked-prefill path
     )
 
     def __init__(self, **options) -> None:

@@ -32,6 +32,7 @@ class NaiveBackend(AttentionBackend[AttentionMetadata]):
         kv_layouts=("contiguous",),
         prefill_variants=frozenset(VARIANTS),
         decode_variants=frozenset(VARIANTS),
+        multi_token_decode=True,  # several-token rows take the chunked-prefill path
     )
 
     def forward(

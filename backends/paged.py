@@ -139,6 +139,7 @@ class PagedBackend(AttentionBackend[PagedPlan]):
         kv_layouts=("paged",),
         prefill_variants=frozenset(VARIANTS),
         decode_variants=frozenset(VARIANTS),
+        multi_token_decode=True,  # several-token rows take the chunked-prefill path
     )
 
     def plan(self, meta: AttentionMetadata, cache: PagedKVCache) -> PagedPlan:

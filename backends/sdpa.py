@@ -61,6 +61,7 @@ class SDPABackend(AttentionBackend[SDPAPlan]):
         compilable=True,
         prefill_variants=frozenset(VARIANTS),
         decode_variants=frozenset(VARIANTS),
+        multi_token_decode=True,  # several-token rows take the chunked-prefill path
     )
 
     def plan(self, meta: AttentionMetadata, cache: ContiguousKVCache) -> SDPAPlan:

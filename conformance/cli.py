@@ -44,6 +44,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    "the streams run through it; alone, only the tier that judges a sampler runs (sampling)")
     p.add_argument("--sampler-option", action="append", default=None, metavar="KEY=VALUE",
                    help="constructor option for the sampler (as in [samplers.NAME]); repeatable")
+    p.add_argument("--proposer", default=None, metavar="NAME",
+                   help="certify this speculative-decoding proposer: every stream with its drafts must equal the "
+                   "stream without; alone, only the speculative tier runs (on the best available backend)")
     p.add_argument("--quick", action="store_true", help="CI-sized case set (under 2 minutes on 2 CPU cores)")
     p.add_argument("--json", nargs="?", const="-", default=None, metavar="FILE",
                    help="the report as JSON: on stdout, or written atomically to FILE (the text report then goes to "
@@ -57,7 +60,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="model for the model-level tiers: 'tiny' (in-memory random Llama), 'smollm2', a .gguf "
                    "file or a Hugging Face directory; repeat or comma-separate (default: tiny,smollm2)")
     p.add_argument("--tier", action="append", default=None, metavar="TIER",
-                   help="run only these tiers: op, cache, stream, sampling (repeat or comma-separate)")
+                   help="run only these tiers: op, cache, stream, sampling, speculative (repeat or comma-separate)")
     p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
                    help="run the engine-level tiers (stream, sampling) on N tensor-parallel ranks against the "
                    "one-rank reference; the op and cache tiers check the backend in one process")
@@ -99,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
     from kvcore.conformance.report import to_json, to_markdown, to_text, write_json
     from kvcore.conformance.results import EXIT_FAIL
     from kvcore.conformance.runner import prepare_kernels, run_suite, stderr_notice, stderr_progress
-    from kvcore.conformance.settings import DEFAULT_MODELS, SAMPLER_TIERS, TIERS, SuiteConfig
+    from kvcore.conformance.settings import DEFAULT_MODELS, PROPOSER_TIERS, SAMPLER_TIERS, TIERS, SuiteConfig
     from kvcore.conformance.target import BrokenTargetError, resolve_target
 
     if args.threads < 0:
@@ -107,7 +110,8 @@ def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     sampler_only = args.sampler is not None and args.backend is None and args.kv_cache is None
-    default_tiers = SAMPLER_TIERS if sampler_only else TIERS
+    proposer_only = args.proposer is not None and args.backend is None and args.kv_cache is None
+    default_tiers = PROPOSER_TIERS if proposer_only else SAMPLER_TIERS if sampler_only else TIERS
     try:
         cfg = SuiteConfig(
             dtype=args.dtype,
@@ -120,8 +124,8 @@ def run(args: argparse.Namespace) -> int:
         )
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            if args.backend is None and args.kv_cache is None and args.sampler is None:
-                return _error("give --backend, --kv-cache or --sampler: what to certify")
+            if args.backend is None and args.kv_cache is None and args.sampler is None and args.proposer is None:
+                return _error("give --backend, --kv-cache, --sampler or --proposer: what to certify")
             target = resolve_target(
                 args.backend,
                 options=_options(args.backend_option),
@@ -129,6 +133,7 @@ def run(args: argparse.Namespace) -> int:
                 kv_cache_options=_options(args.kv_cache_option, "--kv-cache-option"),
                 sampler=args.sampler,
                 sampler_options=_options(args.sampler_option, "--sampler-option"),
+                proposer=args.proposer,
             )
             try:
                 if target.availability() is None:
@@ -136,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
                     target.preflight()  # bad options fail here, as a usage error
             except BrokenTargetError:
                 pass  # run_suite reports it as a failure, in every output format
-        named = [n for n in (args.backend, args.kv_cache, args.sampler) if n]
+        named = [n for n in (args.backend, args.kv_cache, args.sampler, args.proposer) if n]
         for w in caught:
             if "kvcore:" in str(w.message) and any(n in str(w.message) for n in named):
                 print(f"warning: {w.message}", file=sys.stderr)
@@ -157,6 +162,9 @@ def run(args: argparse.Namespace) -> int:
             if problem:
                 return _error(f"{problem}; leave it out with --model (e.g. --model tiny)")
 
+    if proposer_only and not args.tier:
+        print(f"kvcore conformance: proposer only: running the speculative tier on backend '{target.name}'",
+              file=sys.stderr)
     if sampler_only and not args.tier:
         print(f"kvcore conformance: sampler only: running the tiers that judge a sampler ({', '.join(SAMPLER_TIERS)})",
               file=sys.stderr)

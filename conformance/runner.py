@@ -12,7 +12,7 @@ from types import ModuleType
 
 import torch
 
-from kvcore.conformance import cache_tier, op_tier, sampling_tier, stream_tier
+from kvcore.conformance import cache_tier, op_tier, sampling_tier, speculative_tier, stream_tier
 from kvcore.conformance.coverage import case_dimensions, tier_coverage
 from kvcore.conformance.results import FAIL, PASS, SKIP, CaseResult, SuiteReport
 from kvcore.conformance.settings import SuiteConfig
@@ -31,6 +31,7 @@ TIER_MODULES: dict[str, ModuleType] = {
     cache_tier.NAME: cache_tier,
     stream_tier.NAME: stream_tier,
     sampling_tier.NAME: sampling_tier,
+    speculative_tier.NAME: speculative_tier,
 }
 
 Progress = Callable[[str, int, int, object, CaseResult | None], None]

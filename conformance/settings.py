@@ -9,13 +9,15 @@ import torch
 from kvcore.engine.core import parse_dtype
 from kvcore.errors import ConfigError
 
-__all__ = ["SuiteConfig", "TIERS", "SAMPLER_TIERS", "DEFAULT_MODELS", "ALL_DTYPES"]
+__all__ = ["SuiteConfig", "TIERS", "SAMPLER_TIERS", "PROPOSER_TIERS", "DEFAULT_MODELS", "ALL_DTYPES"]
 
 #: tier names, in run order
-TIERS = ("op", "cache", "stream", "sampling")
+TIERS = ("op", "cache", "stream", "sampling", "speculative")
 #: the tiers that judge a sampler, all a sampler-only run needs: op and cache never call one, and the stream
 #: tier runs the sampler under test on both sides (backend and reference), so it judges the backend
 SAMPLER_TIERS = ("sampling",)
+#: what certifying a speculative-decoding proposer alone runs
+PROPOSER_TIERS = ("speculative",)
 #: ``tiny``: a random-weights Llama built in memory (fast); ``smollm2``: the embedded default model
 DEFAULT_MODELS = ("tiny", "smollm2")
 #: what a run certifies by default: float32 (exact) and every reduced precision (tie-aware)

@@ -15,7 +15,7 @@ from kvcore.hookspecs import hookimpl
 from kvcore.interfaces.attention import AttentionBackend
 from kvcore.interfaces.kv_cache import CacheSpec, KVCache
 from kvcore.interfaces.sampler import Sampler
-from kvcore.plugins.registry import KV_CACHE, SAMPLER, PluginRegistry, get_registry
+from kvcore.plugins.registry import KV_CACHE, PROPOSER, SAMPLER, PluginRegistry, get_registry
 
 __all__ = [
     "Target", "resolve_target", "reference_target", "REFERENCE_BACKEND", "backend_for_cache", "BrokenTargetError",
@@ -72,6 +72,7 @@ class Target:
     kv_cache_options: dict[str, Any] = field(default_factory=dict)
     sampler: str | None = None
     sampler_options: dict[str, Any] = field(default_factory=dict)
+    proposer: str | None = None  # the speculative-decoding proposer under test (the speculative tier)
 
     def availability(self) -> str | None:
         """The backend's reason it cannot run here (``None``: it can). Raises :class:`BrokenTargetError` when
@@ -216,6 +217,7 @@ def resolve_target(
     kv_cache_options: dict[str, Any] | None = None,
     sampler: str | None = None,
     sampler_options: dict[str, Any] | None = None,
+    proposer: str | None = None,
 ) -> Target:
     """Find what to test.
 
@@ -229,6 +231,7 @@ def resolve_target(
         kv_cache_options=dict(kv_cache_options or {}),
         sampler=sampler,
         sampler_options=dict(sampler_options or {}),
+        proposer=proposer,
     )
     options = dict(options or {})
     if spec is None:
@@ -271,4 +274,6 @@ def resolve_target(
         target.cache_class(kv_cache)  # an unknown cache name is an error naming the registered ones
     if sampler is not None:
         target.registry.get(sampler, SAMPLER)
+    if proposer is not None:
+        target.registry.get(proposer, PROPOSER)
     return target

@@ -28,6 +28,7 @@ __all__ = [
     "kvcore_register_kv_caches",
     "kvcore_register_samplers",
     "kvcore_register_architectures",
+    "kvcore_register_proposers",
     "kvcore_configure",
     "kvcore_register_commands",
 ]
@@ -94,13 +95,27 @@ def kvcore_register_architectures(register: Register) -> None:
 
 
 @hookspec
+def kvcore_register_proposers(register: Register) -> None:
+    """Register speculative-decoding proposers.
+
+    Call ``register(ProposerClass)`` once per proposer; ``name`` defaults to ``ProposerClass.name``. The
+    class must subclass :class:`kvcore.interfaces.proposer.Proposer` and implement
+    :meth:`~kvcore.interfaces.proposer.Proposer.propose`. Users select it with ``proposer = "name"`` /
+    ``--speculative name``; its options come from ``[proposers.<name>]``. ``kvcore conformance --proposer
+    name`` certifies that it leaves every stream unchanged.
+
+    :param register: callback that records one :class:`~kvcore.interfaces.proposer.Proposer` class.
+    """
+
+
+@hookspec
 def kvcore_configure(options: dict[str, Any]) -> None:
     """Receive this plugin's options from the config file.
 
     Called once after loading, with the ``[plugins.<plugin name>]`` table of the config file
-    (an empty dict when there is none). Options of one backend, cache or sampler go in
-    ``[backends.<name>]``, ``[kv_caches.<name>]`` or ``[samplers.<name>]`` instead and reach that
-    class's constructor as keyword arguments.
+    (an empty dict when there is none). Options of one backend, cache, sampler or proposer go in
+    ``[backends.<name>]``, ``[kv_caches.<name>]``, ``[samplers.<name>]`` or ``[proposers.<name>]`` instead
+    and reach that class's constructor as keyword arguments.
 
     :param options: the plugin's own config table.
     """

@@ -56,6 +56,7 @@ def make_plugin(
     kv_caches: Iterable[type] = (),
     samplers: Iterable[type] = (),
     architectures: Iterable[type] = (),
+    proposers: Iterable[type] = (),
     raises: Exception | None = None,
     raise_in: str = "kvcore_register_backends",
 ) -> types.ModuleType:
@@ -67,6 +68,7 @@ def make_plugin(
         ("kvcore_register_kv_caches", tuple(kv_caches)),
         ("kvcore_register_samplers", tuple(samplers)),
         ("kvcore_register_architectures", tuple(architectures)),
+        ("kvcore_register_proposers", tuple(proposers)),
     ):
 
         def impl(register, _classes=classes, _hook=hook):

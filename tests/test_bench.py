@@ -53,6 +53,9 @@ def test_every_case_runs_and_writes_outputs(tmp_path):
     assert contiguous["errors"] == paged["errors"] == 0
     assert set(report["scaling"]) == {"naive", "sdpa", "paged"}
     assert {row["key"] for row in report["targets"]} >= {"decode", "ttft", "capacity", "scaling", "chunked"}
+    spec = report["speculative"]["modes"]
+    assert set(spec) == {"base", "ngram"} and spec["base"]["draft_tokens"] == 0
+    assert 0 <= spec["ngram"]["acceptance_rate"] <= 1 and spec["ngram"]["decode_tok_s"] > 0
     modes = report["chunked"]["modes"]
     assert set(modes) == {"whole", "chunked"} and all(m["worst_gap_cpu_s"] > 0 and m["long_ttft_s"] > 0
                                                       for m in modes.values())
@@ -99,7 +102,7 @@ def test_cli_bench_usage_errors_are_one_line(tmp_path, capsys, bench_plugin, arg
 
 
 def test_cases_constant_is_what_the_cli_accepts():
-    assert CASES == ("decode", "long", "bf16", "batch", "capacity", "scaling", "chunked")
+    assert CASES == ("decode", "long", "bf16", "batch", "capacity", "scaling", "chunked", "speculative")
 
 
 def test_bench_is_not_part_of_the_runtime_package(capsys, monkeypatch):

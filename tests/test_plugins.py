@@ -24,12 +24,22 @@ from kvcore import (
     hookimpl,
 )
 from kvcore.backends.contiguous import ContiguousKVCache
+from kvcore.backends.ngram import NgramProposer
 from kvcore.backends.paged import PagedKVCache
 from kvcore.backends.quantized import Int8KVCache
 from kvcore.errors import BackendUnavailableError, ConfigError, PluginError, UnknownBackendError
 from kvcore.model.families import Llama
 from kvcore.plugins.architectures import for_hf_config
-from kvcore.plugins.registry import ARCHITECTURE, BACKEND, BUILTIN_PLUGINS, KINDS, KV_CACHE, SAMPLER, PluginRegistry
+from kvcore.plugins.registry import (
+    ARCHITECTURE,
+    BACKEND,
+    BUILTIN_PLUGINS,
+    KINDS,
+    KV_CACHE,
+    PROPOSER,
+    SAMPLER,
+    PluginRegistry,
+)
 from kvcore.sampling.sampler import DefaultSampler
 
 CAPS = BackendCapabilities(devices=frozenset({"cpu"}), dtypes=frozenset({torch.float32}), kv_layouts=("contiguous",))
@@ -49,6 +59,10 @@ def make_cache(name: str, base: type[KVCache] = ContiguousKVCache, **attrs):
 
 def make_sampler(name: str, **attrs):
     return type(f"S_{name}", (DefaultSampler,), {"name": name, **attrs})
+
+
+def make_proposer(name: str, **attrs):
+    return type(f"P_{name}", (NgramProposer,), {"name": name, **attrs})
 
 
 def make_architecture(name: str, **attrs):
@@ -182,11 +196,13 @@ DUPLICATES = {  # kind: (a class claiming a built-in's name, the built-in's plug
     "backend": (BACKEND, lambda: make_backend("sdpa"), "kvcore.backends.sdpa", "naive"),
     "kv_cache": (KV_CACHE, lambda: make_cache("paged", PagedKVCache), "kvcore.backends.paged", "contiguous"),
     "sampler": (SAMPLER, lambda: make_sampler("default"), "kvcore.sampling.sampler", None),
+    "proposer": (PROPOSER, lambda: make_proposer("ngram"), "kvcore.backends.ngram", "draft"),
 }
 
 
 def _plugin_of(kind, *classes, **kw):
-    key = {BACKEND: "backends", KV_CACHE: "kv_caches", SAMPLER: "samplers", ARCHITECTURE: "architectures"}[kind]
+    key = {BACKEND: "backends", KV_CACHE: "kv_caches", SAMPLER: "samplers", ARCHITECTURE: "architectures",
+           PROPOSER: "proposers"}[kind]
     return make_plugin(**{key: classes}, **kw)
 
 
@@ -207,7 +223,8 @@ def test_builtin_name_cannot_be_taken_over(with_plugin, kind_key):
 
 @pytest.mark.parametrize("kind", KINDS, ids=[k.key for k in KINDS])
 def test_duplicate_name_across_third_party_plugins_names_both(with_plugin, random_model, kind):
-    makers = {BACKEND: make_backend, KV_CACHE: make_cache, SAMPLER: make_sampler, ARCHITECTURE: make_architecture}
+    makers = {BACKEND: make_backend, KV_CACHE: make_cache, SAMPLER: make_sampler, ARCHITECTURE: make_architecture,
+              PROPOSER: make_proposer}
     twin = makers[kind]("twin")
     with_plugin(_plugin_of(kind, twin), "plugin-a")
     reg = with_plugin(_plugin_of(kind, twin), "plugin-b")
@@ -220,7 +237,7 @@ def test_duplicate_name_across_third_party_plugins_names_both(with_plugin, rando
         with pytest.raises(PluginError, match=r"by plugin 'plugin-a' and by plugin 'plugin-b'"):
             for_hf_config({"architectures": ["TwinForCausalLM"]}, "m", registry=reg)
         return
-    field = {BACKEND: "backend", KV_CACHE: "kv_cache", SAMPLER: "sampler"}[kind]
+    field = {BACKEND: "backend", KV_CACHE: "kv_cache", SAMPLER: "sampler", PROPOSER: "proposer"}[kind]
     with pytest.raises(PluginError, match=r"by plugin 'plugin-a' and by plugin 'plugin-b'"):
         Engine(random_model, None, EngineConfig(**{field: "twin"}), registry=reg)
 
@@ -423,17 +440,25 @@ class _StrictSampler(ConstantSampler):
         self.token = token
 
 
+class _StrictProposer(NgramProposer):
+    name = "strict"
+
+    def __init__(self, max_n: int = 3):
+        super().__init__(max_n=max_n)
+
+
 CONSTRUCTED = [k for k in KINDS if k is not ARCHITECTURE]  # architectures are declarations: no instances
 
 
 @pytest.mark.parametrize("kind", CONSTRUCTED, ids=[k.key for k in CONSTRUCTED])
 def test_unknown_option_of_a_class_with_named_keywords_is_a_config_error(with_plugin, kind):
-    cls = {BACKEND: _StrictBackend, KV_CACHE: _StrictCache, SAMPLER: _StrictSampler}[kind]
+    cls = {BACKEND: _StrictBackend, KV_CACHE: _StrictCache, SAMPLER: _StrictSampler, PROPOSER: _StrictProposer}[kind]
     reg = with_plugin(_plugin_of(kind, cls), "strict-plugin")
     create = {
         BACKEND: lambda opts: reg.create("strict", opts),
         KV_CACHE: lambda opts: reg.create_cache("strict", SPEC, opts),
         SAMPLER: lambda opts: reg.create_sampler("strict", opts),
+        PROPOSER: lambda opts: reg.create_proposer("strict", opts),
     }[kind]
     with pytest.raises(ConfigError, match="'strict'.*wrong_name"):
         create({"wrong_name": 1})

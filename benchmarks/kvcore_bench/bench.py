@@ -16,6 +16,9 @@ repetitions. Cases (``--cases``):
 ``scaling``   decode step time vs context length (64 ... 4096), one line per backend (PNG plot)
 ``chunked``   the worst inter-token gap of 4 running requests while a 2048-token prompt is admitted, with
               chunked prefill (128-token budget per step) vs whole-prompt prefill, and that prompt's TTFT
+``speculative`` batch-1 decode tokens/s with n-gram speculation vs without, on an input-grounded prompt (a
+              random token sequence given twice and a half: the model copies it), with the acceptance rate
+              and drafts kept per verification step
 
 Definitions: TTFT = request arrival to its first token; TPOT = mean time per output token after the
 first; decode tokens/s = tokens after the first / time after the first token (summed over the batch
@@ -369,6 +372,7 @@ class Bench:
         self.capacity: dict[str, Any] | None = None
         self.scaling: dict[str, dict[int, float]] = {}
         self.chunked: dict[str, Any] | None = None
+        self.speculative: dict[str, Any] | None = None
         self.notes: list[str] = []
 
     # -- resources ---------------------------------------------------------------------------------
@@ -524,6 +528,8 @@ class Bench:
                 self.run_scaling()
             elif case == "chunked":
                 self.run_chunked()
+            elif case == "speculative":
+                self.run_speculative()
             self.log(f"case {case} done in {time.perf_counter() - t0:.0f}s")
         env["load_average_end"] = _load_average()
         env["elapsed_s"] = round(time.perf_counter() - started, 1)
@@ -534,6 +540,7 @@ class Bench:
             "capacity": self.capacity,
             "scaling": {k: {str(c): v for c, v in d.items()} for k, d in self.scaling.items()},
             "chunked": self.chunked,
+            "speculative": self.speculative,
             "targets": evaluate_targets(self.measurements, self.capacity, self.scaling, self.chunked),
             "notes": self.notes,
         }
@@ -626,6 +633,33 @@ class Bench:
         result["ratio_wall"] = c["worst_gap_s"] / w["worst_gap_s"]
         result["ratio"] = c["worst_gap_cpu_s"] / w["worst_gap_cpu_s"]  # robust to load from other processes
         self.chunked = result
+
+    def run_speculative(self) -> None:
+        """Batch-1 decode with n-gram speculation vs without (float32, alternating per repetition): a random
+        token sequence given two and a half times, which the model goes on copying."""
+        import torch
+
+        from kvcore.interfaces.sampler import SamplingParams
+
+        backend = TARGET_BACKEND if TARGET_BACKEND in self.s.backends else self.s.backends[0]
+        n = self.s.num_new_tokens
+        x = self.prompt(max(8, min(200, (self.window(n) - n) * 2 // 5)), salt=11)
+        prompt = x + x + x[: len(x) // 2]
+        runs: dict[str, list[dict[str, float]]] = {"base": [], "ngram": []}
+        for rep in range(self.s.reps_short):
+            for label in ("base", "ngram") if rep % 2 == 0 else ("ngram", "base"):
+                extra = {"proposer": "ngram"} if label == "ngram" else {}
+                eng = self.engine(backend, torch.float32, max_num_seqs=1, max_model_len=len(prompt) + n + 8, **extra)
+                r = eng.generate([prompt], SamplingParams(max_new_tokens=n, ignore_eos=True))[0]
+                m = r.metrics
+                runs[label].append({"decode_tok_s": m.tokens_per_s or 0.0, "draft_tokens": m.num_draft_tokens,
+                                    "accepted_tokens": m.num_accepted_tokens,
+                                    "acceptance_rate": m.acceptance_rate or 0.0,
+                                    "mean_accepted_length": m.mean_accepted_length or 0.0})
+        modes = {label: {k: _median([r[k] for r in stats]) for k in stats[0]} for label, stats in runs.items()}
+        self.speculative = {"backend": backend, "prompt_tokens": len(prompt), "new_tokens": n, "modes": modes,
+                            "speedup": modes["ngram"]["decode_tok_s"] / max(modes["base"]["decode_tok_s"], 1e-9)}
+        self.log(f"speculative: x{self.speculative['speedup']:.2f}, acceptance {modes['ngram']['acceptance_rate']:.2f}")
 
     def _gap_run(self, engine, length: int, budget: int) -> dict[str, float]:
         from kvcore.interfaces.sampler import SamplingParams
@@ -862,6 +896,14 @@ def render_markdown(report: dict[str, Any]) -> str:
         for label, m in ch["modes"].items():
             out.append(f"| {label} | {m['worst_gap_cpu_s']:.2f} s | {m['worst_gap_s']:.3f} s | "
                        f"{m['median_gap_s']:.3f} s | {m['long_ttft_s']:.3f} s |")
+    sp = report.get("speculative")
+    if sp:
+        b, g = sp["modes"]["base"], sp["modes"]["ngram"]
+        out += ["", "## Speculative decoding", "",
+                f"Batch 1 on `{sp['backend']}`, a {sp['prompt_tokens']}-token input-grounded prompt, "
+                f"{sp['new_tokens']} new tokens: n-gram speculation {g['decode_tok_s']:.1f} tok/s vs "
+                f"{b['decode_tok_s']:.1f} tok/s without ({sp['speedup']:.2f}×); acceptance rate "
+                f"{g['acceptance_rate']:.2f}, {g['mean_accepted_length']:.2f} drafts kept per verification."]
     if report.get("notes"):
         out += ["", "## Notes", ""] + [f"- {n}" for n in report["notes"]]
     return "\n".join(out) + "\n"

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 __all__ = ["CASES", "DEFAULT_BACKENDS", "add_parser"]
 
-CASES = ("decode", "long", "bf16", "batch", "capacity", "scaling", "chunked")
+CASES = ("decode", "long", "bf16", "batch", "capacity", "scaling", "chunked", "speculative")
 DEFAULT_BACKENDS = ("naive", "sdpa", "paged")
 
 

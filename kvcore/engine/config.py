@@ -78,9 +78,14 @@ class EngineConfig:
     #: run decode steps through torch.compile (kvcore/execution/compile.py): less per-op overhead once compiled; the
     #: first decode step compiles (tens of seconds; cached on disk by torch); needs a compilable decode backend
     compile: bool = False
+    #: speculative decoding: the proposer (``kvcore plugins``) guessing up to num_speculative_tokens tokens per
+    #: step for each decoding request, verified in one forward (docs/speculative.md); None = off
+    proposer: str | None = None
+    num_speculative_tokens: int = 4
     backend_options: dict[str, dict[str, Any]] = field(default_factory=dict)  # [backends.<name>] tables
     kv_cache_options: dict[str, dict[str, Any]] = field(default_factory=dict)  # [kv_caches.<name>] tables
     sampler_options: dict[str, dict[str, Any]] = field(default_factory=dict)  # [samplers.<name>] tables
+    proposer_options: dict[str, dict[str, Any]] = field(default_factory=dict)  # [proposers.<name>] tables
 
     #: default cap on max_model_len so a contiguous cache does not reserve the full 8K window per slot
     DEFAULT_MAX_MODEL_LEN = DEFAULT_MAX_MODEL_LEN
@@ -95,7 +100,7 @@ class EngineConfig:
         if self.lm_head != AUTO:
             check_lm_head(self.lm_head, dtype or torch.bfloat16, self.device)
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "tensor_parallel_size",
-                     "backend_check_interval"):
+                     "backend_check_interval", "num_speculative_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")

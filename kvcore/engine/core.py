@@ -42,6 +42,7 @@ from kvcore.engine.config import EngineConfig, parse_dtype, select_components
 from kvcore.engine.defaults import DefaultChoice, choose_defaults, file_facts, model_facts
 from kvcore.engine.requests import prompt_batch, prompt_token_ids, request_result, run_batch, run_chat, stream_events
 from kvcore.engine.settings import Settings
+from kvcore.engine.speculative import speculator_for
 from kvcore.engine.step import EngineStep
 from kvcore.errors import InvalidRequestError, RequestAbortedError
 from kvcore.execution.runner import Executor, ModelRunner
@@ -122,6 +123,8 @@ class Engine(EngineStep):
         self._ids = itertools.count()
         #: compiles structured-output constraints (cached per grammar); None without a tokenizer
         self.grammars = GrammarCompiler(tokenizer, mc.vocab_size, sorted(eos)) if tokenizer is not None else None
+        #: speculative decoding (config.proposer): the proposer and its counters; None = off
+        self.speculator = speculator_for(self, registry)
 
     def serving_config(self) -> dict[str, Any]:
         """What serves requests: backends, KV cache, sampler, dtype, weights, device and limits (the start-up

@@ -10,6 +10,7 @@ Example ``kvcore.toml``::
     weights = "auto"            # or float / int8 / int4 (weight-only quantized matmuls, bfloat16 on CPU)
     lm_head = "dense"           # or int4 (int4 scores, the top 64 rescored densely; bfloat16 on CPU)
     compile = false             # torch.compile the decode steps
+    proposer = "ngram"          # speculative decoding (docs/speculative.md)
     max_new_tokens = 64
     temperature = 0.0
 
@@ -36,7 +37,8 @@ from kvcore.errors import ConfigError
 __all__ = ["FileConfig", "load_config", "OPTION_TABLES"]
 
 #: config tables of per-name constructor options, and the EngineConfig field each one fills
-OPTION_TABLES = {"backends": "backend_options", "kv_caches": "kv_cache_options", "samplers": "sampler_options"}
+OPTION_TABLES = {"backends": "backend_options", "kv_caches": "kv_cache_options", "samplers": "sampler_options",
+                 "proposers": "proposer_options"}
 
 
 @dataclass
@@ -76,9 +78,12 @@ class FileConfig:
     check_backend_outputs: bool | None = None  # check attention outputs (kvcore/execution/backend_check.py)
     backend_check_interval: int | None = None  # forwards between reference checks of layer 0
     compile: bool | None = None  # torch.compile the decode steps (kvcore/execution/compile.py)
+    proposer: str | None = None  # speculative decoding: the proposer (docs/speculative.md)
+    num_speculative_tokens: int | None = None  # draft tokens verified per step and request
     backends: dict[str, dict[str, Any]] = field(default_factory=dict)  # [backends.<name>] → constructor kwargs
     kv_caches: dict[str, dict[str, Any]] = field(default_factory=dict)  # [kv_caches.<name>] → constructor kwargs
     samplers: dict[str, dict[str, Any]] = field(default_factory=dict)  # [samplers.<name>] → constructor kwargs
+    proposers: dict[str, dict[str, Any]] = field(default_factory=dict)  # [proposers.<name>] → constructor kwargs
     plugins: dict[str, dict[str, Any]] = field(default_factory=dict)  # [plugins.<name>] → kvcore_configure
 
 

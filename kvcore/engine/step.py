@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from kvcore.engine.verify import SpeculativeStep
 from kvcore.errors import BackendError, GrammarError, KVCoreError, NonFiniteRowsError
 from kvcore.execution.runner import Executor
 from kvcore.interfaces.attention import AttentionBackend
@@ -34,7 +35,7 @@ from kvcore.text.outputs import TextOutput
 __all__ = ["EngineStep"]
 
 
-class EngineStep:
+class EngineStep(SpeculativeStep):
     kv: KVCacheManager
     scheduler: Scheduler
     stats: EngineStats
@@ -70,6 +71,8 @@ class EngineStep:
     def _execute(self, batch: ScheduledBatch) -> None:
         """Forward and sample one batch; a KVCoreError fails its requests (a mixed batch is first retried
         split by phase, so the failure lands on the rows that cause it), every other request untouched."""
+        if self.speculator is not None and not batch.is_prefill and self._speculate(batch):
+            return  # a speculative step (kvcore.engine.verify)
         reqs = batch.requests
         backend = self.prefill_backend if batch.is_prefill else self.decode_backend
         sampling = [i for i, s in enumerate(batch.samples) if s]
@@ -212,6 +215,8 @@ class EngineStep:
         req.metrics.finish_time = time.perf_counter()
         self.stats.num_finished_requests += 1
         self.scheduler.finish(req)
+        if self.speculator is not None:
+            self.speculator.finish(req)
         if emit:
             self._events.append(TokenEvent(req.request_id, None, "", reason, error))
 

@@ -18,7 +18,7 @@ from kvcore.interfaces.kv_cache import KVCache
 from kvcore.interfaces.metadata import AttentionMetadata
 from kvcore.model.decoder import LlamaModel
 
-__all__ = ["Executor", "ModelRunner", "run_model", "last_token_logits"]
+__all__ = ["Executor", "ModelRunner", "run_model", "last_token_logits", "position_logits"]
 
 
 def run_model(
@@ -89,6 +89,30 @@ def last_token_logits(
     return logits
 
 
+def position_logits(
+    model: LlamaModel,
+    backend: AttentionBackend,
+    cache: KVCache,
+    meta: AttentionMetadata,
+    input_ids: Sequence[int] | torch.Tensor,
+    rows: Sequence[int],
+    num_positions: Sequence[int],
+    guard: BackendGuard | None = None,
+    head=None,
+) -> torch.Tensor:
+    """``[sum(num_positions), V]`` float32 logits of the last ``num_positions[j]`` packed tokens of sequence
+    ``rows[j]``, in order: what speculative verification scores (every draft position of a row, and the
+    position after its last draft). Runs eagerly (a compiled decode step has one query per sequence)."""
+    check = guard.begin(meta, cache) if guard is not None else None
+    hidden = run_model(model, backend, cache, meta, input_ids, check)
+    starts = meta.query_starts
+    picked = [p for i, m in zip(rows, num_positions) for p in range(starts[i + 1] - m, starts[i + 1])]
+    logits = model.compute_logits(hidden[torch.tensor(picked, dtype=torch.long, device=hidden.device)], head)
+    if check is not None:
+        check.finish(logits, [i for i, m in zip(rows, num_positions) for _ in range(m)])
+    return logits
+
+
 class Executor(Protocol):
     """Runs one scheduled forward wherever the model lives."""
 
@@ -129,6 +153,11 @@ class ModelRunner:
     def forward(self, is_prefill, backend, cache, meta, input_ids, copies=(), rows=None) -> torch.Tensor:
         guard = self.guards.get(id(backend))
         return last_token_logits(self.model, backend, cache, meta, input_ids, rows, guard, self.compiled, self.head)
+
+    def forward_positions(self, backend, cache, meta, input_ids, rows, num_positions) -> torch.Tensor:
+        """Several positions' logits per row (:func:`position_logits`); one process only."""
+        guard = self.guards.get(id(backend))
+        return position_logits(self.model, backend, cache, meta, input_ids, rows, num_positions, guard, self.head)
 
     def describe(self) -> None:
         return None

@@ -96,6 +96,9 @@ class BackendCapabilities:
     #: implements; a layer using another is refused with :meth:`reasons_variants`, never run wrong
     prefill_variants: frozenset[str] = frozenset()
     decode_variants: frozenset[str] = frozenset()
+    #: its forward takes rows of several query tokens after a cached context in a step of running requests
+    #: (speculative verification: a decode step whose rows score the draft tokens too, causal among them)
+    multi_token_decode: bool = False
 
     def variants(self, phase: str) -> frozenset[str]:
         """The variants of ``phase`` ("prefill" or "decode")."""

@@ -1,4 +1,4 @@
-"""The pluggable kinds (backends, KV caches, samplers, architectures) and the checks every registration
+"""The pluggable kinds (backends, KV caches, samplers, architectures, proposers) and the checks every registration
 and every use of a registered class goes through: declared attributes and capability types, an
 ``availability()`` under a time limit, constructor options that fail as a ConfigError."""
 
@@ -12,10 +12,11 @@ from typing import Any
 from kvcore.errors import ConfigError, PluginError
 from kvcore.interfaces.attention import AttentionBackend, BackendCapabilities
 from kvcore.interfaces.kv_cache import CacheCapabilities, KVCache
+from kvcore.interfaces.proposer import Proposer, ProposerCapabilities
 from kvcore.interfaces.sampler import Sampler
 from kvcore.model.architectures import Architecture
 
-__all__ = ["Kind", "KINDS", "BACKEND", "KV_CACHE", "SAMPLER", "ARCHITECTURE", "PluginEntry", "label"]
+__all__ = ["Kind", "KINDS", "BACKEND", "KV_CACHE", "SAMPLER", "ARCHITECTURE", "PROPOSER", "PluginEntry", "label"]
 
 
 @dataclass(frozen=True)
@@ -33,8 +34,9 @@ BACKEND = Kind("backend", "kvcore_register_backends", AttentionBackend, "backend
 KV_CACHE = Kind("kv_cache", "kvcore_register_kv_caches", KVCache, "kv_caches", ("name", "layout", "capabilities"))
 SAMPLER = Kind("sampler", "kvcore_register_samplers", Sampler, "samplers", ("name",))
 ARCHITECTURE = Kind("architecture", "kvcore_register_architectures", Architecture, "architectures", ("name",))
+PROPOSER = Kind("proposer", "kvcore_register_proposers", Proposer, "proposers", ("name",))
 #: in collection order: backends are checked against the KV layouts the registered caches provide
-KINDS = (KV_CACHE, BACKEND, SAMPLER, ARCHITECTURE)
+KINDS = (KV_CACHE, BACKEND, SAMPLER, ARCHITECTURE, PROPOSER)
 #: seconds an ``availability()`` check may take before it is reported as hung (it must not block listing)
 AVAILABILITY_TIMEOUT_S = 10.0
 _HUNG: set[type] = set()  # classes whose availability() never returned: not called again
@@ -105,7 +107,8 @@ def validated_entry(kind: Kind, cls: Any, name: str | None, plugin: str) -> Plug
     for attr in kind.required[1:]:
         if not hasattr(cls, attr):
             raise PluginError(f"plugin '{plugin}': {what} '{name}' declares no '{attr}'")
-    expected = {BACKEND.key: BackendCapabilities, KV_CACHE.key: CacheCapabilities}.get(kind.key)
+    expected = {BACKEND.key: BackendCapabilities, KV_CACHE.key: CacheCapabilities,
+                PROPOSER.key: ProposerCapabilities}.get(kind.key)
     if expected is not None and not isinstance(cls.capabilities, expected):
         got = type(cls.capabilities).__name__
         raise PluginError(f"plugin '{plugin}': {what} '{name}' capabilities must be a {expected.__name__}, got {got}")

@@ -1,4 +1,4 @@
-"""Plugin discovery and the registry of the three pluggable kinds: backends, KV caches, samplers.
+"""Plugin discovery and the registry of the pluggable kinds: backends, KV caches, samplers, proposers, ...
 
 Built-ins are plugins registered through the same ``kvcore_register_*`` hooks as third-party ones;
 third-party plugins come from the ``kvcore`` entry-point group. Everything is loaded lazily, on the
@@ -30,6 +30,7 @@ from kvcore.plugins.kinds import (
     BACKEND,
     KINDS,
     KV_CACHE,
+    PROPOSER,
     SAMPLER,
     Kind,
     PluginEntry,
@@ -39,8 +40,8 @@ from kvcore.plugins.kinds import (
 )
 
 __all__ = [
-    "Kind", "KINDS", "BACKEND", "KV_CACHE", "SAMPLER", "ARCHITECTURE", "PluginEntry", "PluginRegistry", "get_registry",
-    "reset_registry", "BUILTIN_PLUGINS",
+    "Kind", "KINDS", "BACKEND", "KV_CACHE", "SAMPLER", "ARCHITECTURE", "PROPOSER", "PluginEntry", "PluginRegistry",
+    "get_registry", "reset_registry", "BUILTIN_PLUGINS",
 ]
 
 ENTRY_POINT_GROUP = "kvcore"
@@ -54,6 +55,8 @@ BUILTIN_PLUGINS = (
     "kvcore.backends.flash_attn2",
     "kvcore.backends.xformers",
     "kvcore.sampling.sampler",
+    "kvcore.backends.ngram",
+    "kvcore.backends.draft",
     "kvcore.model.families",
     "kvcore.plugins.model_support",
 )
@@ -183,6 +186,10 @@ class PluginRegistry:
     def samplers(self) -> dict[str, PluginEntry]:
         return self.entries(SAMPLER)
 
+    @property
+    def proposers(self) -> dict[str, PluginEntry]:
+        return self.entries(PROPOSER)
+
     def configure(self, plugin_options: dict[str, dict[str, Any]]) -> None:
         """Hand each plugin its ``[plugins.<name>]`` table through ``kvcore_configure``."""
         self.backends  # noqa: B018 - make sure plugins are loaded
@@ -234,6 +241,10 @@ class PluginRegistry:
 
     def create_sampler(self, name: str, options: dict[str, Any] | None = None) -> Sampler:
         return construct(self._available(name, SAMPLER), (), options)
+
+    def create_proposer(self, name: str, options: dict[str, Any] | None = None):
+        """Instantiate an available speculative-decoding proposer (a Proposer)."""
+        return construct(self._available(name, PROPOSER), (), options)
 
     def available(self) -> list[PluginEntry]:
         return [e for e in self.backends.values() if e.availability() is None]

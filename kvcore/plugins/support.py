@@ -68,7 +68,8 @@ def backend_rows(registry: PluginRegistry) -> list[dict[str, Any]]:
 
 
 def plugin_rows(registry: PluginRegistry) -> dict[str, list[dict[str, Any]]]:
-    """Rows of every pluggable kind: ``{"backends": [...], "kv_caches": [...], "samplers": [...]}``."""
+    """Rows of every pluggable kind: ``{"backends": [...], "kv_caches": [...], "samplers": [...],
+    "proposers": [...]}``."""
     caches = []
     for name in sorted(registry.kv_caches):
         entry = registry.kv_caches[name]
@@ -88,7 +89,12 @@ def plugin_rows(registry: PluginRegistry) -> dict[str, list[dict[str, Any]]]:
         {"sampler": name, "plugin": e.plugin, "available": _availability(e), "description": e.cls.description}
         for name, e in sorted(registry.samplers.items())
     ]
-    return {"backends": backend_rows(registry), "kv_caches": caches, "samplers": samplers}
+    proposers = [
+        {"proposer": name, "plugin": e.plugin, "deterministic": "yes" if e.cls.capabilities.deterministic else "no",
+         "available": _availability(e), "description": e.cls.description}
+        for name, e in sorted(registry.proposers.items())
+    ]
+    return {"backends": backend_rows(registry), "kv_caches": caches, "samplers": samplers, "proposers": proposers}
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:

@@ -34,6 +34,19 @@ class RequestMetrics:
     kv_bytes: int = 0  # KV-cache bytes the request's tokens occupied at their peak
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens reused from the prefix cache instead of computed
+    num_spec_steps: int = 0  # speculative decoding: verification steps that scored drafts of this request
+    num_draft_tokens: int = 0  # draft tokens scored
+    num_accepted_tokens: int = 0  # draft tokens kept
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Kept / scored draft tokens (None without speculation)."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
+
+    @property
+    def mean_accepted_length(self) -> float | None:
+        """Draft tokens kept per verification step (each step also yields one token of the target's own)."""
+        return self.num_accepted_tokens / self.num_spec_steps if self.num_spec_steps else None
 
     @property
     def ttft_s(self) -> float | None:
@@ -63,6 +76,10 @@ class RequestMetrics:
             "kv_bytes": self.kv_bytes,
             "preemptions": self.num_preemptions,
             "cached_prompt_tokens": self.num_cached_tokens,
+            "draft_tokens": self.num_draft_tokens,
+            "accepted_tokens": self.num_accepted_tokens,
+            "acceptance_rate": self.acceptance_rate,
+            "mean_accepted_length": self.mean_accepted_length,
         }
 
 
@@ -174,6 +191,9 @@ class EngineStats:
     num_generated_tokens: int = 0  # tokens sampled
     num_preemptions: int = 0
     num_finished_requests: int = 0
+    num_spec_steps: int = 0  # speculative decoding: per request, verification steps that scored drafts
+    num_draft_tokens: int = 0  # draft tokens scored
+    num_accepted_tokens: int = 0  # draft tokens kept
 
     def as_dict(self) -> dict[str, int]:
         return dict(vars(self))

@@ -122,6 +122,11 @@ _ENGINE_COUNTERS = (
     ("num_cached_tokens", "kvcore_prefix_cache_hit_tokens_total",
      "Prompt tokens not computed because their KV was cached (prefix cache, shared n>1 prompts)"),
     ("num_preemptions", "kvcore_preemptions_total", "Requests preempted for KV-cache room (recomputed later)"),
+    ("num_spec_steps", "kvcore_spec_verifications_total",
+     "Speculative decoding: per request, verification steps that scored draft tokens"),
+    ("num_draft_tokens", "kvcore_spec_draft_tokens_total", "Speculative decoding: draft tokens scored"),
+    ("num_accepted_tokens", "kvcore_spec_accepted_tokens_total",
+     "Speculative decoding: draft tokens kept (acceptance rate = accepted / draft)"),
 )
 
 

@@ -1,0 +1,146 @@
+"""``draft``: a smaller model of the same tokenizer guesses the next tokens greedily, on a KV cache of its own.
+
+Options (``[proposers.draft]``):
+
+* ``model``: any model kvcore loads (``smollm2``, a .gguf file, a Hugging Face directory), loaded in the
+  target's dtype, device and weight format; its vocabulary and tokenizer must be the target's. Default: the
+  target model itself (its weights shared, nothing loaded).
+* ``num_layers``: run only the draft's first ``num_layers`` decoder layers (then its final norm and LM
+  head): a layer-truncated copy, sharing the weights, e.g. SmolLM2's first 8 of 30 layers.
+
+Each request has a sequence in the draft's contiguous KV cache. A proposal first feeds the tokens the draft
+has not seen (after the last verification: the kept drafts and the target's own token; its cache keeps the
+longest prefix it shares with the request's tokens), then one greedy token at a time. Greedy drafts are
+deterministic, so sampled requests verify them with one-hot ``q``.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import torch
+
+from kvcore.errors import ConfigError
+from kvcore.execution.runner import last_token_logits
+from kvcore.hookspecs import hookimpl
+from kvcore.interfaces.kv_cache import CacheSpec
+from kvcore.interfaces.proposer import Proposal, Proposer, ProposerCapabilities, ProposerTarget
+from kvcore.scheduling.kv_manager import KVCacheManager
+
+from .contiguous import ContiguousKVCache
+from .sdpa import SDPABackend
+
+#: text whose tokens a draft's tokenizer must give exactly as the target's does
+TOKENIZER_PROBE = "Speculative decoding: the draft's tokens must be the target's. 0123 {x: [1, 2]} é 中"
+
+
+def truncated(model, num_layers: int):
+    """``model`` running only its first ``num_layers`` decoder layers: a shallow copy sharing every weight."""
+    draft = copy.copy(model)
+    draft.config = dataclasses.replace(model.config, num_hidden_layers=num_layers)
+    draft.attention_layers = tuple(model.attention_layers[:num_layers])
+    return draft
+
+
+class DraftModelProposer(Proposer):
+    name = "draft"
+    description = "a smaller model of the same tokenizer (or the target's first layers), greedy, own KV cache"
+    capabilities = ProposerCapabilities(deterministic=True, needs_model=True)
+
+    def __init__(self, model: str | None = None, num_layers: int | None = None) -> None:
+        super().__init__()
+        if num_layers is not None and (not isinstance(num_layers, int) or isinstance(num_layers, bool)
+                                       or num_layers < 1):
+            raise ConfigError(f"proposer 'draft': num_layers must be a positive integer, got {num_layers!r}")
+        if model is not None and not (isinstance(model, str) and model):
+            raise ConfigError(f"proposer 'draft': model must name a model, got {model!r}")
+        self.model_spec, self.num_layers = model, num_layers
+        self._seqs: dict[str, tuple[int, list[int]]] = {}  # request id -> (draft sequence, tokens it holds)
+        self._next_seq = 0
+
+    def bind(self, target: ProposerTarget) -> list[str]:
+        model, tokenizer = target.model, target.tokenizer
+        if self.model_spec is not None:
+            model, tokenizer = target.load_model(self.model_spec)
+            reasons = self._tokenizer_reasons(model, tokenizer, target)
+            if reasons:
+                return reasons
+        layers = model.config.num_hidden_layers
+        if self.num_layers is not None:
+            if self.num_layers > layers:
+                return [f"num_layers {self.num_layers} exceeds the draft model's {layers} layers"]
+            model = truncated(model, self.num_layers)
+        self.model, self.backend = model, SDPABackend()
+        c = model.config
+        reasons = self.backend.validate(device=target.device, dtype=model.dtype, head_dim=c.head_dim,
+                                        num_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads)
+        if reasons:
+            return [f"the draft model cannot run on sdpa: {'; '.join(reasons)}"]
+        spec = CacheSpec(num_layers=c.num_hidden_layers, num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim,
+                         dtype=model.dtype, device=target.device, max_num_seqs=target.max_num_seqs,
+                         max_seq_len=target.max_model_len)
+        self.kv = KVCacheManager(ContiguousKVCache(spec))
+        return []
+
+    @staticmethod
+    def _tokenizer_reasons(model, tokenizer, target: ProposerTarget) -> list[str]:
+        if model.config.vocab_size != target.vocab_size:
+            return [f"the draft's vocabulary ({model.config.vocab_size}) is not the target's ({target.vocab_size})"]
+        if tokenizer is not None and target.tokenizer is not None:
+            if tokenizer.encode(TOKENIZER_PROBE) != target.tokenizer.encode(TOKENIZER_PROBE):
+                return ["the draft's tokenizer splits text differently from the target's"]
+        return []
+
+    def finish(self, request_id) -> None:
+        seq = self._seqs.pop(request_id, None)
+        if seq is not None:
+            self.kv.free_sequence(seq[0])
+
+    def _sequence(self, request_id: str, tokens: list[int]) -> tuple[int, list[int]]:
+        """The request's draft sequence, cut back to the longest prefix it shares with ``tokens`` (at least
+        one token of ``tokens`` is left to feed)."""
+        if request_id not in self._seqs:
+            self._seqs[request_id] = (self._next_seq, [])
+            self.kv.add_sequence(self._next_seq)
+            self._next_seq += 1
+        seq_id, held = self._seqs[request_id]
+        keep = 0
+        for a, b in zip(held, tokens[:-1]):
+            if a != b:
+                break
+            keep += 1
+        self.kv.blocks.truncate(seq_id, keep)
+        return seq_id, held[:keep]
+
+    @torch.inference_mode()
+    def propose(self, rows, num_tokens) -> list[Proposal]:
+        seqs, feeds, held = [], [], []
+        for row in rows:
+            tokens = row.prompt_ids + row.output_ids
+            seq_id, kept = self._sequence(row.request_id, tokens)
+            seqs.append(seq_id)
+            feeds.append(tokens[len(kept):])
+            held.append(tokens)
+        drafts: list[list[int]] = [[] for _ in rows]
+        active = list(range(len(rows)))
+        for _ in range(max(num_tokens)):
+            meta = self.kv.prepare([seqs[i] for i in active], [len(feeds[i]) for i in active],
+                                   self.model.attention_scale, self.model.attention_layers)
+            ids = [t for i in active for t in feeds[i]]
+            logits = last_token_logits(self.model, self.backend, self.kv.cache, meta, ids)
+            picks = logits.argmax(-1).tolist()
+            for i, pick in zip(active, picks):
+                drafts[i].append(pick)
+                feeds[i] = [pick]
+            active = [i for i in active if len(drafts[i]) < num_tokens[i]]
+            if not active:
+                break
+        for i, row in enumerate(rows):  # the cache holds the tokens and every draft but the last
+            self._seqs[row.request_id] = (seqs[i], held[i] + drafts[i][:-1])
+        return [Proposal(d) for d in drafts]
+
+
+@hookimpl
+def kvcore_register_proposers(register):
+    register(DraftModelProposer)

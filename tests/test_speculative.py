@@ -1,0 +1,202 @@
+"""Speculative decoding: the conformance tier on the built-in backends, planted bugs it must catch, the
+acceptance rule's distribution, the built-in proposers, and the engine's refusals."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kvcore import Engine, EngineConfig, SamplingParams
+from kvcore.backends.draft import truncated
+from kvcore.backends.ngram import NgramProposer
+from kvcore.backends.sdpa import SDPABackend
+from kvcore.conformance import speculative_tier as tier
+from kvcore.conformance.results import FAIL, PASS, CaseResult
+from kvcore.conformance.settings import SuiteConfig
+from kvcore.conformance.speculative_proposers import ORACLE, RANDOM, REJECT_ALL
+from kvcore.conformance.target import resolve_target
+from kvcore.engine import verify
+from kvcore.errors import ConfigError
+from kvcore.interfaces.attention import BackendCapabilities
+from kvcore.kernels.cpu_kernels import kernel_reasons
+from kvcore.sampling.speculative import rejection_sample
+from kvcore.scheduling.scheduler import Scheduler
+
+CFG = SuiteConfig(dtype="float32", models=("tiny",), tiers=("speculative",))
+
+
+def run_case(backend: str, proposer: str, variant: str) -> CaseResult:
+    target = resolve_target(backend)
+    case = tier.SpecCase(proposer, variant)
+    result = CaseResult(tier="speculative", case=case.id, status=PASS)
+    assert not tier.skip_reasons(target, case, CFG)
+    tier.check(target, case, CFG, result)
+    return result
+
+
+@pytest.mark.parametrize("backend, proposer", [(b, RANDOM) for b in ("naive", "sdpa", "paged", "cpu_decode")]
+                         + [("sdpa", ORACLE), ("paged", REJECT_ALL)])
+def test_greedy_streams_unchanged(backend, proposer):
+    if backend == "cpu_decode" and kernel_reasons():
+        pytest.skip("; ".join(kernel_reasons()))
+    result = run_case(backend, proposer, "greedy")
+    assert result.status == PASS, result.detail
+
+
+@pytest.mark.parametrize("proposer", [ORACLE, RANDOM])
+def test_sampled_streams_unchanged(proposer):
+    result = run_case("paged", proposer, "sampled")
+    assert result.status == PASS, result.detail
+
+
+@pytest.mark.slow
+def test_rejection_rule_keeps_the_target_distribution_end_to_end():
+    result = run_case("sdpa", RANDOM, "distribution")
+    assert result.status == PASS, result.detail
+    assert result.info["accepted_tokens"] > 0 and result.info["accepted_tokens"] < result.info["draft_tokens"]
+
+
+# -- planted bugs ------------------------------------------------------------------------------------------
+def test_planted_off_by_one_in_the_accepted_prefix_is_caught(monkeypatch):
+    real = verify.num_matching
+    monkeypatch.setattr(verify, "num_matching", lambda d, p: min(len(d), real(d, p) + 1))
+    assert run_case("sdpa", REJECT_ALL, "greedy").status == FAIL
+
+
+def test_planted_kv_not_rolled_back_is_caught(monkeypatch):
+    monkeypatch.setattr(Scheduler, "roll_back", lambda self, reqs: None)
+    assert run_case("paged", REJECT_ALL, "greedy").status == FAIL
+
+
+def test_planted_bonus_token_dropped_is_caught(monkeypatch):
+    real = verify.SpeculativeStep._verified
+
+    def drop_bonus(self, logits, views, reqs, proposals):
+        out = real(self, logits, views, reqs, proposals)
+        return [t[:-1] if len(t) == len(p.token_ids) + 1 and p.token_ids else t for t, p in zip(out, proposals)]
+
+    monkeypatch.setattr(verify.SpeculativeStep, "_verified", drop_bonus)
+    result = run_case("sdpa", ORACLE, "greedy")
+    assert result.status == FAIL and "bonus" in result.detail
+
+
+# -- the rule itself -----------------------------------------------------------------------------------------
+def test_rejection_sample_draws_from_p():
+    """6000 seeded draws (fixed: deterministic) of one draft from q, verified against p: the emitted token
+    follows p (chi-square, false-alarm rate 1e-3: limit 20.5 at 5 degrees of freedom)."""
+    p = torch.tensor([[0.5, 0.2, 0.15, 0.1, 0.05, 0.0]], dtype=torch.float64)
+    q = torch.tensor([[0.1, 0.1, 0.1, 0.2, 0.2, 0.3]], dtype=torch.float64)
+    gen = torch.Generator().manual_seed(0)
+    drafts = torch.multinomial(q[0], 6000, replacement=True, generator=gen).tolist()
+    counts = [0] * 6
+    for seed, x in enumerate(drafts):
+        kept, token = rejection_sample([x], p, q, seed, 0)
+        counts[x if kept else token] += 1
+    assert counts[5] == 0  # p(5) = 0: never emitted, although q proposes it most often
+    chi2 = sum((c - 6000 * pi) ** 2 / (6000 * pi) for c, pi in zip(counts[:5], p[0].tolist()))
+    assert chi2 < 20.5
+
+
+def test_rejection_sample_detects_a_wrong_rule():
+    """The same test catches the naive rule (keep every draft): the check above can fail."""
+    p = torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05, 0.0], dtype=torch.float64)
+    q = torch.tensor([0.1, 0.1, 0.1, 0.2, 0.2, 0.3], dtype=torch.float64)
+    counts = (q * 6000).tolist()  # what keeping every draft emits, on average
+    chi2 = sum((c - 6000 * pi) ** 2 / (6000 * pi) for c, pi in zip(counts[:5], p.tolist()))
+    assert chi2 > 20.5
+
+
+# -- engine ----------------------------------------------------------------------------------------------
+def test_backend_without_multi_token_decode_is_refused(random_model):
+    class SingleToken(SDPABackend):
+        name = "single-token"
+        capabilities = BackendCapabilities(devices=frozenset({"cpu"}), dtypes=frozenset({torch.float32}),
+                                           kv_layouts=("contiguous",))
+
+    from helpers import make_plugin
+
+    from kvcore.plugins.registry import PluginRegistry
+
+    reg = PluginRegistry(load_entrypoints=False)
+    reg.register_plugin(make_plugin(backends=[SingleToken]), "single")
+    with pytest.raises(ConfigError, match="'single-token' does not declare multi-token decode"):
+        Engine(random_model, None, EngineConfig(backend="single-token", proposer="ngram"), registry=reg)
+
+
+def test_no_block_leak_and_max_tokens_with_prefix_caching(random_model):
+    prompt = [5, 6, 7, 8, 9, 10, 11] * 4
+    config = EngineConfig(backend="paged", proposer="draft", enable_prefix_caching=True, max_model_len=128,
+                          dtype="float32", num_blocks=40, block_size=4)
+    engine = Engine(random_model, None, config)
+    free = engine.kv.blocks.num_free_blocks
+    out = engine.generate([prompt, prompt], [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (9, 14)])
+    assert [len(r.token_ids) for r in out] == [9, 14]
+    assert engine.kv.blocks.num_free_blocks == free and not engine.kv.blocks.seq_ids
+    assert out[0].metrics.acceptance_rate == 1.0  # the draft is the target itself: every draft is kept
+    assert engine.stats.num_accepted_tokens == engine.stats.num_draft_tokens > 0
+
+
+def test_draft_truncated_to_its_first_layers(random_model):
+    draft = truncated(random_model, 1)
+    assert draft.config.num_hidden_layers == 1 and random_model.config.num_hidden_layers == 2
+    assert draft.embed_tokens is random_model.embed_tokens  # the weights are shared, not copied
+    config = EngineConfig(backend="sdpa", proposer="draft", proposer_options={"draft": {"num_layers": 1}},
+                          dtype="float32", max_model_len=96)
+    params = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    got = Engine(random_model, None, config).generate([[3, 4, 5, 6]], params)[0]
+    ref = Engine(random_model, None, EngineConfig(backend="sdpa", dtype="float32", max_model_len=96)).generate(
+        [[3, 4, 5, 6]], params)[0]
+    assert got.token_ids == ref.token_ids and got.metrics.num_draft_tokens > 0
+
+
+class _Row:
+    def __init__(self, tokens, request_id="r"):
+        self.request_id, self.prompt_ids, self.output_ids = request_id, tokens, []
+
+
+def test_ngram_proposes_the_latest_continuation_and_backs_off():
+    proposer = NgramProposer(max_n=3, min_n=2, min_acceptance=0.5, cooldown=2)
+    proposer.start("r", [])
+    tokens = [1, 2, 3, 4, 9, 1, 2, 3, 5, 6, 1, 2, 3]
+    assert proposer.propose([_Row(tokens)], [3])[0].token_ids == [5, 6, 1]  # the latest "1 2 3" came before 5
+    assert proposer.propose([_Row([7, 8, 9])], [3])[0].token_ids == []  # nothing repeats: nothing proposed
+    for _ in range(3):
+        proposer.advance("r", 3, 0)
+    assert proposer.propose([_Row(tokens)], [3])[0].token_ids == []  # cooling down after failed guesses
+    assert proposer.propose([_Row(tokens)], [3])[0].token_ids == []
+    probe = proposer.propose([_Row(tokens)], [3])[0].token_ids
+    assert 1 <= len(probe) < 3 and probe == [5, 6, 1][: len(probe)]  # then a shorter probe
+    with pytest.raises(ConfigError, match="min_n"):
+        NgramProposer(max_n=2, min_n=3)
+
+
+def test_ngram_streams_unchanged_and_its_metrics(random_model):
+    prompt = list(range(10, 40)) * 3
+    config = EngineConfig(backend="sdpa", proposer="ngram", num_speculative_tokens=4, dtype="float32",
+                          max_model_len=160)
+    engine = Engine(random_model, None, config)
+    got = engine.generate([prompt], SamplingParams(max_new_tokens=24, ignore_eos=True))[0]
+    ref = Engine(random_model, None, EngineConfig(backend="sdpa", dtype="float32", max_model_len=160)).generate(
+        [prompt], SamplingParams(max_new_tokens=24, ignore_eos=True))[0]
+    assert got.token_ids == ref.token_ids
+    m = got.metrics.as_dict()
+    assert m["draft_tokens"] == got.metrics.num_draft_tokens
+    if got.metrics.num_spec_steps:
+        assert 0 <= m["acceptance_rate"] <= 1
+        assert math.isclose(m["mean_accepted_length"], got.metrics.num_accepted_tokens / got.metrics.num_spec_steps)
+    else:
+        assert m["acceptance_rate"] is None and m["mean_accepted_length"] is None
+
+
+def test_speculation_settings_from_the_config_file(tmp_path):
+    from kvcore.engine.settings import load_settings
+
+    path = tmp_path / "k.toml"
+    path.write_text('proposer = "ngram"\nnum_speculative_tokens = 6\n[proposers.ngram]\nmax_n = 5\n')
+    s = load_settings(path)
+    assert s.engine.proposer == "ngram" and s.engine.num_speculative_tokens == 6
+    assert s.engine.proposer_options == {"ngram": {"max_n": 5}}
+    with pytest.raises(ConfigError, match="num_speculative_tokens"):
+        EngineConfig(num_speculative_tokens=0)
