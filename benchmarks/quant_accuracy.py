@@ -13,10 +13,15 @@ Per format (bfloat16 activations for all but the reference):
 
     python benchmarks/quant_accuracy.py                        # writes benchmarks/results/quant_accuracy.{md,json}
     python benchmarks/quant_accuracy.py --formats int4 --out /tmp/acc
+    python benchmarks/quant_accuracy.py --model /work/models/gemma3/gemma-3-270m-q4_k_m.gguf \
+        --formats bf16,gguf,gguf+head --out benchmarks/results/quant_accuracy-gemma3
+
+Another ``--model`` (a GGUF file) runs the golden prompts' texts through its own tokenizer.
 
 Formats: ``bf16`` (dense bfloat16), ``int4`` (the file's Q4_1 blocks as stored, ``weights="auto"``), ``int4a8``
 (the same blocks with int8 activations in every matmul; ``+head``: with the int4 LM head), ``int8``
-(per-channel, re-quantized from the dequantized weights), ``int4-g128`` (re-quantized in groups of 128).
+(per-channel, re-quantized from the dequantized weights), ``int4-g128`` (re-quantized in groups of 128),
+``gguf`` (a K-quant file's blocks as stored; ``+head``: with the int4 LM head, the default on such a file).
 """
 
 from __future__ import annotations
@@ -45,24 +50,36 @@ FORMATS = {  # name -> (dtype, weights, group size, LM head)
     "int4a8+head": (torch.bfloat16, "int4a8", 32, "int4"),
     "int8": (torch.bfloat16, "int8", 32, "dense"),
     "int4-g128": (torch.bfloat16, "int4-requantized", 128, "dense"),
+    "gguf": (torch.bfloat16, "gguf", 32, "dense"),
+    "gguf+head": (torch.bfloat16, "gguf", 32, "int4"),
 }
 
 
-def full_attention(layer, q, k, v):
-    """Causal attention over the whole call (one sequence, no cache): the teacher-forced reference pass."""
-    rep = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True)
-    return out.transpose(0, 1)
+def full_attention(windows: list[int | None]):
+    """Causal attention over the whole call (one sequence, no cache), each layer within its sliding window (a
+    query sees the ``window`` latest positions, itself included): the teacher-forced reference pass."""
+
+    def attend(layer, q, k, v):
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+        pos = torch.arange(q.shape[0])
+        mask = pos[None, :] <= pos[:, None]
+        if windows[layer] is not None:
+            mask &= pos[:, None] - pos[None, :] < windows[layer]
+        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask)
+        return out.transpose(0, 1)
+
+    return attend
 
 
 def text_logits(model, ids: list[int], lm_head: str = "dense") -> torch.Tensor:
     """``[T, V]`` float32 logits of every position of ``ids`` in one forward (the head one row at a time, as
     decode steps run it)."""
-    a8 = model.weight_format == "int4a8"  # as the engine builds it: int4a8 weights score with their kernel
+    a8 = model.weight_format in ("int4a8", "gguf")  # as the engine builds it: int4a8 weights score with their kernel
     head = RescoredInt4Head(model.lm_head, a8=a8) if lm_head == "int4" else None
     with torch.no_grad():
-        hidden = model(torch.tensor(ids), torch.arange(len(ids)), full_attention)
+        windows = [model.config.layer_window(i) for i in range(model.config.num_hidden_layers)]
+        hidden = model(torch.tensor(ids), torch.arange(len(ids)), full_attention(windows))
         return torch.cat([model.compute_logits(row, head) for row in hidden.split(1)])
 
 
@@ -80,22 +97,24 @@ def streams(model, dtype, prompts: list[list[int]], new_tokens: int,
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2", help="smollm2 (the golden streams' model) or a GGUF file")
     ap.add_argument("--formats", default=",".join(FORMATS))
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "quant_accuracy"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     golden = json.loads((ROOT / "tests" / "data" / "golden_smollm2.json").read_text())
-    prompts = [p["prompt_token_ids"] for p in golden["prompts"]]
     new_tokens = int(golden["max_new_tokens"])
-    blocks = load_model("smollm2", keep_quantized=True)
+    blocks = load_model(args.model, keep_quantized=True)
+    is_golden = args.model == "smollm2"
+    prompts = [p["prompt_token_ids"] if is_golden else blocks.tokenizer.encode(p["prompt"]) for p in golden["prompts"]]
     text = (ROOT / "benchmarks" / "data" / "perplexity_text.txt").read_text(encoding="utf-8")
     text_ids = blocks.tokenizer.encode(text)
 
-    dense = load_model("smollm2")
+    dense = load_model(args.model)
     ref = build_model(dense, torch.float32, max_model_len=1024)
     ref_tokens, ref_gaps = streams(ref, torch.float32, prompts, new_tokens)
-    golden_equal = sum(t == p["token_ids"] for t, p in zip(ref_tokens, golden["prompts"]))
+    golden_equal = sum(t == p["token_ids"] for t, p in zip(ref_tokens, golden["prompts"])) if is_golden else None
     ref_logits = text_logits(ref, text_ids)
     ref_logp = ref_logits.log_softmax(-1)
     targets = torch.tensor(text_ids[1:])
@@ -111,7 +130,7 @@ def main() -> None:
         if weights == "int4-requantized":  # from the dequantized float weights, not the file's blocks
             model = build_model(dense, dtype, max_model_len=1024, weights="int4", group_size=group)
         else:
-            model = build_model(blocks if weights in ("auto", "int4a8") else dense, dtype, max_model_len=1024,
+            model = build_model(blocks if weights in ("auto", "int4a8", "gguf") else dense, dtype, max_model_len=1024,
                                 weights=weights)
         logits = text_logits(model, text_ids, lm_head)
         err = (logits - ref_logits).abs().amax(-1)  # per position: the largest logit error
@@ -142,7 +161,8 @@ def main() -> None:
     report = {
         "command": "python benchmarks/quant_accuracy.py " + " ".join(
             f"--{k} {v}" for k, v in vars(args).items() if k != "out" and v != ap.get_default(k)),
-        "model": "smollm2 (SmolLM2-135M-Instruct Q4_1 GGUF)", "prompts": len(prompts), "new_tokens": new_tokens,
+        "model": "smollm2 (SmolLM2-135M-Instruct Q4_1 GGUF)" if is_golden else Path(args.model).name,
+        "prompts": len(prompts), "new_tokens": new_tokens,
         "fp32_streams_equal_golden": golden_equal, "text_tokens": len(text_ids), "torch": torch.__version__,
         "cpu": cpu_features().as_dict(), "python": platform.python_version(), "rows": rows,
     }
@@ -154,11 +174,13 @@ def main() -> None:
 
 
 def markdown(report: dict) -> str:
+    golden = report["fp32_streams_equal_golden"]
     lines = [
-        "# Weight formats: accuracy on SmolLM2-135M", "",
+        f"# Weight formats: accuracy on {report['model'].split(' ')[0]}", "",
         f"Command: `{report['command'].strip()}` (torch {report['torch']}, {report['cpu']['model']}).", "",
-        f"Reference: the float32 model of the same GGUF (dequantized weights); its greedy streams equal the golden "
-        f"transformers streams on {report['fp32_streams_equal_golden']}/{report['prompts']} prompts. Streams: "
+        "Reference: the float32 model of the same GGUF (dequantized weights)"
+        + (f"; its greedy streams equal the golden transformers streams on {golden}/{report['prompts']} prompts"
+           if golden is not None else "") + ". Streams: "
         f"{report['prompts']} golden prompts x {report['new_tokens']} tokens, sdpa backend. A divergence is a "
         "near-tie when the float32 top-2 logit gap at that step is within the format's median logit error on the "
         "text (per position, the largest |logit - float32 logit| over the vocabulary). Text: "

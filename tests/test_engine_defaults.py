@@ -66,8 +66,8 @@ def test_float_checkpoints_stay_float32_and_a_given_dtype_decides_the_rest(kerne
     float_file = choose_defaults(EngineConfig(), ModelFacts())
     assert (float_file.dtype, float_file.weights, float_file.lm_head, float_file.backend) == (
         "float32", "float", "dense", None)
-    assert float_file.reasons == ("dtype float32, the exact reference: the file's weights are not all Q4_0/Q4_1 "
-                                  "blocks",)
+    assert float_file.reasons == ("dtype float32, the exact reference: the file's weights are not all blocks kvcore "
+                                  "runs as stored",)
     reference = choose_defaults(EngineConfig(dtype="float32"), Q4_FILE)  # one flag: the exact path
     assert (reference.dtype, reference.weights, reference.lm_head, reference.backend) == (
         "float32", "float", "dense", None)
@@ -126,7 +126,7 @@ def test_cli_reports_the_choice_and_peak_memory(capsys):
     result = last_json(out)
     assert result["choice"] == {"dtype": "float32", "weights": "float", "lm_head": "dense", "backend": None,
                                 "reasons": ["dtype float32, the exact reference: the file's weights are not all "
-                                            "Q4_0/Q4_1 blocks"]}
+                                            "blocks kvcore runs as stored"]}
     assert err.count("kvcore: chose dtype float32, weights float, lm_head dense because dtype float32") == 1
     memory = result["memory"]
     assert memory["peak_rss_bytes"] >= memory["rss_before_load_bytes"] > 10 * 2**20

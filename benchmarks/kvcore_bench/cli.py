@@ -37,7 +37,8 @@ def add_parser(subparsers, run: Callable[[argparse.Namespace], int]) -> argparse
     p.add_argument("--backend", default=None, help="--llamacpp: kvcore's backend (default: the engine's choice)")
     p.add_argument("--dtype", default="float32", help="--llamacpp: kvcore's dtype (default float32)")
     p.add_argument("--engine-option", action="append", metavar="KEY=VALUE",
-                   help="--llamacpp: another EngineConfig field for kvcore (VALUE: JSON or a string); repeatable")
+                   help="--llamacpp / --llamacpp-native (in-process engine): another EngineConfig field for kvcore "
+                        "(VALUE: JSON or a string); repeatable")
     p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     p.set_defaults(func=run)
     return p

@@ -12,6 +12,9 @@ per-repetition ratios, kvcore / llama.cpp):
 * ``batch8``: 8 concurrent requests of 64-token prompts, 128 new tokens each, aggregate decode tok/s, against
   ``llama-batched-bench -npp 64 -ntg 128 -npl 8`` (``speed_tg``).
 
+``--engine-option KEY=VALUE`` (repeatable) configures the in-process engine (``api_b1``, ``batch8``) beyond the
+defaults, to measure a tuned configuration beside them; ``cli_b1`` stays the flag-less default.
+
 The load average is recorded per repetition: the machine may be shared.
 """
 
@@ -29,7 +32,7 @@ from typing import Any
 
 from kvcore_bench.bench import _TEXT, _load_average, environment, kv_run
 from kvcore_bench.native_llamacpp import batched_bench, build_tools, llama_bench
-from kvcore_bench.vs_llamacpp import _kernels, cpu_features
+from kvcore_bench.vs_llamacpp import _engine_options, _kernels, cpu_features
 
 __all__ = ["run_native", "render_native"]
 
@@ -61,8 +64,9 @@ def run_native(args: argparse.Namespace) -> int:
     path = smollm2_path() if args.model == "smollm2" else Path(args.model)
     reps = args.reps or (2 if args.quick else 5)
     bin_dir = build_tools(progress=args.progress)
+    options = _engine_options(args.engine_option or [])
     engine = Engine.from_pretrained(str(path), EngineConfig(max_num_seqs=BATCH,
-                                                           max_model_len=PROMPT_TOKENS + NEW_TOKENS + 16))
+                                                           max_model_len=PROMPT_TOKENS + NEW_TOKENS + 16, **options))
     text = engine.tokenizer.encode(_TEXT, add_bos=False)
     prompts = [(text * 4)[i : i + PROMPT_TOKENS] for i in range(BATCH)]
     prompt_text = engine.tokenizer.decode(prompts[0])
@@ -106,7 +110,7 @@ def run_native(args: argparse.Namespace) -> int:
     report = {
         "environment": {**environment(), **cpu_features(), "threads": threads, "load_average_end": _load_average()},
         "gguf": str(path), "gguf_bytes": path.stat().st_size,
-        "kvcore_default": kv["cli_config"], "kvcore_kernels": _kernels(engine),
+        "kvcore_default": kv["cli_config"], "kvcore_options": options, "kvcore_kernels": _kernels(engine),
         "llama_cpp": {"tools": str(bin_dir), **{k: info.get(k) for k in ("build_commit", "cpu_info", "backends",
                                                                        "type_k", "n_threads")}},
         "reps": reps, "seconds": time.perf_counter() - start, "runs": runs,
@@ -135,6 +139,7 @@ def render_native(report: dict[str, Any]) -> str:
         f"- threads: {env['threads']} (both sides); load average at end {env['load_average_end']}",
         f"- GGUF: `{Path(report['gguf']).name}` ({gguf_mib:.1f} MiB), both sides",
         f"- kvcore default (no flags): {json.dumps(chosen)}; kernels: {report['kvcore_kernels']}",
+        f"- in-process engine options beyond the defaults: {json.dumps(report.get('kvcore_options') or {})}",
         f"- llama.cpp: native llama-bench / llama-batched-bench, commit {lc['build_commit']}, "
         f"backends {lc['backends']}, CPU info `{lc['cpu_info']}`",
         f"- {report['reps']} repetitions alternating sides; {report['seconds']:.0f} s",

@@ -52,11 +52,12 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="auto (default: bfloat16 for a Q4_0/Q4_1 GGUF on CPU, else float32), float32 (the exact "
                         "reference), bfloat16 or float16")
     p.add_argument("--device", default=None, help="torch device (default cpu)")
-    p.add_argument("--weights", default=None, choices=["auto", "float", "int8", "int4", "int4a8"],
-                   help="matmul weights: auto (default: a Q4 GGUF's blocks as int4a8, else int4, in bfloat16; "
-                        "else float), float, "
+    p.add_argument("--weights", default=None, choices=["auto", "float", "int8", "int4", "int4a8", "gguf"],
+                   help="matmul weights: auto (default: a Q4 GGUF's blocks as int4a8, else int4, a K-quant GGUF's "
+                        "as gguf, in bfloat16; else float), float, "
                         "int8 or int4 (weight-only quantized), int4a8 (int4 with int8 activations, kvcore's "
-                        "kernel, AVX512-VNNI); quantized formats need --dtype bfloat16 on CPU")
+                        "kernel, AVX512-VNNI), gguf (a GGUF's blocks as stored, int8 activations, AVX512-VNNI); "
+                        "quantized formats need --dtype bfloat16 on CPU")
     p.add_argument("--lm-head", default=None, choices=["auto", "dense", "int4"],
                    help="LM head: auto (default: int4 with quantized weights where it runs, else dense), dense or "
                         "int4 (int4 scores, the top 64 candidates rescored with the dense head; bfloat16 on CPU)")

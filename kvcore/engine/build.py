@@ -73,7 +73,7 @@ def local_execution(
     if config.lm_head == "int4":
         from kvcore.model.lm_head import RescoredInt4Head
 
-        head = RescoredInt4Head(model.lm_head, a8=getattr(model, "weight_format", "") == "int4a8")
+        head = RescoredInt4Head(model.lm_head, a8=getattr(model, "weight_format", "") in ("int4a8", "gguf"))
     return guards, compiled, head
 
 

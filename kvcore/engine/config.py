@@ -50,8 +50,8 @@ class EngineConfig:
     dtype: str = "auto"
     device: str = "cpu"
     #: matmul weight format (kvcore.kernels.quant.WEIGHT_FORMATS): "auto" (a Q4_0/Q4_1 GGUF's blocks as int4a8, or
-    #: int4 where that kernel cannot run, in bfloat16 on CPU; else float), "float", "int8", "int4" or "int4a8";
-    #: quantized formats need dtype bfloat16 on CPU
+    #: int4 where that kernel cannot run, a K-quant GGUF's as gguf, in bfloat16 on CPU; else float), "float",
+    #: "int8", "int4", "int4a8" or "gguf"; quantized formats need dtype bfloat16 on CPU
     weights: str = "auto"
     #: LM head format (kvcore.model.lm_head.LM_HEAD_FORMATS): "dense", "int4" (int4 scores, the top 64 rescored
     #: densely; bfloat16 on CPU), or "auto": int4 with quantized weights where it runs, else dense

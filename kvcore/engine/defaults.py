@@ -7,6 +7,8 @@ fastest configuration whose accuracy is measured and stated (docs/performance.md
 * a GGUF whose layer matmul weights are all Q4_0 / Q4_1 blocks runs them natively: bfloat16 activations,
   ``int4a8`` weights (kvcore's VNNI kernel; ``int4`` on torch's kernel where it cannot run), the ``int4`` LM
   head (exact top 64) and the ``cpu_decode`` backend where kvcore's C++ kernels can be built;
+* a GGUF whose layer matmul weights are all of the block types kvcore decodes exactly (the K-quant mixes:
+  Q4_K, Q5_0, Q5_K, Q6_K, Q8_0, ...) runs them the same way with ``gguf`` weights, where its VNNI kernels run;
 * anything else (float checkpoints, other GGUF types, non-CPU devices) runs float32 dense weights, the exact
   reference: a float checkpoint is never quantized or rounded silently.
 
@@ -26,6 +28,7 @@ from kvcore.engine.config import AUTO, EngineConfig, parse_dtype
 from kvcore.errors import KVCoreError
 from kvcore.kernels.cpu_kernels import int4a8_reasons, kernel_reasons
 from kvcore.kernels.quant import DEFAULT_GROUP_SIZE, QUANTIZED_FORMATS, Int4Linear, quantized_reasons
+from kvcore.loaders.gguf_codes import CODE_TYPES
 from kvcore.loaders.gguf_validate import validate_gguf
 from kvcore.loaders.model_cache import gguf_source
 from kvcore.plugins.registry import KV_CACHE, PluginRegistry, get_registry
@@ -33,17 +36,20 @@ from kvcore.plugins.registry import KV_CACHE, PluginRegistry, get_registry
 __all__ = ["ModelFacts", "DefaultChoice", "choose_defaults", "file_facts", "model_facts"]
 
 _INT4_GGML_TYPES = (2, 3)  # ggml's Q4_0, Q4_1: exactly kvcore's int4 groups of 32
+_CODE_GGML_TYPES = tuple(int(t) for t in CODE_TYPES)  # what the gguf weight format runs as stored
 _FAST_BACKEND = "cpu_decode"
 
 
 @dataclass(frozen=True)
 class ModelFacts:
     """What the choice reads about the model. ``native_int4``: every layer matmul weight is a Q4_0/Q4_1 GGUF
-    block tensor. ``dtype`` / ``weights``: those of a model already built (an ``Engine(model, ...)``), else None.
+    block tensor; ``native_codes``: every one is of a type the ``gguf`` weight format runs. ``dtype`` /
+    ``weights``: those of a model already built (an ``Engine(model, ...)``), else None.
     ``heads``: its ``head_dim``, ``num_heads`` and ``num_kv_heads``, when known. ``head_shape``: the LM head's
     ``(vocab, hidden)``, when known."""
 
     native_int4: bool = False
+    native_codes: bool = False
     dtype: str | None = None
     weights: str | None = None
     heads: dict[str, int] | None = None
@@ -103,11 +109,15 @@ def choose_defaults(config: EngineConfig, facts: ModelFacts, registry: PluginReg
             dtype = "bfloat16"
             reasons.append("dtype bfloat16: the file's layer weights are Q4_0/Q4_1 blocks, which run as stored with "
                            "bfloat16 activations (--dtype float32 is the exact reference)")
+        elif _runs_codes(config, facts, torch.bfloat16, device):
+            dtype = "bfloat16"
+            reasons.append("dtype bfloat16: the file's layer weights are GGUF blocks kvcore runs as stored with "
+                           "bfloat16 activations (--dtype float32 is the exact reference)")
         else:
             dtype = "float32"
             what = ("the device is not a CPU" if not on_cpu else
                     "the weights are float" if config.weights == "float" else
-                    "the file's weights are not all Q4_0/Q4_1 blocks")
+                    "the file's weights are not all blocks kvcore runs as stored")
             reasons.append(f"dtype float32, the exact reference: {what}")
     torch_dtype = parse_dtype(dtype)
 
@@ -120,10 +130,14 @@ def choose_defaults(config: EngineConfig, facts: ModelFacts, registry: PluginReg
             weights = "int4" if a8 else "int4a8"
             reasons.append("weights int4a8: the Q4 blocks on kvcore's int8-activation kernel (AVX512-VNNI)" if not a8
                            else f"weights int4 (torch's kernel on the Q4 blocks): int4a8 cannot run: {'; '.join(a8)}")
+        elif _runs_codes(config, facts, torch_dtype, device):
+            weights = "gguf"
+            reasons.append("weights gguf: the file's blocks as stored, on kvcore's int8-activation kernels "
+                           "(AVX512-VNNI)")
         else:
             weights = "float"
             if torch_dtype != torch.float32:
-                reasons.append("weights float: only a file's own Q4_0/Q4_1 blocks are run quantized unasked")
+                reasons.append("weights float: only a file's own quantized blocks are run quantized unasked")
 
     lm_head = config.lm_head
     if lm_head == AUTO:
@@ -144,6 +158,12 @@ def choose_defaults(config: EngineConfig, facts: ModelFacts, registry: PluginReg
             backend = _FAST_BACKEND
             reasons.append("backend cpu_decode: kvcore's split-K decode attention kernel")
     return DefaultChoice(dtype, weights, lm_head, backend, tuple(reasons))
+
+
+def _runs_codes(config: EngineConfig, facts: ModelFacts, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether ``auto`` weights run the file's blocks in the ``gguf`` format (not for all-Q4_0/Q4_1 files: int4a8)."""
+    return (facts.native_codes and not facts.native_int4 and config.weights == AUTO
+            and not quantized_reasons("gguf", dtype, device))
 
 
 def _int4_head_reasons(weights: str, dtype: torch.dtype, device: torch.device, config: EngineConfig,
@@ -193,6 +213,7 @@ def file_facts(spec: str) -> ModelFacts:
     heads = {t.name: t.dims for t in layout.tensors if t.name in ("output.weight", "token_embd.weight")}
     dims = heads.get("output.weight", heads.get("token_embd.weight"))  # GGUF order: [hidden, vocab]
     return ModelFacts(native_int4=bool(layers) and all(t.ggml_type in _INT4_GGML_TYPES for t in layers),
+                      native_codes=bool(layers) and all(t.ggml_type in _CODE_GGML_TYPES for t in layers),
                       head_shape=(dims[1], dims[0]) if dims is not None and len(dims) == 2 else None)
 
 

@@ -1,6 +1,6 @@
 """kvcore's own CPU kernels (C++ under ``kvcore/csrc``), built on first use with the machine's compiler.
 
-Five kernels:
+Six kernels:
 
 * ``torch.ops.kvcore.decode_attention`` (``csrc/decode_attention.cpp``): the decode-step attention of the
   ``cpu_decode`` backend;
@@ -8,6 +8,8 @@ Five kernels:
   only for CPUs with AVX512_BF16;
 * ``torch.ops.kvcore.int4_linear`` (``csrc/int4_linear.cpp``): every matmul of the ``int4a8`` weight format
   (:class:`kvcore.kernels.quant.Int4A8Linear`), decode steps and prefills;
+* ``torch.ops.kvcore.int8_group_linear`` (``csrc/int8_group_linear.cpp``): the same with 8-bit codes in groups of
+  16 or 32 (:class:`kvcore.kernels.group_quant.Int8GroupLinear`: a GGUF's 5-, 6- and 8-bit blocks as stored);
 * ``torch.ops.kvcore.bf16_linear`` (``csrc/bf16_linear.cpp``): dense bfloat16 matmuls of up to 128 rows (decode
   steps, short prefills) on weights repacked for ``vdpbf16ps`` (:mod:`kvcore.kernels.linear`), built only for CPUs with
   AVX512_BF16;
@@ -55,9 +57,9 @@ from kvcore.paths import cache_root, private_dir, verify_entry, warn_no_cache, w
 __all__ = ["bf16_linear_ready", "cxx_compiler", "extension_reasons", "int4a8_reasons", "kernel_reasons",
            "kernels_built", "load_kernels", "vector_isa"]
 
-_SOURCES = ("bf16_linear.cpp", "decode_attention.cpp", "int4_linear.cpp", "isa.cpp", "prefill_attention.cpp",
-            "rescore_top_k.cpp")
-_HEADERS = ("isa.h",)  # included by the sources: part of the build's cache key
+_SOURCES = ("bf16_linear.cpp", "decode_attention.cpp", "int4_linear.cpp", "int8_group_linear.cpp", "isa.cpp",
+            "prefill_attention.cpp", "rescore_top_k.cpp")
+_HEADERS = ("isa.h", "quantize_rows.h")  # included by the sources: part of the build's cache key
 _CSRC = Path(__file__).with_name("csrc")
 _LIBRARY = "kvcore_cpu_kernels.so"
 #: what a cache entry of the kernels holds (the library and its checksum); part of the key, so folders of
@@ -231,7 +233,8 @@ def load_kernels() -> str:
     sources = [_CSRC / name for name in _SOURCES]
     library = _cached_or_built(cxx, sources, cache_root() / "kernels", _entry_name(cxx, sources))
     torch.library.register_fake("kvcore::decode_attention")(_decode_attention_fake)
-    torch.library.register_fake("kvcore::int4_linear")(_int4_linear_fake)
+    torch.library.register_fake("kvcore::int4_linear")(_rows_of_16_fake)
+    torch.library.register_fake("kvcore::int8_group_linear")(_rows_of_16_fake)
     torch.library.register_fake("kvcore::prefill_attention")(_prefill_attention_fake)
     torch.library.register_fake("kvcore::bf16_linear")(_bf16_linear_fake)
     return str(library)
@@ -249,7 +252,7 @@ def _bf16_linear_fake(x, packed):
     return x.new_empty(x.shape[0], packed.shape[0] * 16)
 
 
-def _int4_linear_fake(x, codes, dm):
+def _rows_of_16_fake(x, codes, dm):
     return x.new_empty(x.shape[0], codes.shape[0] * 16)
 
 
@@ -262,11 +265,11 @@ def extension_reasons(feature: str) -> list[str]:
             f"{', '.join(cpu_features().flags) or 'no SIMD flags'}"]
 
 
-def int4a8_reasons() -> list[str]:
-    """Why the ``int4a8`` weight format's kernel cannot run here ([] = it can)."""
+def int4a8_reasons(fmt: str = "int4a8") -> list[str]:
+    """Why the kernels of the ``int4a8`` (or ``gguf``) weight format cannot run here ([] = they can)."""
     reasons = kernel_reasons()
     if extension_reasons("avx512_vnni"):
-        reasons.append("int4a8 needs a CPU with AVX512-VNNI (its int4 x int8 dot products); this one reports "
+        reasons.append(f"{fmt} needs a CPU with AVX512-VNNI (its integer x int8 dot products); this one reports "
                        f"{', '.join(cpu_features().flags) or 'no SIMD flags'}")
     return reasons
 

@@ -5,16 +5,15 @@ A decoder's matmul weights can be stored in one of these formats (``EngineConfig
 
 * ``float``: dense in the model dtype (the reference path: float32 equals transformers token for token).
 * ``int4``: 4-bit codes, a scale and an offset per group of ``group_size`` (32) input columns:
-  ``W = (q - 8) * s + z``, run by ``aten._weight_int4pack_mm_for_cpu``. llama.cpp's Q4_0 / Q4_1 blocks map
-  onto it exactly (:mod:`kvcore.loaders.gguf_blocks`); float weights are quantized at load with each group's
-  min/max (gpt-fast's scheme).
+  ``W = (q - 8) * s + z``, run by ``aten._weight_int4pack_mm_for_cpu``. llama.cpp's Q4_0 / Q4_1 / Q4_K blocks map
+  onto it (:mod:`kvcore.loaders.gguf_blocks`); float weights are quantized with each group's min/max (gpt-fast's).
 * ``int4a8``: the ``int4`` weights (groups of 32), every matmul on kvcore's own kernel with the activations
   quantized to int8 per row and group of 32 (:class:`Int4A8Linear`; AVX512-VNNI). Faster than ``int4`` and less
   exact (docs/formats-and-kernels.md states the accuracy of each format).
 * ``int8``: int8 codes with one scale per output row, symmetric (``W = q * s``, ``s = max|w| / 127``),
   run by ``aten._weight_int8pack_mm``; always quantized at load from the float (or dequantized) weights.
-* ``auto``: ``int4`` for a GGUF whose layer weights are all Q4_0 / Q4_1 when the model runs in bfloat16
-  on CPU (the file's own values, no extra rounding), ``float`` otherwise: float32 always stays exact.
+* ``gguf``: a GGUF's layer weights as stored, Q4_* on the ``int4a8`` kernel, Q5_*, Q6_K, Q8_0 on the int8-group one
+  (:mod:`kvcore.kernels.group_quant`). ``auto``: see :func:`kvcore.engine.defaults.choose_defaults`.
 
 torch's kernels take bfloat16 activations and scales on CPU (their float32 paths are reference loops, several
 times slower than float32 dense weights), so the quantized formats need ``dtype = "bfloat16"`` and a CPU
@@ -44,8 +43,9 @@ WEIGHT_FORMATS = {
     "int8": "int8 per-output-channel weight-only (quantized at load)",
     "int4": "int4 group-wise weight-only (GGUF Q4_0/Q4_1 as stored, others quantized at load)",
     "int4a8": "int4 weights, matmuls with int8 activations per group of 32 (kvcore's kernel, AVX512-VNNI)",
+    "gguf": "a GGUF's Q4_0/Q4_1/Q4_K/Q5_0/Q5_1/Q5_K/Q6_K/Q8_0 blocks as stored, int8 activations (AVX512-VNNI)",
 }
-QUANTIZED_FORMATS = ("int8", "int4", "int4a8")
+QUANTIZED_FORMATS = ("int8", "int4", "int4a8", "gguf")
 #: llama.cpp's block length: Q4_0/Q4_1/Q8_0 blocks are groups of 32
 DEFAULT_GROUP_SIZE = 32
 _GROUP_SIZES = (32, 64, 128, 256)  # what the int4 kernel accepts
@@ -73,12 +73,13 @@ def quantized_reasons(fmt: str, dtype: torch.dtype, device: torch.device | str) 
     reasons = []
     if torch.device(device).type != "cpu":
         reasons.append(f"{fmt} weights run on CPU only (kvcore has no {torch.device(device).type} packing for them)")
-    if fmt == "int4a8":
+    if fmt in ("int4a8", "gguf"):
         from kvcore.kernels.cpu_kernels import int4a8_reasons
 
-        reasons += int4a8_reasons()
+        reasons += int4a8_reasons(fmt)
     if dtype != torch.bfloat16:
-        why = ("kvcore's quantized models run in bfloat16; float32 is the exact reference path" if fmt == "int4a8"
+        why = ("kvcore's quantized models run in bfloat16; float32 is the exact reference path"
+               if fmt in ("int4a8", "gguf")
                else f"torch's fast {fmt} kernels take bfloat16 activations; with "
                     f"{str(dtype).removeprefix('torch.')} they run a slow reference loop")
         reasons.append(f"{fmt} weights need dtype bfloat16 ({why}): use --dtype bfloat16")
@@ -121,6 +122,11 @@ class Int4Groups:
     def cat(parts: list[Int4Groups]) -> Int4Groups:
         """Rows of ``parts`` stacked (fused Q/K/V or gate/up projections); same group size."""
         return Int4Groups(*(torch.cat([getattr(p, f) for p in parts]) for f in ("q", "scales", "zeros")))
+
+    @property
+    def d_and_m(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(d, m)`` of the same weight as ``W = d q + m`` (``d = s``, ``m = z - 8 s``)."""
+        return self.scales, self.zeros - 8 * self.scales
 
     def dequantize(self) -> torch.Tensor:
         """``[N, K]`` float32."""
@@ -176,13 +182,15 @@ class Int4A8Linear:
     """``y = x @ W.T`` on kvcore's own kernel, ``torch.ops.kvcore.int4_linear`` (``csrc/int4_linear.cpp``),
     for any number of rows: activations quantized to int8 per row and group of 32 (as llama.cpp's Q8 blocks),
     weight codes times activation codes summed by AVX512-VNNI, scales applied per group in float32. ``d`` and
-    ``m`` (``W = d q + m``) are kept in float16, exact for GGUF Q4_0 / Q4_1 blocks. Each row is quantized and
+    ``m`` (``W = d q + m``) are kept in float16 where that is exact (GGUF Q4_0 / Q4_1 blocks, weights quantized at
+    load), else in float32 (Q4_K, :class:`~kvcore.kernels.group_quant.GroupCodes`). ``groups``: an
+    :class:`Int4Groups` or 4-bit ``GroupCodes`` in groups of 32. Each row is quantized and
     computed on its own: a row's result does not depend on the others in its batch (decode steps and prefills of
     the same row agree)."""
 
     format = "int4a8"
 
-    def __init__(self, groups: Int4Groups, dtype: torch.dtype = torch.bfloat16) -> None:
+    def __init__(self, groups, dtype: torch.dtype = torch.bfloat16) -> None:
         n, k = groups.shape
         if not self.fits(n, k, groups.group_size):
             raise ValueError(f"int4a8 kernel cannot take a [{n}, {k}] weight in groups of {groups.group_size}")
@@ -209,18 +217,21 @@ class Int4A8Linear:
 A8_GROUP = 32
 
 
-def pack_int4a8(groups: Int4Groups) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(codes [N / 16, K / 32, 256] uint8, dm [N / 16, K / 32, 2, 16] float16)`` in the int4a8 kernel's layout:
+def pack_int4a8(groups) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(codes [N / 16, K / 32, 256] uint8, dm [N / 16, K / 32, 2, 16])`` in the int4a8 kernel's layout:
     per block of 16 output rows and group of 32 columns, byte ``64 j + 4 row + i`` holds code ``4 j + i`` of that
     row in its low nibble and code ``16 + 4 j + i`` in its high one; then ``d`` and ``m`` of the 16 rows
-    (``W = d q + m``: ``d = s`` and ``m = z - 8 s`` of :class:`Int4Groups`)."""
+    (``W = d q + m``, ``groups.d_and_m``): float16 for :class:`Int4Groups` (their values are float16 or bfloat16
+    ones, or rounded so at load), for other codes float16 where every value is exactly a float16, else float32."""
     n, k = groups.shape
     q = groups.q.view(n // 16, 16, k // A8_GROUP, 2, 4, 4)  # block, row, group, half, j, i
     q = q.permute(0, 2, 3, 4, 1, 5)  # block, group, half, j, row, i
     codes = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(n // 16, k // A8_GROUP, 256).contiguous()
-    d, m = groups.scales, groups.zeros - 8 * groups.scales
-    dm = torch.stack([t.view(n // 16, 16, -1).permute(0, 2, 1) for t in (d, m)], dim=2)
-    return codes, dm.to(torch.float16).contiguous()
+    d, m = groups.d_and_m
+    dm = torch.stack([t.view(n // 16, 16, -1).permute(0, 2, 1) for t in (d, m)], dim=2).float()
+    half = dm.to(torch.float16)
+    exact = isinstance(groups, Int4Groups) or torch.equal(half.float(), dm)
+    return codes, (half if exact else dm).contiguous()
 
 
 #: the CPU int4 kernel's packed layout (torch 2.13): blocks of 64 output rows; for each block and input column,

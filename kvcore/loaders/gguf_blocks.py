@@ -1,15 +1,12 @@
-"""GGUF weights kept as their quantized blocks, for the int4 weight format (:mod:`kvcore.kernels.quant`).
+"""GGUF weights kept as their quantized blocks, for the quantized weight formats (:mod:`kvcore.kernels.quant`,
+:mod:`kvcore.kernels.group_quant`).
 
-llama.cpp's Q4_0 and Q4_1 store each row in blocks of 32 weights: a float16 scale ``d`` (and Q4_1 a float16
-minimum ``m``) and 32 4-bit codes ``q`` (the low nibbles of 16 bytes are weights 0..15, the high nibbles
-16..31). Both are exactly the int4 kernel's ``(q - 8) * s + z`` with groups of 32:
-
-* Q4_0: ``W = d * (q - 8)``  ->  ``s = d, z = 0``;
-* Q4_1: ``W = d * q + m``    ->  ``s = d, z = m + 8 d`` (``8 d`` and the float16 ``m`` sum exactly in float32).
-
-Other types (Q8_0, K-quants, Q5_*) have no exact int4 form: they are dequantized (:meth:`GGUFBlocks.dequantize`).
-Row operations (splitting fused tensors, llama's Q/K row unpermute) act on whole rows of blocks, so they
-commute with the packing.
+The block types of :data:`~kvcore.loaders.gguf_codes.CODE_TYPES` (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K)
+decode exactly into integer codes with a float32 scale and offset per group (:meth:`GGUFBlocks.codes`,
+:mod:`kvcore.loaders.gguf_codes`): the ``gguf`` weight format runs them as stored, and the 4-bit ones are the int4
+formats' groups of 32 (Q4_0: ``s = d, z = 0``; Q4_1: ``s = d, z = m + 8 d``; Q4_K: ``s = d sc, z = -dmin mn + 8 d sc``).
+Other types (Q2_K, Q3_K) are dequantized (:meth:`GGUFBlocks.dequantize`). Row operations (splitting fused tensors,
+llama's Q/K row unpermute) act on whole rows of blocks, so they commute with the packing.
 """
 
 from __future__ import annotations
@@ -21,11 +18,13 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as QType
 
+from kvcore.kernels.group_quant import GroupCodes
 from kvcore.kernels.quant import Int4Groups
+from kvcore.loaders.gguf_codes import CODE_BITS, CODE_TYPES, SCALE_OFFSETS, group_codes
 
-__all__ = ["GGUFBlocks", "INT4_TYPES"]
+__all__ = ["GGUFBlocks", "INT4_TYPES", "CODE_TYPES"]
 
-#: the GGUF types that map onto the int4 kernel exactly
+#: the GGUF types whose files the ``auto`` weight format runs as ``int4a8`` (llama.cpp's legacy 4-bit blocks)
 INT4_TYPES = (QType.Q4_0, QType.Q4_1)
 
 
@@ -44,6 +43,16 @@ class GGUFBlocks:
     def int4_exact(self) -> bool:
         return self.qtype in INT4_TYPES
 
+    @property
+    def has_codes(self) -> bool:
+        """Whether :meth:`codes` decodes this type exactly (else only :meth:`dequantize` reads it)."""
+        return self.qtype in CODE_TYPES
+
+    @property
+    def code_bits(self) -> int | None:
+        """The width of this type's codes (4 for Q4_*, 5, 6, 8), None where it has no :meth:`codes`."""
+        return CODE_BITS.get(self.qtype)
+
     def split(self, sizes: Sequence[int], dim: int = 0) -> list[GGUFBlocks]:
         """Row ranges of ``sizes`` (like ``Tensor.split(sizes, 0)``: a fused tensor cut into its parts)."""
         if dim != 0:
@@ -61,28 +70,22 @@ class GGUFBlocks:
         return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32).reshape(self.shape))
 
     def is_finite(self) -> bool:
-        """Whether every block's float16 scale (and Q4_1 minimum) is finite: the 4-bit codes cannot be anything
-        else, so this is the whole of a NaN / infinity check."""
-        if not self.int4_exact:
+        """Whether every value is finite: for coded types, whether every block's float16 scales are (the codes and
+        the K-quants' integer sub-scales cannot be anything else), read without decoding."""
+        if not self.has_codes:
             return bool(torch.isfinite(self.dequantize().sum()))
-        type_size = gguf.GGML_QUANT_SIZES[self.qtype][1]
-        halves = 2 if self.qtype == QType.Q4_1 else 1
-        blocks = self.data.reshape(-1, type_size)[:, : 2 * halves]
-        return bool(np.isfinite(blocks.copy().view(np.float16)).all())
+        blocks = self.data.reshape(-1, gguf.GGML_QUANT_SIZES[self.qtype][1])
+        halves = np.concatenate([blocks[:, at:at + 2] for at in SCALE_OFFSETS[self.qtype]], axis=1)
+        return bool(np.isfinite(halves.view(np.float16)).all())
+
+    def codes(self) -> GroupCodes:
+        """The rows as :class:`GroupCodes` (exact: see :mod:`kvcore.loaders.gguf_codes`)."""
+        if not self.has_codes:
+            raise ValueError(f"{self.qtype.name} blocks have no exact code form")
+        return group_codes(self.qtype, self.data, self.shape, gguf.GGML_QUANT_SIZES[self.qtype][1])
 
     def int4_groups(self) -> Int4Groups:
-        """Q4_0 / Q4_1 rows as int4 codes, scales and offsets in groups of 32 (exact, see the module doc)."""
-        if not self.int4_exact:
-            raise ValueError(f"{self.qtype.name} blocks have no exact int4 form")
-        rows, cols = self.shape
-        block_size, type_size = gguf.GGML_QUANT_SIZES[self.qtype]
-        blocks = self.data.reshape(rows, cols // block_size, type_size)
-        d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)  # [rows, blocks]
-        if self.qtype == QType.Q4_1:
-            m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-            zeros = m + 8 * d
-        else:
-            zeros = np.zeros_like(d)
-        qs = blocks[..., type_size - block_size // 2:]  # [rows, blocks, 16]
-        q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(rows, cols)
-        return Int4Groups(torch.from_numpy(q), torch.from_numpy(d), torch.from_numpy(zeros))
+        """4-bit rows (Q4_0, Q4_1, Q4_K) as int4 codes, scales and offsets in groups of 32."""
+        if self.code_bits != 4:
+            raise ValueError(f"{self.qtype.name} blocks have no int4 form")
+        return self.codes().int4_groups()

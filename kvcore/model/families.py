@@ -121,27 +121,11 @@ class Gemma2(Architecture):
 
     @classmethod
     def hf_options(cls, cfg: dict[str, Any]) -> dict[str, Any]:
-        return {
-            "hidden_act": cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh",
-            "embedding_multiplier": math.sqrt(cfg["hidden_size"]),
-            "query_pre_attn_scalar": float(cfg.get("query_pre_attn_scalar", 256)),
-            "final_logit_softcapping": cfg.get("final_logit_softcapping"),
-            "attn_logit_softcapping": cfg.get("attn_logit_softcapping"),
-            **_alternating(cfg.get("sliding_window"), cfg.get("layer_types"), int(cfg["num_hidden_layers"])),
-        }
+        return _gemma_hf_options(cfg, cfg.get("layer_types"))
 
     @classmethod
     def gguf_options(cls, meta: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
-        layers, hidden, heads = config["num_hidden_layers"], config["hidden_size"], config["num_attention_heads"]
-        # llama.cpp scales queries by 1/sqrt(head_dim), except Gemma 2 27B (46 layers): 1/sqrt(hidden/heads)
-        scalar = hidden // heads if layers == 46 else config["head_dim"]
-        return {
-            "embedding_multiplier": math.sqrt(hidden),
-            "query_pre_attn_scalar": float(scalar),
-            "final_logit_softcapping": meta.get("final_logit_softcapping"),
-            "attn_logit_softcapping": meta.get("attn_logit_softcapping"),
-            **_alternating(meta.get("attention.sliding_window"), None, layers),
-        }
+        return _gemma_gguf_options(meta, config, big_layers=46, layer_types=None)  # 27B: 46 layers
 
 
 class Gemma3(Architecture):
@@ -171,30 +155,45 @@ class Gemma3(Architecture):
     def hf_options(cls, cfg: dict[str, Any]) -> dict[str, Any]:
         layers = int(cfg["num_hidden_layers"])
         types = cfg.get("layer_types") or _every_nth_global(int(cfg.get("sliding_window_pattern", 6)), layers)
-        return {
-            "hidden_act": cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh",
-            "embedding_multiplier": math.sqrt(cfg["hidden_size"]),
-            "query_pre_attn_scalar": float(cfg.get("query_pre_attn_scalar", 256)),
-            "final_logit_softcapping": cfg.get("final_logit_softcapping"),
-            "attn_logit_softcapping": cfg.get("attn_logit_softcapping"),
-            "rope_local_base_freq": float(cfg.get("rope_local_base_freq", 10000.0)),
-            **_alternating(cfg.get("sliding_window"), types, layers),
-        }
+        return {**_gemma_hf_options(cfg, types),
+                "rope_local_base_freq": float(cfg.get("rope_local_base_freq", 10000.0))}
 
     @classmethod
     def gguf_options(cls, meta: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
-        layers, hidden, heads = config["num_hidden_layers"], config["hidden_size"], config["num_attention_heads"]
-        # llama.cpp scales queries by 1/sqrt(head_dim), except Gemma 3 27B (62 layers): 1/sqrt(hidden/heads)
-        scalar = hidden // heads if layers == 62 else config["head_dim"]
+        layers = config["num_hidden_layers"]
         return {
-            "embedding_multiplier": math.sqrt(hidden),
-            "query_pre_attn_scalar": float(scalar),
-            "final_logit_softcapping": meta.get("final_logit_softcapping"),
-            "attn_logit_softcapping": meta.get("attn_logit_softcapping"),
+            **_gemma_gguf_options(meta, config, big_layers=62, layer_types=_every_nth_global(6, layers)),  # 27B
             # llama.cpp's default when the file does not say: local layers rotate with base 10000
             "rope_local_base_freq": float(meta.get("rope.freq_base_swa", 10000.0)),
-            **_alternating(meta.get("attention.sliding_window"), _every_nth_global(6, layers), layers),
         }
+
+
+def _gemma_hf_options(cfg: dict[str, Any], layer_types: list[str] | None) -> dict[str, Any]:
+    """What Gemma 2 and 3 Hugging Face configs share (see :func:`_gemma_gguf_options`)."""
+    return {
+        "hidden_act": cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh",
+        "embedding_multiplier": math.sqrt(cfg["hidden_size"]),
+        "query_pre_attn_scalar": float(cfg.get("query_pre_attn_scalar", 256)),
+        "final_logit_softcapping": cfg.get("final_logit_softcapping"),
+        "attn_logit_softcapping": cfg.get("attn_logit_softcapping"),
+        **_alternating(cfg.get("sliding_window"), layer_types, int(cfg["num_hidden_layers"])),
+    }
+
+
+def _gemma_gguf_options(meta: dict[str, Any], config: dict[str, Any], big_layers: int,
+                        layer_types: list[str] | None) -> dict[str, Any]:
+    """What Gemma 2 and 3 GGUF files share: scaled embeddings, the query scale, soft-caps, windows on the layers
+    ``layer_types`` marks (None: every even layer). llama.cpp scales queries by 1/sqrt(head_dim), except in the
+    27B models (``big_layers`` layers), where it uses 1/sqrt(hidden / heads)."""
+    layers, hidden, heads = config["num_hidden_layers"], config["hidden_size"], config["num_attention_heads"]
+    scalar = hidden // heads if layers == big_layers else config["head_dim"]
+    return {
+        "embedding_multiplier": math.sqrt(hidden),
+        "query_pre_attn_scalar": float(scalar),
+        "final_logit_softcapping": meta.get("final_logit_softcapping"),
+        "attn_logit_softcapping": meta.get("attn_logit_softcapping"),
+        **_alternating(meta.get("attention.sliding_window"), layer_types, layers),
+    }
 
 
 def _every_nth_global(pattern: int, layers: int) -> list[str]:

@@ -13,6 +13,7 @@ import torch
 
 from kvcore.errors import ModelLoadError
 from kvcore.kernels.cpu import cpu_features
+from kvcore.kernels.group_quant import GroupCodes, Int8GroupLinear
 from kvcore.kernels.linear import DenseLinear, prepack
 from kvcore.kernels.quant import (
     A8_GROUP,
@@ -52,8 +53,8 @@ def _linear_weights(config: ModelConfig, weights: Mapping[str, Any]):
 
 
 def uses_quantized_blocks(requested: str, dtype: torch.dtype, device: torch.device | str) -> bool:
-    """Whether a loader should keep Q4_0/Q4_1 GGUF blocks for this request (else it may dequantize all)."""
-    if requested in ("int4", "int4a8"):
+    """Whether a loader should keep a GGUF's quantized blocks for this request (else it may dequantize all)."""
+    if requested in ("int4", "int4a8", "gguf"):
         return True
     return requested == "auto" and not quantized_reasons("int4", dtype, device)
 
@@ -61,13 +62,16 @@ def uses_quantized_blocks(requested: str, dtype: torch.dtype, device: torch.devi
 def resolve_weights(
     requested: str, dtype: torch.dtype, device: torch.device | str, config: ModelConfig, weights: Mapping[str, Any]
 ) -> str:
-    """The format a model runs with: ``requested``, or for ``auto`` ``int4`` when every layer weight is an
-    exactly-int4 GGUF block tensor and int4 runs with ``dtype`` on ``device``, else ``float``.
-    ConfigError when a quantized format cannot run here."""
+    """The format a model runs with: ``requested``, or for ``auto`` ``int4`` when every layer weight is a Q4_0 /
+    Q4_1 GGUF block tensor and int4 runs with ``dtype`` on ``device``, ``gguf`` when every one is of a type the
+    ``gguf`` format runs and it runs here, else ``float``. ConfigError when a quantized format cannot run here."""
     check_weight_format(requested)
     if requested == "auto":
-        native = all(getattr(w, "int4_exact", False) for w in _linear_weights(config, weights))
-        return "int4" if native and not quantized_reasons("int4", dtype, device) else "float"
+        layer_weights = list(_linear_weights(config, weights))
+        if all(getattr(w, "int4_exact", False) for w in layer_weights) and not quantized_reasons("int4", dtype, device):
+            return "int4"
+        coded = all(getattr(w, "has_codes", False) for w in layer_weights)
+        return "gguf" if coded and not quantized_reasons("gguf", dtype, device) else "float"
     return check_runnable(requested, dtype, device)
 
 
@@ -78,13 +82,15 @@ def quantized_linears(
     dtype: torch.dtype = torch.bfloat16,
     group_size: int = DEFAULT_GROUP_SIZE,
 ) -> dict[str, list[Callable[[torch.Tensor], torch.Tensor]]]:
-    """``{"qkv" | "o" | "gate_up" | "down": [one callable per layer]}`` in ``fmt`` (``int4``, ``int4a8``, ``int8``).
+    """``{"qkv" | "o" | "gate_up" | "down": [one callable per layer]}`` in ``fmt`` (``int4``, ``int4a8``, ``int8``,
+    ``gguf``).
 
-    int4: GGUF Q4_0/Q4_1 blocks as stored (groups of 32); other weights quantized per ``group_size`` columns.
+    int4: GGUF Q4_0/Q4_1/Q4_K blocks as stored (groups of 32); other weights quantized per ``group_size`` columns.
     int4a8: the same int4 weights, always in groups of 32 (its kernel's activation groups).
-    A matrix the kernel cannot take (output rows not a multiple of 16, input columns not whole groups) stays
-    dense in ``dtype``."""
-    if fmt not in ("int4", "int4a8", "int8"):
+    gguf: GGUF blocks as stored (:mod:`kvcore.kernels.group_quant`); a fused matmul with a part of another type
+    (float, Q2_K, Q3_K) stays dense. A matrix the kernel cannot take (output rows not a multiple of 16, input
+    columns not whole groups) stays dense in ``dtype``."""
+    if fmt not in ("int4", "int4a8", "int8", "gguf"):
         raise ValueError(f"not a quantized weight format: {fmt!r}")
     out: dict[str, list] = {name: [] for name in LINEAR_PARTS}
     for i in range(config.num_hidden_layers):
@@ -96,14 +102,22 @@ def quantized_linears(
 
 def _quantize(values: list[Any], fmt: str, dtype: torch.dtype, group_size: int):
     rows, cols = sum(v.shape[0] for v in values), values[0].shape[1]
-    if fmt in ("int4", "int4a8"):
+    bits = [getattr(v, "code_bits", None) for v in values]  # None: a float tensor or a type without codes
+    codes = GroupCodes.cat([v.codes() for v in values]) if None not in bits and fmt != "int8" else None
+    four_bit = codes is not None and codes.bits == 4 and codes.group_size == A8_GROUP
+    if fmt == "gguf" and codes is not None:
+        if four_bit and Int4A8Linear.fits(rows, cols, A8_GROUP):
+            return Int4A8Linear(codes, dtype)
+        if Int8GroupLinear.fits(rows, cols, codes.group_size):
+            return Int8GroupLinear(codes, dtype)
+    elif fmt in ("int4", "int4a8"):
         cls, group_size = (Int4Linear, group_size) if fmt == "int4" else (Int4A8Linear, A8_GROUP)
-        if all(getattr(v, "int4_exact", False) for v in values) and cls.fits(rows, cols, 32):
-            return cls(Int4Groups.cat([v.int4_groups() for v in values]), dtype)
+        if four_bit and cls.fits(rows, cols, A8_GROUP):
+            return cls(codes.int4_groups() if fmt == "int4" else codes, dtype)
         if cls.fits(rows, cols, group_size):
             w = torch.cat([dense(v) for v in values])
             return cls(Int4Groups.from_float(w, group_size, dtype), dtype)
-    elif Int8Linear.fits(rows, cols):
+    elif fmt == "int8" and Int8Linear.fits(rows, cols):
         return Int8Linear(torch.cat([dense(v) for v in values]), dtype)
     w = torch.cat([dense(v) for v in values]).to(dtype).contiguous()
     return DenseLinear(w, prepack(w) if cpu_features().bf16_matmul else None)

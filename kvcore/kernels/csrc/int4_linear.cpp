@@ -12,11 +12,12 @@
 // Layout (kvcore.quant.pack_int4a8 packs it): output rows in blocks of 16, for each block and group 256 bytes:
 // byte (j, l) of the 4 x 64-byte vectors j = 0..3, l = 4 * row + i holds q[row, 4 j + i] in its low nibble
 // and q[row, 16 + 4 j + i] in its high one: each 32-bit lane of a vector is one output row's four
-// consecutive codes, vpdpbusd's operand shape. Scales: float16 d and m, [blocks, groups, 2, 16].
+// consecutive codes, vpdpbusd's operand shape. Scales: d and m, [blocks, groups, 2, 16], in float16 (exact for
+// Q4_0 / Q4_1) or float32 (exact for Q4_K, whose d is a float16 times a 6-bit sub-scale).
 //
 //   x       [M, K]                  float32 or bfloat16, K a multiple of 32
 //   packed  [N / 16, K / 32, 256]   uint8
-//   dm      [N / 16, K / 32, 2, 16] float16
+//   dm      [N / 16, K / 32, 2, 16] float16 or float32
 //   returns [M, N]                  dtype of x
 //
 // Without AVX512-VNNI (and AVX512BW) at build time the same arithmetic runs as plain loops (slow; tests).
@@ -33,60 +34,27 @@
 #include <memory>
 
 #include "isa.h"
+#include "quantize_rows.h"
 
 namespace {
-
-#ifdef KVCORE_VNNI
-inline __m512 load16(const float* src) { return _mm512_loadu_ps(src); }
-inline __m512 load16(const c10::BFloat16* src) {  // bfloat16 is the top half of a float32
-  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-}
-#endif
 
 constexpr int64_t kGroup = 32;
 constexpr int64_t kRows = 16;  // output rows per block
 constexpr int64_t kMaxM = 16;
 constexpr int64_t kTileM = 8;  // rows per tile of a longer matmul: accumulators and codes fit in registers
 
-// Per row and group: int8 codes, scale a and the exact sum of x.
-template <typename T>
-void quantize_rows(const T* x, int64_t M, int64_t K, int8_t* p, float* a, float* sx) {
-  const int64_t G = K / kGroup;
-  for (int64_t r = 0; r < M; ++r) {
-    for (int64_t g = 0; g < G; ++g) {
-      const T* src = x + r * K + g * kGroup;
-      int8_t* dst = p + (r * G + g) * kGroup;
 #ifdef KVCORE_VNNI
-      const __m512 v0 = load16(src), v1 = load16(src + 16);
-      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
-      const float sum = _mm512_reduce_add_ps(_mm512_add_ps(v0, v1));
-      const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
-      // cvtps rounds to nearest even, as nearbyint does below
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v0, inv))));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16),
-                       _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v1, inv))));
-#else
-      float v[kGroup], amax = 0.f, sum = 0.f;
-      for (int64_t i = 0; i < kGroup; ++i) {
-        v[i] = static_cast<float>(src[i]);
-        amax = std::max(amax, std::fabs(v[i]));
-        sum += v[i];
-      }
-      const float inv = amax > 0.f ? 127.f / amax : 0.f;
-      for (int64_t i = 0; i < kGroup; ++i) dst[i] = static_cast<int8_t>(std::nearbyint(v[i] * inv));
-#endif
-      a[r * G + g] = amax / 127.f;
-      sx[r * G + g] = sum;
-    }
-  }
+inline __m512 load_scales(const c10::Half* src) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
 }
+inline __m512 load_scales(const float* src) { return _mm512_loadu_ps(src); }
+#endif
 
 // Output block nb (16 rows) for all M rows into out_f[M][16]. M is a template parameter so that the M
 // accumulators stay in registers and the M dot-product chains interleave (one chain would wait on
 // vpdpbusd's latency).
-template <int64_t M>
-void block_dot(const uint8_t* packed, const c10::Half* dm, const int8_t* p, const float* a, const float* sx,
+template <int64_t M, typename S>
+void block_dot(const uint8_t* packed, const S* dm, const int8_t* p, const float* a, const float* sx,
                int64_t G, float* out_f) {
 #ifdef KVCORE_VNNI
   __m512 acc[M];
@@ -108,8 +76,7 @@ void block_dot(const uint8_t* packed, const c10::Half* dm, const int8_t* p, cons
         s[r] = _mm512_dpbusd_epi32(s[r], hi, _mm512_set1_epi32(pr[4 + j]));
       }
     }
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dm + g * 32)));
-    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dm + g * 32 + 16)));
+    const __m512 d = load_scales(dm + g * 32), m = load_scales(dm + g * 32 + 16);
     for (int64_t r = 0; r < M; ++r) {
       const __m512 da = _mm512_mul_ps(d, _mm512_set1_ps(a[r * G + g]));
       acc[r] = _mm512_fmadd_ps(da, _mm512_cvtepi32_ps(s[r]), acc[r]);
@@ -141,14 +108,15 @@ void block_dot(const uint8_t* packed, const c10::Half* dm, const int8_t* p, cons
 #endif
 }
 
-using BlockDot = void (*)(const uint8_t*, const c10::Half*, const int8_t*, const float*, const float*, int64_t,
-                          float*);
-constexpr BlockDot kBlockDots[kMaxM] = {block_dot<1>, block_dot<2>, block_dot<3>, block_dot<4>,
-                                        block_dot<5>, block_dot<6>, block_dot<7>, block_dot<8>,
-                                        block_dot<9>, block_dot<10>, block_dot<11>, block_dot<12>,
-                                        block_dot<13>, block_dot<14>, block_dot<15>, block_dot<16>};
+template <typename S>
+using BlockDot = void (*)(const uint8_t*, const S*, const int8_t*, const float*, const float*, int64_t, float*);
+template <typename S>
+constexpr BlockDot<S> kBlockDots[kMaxM] = {block_dot<1, S>, block_dot<2, S>, block_dot<3, S>, block_dot<4, S>,
+                                           block_dot<5, S>, block_dot<6, S>, block_dot<7, S>, block_dot<8, S>,
+                                           block_dot<9, S>, block_dot<10, S>, block_dot<11, S>, block_dot<12, S>,
+                                           block_dot<13, S>, block_dot<14, S>, block_dot<15, S>, block_dot<16, S>};
 
-template <typename T>
+template <typename T, typename S>
 at::Tensor int4_linear_impl(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& dm) {
   const int64_t M = x.size(0), K = x.size(1), G = K / kGroup, blocks = packed.size(0);
   // every element is written by quantize_rows before it is read
@@ -156,12 +124,12 @@ at::Tensor int4_linear_impl(const at::Tensor& x, const at::Tensor& packed, const
   std::unique_ptr<float[]> a(new float[M * G]), sx(new float[M * G]);
   const T* xp = x.data_ptr<T>();
   at::parallel_for(0, M, M > kMaxM ? 1 : M, [&](int64_t r0, int64_t r1) {
-    quantize_rows<T>(xp + r0 * K, r1 - r0, K, p.get() + r0 * K, a.get() + r0 * G, sx.get() + r0 * G);
+    kvcore_a8::quantize_rows<kGroup, T>(xp + r0 * K, r1 - r0, K, p.get() + r0 * K, a.get() + r0 * G, sx.get() + r0 * G);
   });
   at::Tensor out = at::empty({M, blocks * kRows}, x.options());
   T* op = out.data_ptr<T>();
   const uint8_t* wp = packed.data_ptr<uint8_t>();
-  const c10::Half* sp = dm.data_ptr<c10::Half>();
+  const S* sp = dm.data_ptr<S>();
   // Up to 16 rows (decode): one tile of all rows, the work split over output blocks. More rows (prefill): tiles of
   // kTileM rows, items ordered tile-major so that each thread keeps its tile's activations in L1 and walks the
   // weights (small enough to stay in L2) once per tile.
@@ -170,7 +138,7 @@ at::Tensor int4_linear_impl(const at::Tensor& x, const at::Tensor& packed, const
     float block[kMaxM * kRows];
     for (int64_t item = first; item < last; ++item) {
       const int64_t t = item / blocks, nb = item % blocks, r0 = t * tile_m, rows = std::min(tile_m, M - r0);
-      kBlockDots[rows - 1](wp + nb * G * 256, sp + nb * G * 32, p.get() + r0 * K, a.get() + r0 * G,
+      kBlockDots<S>[rows - 1](wp + nb * G * 256, sp + nb * G * 32, p.get() + r0 * K, a.get() + r0 * G,
                            sx.get() + r0 * G, G, block);
       for (int64_t r = 0; r < rows; ++r)
         for (int64_t n = 0; n < kRows; ++n)
@@ -187,11 +155,16 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.is_contiguous() &&
               packed.size(1) == x.size(1) / kGroup && packed.size(2) == 256,
               "int4_linear: packed must be uint8 [N / 16, K / 32, 256]");
-  TORCH_CHECK(dm.scalar_type() == at::kHalf && dm.is_contiguous() && dm.numel() == packed.size(0) * packed.size(1) * 32,
-              "int4_linear: dm must be float16 [N / 16, K / 32, 2, 16]");
-  if (x.scalar_type() == at::kFloat) return int4_linear_impl<float>(x, packed, dm);
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "int4_linear: x must be float32 or bfloat16");
-  return int4_linear_impl<c10::BFloat16>(x, packed, dm);
+  TORCH_CHECK((dm.scalar_type() == at::kHalf || dm.scalar_type() == at::kFloat) && dm.is_contiguous() &&
+              dm.numel() == packed.size(0) * packed.size(1) * 32,
+              "int4_linear: dm must be float16 or float32 [N / 16, K / 32, 2, 16]");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "int4_linear: x must be float32 or bfloat16");
+  const bool half = dm.scalar_type() == at::kHalf;
+  if (x.scalar_type() == at::kFloat)
+    return half ? int4_linear_impl<float, c10::Half>(x, packed, dm) : int4_linear_impl<float, float>(x, packed, dm);
+  return half ? int4_linear_impl<c10::BFloat16, c10::Half>(x, packed, dm)
+              : int4_linear_impl<c10::BFloat16, float>(x, packed, dm);
 }
 
 }  // namespace

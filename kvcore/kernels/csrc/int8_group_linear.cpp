@@ -1,0 +1,153 @@
+// kvcore::int8_group_linear: y = x @ W.T, W as 8-bit codes in groups of G = 16 or 32 input columns with a float32
+// scale and offset per group: W[n, k] = d[n, g] * q[n, k] + m[n, g], q in 0..255, g = k / G. llama.cpp's 5-, 6- and
+// 8-bit blocks are exactly this (kvcore/loaders/gguf_codes.py): Q5_0 / Q5_1 / Q5_K / Q8_0 with G = 32, Q6_K with
+// G = 16 (its sub-blocks), the K-quants' d being a float16 times an integer sub-scale (exact in float32).
+//
+// Activations are quantized per row and group of G to int8 (quantize_rows.h), so that vpdpbusd multiplies 16 rows'
+// 4 consecutive codes by 4 activation codes per instruction. Per row r, output n and group g:
+//
+//   sum_k W[n, k] x[r, k] ~= d[n, g] * a[r, g] * sum_k q[n, k] p[r, k]  +  m[n, g] * sum_k x[r, k]
+//
+// Float32 accumulation, output rounded once.
+//
+// Layout (kvcore.kernels.group_quant.pack_int8_groups packs it): output rows in blocks of 16, for each block and group
+// 16 G bytes: byte 64 j + 4 row + i holds q[row, G g + 4 j + i] (j = 0 .. G / 4 - 1).
+//
+//   x       [M, K]                  float32 or bfloat16, K a multiple of G
+//   packed  [N / 16, K / G, 16 G]   uint8
+//   dm      [N / 16, K / G, 2, 16]  float32
+//   returns [M, N]                  dtype of x
+//
+// Without AVX512-VNNI (and AVX512BW) at build time the same arithmetic runs as plain loops (slow; tests).
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <memory>
+
+#include "isa.h"
+#include "quantize_rows.h"
+
+namespace {
+
+constexpr int64_t kRows = 16;  // output rows per block
+constexpr int64_t kMaxM = 16;
+constexpr int64_t kTileM = 8;  // rows per tile of a longer matmul
+
+// Output block (16 rows) for all M rows into out_f[M][16]; M a template parameter as in int4_linear.cpp.
+template <int64_t M, int64_t G>
+void block_dot(const uint8_t* packed, const float* dm, const int8_t* p, const float* a, const float* sx,
+               int64_t groups, float* out_f) {
+  constexpr int64_t kBytes = kRows * G;
+#ifdef KVCORE_VNNI
+  __m512 acc[M];
+  for (int64_t r = 0; r < M; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* w = packed + g * kBytes;
+    for (int64_t line = 0; line < kBytes; line += 64)  // two groups ahead (a prefetch past the end is harmless)
+      _mm_prefetch(reinterpret_cast<const char*>(w + 2 * kBytes + line), _MM_HINT_T0);
+    __m512i s[M];
+    for (int64_t r = 0; r < M; ++r) s[r] = _mm512_setzero_si512();
+    for (int64_t j = 0; j < G / 4; ++j) {
+      const __m512i v = _mm512_loadu_si512(w + 64 * j);  // codes 4j .. 4j+3 of every row
+      for (int64_t r = 0; r < M; ++r) {
+        const int32_t* pr = reinterpret_cast<const int32_t*>(p + (r * groups + g) * G);
+        s[r] = _mm512_dpbusd_epi32(s[r], v, _mm512_set1_epi32(pr[j]));
+      }
+    }
+    const __m512 d = _mm512_loadu_ps(dm + g * 32), m = _mm512_loadu_ps(dm + g * 32 + 16);
+    for (int64_t r = 0; r < M; ++r) {
+      const __m512 da = _mm512_mul_ps(d, _mm512_set1_ps(a[r * groups + g]));
+      acc[r] = _mm512_fmadd_ps(da, _mm512_cvtepi32_ps(s[r]), acc[r]);
+      acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[r * groups + g]), acc[r]);
+    }
+  }
+  for (int64_t r = 0; r < M; ++r) _mm512_storeu_ps(out_f + r * kRows, acc[r]);
+#else
+  for (int64_t r = 0; r < M; ++r)
+    for (int64_t n = 0; n < kRows; ++n) out_f[r * kRows + n] = 0.f;
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* w = packed + g * kBytes;
+    for (int64_t n = 0; n < kRows; ++n) {
+      const float d = dm[g * 32 + n], m = dm[g * 32 + 16 + n];
+      for (int64_t r = 0; r < M; ++r) {
+        int32_t s = 0;
+        for (int64_t k = 0; k < G; ++k) s += w[64 * (k / 4) + 4 * n + k % 4] * p[(r * groups + g) * G + k];
+        out_f[r * kRows + n] += d * a[r * groups + g] * static_cast<float>(s) + m * sx[r * groups + g];
+      }
+    }
+  }
+#endif
+}
+
+template <int64_t G>
+using BlockDot = void (*)(const uint8_t*, const float*, const int8_t*, const float*, const float*, int64_t, float*);
+template <int64_t G>
+constexpr BlockDot<G> kBlockDots[kMaxM] = {block_dot<1, G>, block_dot<2, G>, block_dot<3, G>, block_dot<4, G>,
+                                           block_dot<5, G>, block_dot<6, G>, block_dot<7, G>, block_dot<8, G>,
+                                           block_dot<9, G>, block_dot<10, G>, block_dot<11, G>, block_dot<12, G>,
+                                           block_dot<13, G>, block_dot<14, G>, block_dot<15, G>, block_dot<16, G>};
+
+template <typename T, int64_t G>
+at::Tensor int8_group_linear_impl(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& dm) {
+  const int64_t M = x.size(0), K = x.size(1), groups = K / G, blocks = packed.size(0);
+  // every element is written by quantize_rows before it is read
+  std::unique_ptr<int8_t[]> p(new int8_t[M * K]);
+  std::unique_ptr<float[]> a(new float[M * groups]), sx(new float[M * groups]);
+  const T* xp = x.data_ptr<T>();
+  at::parallel_for(0, M, M > kMaxM ? 1 : M, [&](int64_t r0, int64_t r1) {
+    kvcore_a8::quantize_rows<G, T>(xp + r0 * K, r1 - r0, K, p.get() + r0 * K, a.get() + r0 * groups,
+                                   sx.get() + r0 * groups);
+  });
+  at::Tensor out = at::empty({M, blocks * kRows}, x.options());
+  T* op = out.data_ptr<T>();
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  const float* sp = dm.data_ptr<float>();
+  // work split as in int4_linear.cpp: one tile of all rows for decode, tiles of kTileM rows for prefill
+  const int64_t tile_m = M <= kMaxM ? M : kTileM, tiles = (M + tile_m - 1) / tile_m;
+  at::parallel_for(0, tiles * blocks, 1, [&](int64_t first, int64_t last) {
+    float block[kMaxM * kRows];
+    for (int64_t item = first; item < last; ++item) {
+      const int64_t t = item / blocks, nb = item % blocks, r0 = t * tile_m, rows = std::min(tile_m, M - r0);
+      kBlockDots<G>[rows - 1](wp + nb * groups * kRows * G, sp + nb * groups * 32, p.get() + r0 * K,
+                              a.get() + r0 * groups, sx.get() + r0 * groups, groups, block);
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t n = 0; n < kRows; ++n)
+          op[(r0 + r) * blocks * kRows + nb * kRows + n] = static_cast<T>(block[r * kRows + n]);
+    }
+  });
+  return out;
+}
+
+template <typename T>
+at::Tensor by_group(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& dm, int64_t G) {
+  return G == 16 ? int8_group_linear_impl<T, 16>(x, packed, dm) : int8_group_linear_impl<T, 32>(x, packed, dm);
+}
+
+at::Tensor int8_group_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& dm) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(0) >= 1,
+              "int8_group_linear: x must be a contiguous [M, K] matrix with rows");
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.is_contiguous() &&
+              (packed.size(2) == 16 * 16 || packed.size(2) == 16 * 32),
+              "int8_group_linear: packed must be uint8 [N / 16, K / G, 16 G] with G 16 or 32");
+  const int64_t G = packed.size(2) / kRows;
+  TORCH_CHECK(x.size(1) % G == 0 && packed.size(1) == x.size(1) / G,
+              "int8_group_linear: K must be a multiple of G and match packed");
+  TORCH_CHECK(dm.scalar_type() == at::kFloat && dm.is_contiguous() && dm.numel() == packed.size(0) * packed.size(1) * 32,
+              "int8_group_linear: dm must be float32 [N / 16, K / G, 2, 16]");
+  if (x.scalar_type() == at::kFloat) return by_group<float>(x, packed, dm, G);
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "int8_group_linear: x must be float32 or bfloat16");
+  return by_group<c10::BFloat16>(x, packed, dm, G);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kvcore, m) {
+  m.def("int8_group_linear(Tensor x, Tensor packed, Tensor dm) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(kvcore, CPU, m) { m.impl("int8_group_linear", &int8_group_linear); }
