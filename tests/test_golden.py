@@ -66,7 +66,7 @@ def test_cli_acceptance_command(capsys):
 def test_chat_says_paris(capsys):
     from kvcore.cli import main
 
-    # pinned to the exact reference like the other goldens: its first token is a near-tie ("The" 0.09 logits
+    # pinned to the exact reference like the other goldens: its first token is a near-tie ("The" 0.08 logits
     # ahead of "L" in float32), which the default's int8 activations can flip into a French reply
     # (benchmarks/results/fast-default.md)
     rc = main(["chat", "--dtype", "float32", "--max-new-tokens", "24", "What is the capital of France?"])
