@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from helpers import last_json, run_cli
 
-from kvcore.cli import main
-from kvcore.cli.settings import default_threads
+from kvcore.cli import main, settings
+from kvcore.cli.settings import busy_cpus, default_threads
 
 TINY = str(Path(__file__).parent / "data" / "tiny-llama")
 FAST = ["--model", TINY, "--backend", "sdpa", "--max-new-tokens", "4", "--ignore-eos"]
@@ -45,14 +45,37 @@ def test_threads_flag_and_default(capsys, monkeypatch):
     assert rc == 2 and "threads must be an integer from 1 to 64 (4 × the CPU count, or 64), got 0" in err
     rc, _, err = run_cli(capsys, "generate", *FAST, "--threads", str(10**9), "hi")  # libgomp would abort
     assert rc == 2 and "got 1000000000" in err
-    # the default: cores this process may use minus the busy ones (load average), at least 1
+    # the default: cores this process may use minus those busy now (the run queue), at least 1
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
-    monkeypatch.setattr(os, "getloadavg", lambda: (1.6, 0.0, 0.0))
+    monkeypatch.setattr(settings, "busy_cpus", lambda: 2)
     assert default_threads() == 2
-    monkeypatch.setattr(os, "getloadavg", lambda: (9.0, 0.0, 0.0))
+    monkeypatch.setattr(settings, "busy_cpus", lambda: 9)
     assert default_threads() == 1
     rc, out, _ = run_cli(capsys, "generate", *FAST, "--json", "hi")
     assert last_json(out)["threads"] == 1
+
+
+def test_busy_cpus_reads_the_run_queue_not_the_load_average(monkeypatch, tmp_path):
+    """A load average left by a job that has ended does not count; what runs now does, less this process."""
+    import builtins
+
+    readings = iter(["9.80 7.00 5.00 3/200 77\n", "9.80 7.00 5.00 1/200 77\n", "9.80 7.00 5.00 3/200 77\n",
+                     "9.80 7.00 5.00 4/200 77\n", "9.80 7.00 5.00 1/200 77\n"])
+    real_open = builtins.open
+
+    def fake_open(path, *args, **kwargs):
+        if path == "/proc/loadavg":
+            file = tmp_path / "loadavg"
+            file.write_text(next(readings))
+            return real_open(file, *args, **kwargs)
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", fake_open)
+    monkeypatch.setattr(settings, "_SAMPLE_PAUSE", 0.0)
+    assert busy_cpus() == 2  # the median reading, 3 running, one of them this process
+    monkeypatch.setattr(builtins, "open", lambda *a, **k: (_ for _ in ()).throw(OSError("no /proc")))
+    monkeypatch.setattr(os, "getloadavg", lambda: (1.6, 0.0, 0.0))
+    assert busy_cpus() == 2  # elsewhere: the load average, rounded
 
 
 def test_prompt_from_stdin_and_file(capsys, monkeypatch, tmp_path):

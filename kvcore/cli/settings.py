@@ -7,12 +7,13 @@ import argparse
 import os
 import stat
 import sys
+import time
 from typing import Any
 
 from kvcore.errors import ConfigError, InvalidRequestError
 
-__all__ = ["ENVIRONMENT", "DEFAULTS", "resolve_settings", "default_threads", "apply_threads", "read_prompt",
-           "with_piped_stdin"]
+__all__ = ["ENVIRONMENT", "DEFAULTS", "resolve_settings", "default_threads", "busy_cpus", "apply_threads",
+           "read_prompt", "with_piped_stdin"]
 
 #: settings an environment variable may give (between flag and config file)
 ENVIRONMENT = {"backend": "KVCORE_BACKEND", "model": "KVCORE_MODEL"}
@@ -44,18 +45,40 @@ def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def default_threads() -> int:
-    """The cores this process may run on (its CPU affinity) minus those other work keeps busy (the 1-minute
-    load average, rounded), at least 1. On a shared machine, more compute threads than free cores make each
-    step wait for the slowest, descheduled thread."""
+    """The cores this process may run on (its CPU affinity) minus those other work keeps busy right now, at
+    least 1. On a shared machine, more compute threads than free cores make each step wait for the slowest,
+    descheduled thread. "Right now" is the kernel's run queue (:func:`busy_cpus`), not the load average: that
+    decays over minutes and would still count a job that has just ended."""
     try:
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # not Linux
         cores = os.cpu_count() or 1
+    return max(1, cores - busy_cpus())
+
+
+#: run-queue samples :func:`busy_cpus` takes, and the pause between them (seconds)
+_SAMPLES, _SAMPLE_PAUSE = 5, 0.01
+
+
+def busy_cpus() -> int:
+    """How many CPUs other processes' threads are running on: the median of a few readings of the running
+    task count in ``/proc/loadavg`` (this process's own thread excluded). Where there is no such file, the
+    1-minute load average, rounded; 0 where neither exists."""
+    counts = []
+    for i in range(_SAMPLES):
+        try:
+            with open("/proc/loadavg", encoding="ascii") as f:
+                counts.append(int(f.read().split()[3].split("/")[0]) - 1)  # "1.2 0.9 0.7 3/412 1234"
+        except (OSError, IndexError, ValueError):
+            break
+        if i + 1 < _SAMPLES:
+            time.sleep(_SAMPLE_PAUSE)
+    if counts:
+        return max(0, sorted(counts)[len(counts) // 2])
     try:
-        busy = int(os.getloadavg()[0] + 0.5)
+        return int(os.getloadavg()[0] + 0.5)
     except (AttributeError, OSError):
-        busy = 0
-    return max(1, cores - busy)
+        return 0
 
 
 def apply_threads(threads: int | None) -> int:

@@ -1,6 +1,6 @@
 """kvcore's own CPU kernels (C++ under ``kvcore/csrc``), built on first use with the machine's compiler.
 
-Six kernels:
+The kernels:
 
 * ``torch.ops.kvcore.decode_attention`` (``csrc/decode_attention.cpp``): the decode-step attention of the
   ``cpu_decode`` backend;
@@ -14,7 +14,9 @@ Six kernels:
   steps, short prefills) on weights repacked for ``vdpbf16ps`` (:mod:`kvcore.kernels.linear`), built only for CPUs with
   AVX512_BF16;
 * ``torch.ops.kvcore.rescore_top_k`` (``csrc/rescore_top_k.cpp``): the int4 LM head's exact rescoring of each
-  row's top candidates (:class:`kvcore.model.lm_head.RescoredInt4Head`), run eagerly.
+  row's top candidates (:class:`kvcore.model.lm_head.RescoredInt4Head`), run eagerly;
+* ``torch.ops.kvcore.rms_norm`` (``csrc/rms_norm.cpp``): a bfloat16 residual add and RMSNorm in one operator, for
+  the decoder of an ``int4a8`` model (:func:`kvcore.model.layers.add_rms_norm`).
 
 ``torch.ops.kvcore.built_with("avx512_vnni" | "avx512_bf16")`` (``csrc/isa.cpp``) says whether the library was
 compiled with an extension (``csrc/isa.h`` decides it for every kernel file): :func:`extension_reasons` says
@@ -58,7 +60,7 @@ __all__ = ["bf16_linear_ready", "cxx_compiler", "extension_reasons", "int4a8_rea
            "kernels_built", "load_kernels", "vector_isa"]
 
 _SOURCES = ("bf16_linear.cpp", "decode_attention.cpp", "int4_linear.cpp", "int8_group_linear.cpp", "isa.cpp",
-            "prefill_attention.cpp", "rescore_top_k.cpp")
+            "prefill_attention.cpp", "rescore_top_k.cpp", "rms_norm.cpp")
 _HEADERS = ("isa.h", "quantize_rows.h")  # included by the sources: part of the build's cache key
 _CSRC = Path(__file__).with_name("csrc")
 _LIBRARY = "kvcore_cpu_kernels.so"
@@ -237,6 +239,7 @@ def load_kernels() -> str:
     torch.library.register_fake("kvcore::int8_group_linear")(_rows_of_16_fake)
     torch.library.register_fake("kvcore::prefill_attention")(_prefill_attention_fake)
     torch.library.register_fake("kvcore::bf16_linear")(_bf16_linear_fake)
+    torch.library.register_fake("kvcore::rms_norm")(_rms_norm_fake)
     return str(library)
 
 
@@ -250,6 +253,10 @@ def _prefill_attention_fake(q, k, v, context_len, scale):
 
 def _bf16_linear_fake(x, packed):
     return x.new_empty(x.shape[0], packed.shape[0] * 16)
+
+
+def _rms_norm_fake(h, delta, weight, eps):
+    return torch.empty_like(h)
 
 
 def _rows_of_16_fake(x, codes, dm):

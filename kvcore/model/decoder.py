@@ -24,7 +24,7 @@ from torch import nn
 from kvcore.errors import ConfigError
 from kvcore.kernels.linear import DenseMatmuls, set_layout
 from kvcore.model.config import ModelConfig
-from kvcore.model.layers import ACTIVATIONS, attention_layers, rms_norm
+from kvcore.model.layers import ACTIVATIONS, add_rms_norm, attention_layers, rms_norm
 from kvcore.model.rope import RotaryEmbedding
 from kvcore.model.weights import LINEAR_PARTS, WeightCopier, quantized_linears
 
@@ -116,6 +116,9 @@ class DecoderModel(nn.Module):
     #: at 2+ rows, bfloat16 always (on CPUs with native bfloat16 dot products); see :class:`DenseMatmuls`.
     #: Set False (on an instance or the class) to keep a single copy of the weights.
     packed_weights: bool = True
+    #: residual adds and RMSNorms on kvcore's fused kernel (:func:`~kvcore.model.layers.add_rms_norm`): set for
+    #: int4a8 models, which load the kernels and are approximate already; dense models keep the eager ops
+    fused_norm: bool = False
 
     def matmuls(self, num_rows: int) -> dict[str, list]:
         """``{"qkv", "o", "gate_up", "down": [per layer]}`` callables ``x -> x @ W.T`` for a forward of ``num_rows``
@@ -160,6 +163,7 @@ class DecoderModel(nn.Module):
         if weight_format != "float":
             model._quantized = quantized_linears(c, weights, weight_format, dtype, group_size)
             model.weight_format = weight_format
+            model.fused_norm = weight_format == "int4a8"
             linear_names = {f"model.layers.{i}.{p}" for i in range(c.num_hidden_layers) for ps in
                             LINEAR_PARTS.values() for p in ps}
             weights = {n: v for n, v in weights.items() if n not in linear_names}
@@ -235,9 +239,10 @@ class DecoderModel(nn.Module):
         h = F.embedding(input_ids, self.embed_tokens)  # (T, d)
         if c.embedding_multiplier is not None:
             h = h * torch.tensor(c.embedding_multiplier, dtype=h.dtype)  # Gemma rounds the factor to the dtype
+        fused, pending = self.fused_norm, None  # pending: the last MLP output, added to h by the next norm
         for i in range(c.num_hidden_layers):
             cos, sin = tables[i]
-            x = rms_norm(h, self.input_norm[i], eps)
+            x = add_rms_norm(h, pending, self.input_norm[i], eps, fused)
             qkv = qkv_w[i](x)  # (T, (H + 2 H_kv) D)
             if self.qkv_bias is not None:
                 qkv = qkv + self.qkv_bias[i]
@@ -261,14 +266,13 @@ class DecoderModel(nn.Module):
                 out = rms_norm(out, self.post_attn_norm[i], eps)
             # h is this forward's own tensor: residual adds and the gate product run in place, which saves
             # the prefill a fresh multi-megabyte allocation (page faults) per op; the values are the same.
-            h.add_(out)
-            x = rms_norm(h, self.post_norm[i], eps)
+            x = add_rms_norm(h, out, self.post_norm[i], eps, fused)
             gate, up = gate_up_w[i](x).chunk(2, dim=-1)  # (T, I) each
             out = self.all_reduce(down_w[i](self.act(gate).mul_(up)))
             if self.post_mlp_norm is not None:
                 out = rms_norm(out, self.post_mlp_norm[i], eps)
-            h.add_(out)
-        return rms_norm(h, self.norm, eps)
+            pending = out
+        return add_rms_norm(h, pending, self.norm, eps, fused)
 
     def compute_logits(self, hidden: torch.Tensor, head: Callable | None = None) -> torch.Tensor:
         """``[N, d]`` hidden states → ``[N, V]`` float32 logits (soft-capped when the config says so).

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from kvcore.interfaces.layer_attention import LayerAttention
 from kvcore.model.config import ModelConfig
 
-__all__ = ["rms_norm", "ACTIVATIONS", "attention_layers"]
+__all__ = ["rms_norm", "add_rms_norm", "ACTIVATIONS", "attention_layers"]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -26,6 +26,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if weight.dtype != normed.dtype:
         return weight * normed  # type promotion
     return normed.mul_(weight)  # in place (no allocation): same values as ``weight * normed``
+
+
+def add_rms_norm(
+    h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float, fused: bool = False
+) -> torch.Tensor:
+    """``rms_norm(h + delta)``, ``h`` updated to ``h + delta`` in place (``delta`` None: no add): a residual add
+    and the next norm. ``fused``: one call of kvcore's kernel (``csrc/rms_norm.cpp``; bfloat16 ``[T, d]``, the
+    kernels loaded) instead of a dozen eager ops; the same rounding steps, a sum of squares in another order (a
+    value may differ by one bfloat16 step)."""
+    if fused and h.dtype == weight.dtype == torch.bfloat16 and h.dim() == 2:
+        return torch.ops.kvcore.rms_norm(h, delta, weight, eps)
+    if delta is not None:
+        h.add_(delta)
+    return rms_norm(h, weight, eps)
 
 
 #: the MLP activations by Hugging Face's ``hidden_act`` name

@@ -1,0 +1,68 @@
+// kvcore::rms_norm: a bfloat16 decoder's residual add and RMSNorm as one operator (kvcore/model/layers.py).
+//
+// Per row r of h [T, d]: with delta, h[r] += delta[r] first, in place (each sum rounded to bfloat16, as
+// torch's bfloat16 add_). Then out[r] = bf16(bf16(h[r] * inv) * weight), inv = 1 / sqrt(mean(h[r]^2) + eps)
+// in float32: Hugging Face Llama's rounding (normalised in float32, rounded, scaled by the weight, rounded).
+// The eager ops it replaces cost a dispatch each (cast, square, mean, rsqrt, two products, a cast), several
+// times the arithmetic of a decode step's row; the sum of squares is taken in another order than ATen's, so a
+// result may differ from theirs by one bfloat16 step where a product falls on a rounding boundary.
+//
+//   h       [T, d]  bfloat16, contiguous; updated when delta is given
+//   delta   [T, d]  bfloat16, contiguous, or None
+//   weight  [d]     bfloat16, contiguous
+//   returns [T, d]  bfloat16
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Optional.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+
+namespace {
+
+at::Tensor rms_norm(at::Tensor h, const std::optional<at::Tensor>& delta, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(h.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16,
+              "rms_norm: bfloat16 h and weight");
+  TORCH_CHECK(h.dim() == 2 && h.is_contiguous() && weight.dim() == 1 && weight.is_contiguous() &&
+              weight.size(0) == h.size(1), "rms_norm: contiguous h [T, d] and weight [d]");
+  const bool add = delta.has_value();
+  if (add)
+    TORCH_CHECK(delta->scalar_type() == at::kBFloat16 && delta->is_contiguous() && delta->sizes() == h.sizes(),
+                "rms_norm: delta must be a contiguous bfloat16 tensor shaped like h");
+  const int64_t T = h.size(0), d = h.size(1);
+  at::Tensor out = at::empty_like(h);
+  c10::BFloat16* hp = h.data_ptr<c10::BFloat16>();
+  const c10::BFloat16* dp = add ? delta->data_ptr<c10::BFloat16>() : nullptr;
+  const c10::BFloat16* wp = weight.data_ptr<c10::BFloat16>();
+  c10::BFloat16* op = out.data_ptr<c10::BFloat16>();
+  const float feps = static_cast<float>(eps);
+  // a decode step's row is too short to share: rows run in parallel only for prefills
+  at::parallel_for(0, T, T >= 16 ? 1 : T, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      c10::BFloat16* row = hp + r * d;
+      float ss = 0.f;
+      for (int64_t i = 0; i < d; ++i) {
+        if (add) row[i] = c10::BFloat16(static_cast<float>(row[i]) + static_cast<float>(dp[r * d + i]));
+        const float v = static_cast<float>(row[i]);
+        ss += v * v;
+      }
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(d) + feps);
+      for (int64_t i = 0; i < d; ++i) {
+        const float normed = static_cast<float>(c10::BFloat16(static_cast<float>(row[i]) * inv));
+        op[r * d + i] = c10::BFloat16(normed * static_cast<float>(wp[i]));
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kvcore, m) {
+  m.def("rms_norm(Tensor(a!) h, Tensor? delta, Tensor weight, float eps) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(kvcore, CPU, m) { m.impl("rms_norm", &rms_norm); }
