@@ -19,8 +19,8 @@ from pathlib import Path
 from kvcore import Engine, SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]
-CODE = (ROOT / "kvcore" / "scheduling" / "block_pool.py").read_text()
-TEXT = (ROOT / "docs" / "design.md").read_text()[:3000]
+CODE = (ROOT / "kvcore" / "scheduling" / "block_pool.py").read_text()[:900]  # about 550 tokens
+TEXT = (ROOT / "docs" / "design.md").read_text()[:2600]
 
 PROMPTS = {
     "repeat-code": f"Repeat this Python code exactly, without any change:\n\n{CODE}",
@@ -49,8 +49,13 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--prompts", default=",".join(PROMPTS))
+    ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     base = Engine.from_pretrained("smollm2")
     options = {k: json.loads(v) for k, v in (o.split("=", 1) for o in args.option)}
     config = dataclasses.replace(base.config, proposer=args.proposer, num_speculative_tokens=args.k,
@@ -58,12 +63,12 @@ def main() -> None:
     spec = Engine(base.model, base.tokenizer, config)
     print(f"base: {base.serving_config()}\nspeculative: proposer={args.proposer} k={args.k} {options}")
     rows = []
-    for name in args.prompts.split(","):
+    run(base, PROMPTS["free-story"], 8)  # warm-up (allocations, first-use kernels)
+    for i, name in enumerate(args.prompts.split(",")):
         runs = {"base": [], "spec": []}
-        run(base, PROMPTS[name], 8)  # warm-up (allocations, first-use kernels)
-        for _ in range(args.reps):
-            runs["base"].append(run(base, PROMPTS[name], args.new))
-            runs["spec"].append(run(spec, PROMPTS[name], args.new))
+        for rep in range(args.reps):
+            for side in ("base", "spec") if (i + rep) % 2 == 0 else ("spec", "base"):
+                runs[side].append(run(base if side == "base" else spec, PROMPTS[name], args.new))
         b = statistics.median(r["tok_s"] for r in runs["base"])
         s = statistics.median(r["tok_s"] for r in runs["spec"])
         acc = runs["spec"][-1]["acceptance"]

@@ -101,7 +101,7 @@ def test_backend_options_reach_the_backend(capsys):
 def test_missing_backend_flag_is_a_usage_error(capsys):
     assert main(["conformance"]) == 2
     err = capsys.readouterr().err
-    assert "give --backend, --kv-cache or --sampler" in err and err.count("\n") == 1
+    assert "give --backend, --kv-cache, --sampler or --proposer" in err and err.count("\n") == 1
 
 
 # -- pytest plugin -------------------------------------------------------------------------------------

@@ -80,10 +80,7 @@ class Speculator:
 
     def budget(self, req: Request, max_model_len: int, max_seq_len: int) -> int:
         """Drafts ``req`` may take this step: K, fewer where they would outrun ``max_new_tokens`` or the
-        context (a step emits up to drafts + 1 tokens), none under structured output (its grammar state
-        advances token by token)."""
-        if req.matcher is not None:
-            return 0
+        context (a step emits up to drafts + 1 tokens)."""
         left = min(req.params.max_new_tokens - len(req.output_ids), max_model_len - req.num_tokens) - 1
         return max(0, min(self.num_tokens, left, max_seq_len - req.num_tokens))
 

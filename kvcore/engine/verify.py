@@ -37,8 +37,10 @@ class SpeculativeStep:
 
     def _speculate(self, batch: ScheduledBatch) -> bool:
         """Run ``batch`` (decode rows only) with drafts; False when no row got any (the step then runs as
-        usual)."""
+        usual), or when a row has structured output (its grammar masks each token as its state advances)."""
         reqs = batch.requests
+        if any(r.matcher is not None for r in reqs):
+            return False
         max_seq_len = self.kv.blocks.max_seq_len
         budgets = [self.speculator.budget(r, self.max_model_len, max_seq_len) for r in reqs]
         room = self.scheduler.max_num_batched_tokens - len(reqs)
