@@ -5,10 +5,10 @@ prefix caching, forks, preemption and aborts keep the pool consistent."""
 from __future__ import annotations
 
 import pytest
-import torch
+from helpers import make_random_gemma3
 
 import kvcore.scheduling.block_manager as block_manager
-from kvcore import Engine, EngineConfig, LlamaModel, ModelConfig, SamplingParams
+from kvcore import Engine, EngineConfig, LlamaModel, SamplingParams
 from kvcore.errors import KVCoreError
 from kvcore.interfaces.layer_attention import LayerAttention
 from kvcore.scheduling.block_manager import BlockManager
@@ -17,26 +17,9 @@ from kvcore.scheduling.kv_groups import first_live_block, group_layers
 WINDOW = 7
 
 
-def gemma3_like(num_layers: int = 6, window: int = WINDOW, seed: int = 0) -> LlamaModel:
-    """A random Gemma 3 text model: five sliding-window layers to one global, local and global RoPE bases."""
-    cfg = ModelConfig(
-        vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512, eos_token_id=2,
-        architecture="gemma3", qk_norm=True, norm_offset=1.0, sandwich_norms=True, hidden_act="gelu_pytorch_tanh",
-        query_pre_attn_scalar=16, sliding_window=window, rope_local_base_freq=10000.0, embedding_multiplier=8.0,
-        sliding_window_layers=tuple(i for i in range(num_layers) if (i + 1) % 6), tie_word_embeddings=True,
-    )
-    gen = torch.Generator().manual_seed(seed)
-    model = LlamaModel(cfg, torch.float32)
-    with torch.no_grad():
-        for _, p in model.named_parameters():
-            p.copy_(torch.randn(p.shape, generator=gen) * (0.3 if p.dim() > 1 else 0.1))
-    return model
-
-
 @pytest.fixture(scope="module")
 def model() -> LlamaModel:
-    return gemma3_like()
+    return make_random_gemma3(window=WINDOW)
 
 
 PROMPTS = [[(7 * i + 3) % 290 + 5 for i in range(23)], [40, 41, 42, 43, 44], list(range(100, 117))]
@@ -136,15 +119,23 @@ def test_a_prefix_hit_takes_a_window_group_s_live_blocks_only():
 def test_a_prefix_hit_never_hands_out_window_blocks_given_back_and_reused():
     m = BlockManager(14, 4, 64, enable_prefix_caching=True, windows=(None, WINDOW))
     tokens = list(range(1, 22))
-    computed(m, 0, tokens)  # its window group gave back blocks 0-2 (they keep their keys while free)
-    computed(m, 1, list(range(500, 508)))  # takes free blocks: two of them window blocks 0 and 1
+    m.add_sequence(0, tokens)
+    m.reserve([0], [21])
+    m.commit(0, tokens)
+    window_blocks = m.block_table(0, 1)
+    m.slide(0, 21)  # gives back window blocks 0-2 (free, they keep their keys)
+    computed(m, 1, list(range(500, 508)))  # takes 4 free blocks, given-back window blocks among them
     reused = {b for table in m.held_blocks(1) for b in table}
-    # the full-attention group still holds blocks 0-2 of `tokens`, but the window group's blocks a query at
-    # 4, 8 or 12 reads were overwritten: no hit at all
-    assert m.add_sequence(2, tokens[:13]) == 0
+    assert reused & set(window_blocks[:3])
+    # the full-attention group still holds blocks 0-2 of `tokens` (a 12-token hit for it alone); a hit of n
+    # blocks also needs the window blocks a query at 4n reads, none of them overwritten
+    hit = m.add_sequence(2, tokens[:13])
+    want = max(n for n in range(4) if not set(window_blocks[first_live_block(4 * n, WINDOW, 4) : n]) & reused)
+    assert hit == 4 * want < 12
+    assert not {b for table in m.held_blocks(2) for b in table} & reused
+    m.free_sequence(2)
     # at 20 the window reads blocks 3 and 4 only, both intact
     assert m.add_sequence(3, tokens) == 20
-    assert not {b for table in m.held_blocks(3) for b in table} & reused
     assert m.held_blocks(3) == [m.held_blocks(0)[0][:5], m.held_blocks(0)[1][:2]]
 
 

@@ -182,12 +182,13 @@ class BlockManager:
         """``seq_id``'s first ``num_computed`` tokens are computed and its next query is at that position:
         each window group gives back the blocks that query can no longer read. Never called past what a
         rollback may return to (the scheduler passes the committed count)."""
-        tables = self._tables[seq_id]
-        for window, table in zip(self.windows, tables):
-            for i in range(min(first_live_block(num_computed, window, self.block_size), len(table))):
-                if table[i] is not None:
-                    self.allocator.free(table[i])
-                    table[i] = None
+        for window, table in zip(self.windows, self._tables[seq_id]):
+            # given-back entries are always a prefix of the table: walk back to it, not from the start
+            i = min(first_live_block(num_computed, window, self.block_size), len(table)) - 1
+            while i >= 0 and table[i] is not None:
+                self.allocator.free(table[i])
+                table[i] = None
+                i -= 1
 
     def truncate(self, seq_id: int, num_tokens: int) -> None:
         """Undo a reservation: keep the first ``num_tokens`` tokens (whose K/V were written before) and give
