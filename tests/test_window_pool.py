@@ -191,6 +191,16 @@ def test_aborted_and_finished_requests_leave_no_block_behind(model):
     assert engine.kv.blocks.num_tokens_in_use == 0
 
 
+def test_speculative_drafts_rolled_back_past_the_window(model):
+    """Rejected drafts are truncated away; the window slid only from committed tokens, so none is missing."""
+    prompts = [[5, 6, 7, 5, 6, 7, 5, 6, 7, 5, 6], PROMPTS[0]]  # repeats: the n-gram proposer drafts
+    config = dict(block_size=4, proposer="ngram", num_speculative_tokens=3)
+    on, got = run(model, prompts, **config)
+    _, want = run(model, prompts, block_size=4, free_window_blocks=False)
+    assert_same_streams(got, want)
+    assert on.stats.num_draft_tokens > 0
+
+
 def test_int8_cache_shares_storage_layers_too(model):
     _, got = run(model, block_size=4, kv_cache="int8")
     _, want = run(model, block_size=4, kv_cache="int8", free_window_blocks=False)
