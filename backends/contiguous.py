@@ -26,7 +26,11 @@ class ContiguousKVCache(KVCache):
     layout = "contiguous"
     paged = False
     description = "one preallocated slot of max_seq_len tokens per sequence, [L, slots, H_kv, S, D]"
-    capabilities = CacheCapabilities(devices=frozenset({"cpu", "cuda"}), dtypes=ALL_DTYPES)
+    capabilities = CacheCapabilities(
+        devices=frozenset({"cpu", "cuda"}), dtypes=ALL_DTYPES,
+        no_window_pool="one slot of max_seq_len tokens per sequence for its whole life: no block to give back "
+        "(choose a paged cache)",
+    )
 
     def __init__(self, spec: CacheSpec, **options: Any) -> None:
         super().__init__(spec, **options)

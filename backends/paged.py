@@ -1,9 +1,12 @@
 """``paged``: a block-pool (PagedAttention-style) KV cache and the backend that reads it.
 
 Cache layout "paged"
-    One pool per K and V, ``k_pool`` ``[L, num_blocks, block_size, H_kv, D]``. The core's block manager
-    gives each sequence a block table (blocks taken only as the sequence grows, shared copy-on-write
-    after a fork), so token ``p`` lives at ``k_pool[layer, table[p // block_size], p % block_size]``.
+    One pool per K and V, ``k_pool`` ``[L, num_blocks, block_size, H_kv, D]`` (``L``: the storage layers;
+    layer ``l`` is row ``rows[l]``, from ``CacheSpec.layer_storage`` when sliding-window layers share rows).
+    The core's block manager gives each sequence a block table (blocks taken only as the sequence grows,
+    shared copy-on-write after a fork), so token ``p`` lives at ``k_pool[rows[layer], table[p // block_size],
+    p % block_size]``; a layer whose window gives blocks back reads its own group's table (the metadata's
+    ``for_layer``), which the per-group plans of the runner hand it.
     A layout-"paged" cache is read only through :meth:`PagedKVCache.gather_blocks`, so another storage
     (the quantized ``int8`` cache) serves the same backend. Option ``block_size`` (``[kv_caches.paged]``;
     default ``EngineConfig.block_size``, 16).
@@ -66,12 +69,14 @@ class PagedKVCache(KVCache):
     layout = "paged"
     paged = True
     description = "block pool [L, blocks, block_size, H_kv, D]; blocks taken as sequences grow"
-    capabilities = CacheCapabilities(devices=frozenset({"cpu", "cuda"}), dtypes=ALL_DTYPES)
+    capabilities = CacheCapabilities(devices=frozenset({"cpu", "cuda"}), dtypes=ALL_DTYPES, no_window_pool=None)
 
     def __init__(self, spec: CacheSpec, block_size: int | None = None, **options: Any) -> None:
         super().__init__(block_size_option(spec, block_size, self.name), **options)
         spec = self.spec
-        shape = (spec.num_layers, self.num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim)
+        #: the pool row of each model layer: its storage layer (CacheSpec.layer_storage)
+        self.rows = spec.layer_storage or tuple(range(spec.num_layers))
+        shape = (spec.num_storage_layers, self.num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim)
         self.k_pool = torch.zeros(shape, dtype=self.storage_dtype, device=spec.device)
         self.v_pool = torch.zeros(shape, dtype=self.storage_dtype, device=spec.device)
 
@@ -81,18 +86,18 @@ class PagedKVCache(KVCache):
 
     # -- the "paged" layout contract -----------------------------------------------------------------
     def write(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
-        h_kv, d = self.spec.num_kv_heads, self.spec.head_dim
-        self.k_pool[layer_idx].view(-1, h_kv, d).index_copy_(0, meta.slot_mapping, k.to(self.k_pool.dtype))
-        self.v_pool[layer_idx].view(-1, h_kv, d).index_copy_(0, meta.slot_mapping, v.to(self.v_pool.dtype))
+        h_kv, d, row = self.spec.num_kv_heads, self.spec.head_dim, self.rows[layer_idx]
+        self.k_pool[row].view(-1, h_kv, d).index_copy_(0, meta.slot_mapping, k.to(self.k_pool.dtype))
+        self.v_pool[row].view(-1, h_kv, d).index_copy_(0, meta.slot_mapping, v.to(self.v_pool.dtype))
 
     def gather_blocks(self, layer_idx: int, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of blocks ``block_ids`` (``[n]`` int64), each ``[n, block_size, H_kv, D]`` (a copy): the
         layout-"paged" contract. Here the pool's own rows (the model dtype); a cache storing a narrower type
         overrides it to return floating values the backend casts to its compute dtype. ``index_select``
         over rows of ``block_size·H_kv·D``: on CPU several times faster than advanced indexing of the pool."""
-        shape = (-1, self.block_size, self.spec.num_kv_heads, self.spec.head_dim)
-        k = self.k_pool[layer_idx].view(self.num_blocks, -1).index_select(0, block_ids).view(shape)
-        v = self.v_pool[layer_idx].view(self.num_blocks, -1).index_select(0, block_ids).view(shape)
+        shape, row = (-1, self.block_size, self.spec.num_kv_heads, self.spec.head_dim), self.rows[layer_idx]
+        k = self.k_pool[row].view(self.num_blocks, -1).index_select(0, block_ids).view(shape)
+        v = self.v_pool[row].view(self.num_blocks, -1).index_select(0, block_ids).view(shape)
         return k, v
 
     # -- the rest of KVCache -------------------------------------------------------------------------

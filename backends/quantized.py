@@ -38,6 +38,7 @@ class Int8KVCache(PagedKVCache):
         dtypes=ALL_DTYPES,
         precision="int8 K/V, symmetric, one float32 scale per token and KV head (max|x| / 127)",
         unit_roundoff=1 / (2 * QMAX),
+        no_window_pool=None,
     )
 
     def __init__(self, spec: CacheSpec, block_size: int | None = None, **options: Any) -> None:
@@ -52,7 +53,7 @@ class Int8KVCache(PagedKVCache):
 
     @classmethod
     def token_bytes(cls, spec: CacheSpec) -> int:
-        return 2 * spec.num_layers * spec.num_kv_heads * (spec.head_dim + 4)  # int8 values + a float32 scale
+        return 2 * spec.num_storage_layers * spec.num_kv_heads * (spec.head_dim + 4)  # int8 values + a float32 scale
 
     @staticmethod
     def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,16 +64,16 @@ class Int8KVCache(PagedKVCache):
         return q.to(torch.int8), scale
 
     def write(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
-        h_kv, d = self.spec.num_kv_heads, self.spec.head_dim
+        h_kv, d, row = self.spec.num_kv_heads, self.spec.head_dim, self.rows[layer_idx]
         for pool, scales, x in ((self.k_pool, self.k_scale, k), (self.v_pool, self.v_scale, v)):
             q, s = self.quantize(x)  # [T, H_kv, D], [T, H_kv]
-            pool[layer_idx].view(-1, h_kv, d).index_copy_(0, meta.slot_mapping, q)
-            scales[layer_idx].view(-1, h_kv).index_copy_(0, meta.slot_mapping, s)
+            pool[row].view(-1, h_kv, d).index_copy_(0, meta.slot_mapping, q)
+            scales[row].view(-1, h_kv).index_copy_(0, meta.slot_mapping, s)
 
     def gather_blocks(self, layer_idx: int, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         k, v = super().gather_blocks(layer_idx, block_ids)  # int8 [n, block_size, H_kv, D]
-        k_scale = self.k_scale[layer_idx].index_select(0, block_ids)  # [n, block_size, H_kv]
-        v_scale = self.v_scale[layer_idx].index_select(0, block_ids)
+        k_scale = self.k_scale[self.rows[layer_idx]].index_select(0, block_ids)  # [n, block_size, H_kv]
+        v_scale = self.v_scale[self.rows[layer_idx]].index_select(0, block_ids)
         dtype = self.spec.dtype
         return (k.float() * k_scale[..., None]).to(dtype), (v.float() * v_scale[..., None]).to(dtype)
 

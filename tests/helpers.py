@@ -50,6 +50,27 @@ def make_random_model(
     return model.to(dtype) if dtype != torch.float32 else model
 
 
+def make_random_gemma3(
+    *, num_layers: int = 6, window: int = 7, num_kv_heads: int = 2, seed: int = 0, max_positions: int = 512
+) -> LlamaModel:
+    """A random Gemma 3 text model: five sliding-window layers to one global (every sixth), local and global
+    RoPE bases, QK-norm, sandwich norms."""
+    cfg = ModelConfig(
+        vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
+        num_attention_heads=4, num_key_value_heads=num_kv_heads, head_dim=16, max_position_embeddings=max_positions,
+        eos_token_id=2, architecture="gemma3", qk_norm=True, norm_offset=1.0, sandwich_norms=True,
+        hidden_act="gelu_pytorch_tanh", query_pre_attn_scalar=16, sliding_window=window, rope_local_base_freq=1e4,
+        sliding_window_layers=tuple(i for i in range(num_layers) if (i + 1) % 6), tie_word_embeddings=True,
+        embedding_multiplier=8.0,
+    )
+    gen = torch.Generator().manual_seed(seed)
+    model = LlamaModel(cfg, torch.float32)
+    with torch.no_grad():
+        for _, p in model.named_parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * (0.3 if p.dim() > 1 else 0.1))
+    return model
+
+
 def make_plugin(
     *,
     backends: Iterable[type] = (),

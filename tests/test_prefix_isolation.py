@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kvcore.scheduling.block_manager as block_manager
+import kvcore.scheduling.prefix_index as prefix_index
 from kvcore import Engine, EngineConfig, SamplingParams
 from kvcore.conformance.models import get_model
 from kvcore.errors import InvalidRequestError
@@ -32,7 +32,7 @@ def computed(m: BlockManager, seq_id: int, token_ids: list[int], salt: str | Non
 
 def colliding(monkeypatch) -> None:
     """Every block key the same: the worst a broken or attacked hash could do."""
-    monkeypatch.setattr(block_manager, "block_key", lambda parent, tokens: b"\0" * 32)
+    monkeypatch.setattr(prefix_index, "block_key", lambda parent, tokens: b"\0" * 32)
 
 
 def test_keys_are_sha256_over_parent_and_token_bytes():
@@ -71,10 +71,10 @@ def test_cache_salt_separates_tenants():
 def test_a_different_namespace_shares_nothing():
     one = BlockManager(16, BS, 64, enable_prefix_caching=True, namespace="model-a|float32")
     computed(one, 0, A)
-    key = one._key_of[one.block_table(0)[0]][0]
+    key = one._index._key_of[one.block_table(0)[0]][1]
     other = BlockManager(16, BS, 64, enable_prefix_caching=True, namespace="model-a|bfloat16")
     computed(other, 0, A)
-    assert other._key_of[other.block_table(0)[0]][0] != key
+    assert other._index._key_of[other.block_table(0)[0]][1] != key
 
 
 # -- through the engine --------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ import psutil
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import make_plugin, make_random_model
+from helpers import make_plugin, make_random_gemma3, make_random_model
 
 from kvcore import Engine, EngineConfig, SamplingParams
 from kvcore.backends.naive import NaiveBackend
@@ -165,6 +165,17 @@ def test_tp2_uneven_heads_paged_with_prefix_caching():
     assert got == want
     per_head = 2 * model.config.num_hidden_layers * 8 * 4  # K and V, layers, head_dim, fp32 bytes
     assert [r["kv_bytes_per_token"] for r in group["ranks"]] == [2 * per_head, per_head]
+    assert group["ranks"][0]["num_blocks"] == group["ranks"][1]["num_blocks"]
+
+
+def test_tp2_sliding_window_layers_give_blocks_back_on_every_rank():
+    """Window layers giving KV blocks back (kvcore/scheduling/kv_groups.py): each rank addresses its cache
+    through rank 0's per-group block tables; the tokens equal TP=1's with every block kept."""
+    model = make_random_gemma3(window=5)
+    config = dict(backend="paged", block_size=4, max_model_len=64, max_num_batched_tokens=8)
+    want, _ = _generate(model, EngineConfig(**config, free_window_blocks=False), PROMPTS)
+    got, group = _generate(model, EngineConfig(**config, tensor_parallel_size=2), PROMPTS)
+    assert got == want
     assert group["ranks"][0]["num_blocks"] == group["ranks"][1]["num_blocks"]
 
 

@@ -15,18 +15,39 @@ from kvcore.errors import ConfigError
 from kvcore.execution.backend_check import BackendGuard
 from kvcore.interfaces.attention import AttentionBackend
 from kvcore.interfaces.kv_cache import CacheSpec, KVCache
+from kvcore.interfaces.layer_attention import LayerAttention
 from kvcore.model.config import ModelConfig
 from kvcore.plugins.registry import PluginEntry, PluginRegistry
+from kvcore.scheduling.kv_groups import KVGroups, group_layers
 
-__all__ = ["build_kv_cache", "check_model", "local_execution", "serving_config", "tensor_parallel_runner"]
+__all__ = ["build_kv_cache", "check_model", "kv_groups", "local_execution", "serving_config",
+           "tensor_parallel_runner"]
+
+
+def kv_groups(
+    layers: Sequence[LayerAttention], num_layers: int, config: EngineConfig, entry: PluginEntry, max_model_len: int
+) -> tuple[KVGroups, str]:
+    """The block-table groups of a model's layers (``layers``: its attention) and whether sliding-window
+    layers give blocks back: "on", or "off: why"."""
+    if not any(a.sliding_window is not None and a.sliding_window < max_model_len for a in layers):
+        reason = "off: no layer has a sliding window shorter than max_model_len"
+    elif not config.free_window_blocks:
+        reason = "off: free_window_blocks is false"
+    elif entry.cls.capabilities.no_window_pool is not None:
+        reason = f"off: KV cache '{entry.name}': {entry.cls.capabilities.no_window_pool}"
+    else:
+        reason = "on"
+    return group_layers(layers, num_layers, max_model_len, free_window_blocks=reason == "on"), reason
 
 
 def build_kv_cache(
-    registry: PluginRegistry, entry: PluginEntry, config: EngineConfig, mc: ModelConfig, max_model_len: int
+    registry: PluginRegistry, entry: PluginEntry, config: EngineConfig, mc: ModelConfig, max_model_len: int,
+    groups: KVGroups | None = None,
 ) -> tuple[KVCache, str]:
     """The KV cache ``entry`` names, for this process's share of the model ``mc`` (its local heads under
-    tensor parallelism), and its name. ``kv_cache_bytes`` sizes a paged cache; the memory is checked
-    before anything is allocated."""
+    tensor parallelism), and its name. ``groups``: the layers' block-table groups (:func:`kv_groups`). Without
+    ``num_blocks``, ``kv_cache_bytes`` sizes a paged cache, else window groups size it for ``max_num_seqs``
+    sequences of ``max_model_len`` at their peak; the memory is checked before anything is allocated."""
     dtype, device = parse_dtype(config.dtype), torch.device(config.device)
     spec = CacheSpec(
         num_layers=mc.num_hidden_layers,
@@ -38,14 +59,19 @@ def build_kv_cache(
         max_seq_len=max_model_len,
         block_size=config.block_size,
         num_blocks=config.num_blocks,
+        layer_storage=groups.layer_storage if groups is not None else None,
     )
     cache_name, cache_options = entry.name, config.kv_cache_options.get(entry.name)
+    block_size = (cache_options or {}).get("block_size", config.block_size)
     if config.kv_cache_bytes and not config.num_blocks:
         if not entry.cls.paged:
             raise ConfigError(f"kv_cache_bytes sizes a paged cache; '{cache_name}' reserves one slot per sequence")
-        block_size = (cache_options or {}).get("block_size", config.block_size)
         per_block = entry.cls.token_bytes(spec) * block_size
         spec = dataclasses.replace(spec, num_blocks=max(1, config.kv_cache_bytes // per_block))
+    elif groups is not None and groups.has_windows and not config.num_blocks:
+        chunk = config.max_num_batched_tokens if config.enable_chunked_prefill else None
+        per_seq = groups.blocks_per_sequence(max_model_len, block_size, chunk)
+        spec = dataclasses.replace(spec, num_blocks=config.max_num_seqs * per_seq)
     check_cache_memory(entry.cls, spec, cache_options)
     cache = registry.create_cache(cache_name, spec, cache_options)
     return cache, cache_name
@@ -113,4 +139,5 @@ def serving_config(engine: Any) -> dict[str, Any]:
         "device": str(engine.device),
         "max_num_seqs": engine.config.max_num_seqs,
         "max_model_len": engine.max_model_len,
+        "window_pool": engine.kv.window_pool,
     }

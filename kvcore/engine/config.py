@@ -68,6 +68,9 @@ class EngineConfig:
     num_blocks: int | None = None  # paged caches: pool size; None = from kv_cache_bytes, else max_num_seqs × len
     kv_cache_bytes: int | None = None  # paged caches: a memory budget the pool is sized to
     enable_prefix_caching: bool = False  # share computed full prompt blocks across requests
+    #: sliding-window layers give the KV blocks no later query reads back to the pool (paged caches;
+    #: kvcore/scheduling/kv_groups.py); off: every layer keeps every token's K/V
+    free_window_blocks: bool = True
     tensor_parallel_size: int = 1  # processes the model's heads and FFN are split over (kvcore/distributed)
     #: check every attention output (shape, dtype, finiteness; layer 0 against a reference now and then) and
     #: fail the batch with BackendOutputError when one breaks the contract (kvcore/execution/backend_check.py)
@@ -111,7 +114,8 @@ class EngineConfig:
         mml = self.max_model_len
         if mml is not None and (not isinstance(mml, int) or isinstance(mml, bool) or mml <= 1):
             raise ConfigError(f"max_model_len must be an integer > 1, got {mml!r}")
-        for name in ("enable_chunked_prefill", "enable_prefix_caching", "check_backend_outputs", "compile"):
+        for name in ("enable_chunked_prefill", "enable_prefix_caching", "free_window_blocks", "check_backend_outputs",
+                     "compile"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         check_device(self.device)

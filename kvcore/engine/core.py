@@ -37,7 +37,14 @@ from typing import Any
 
 import torch
 
-from kvcore.engine.build import build_kv_cache, check_model, local_execution, serving_config, tensor_parallel_runner
+from kvcore.engine.build import (
+    build_kv_cache,
+    check_model,
+    kv_groups,
+    local_execution,
+    serving_config,
+    tensor_parallel_runner,
+)
 from kvcore.engine.config import EngineConfig, parse_dtype, select_components
 from kvcore.engine.defaults import DefaultChoice, choose_defaults, file_facts, model_facts
 from kvcore.engine.requests import prompt_batch, prompt_token_ids, request_result, run_batch, run_chat, stream_events
@@ -102,13 +109,16 @@ class Engine(EngineStep):
         window = mc.max_position_embeddings
         check_max_model_len(config.max_model_len, window)
         self.max_model_len = config.max_model_len or min(window, EngineConfig.DEFAULT_MAX_MODEL_LEN)
-        cache, self.kv_cache_name = build_kv_cache(registry, chosen.kv_cache, config, mc, self.max_model_len)
+        groups, window_pool = kv_groups(model.attention_layers, mc.num_hidden_layers, config, chosen.kv_cache,
+                                        self.max_model_len)
+        cache, self.kv_cache_name = build_kv_cache(registry, chosen.kv_cache, config, mc, self.max_model_len, groups)
         cache_name = self.kv_cache_name
         self.runner.start(self.prefill_backend, self.decode_backend, cache, config)
         # one cache serves one model, but the prefix keys name what made the K/V anyway: a key never means
         # the same tokens under another model, dtype, weight format or cache layout
         namespace = f"{model.config!r}|{self.dtype}|{weight_format}|{cache_name}"
-        self.kv = KVCacheManager(cache, enable_prefix_caching=config.enable_prefix_caching, namespace=namespace)
+        self.kv = KVCacheManager(cache, enable_prefix_caching=config.enable_prefix_caching, namespace=namespace,
+                                 groups=groups, window_pool=window_pool)
         #: counters since construction (prefill / cached / decode / generated tokens, preemptions, ...)
         self.stats = EngineStats()
         self.scheduler = Scheduler(

@@ -75,6 +75,7 @@ class FileConfig:
     tensor_parallel_size: int | None = None
     enable_prefix_caching: bool | None = None
     enable_chunked_prefill: bool | None = None
+    free_window_blocks: bool | None = None  # sliding-window layers give dead KV blocks back (paged caches)
     check_backend_outputs: bool | None = None  # check attention outputs (kvcore/execution/backend_check.py)
     backend_check_interval: int | None = None  # forwards between reference checks of layer 0
     compile: bool | None = None  # torch.compile the decode steps (kvcore/execution/compile.py)

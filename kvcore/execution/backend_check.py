@@ -95,7 +95,7 @@ class _StepCheck:
         meta = self.meta
         i = len(meta.query_lens) - 1  # the last sequence: in a mixed batch, a prefill's
         start, n = int(meta.cu_seqlens_q[i]), meta.query_lens[i]
-        k, v = self.cache.read(0, meta.block_tables[i], meta.seq_lens[i])
+        k, v = self.cache.read(0, meta.for_layer(0).block_tables[i], meta.seq_lens[i])
         ref = reference_attention(q[start : start + n], k, v, meta.context_lens[i], meta.layer(0))
         got = out[start : start + n].float()
         if not bool(torch.isfinite(got).all()):

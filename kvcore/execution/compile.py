@@ -47,12 +47,13 @@ def compile_reasons(backend: AttentionBackend, device: torch.device) -> list[str
     return reasons
 
 
-def _decode_forward(model, backend, cache, plan, input_ids, positions, matmuls):
-    """The traced function: hidden states ``[B, d]``, and layer 0's queries and attention output."""
+def _decode_forward(model, backend, cache, plans, layer_groups, input_ids, positions, matmuls):
+    """The traced function: hidden states ``[B, d]``, and layer 0's queries and attention output; ``plans``:
+    the backend's plan of each group of layers, ``layer_groups`` each layer's group (empty: one group)."""
     layer0 = []
 
     def attention(layer_idx, q, k, v):
-        out = backend.forward(layer_idx, q, k, v, cache, plan)
+        out = backend.forward(layer_idx, q, k, v, cache, plans[layer_groups[layer_idx]] if layer_groups else plans[0])
         if layer_idx == 0:
             layer0.extend((q, out))
         return out
@@ -142,14 +143,15 @@ class CompiledDecode:
         dense = self._prefill[key]
         return None if dense is None else {**model.matmuls(num_rows), **dense}
 
-    def __call__(self, model, backend, cache, plan, input_ids: torch.Tensor, positions: torch.Tensor):
+    def __call__(self, model, backend, cache, plans, layer_groups, input_ids: torch.Tensor, positions: torch.Tensor):
         """``(hidden [B, d], layer 0's q [B, H, D], layer 0's attention output [B, H, D])``, or None when this
         step must run eagerly (compiling failed: see :meth:`give_up`; whatever the failed call wrote to the
         cache, the eager run writes again at the same rows)."""
         if self.failed is not None:
             return None
         try:
-            return self._fn(model, backend, cache, plan, input_ids, positions, model.matmuls(input_ids.shape[0]))
+            return self._fn(model, backend, cache, plans, layer_groups, input_ids, positions,
+                            model.matmuls(input_ids.shape[0]))
         except KVCoreError:
             raise
         except Exception as exc:

@@ -32,15 +32,16 @@ def run_model(
 ) -> torch.Tensor:
     """``[T, d]`` hidden states of the packed tokens ``input_ids``; their K/V land in ``cache``.
 
-    The backend's plan is made once here, before the first layer, and shared by every layer. ``check`` (a
+    The backend's plan is made once here, before the first layer, and shared by every layer (one per group of
+    layers with their own block tables, :meth:`AttentionMetadata.for_layer`). ``check`` (a
     :meth:`BackendGuard.begin` result) sees every layer's attention output (layer 0's only when a decode
     batch runs ``compiled``: the traced code has no Python between layers).
     """
-    plan = backend.plan(meta, cache)
+    plans = tuple(backend.plan(m, cache) for m in meta.group_metas)
     ids = torch.as_tensor(input_ids, dtype=torch.long).to(meta.positions.device)
     matmuls = None
     if compiled is not None and meta.is_decode:
-        out = compiled(model, backend, cache, plan, ids, meta.positions)
+        out = compiled(model, backend, cache, plans, meta.layer_groups, ids, meta.positions)
         if out is not None:  # None: compiling failed, this step runs eagerly
             hidden, q0, out0 = out
             if check is not None:
@@ -50,6 +51,7 @@ def run_model(
         matmuls = compiled.prefill_matmuls(model, ids.shape[0])
 
     def attention(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        plan = plans[meta.layer_groups[layer_idx]] if meta.layer_groups else plans[0]
         out = backend.forward(layer_idx, q, k, v, cache, plan)
         if check is not None:
             check.observe(layer_idx, q, out)

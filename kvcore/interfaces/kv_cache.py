@@ -11,6 +11,12 @@ block of ``max_seq_len`` tokens per sequence: a slot reserved for the sequence's
 
 Memory: ``2 × layers × kv_heads × head_dim × seq_len × bytes_per_element`` per sequence for a
 full-precision cache; a quantized cache states its own :attr:`KVCache.bytes_per_token`.
+
+Sliding windows: a layout that declares the window pool (``CacheCapabilities.no_window_pool`` is None) may be
+given ``CacheSpec.layer_storage``: several layers then store their K/V in one *storage layer* (a block id
+belongs to one group of layers at a time, :mod:`kvcore.scheduling.kv_groups`), and each layer reads its blocks
+through the block tables of its group (``AttentionMetadata.for_layer``), where a block its window no longer
+reads may be any block (the window masks its keys).
 """
 
 from __future__ import annotations
@@ -67,6 +73,9 @@ class CacheSpec:
     max_seq_len: int  # tokens per sequence (prompt + generated)
     block_size: int = 16  # paged layouts: tokens per block
     num_blocks: int | None = None  # paged layouts; None = enough for max_num_seqs × max_seq_len
+    #: the storage layer of each model layer (layers of different groups share one; see the module
+    #: docstring); None: layer ``l`` is storage layer ``l``
+    layer_storage: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "max_num_seqs", "max_seq_len", "block_size"):
@@ -75,6 +84,15 @@ class CacheSpec:
                 raise ConfigError(f"cache: {name} must be a positive integer, got {value!r}")
         if self.num_blocks is not None and (not isinstance(self.num_blocks, int) or self.num_blocks <= 0):
             raise ConfigError(f"cache: num_blocks must be a positive integer, got {self.num_blocks!r}")
+        rows = self.layer_storage
+        if rows is not None and (len(rows) != self.num_layers or set(rows) != set(range(max(rows) + 1))):
+            raise ConfigError(f"cache: layer_storage must name a storage layer 0..n-1 for each of the "
+                              f"{self.num_layers} layers, every one used, got {rows!r}")
+
+    @property
+    def num_storage_layers(self) -> int:
+        """Layers of storage a block id spans: ``num_layers`` unless ``layer_storage`` shares them."""
+        return self.num_layers if self.layer_storage is None else max(self.layer_storage) + 1
 
     @property
     def element_size(self) -> int:
@@ -94,6 +112,9 @@ class CacheCapabilities:
     #: scale: 1/254 of the row's max; float16 storage: 2^-11), ``None`` = lossless. The conformance suite
     #: derives its tolerances from it.
     unit_roundoff: float | None = None
+    #: why the layout cannot give the blocks a sliding-window layer no longer reads back to the pool (None: it
+    #: can: it stores layers by ``CacheSpec.layer_storage`` and each layer reads its own group's block tables)
+    no_window_pool: str | None = "not declared by the cache (CacheCapabilities.no_window_pool)"
 
     def reasons_unsupported(self, *, device: torch.device, dtype: torch.dtype) -> list[str]:
         return placement_reasons(self.devices, self.dtypes, device=device, dtype=dtype)
@@ -121,6 +142,9 @@ class KVCache(abc.ABC):
         """``options`` come from the ``[kv_caches.<name>]`` table of the config file."""
         if options:
             raise ConfigError(f"KV cache '{self.name}' got unknown options: {', '.join(sorted(options))}")
+        if spec.layer_storage is not None and self.capabilities.no_window_pool is not None:
+            raise ConfigError(f"KV cache '{self.name}' cannot share storage between layers: "
+                              f"{self.capabilities.no_window_pool}")
         self.spec = spec
         self.block_size, self.num_blocks = self.geometry(spec)
 
@@ -153,9 +177,10 @@ class KVCache(abc.ABC):
 
     @classmethod
     def token_bytes(cls, spec: CacheSpec) -> int:
-        """Bytes one token's K and V occupy across all layers in this layout, before allocating anything
-        (what capacity planning divides a memory budget by)."""
-        return 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * spec.element_size
+        """Bytes one token's K and V occupy in one block id (across its storage layers: every layer unless
+        ``layer_storage`` shares them) in this layout, before allocating anything (what capacity planning
+        divides a memory budget by)."""
+        return 2 * spec.num_storage_layers * spec.num_kv_heads * spec.head_dim * spec.element_size
 
     @property
     def bytes_per_token(self) -> int:

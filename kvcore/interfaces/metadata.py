@@ -12,6 +12,7 @@ Tokens of all sequences in one forward call are *packed* along a single axis (vL
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 from collections.abc import Sequence
@@ -33,6 +34,10 @@ class AttentionMetadata:
     ``block_tables[i][p // block_size]`` at offset ``p % block_size``; ``slot_mapping`` is that
     address flattened (``block * block_size + offset``) for each packed token. A per-sequence (slot)
     layout has one block per sequence, so ``block_tables[i][0]`` is the sequence's slot.
+
+    With sliding-window layers giving blocks back (:mod:`kvcore.scheduling.kv_groups`), layers are in groups,
+    each with its own block tables: :meth:`for_layer` is the metadata a layer writes and reads through (this
+    object's own tables are group 0's, the full-attention layers' when the model has any).
     """
 
     query_lens: list[int]  # new tokens per sequence, length B
@@ -47,6 +52,30 @@ class AttentionMetadata:
     scale: float  # softmax scale of a layer without its own spec, from the model (1 / sqrt(head_dim) for Llama)
     #: each decoder layer's attention, from the model; empty: every layer plain causal at ``scale``
     layers: tuple[LayerAttention, ...] = ()
+    #: the block-table group of each layer; empty: every layer uses this object's tables
+    layer_groups: tuple[int, ...] = ()
+    #: per group, this call with the group's ``block_tables``, ``block_tables_t`` and ``slot_mapping``
+    groups: tuple[AttentionMetadata, ...] = ()
+
+    def for_layer(self, layer_idx: int) -> AttentionMetadata:
+        """The metadata layer ``layer_idx`` writes and reads its K/V through (its group's block tables)."""
+        return self.groups[self.layer_groups[layer_idx]] if self.layer_groups else self
+
+    @property
+    def group_metas(self) -> tuple[AttentionMetadata, ...]:
+        """One metadata per group of layers (a backend plans each once per step)."""
+        return self.groups or (self,)
+
+    def with_groups(self, group_tables: Sequence[list[list[int]]], layer_groups: Sequence[int]) -> AttentionMetadata:
+        """This call with one set of block tables per group: ``group_tables[g][i]`` is group ``g``'s table of
+        sequence ``i`` (group 0's are this call's own); ``layer_groups[l]``: the group of layer ``l``."""
+        groups = [self]
+        for tables in group_tables[1:]:
+            tables_t, slot_mapping = _addressing(self.query_lens, self.context_lens, tables, self.block_size)
+            tables_t, slot_mapping = host_to_device([tables_t, slot_mapping], self.positions.device)
+            groups.append(dataclasses.replace(self, block_tables=[list(t) for t in tables],
+                                              block_tables_t=tables_t, slot_mapping=slot_mapping))
+        return dataclasses.replace(self, layer_groups=tuple(layer_groups), groups=tuple(groups))
 
     def layer(self, layer_idx: int) -> LayerAttention:
         """How layer ``layer_idx`` attends: what a backend's ``forward`` must implement."""
@@ -108,11 +137,7 @@ class AttentionMetadata:
         ``layers``: each decoder layer's attention (empty: plain causal at ``scale``)."""
         positions = torch.cat([torch.arange(c, c + q) for c, q in zip(context_lens, query_lens)])  # [T]
         seq_lens = torch.tensor([c + q for c, q in zip(context_lens, query_lens)], dtype=torch.int32)
-        max_blocks = max(len(t) for t in block_tables)
-        tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in block_tables], dtype=torch.int32)
-        seq_of_token = torch.repeat_interleave(torch.arange(len(query_lens)), torch.tensor(query_lens))  # [T]
-        blocks = tables.long()[seq_of_token, positions // block_size]
-        slot_mapping = blocks * block_size + positions % block_size
+        tables, slot_mapping = _addressing(query_lens, context_lens, block_tables, block_size, positions)
         # built on the host, sent in one copy (a step's metadata is small; one copy per tensor would not be)
         positions, cu_q, seq_lens, tables, slot_mapping = host_to_device(
             [positions, cu_seqlens(query_lens), seq_lens, tables, slot_mapping], device
@@ -130,6 +155,20 @@ class AttentionMetadata:
             scale=scale,
             layers=tuple(layers),
         )
+
+
+def _addressing(
+    query_lens: Sequence[int], context_lens: Sequence[int], block_tables: Sequence[list[int]], block_size: int,
+    positions: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Host tensors ``(block_tables_t [B, max_blocks] int32, slot_mapping [T] int64)`` of one call."""
+    if positions is None:
+        positions = torch.cat([torch.arange(c, c + q) for c, q in zip(context_lens, query_lens)])  # [T]
+    max_blocks = max(len(t) for t in block_tables)
+    tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in block_tables], dtype=torch.int32)
+    seq_of_token = torch.repeat_interleave(torch.arange(len(query_lens)), torch.tensor(query_lens))  # [T]
+    blocks = tables.long()[seq_of_token, positions // block_size]
+    return tables, blocks * block_size + positions % block_size
 
 
 def cu_seqlens(lengths: list[int], device: torch.device | str = "cpu") -> torch.Tensor:

@@ -82,6 +82,7 @@ def plugin_rows(registry: PluginRegistry) -> dict[str, list[dict[str, Any]]]:
             "devices": ",".join(sorted(caps.devices)),
             "dtypes": _dtype_names(caps.dtypes),
             "precision": caps.precision or "lossless",
+            "window_pool": "yes" if caps.no_window_pool is None else "no",
             "available": _availability(entry),
             "description": entry.cls.description,
         })

@@ -7,25 +7,53 @@ room for the new tokens (all or nothing), have the cache make the copy-on-write 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
+from kvcore.errors import ConfigError
 from kvcore.interfaces.kv_cache import KVCache
 from kvcore.interfaces.layer_attention import LayerAttention
 from kvcore.interfaces.metadata import AttentionMetadata
 from kvcore.scheduling.block_manager import BlockManager
+from kvcore.scheduling.kv_groups import KVGroup, KVGroups, first_live_block
 
-__all__ = ["KVCacheManager"]
+__all__ = ["KVCacheManager", "KVCapacity"]
+
+
+@dataclass(frozen=True)
+class KVCapacity:
+    """What the KV cache holds for sequences of ``max_seq_len`` tokens, once computed (window groups keep the
+    blocks their next query reads)."""
+
+    num_blocks: int
+    block_bytes: int  # bytes of one block id (every storage layer)
+    seq_blocks: int  # blocks such a sequence holds
+    seq_bytes: int  # bytes of K/V it holds (tokens, not whole blocks)
+    seq_bytes_all_layers: int  # the same if every layer kept every token
+    window_pool: str  # "on", or why sliding-window layers keep every token
+
+    @property
+    def num_seqs(self) -> int:
+        """Such sequences the pool holds at once."""
+        return self.num_blocks // self.seq_blocks
 
 
 class KVCacheManager:
     """A :class:`~kvcore.interfaces.kv_cache.KVCache` and the
     :class:`~kvcore.scheduling.block_manager.BlockManager` over its blocks. Sequences are addressed by
-    integer ``seq_id``."""
+    integer ``seq_id``. ``groups``: the layers' block-table groups (:mod:`kvcore.scheduling.kv_groups`; the
+    cache was made with their ``layer_storage``); None: one group of every layer, keeping every token."""
 
-    def __init__(self, cache: KVCache, *, enable_prefix_caching: bool = False, namespace: str = "") -> None:
+    def __init__(self, cache: KVCache, *, enable_prefix_caching: bool = False, namespace: str = "",
+                 groups: KVGroups | None = None, window_pool: str = "on") -> None:
         self.cache = cache
+        self.groups = groups or KVGroups((KVGroup(tuple(range(cache.spec.num_layers)), None),))
+        if self.groups.layer_storage != cache.spec.layer_storage:
+            raise ConfigError("KV cache manager: the cache's layer_storage must be its groups' layer_storage")
+        self.window_pool = window_pool  # "on", or why off (the capacity report says it)
         self.last_copies: list[tuple[int, int]] = []  # the copy-on-write copies the latest prepare() made
         self.blocks = BlockManager(
             cache.num_blocks,
@@ -33,6 +61,7 @@ class KVCacheManager:
             cache.spec.max_seq_len,
             enable_prefix_caching=enable_prefix_caching,
             namespace=namespace,
+            windows=self.groups.windows,
         )
 
     # -- sequences (delegated to the block manager) ---------------------------------------------------
@@ -70,22 +99,35 @@ class KVCacheManager:
         self.last_copies = copies  # tensor parallelism repeats them on the other ranks' caches
         if copies:
             self.cache.copy_blocks(copies)
-        return AttentionMetadata.build(
-            list(query_lens),
-            context_lens,
-            [self.blocks.block_table(s) for s in seq_ids],
-            self.cache.block_size,
-            scale,
-            self.cache.spec.device,
-            layers,
+        tables = [[self.blocks.block_table(s, g) for s in seq_ids] for g in range(self.blocks.num_groups)]
+        meta = AttentionMetadata.build(
+            list(query_lens), context_lens, tables[0], self.cache.block_size, scale, self.cache.spec.device, layers
         )
+        return meta.with_groups(tables, self.groups.layer_groups) if len(tables) > 1 else meta
 
     def read(self, layer_idx: int, seq_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """A sequence's cached K and V, each ``[seq_len, H_kv, D]`` (a copy)."""
-        return self.cache.read(layer_idx, self.blocks.block_table(seq_id), self.blocks.seq_len(seq_id))
+        """A sequence's cached K and V as layer ``layer_idx`` reads them, each ``[seq_len, H_kv, D]`` (a copy;
+        rows of blocks the layer's window gave back hold whatever block 0 holds)."""
+        table = self.blocks.block_table(seq_id, self.groups.layer_groups[layer_idx])
+        return self.cache.read(layer_idx, table, self.blocks.seq_len(seq_id))
 
     # -- accounting ----------------------------------------------------------------------------------
     def kv_bytes_in_use(self, seq_id: int | None = None) -> int:
-        """Bytes of K/V holding live tokens (one sequence, or all)."""
-        tokens = self.blocks.num_tokens_in_use if seq_id is None else self.blocks.seq_len(seq_id)
-        return tokens * self.cache.bytes_per_token
+        """Bytes of K/V holding live tokens (one sequence, or all): per group, the tokens whose blocks it
+        still holds times one token's bytes in a block id (:meth:`KVCache.token_bytes`)."""
+        seqs = self.blocks.seq_ids if seq_id is None else [seq_id]
+        return sum(sum(self.blocks.num_tokens_held(s)) for s in seqs) * self.cache.bytes_per_token
+
+    def capacity(self) -> KVCapacity:
+        """What the pool holds for sequences of ``max_seq_len`` tokens, with and without the window pool."""
+        spec, bs, n = self.cache.spec, self.cache.block_size, self.cache.spec.max_seq_len
+        dead = [first_live_block(n, w, bs) for w in self.groups.windows]  # blocks given back per group
+        token = self.cache.bytes_per_token  # one token in a block id
+        return KVCapacity(
+            num_blocks=self.cache.num_blocks,
+            block_bytes=token * bs,
+            seq_blocks=sum(math.ceil(n / bs) - d for d in dead),
+            seq_bytes=sum(n - d * bs for d in dead) * token,
+            seq_bytes_all_layers=n * token // spec.num_storage_layers * spec.num_layers,
+            window_pool=self.window_pool,
+        )

@@ -16,13 +16,16 @@ budget) or, when none can be admitted, runs one decode row for every running req
 Preemption: when the decode rows do not fit the free blocks, the newest running requests give their blocks back
 and wait at the front of the queue; recomputed later (prompt + tokens so far), their streams are unchanged.
 
+Sliding windows: each step first has every running request's window groups give back the blocks its next
+query cannot read (:meth:`~kvcore.scheduling.block_manager.BlockManager.slide`, from its committed tokens, so
+a rollback never needs them back).
+
 The scheduler owns the request lifecycle: admission, preemption, forks, finishing, rollback and recovery.
 """
 
 from __future__ import annotations
 
 import itertools
-import math
 from collections import deque
 from collections.abc import Iterable
 
@@ -155,6 +158,9 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        if self.kv.blocks.has_windows:  # blocks no next query reads go back first: this step can use them
+            for req in self.running:
+                self.kv.blocks.slide(req.seq_id, req.num_computed_tokens)
         if not self.enable_chunked_prefill:
             rows = self._admit(out, self.max_num_batched_tokens, chunked=False)
             if rows:
@@ -199,7 +205,7 @@ class Scheduler:
         seq_ids = [r.seq_id for r in rows[0]]
         free_after = blocks.num_free_blocks - blocks.num_blocks_needed(seq_ids, rows[1])
         seq_len = blocks.seq_len(req.seq_id)
-        fits = blocks.num_reserved_slots(req.seq_id) + max(0, free_after) * blocks.block_size
+        fits = blocks.num_tokens_fitting(req.seq_id, free_after)
         n = min(req.num_tokens - req.num_computed_tokens, budget, fits, blocks.max_seq_len - seq_len)
         if n <= 0 or not blocks.can_reserve(seq_ids + [req.seq_id], rows[1] + [n]):
             return 0
@@ -227,7 +233,7 @@ class Scheduler:
                 break
             if not self.kv.can_add_sequence():
                 break
-            if math.ceil(req.num_tokens / blocks.block_size) > blocks.num_blocks:
+            if blocks.min_blocks_for(req.num_tokens) > blocks.num_blocks:
                 self.waiting.popleft()  # even alone it never fits
                 out.failed.append((req, self._too_big(req)))
                 continue

@@ -209,8 +209,7 @@ class TensorParallelRunner:
         """Run one step on every rank; ``[B, V]`` float32 logits of each sequence's last token (rank 0), or of
         the sequences ``rows`` only."""
         self._check_workers()
-        step = Step(is_prefill, [int(t) for t in input_ids], list(meta.query_lens), list(meta.context_lens),
-                    [list(t) for t in meta.block_tables], meta.block_size, meta.scale, [tuple(c) for c in copies])
+        step = Step.of(is_prefill, input_ids, meta, copies)
         self._send(("step", step))
         try:
             logits = last_token_logits(self.model, backend, cache, meta, step.input_ids, rows)

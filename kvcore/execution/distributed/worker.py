@@ -19,6 +19,7 @@ import os
 import signal
 import sys
 import traceback
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,6 +58,17 @@ class Step:
     block_size: int
     scale: float
     copies: list[tuple[int, int]]  # copy-on-write block copies (src, dst) made before this step
+    #: with sliding-window layers giving blocks back: every group's block tables and each layer's group
+    group_tables: list[list[list[int]]] | None = None
+    layer_groups: tuple[int, ...] = ()
+
+    @classmethod
+    def of(cls, is_prefill: bool, input_ids: Sequence[int], meta: AttentionMetadata,
+           copies: Sequence[tuple[int, int]]) -> Step:
+        """The step rank 0 runs with ``meta``."""
+        return cls(is_prefill, [int(t) for t in input_ids], list(meta.query_lens), list(meta.context_lens),
+                   [list(t) for t in meta.block_tables], meta.block_size, meta.scale, [tuple(c) for c in copies],
+                   [g.block_tables for g in meta.groups] if meta.groups else None, meta.layer_groups)
 
 
 def rank_device(device: str | torch.device, rank: int) -> torch.device:
@@ -102,6 +114,8 @@ def serve(group: RankGroup, model: LlamaModel, device: torch.device) -> None:
                 step.query_lens, step.context_lens, step.block_tables, step.block_size, step.scale, device,
                 model.attention_layers,
             )
+            if step.group_tables is not None:
+                meta = meta.with_groups(step.group_tables, step.layer_groups)
             run_model(model, prefill if step.is_prefill else decode, cache, meta, step.input_ids)
 
 
