@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from kvcore.errors import ConfigError
 from kvcore.hookspecs import hookimpl
 from kvcore.interfaces.attention import AttentionBackend, BackendCapabilities, causal_mask, explicit_attention
-from kvcore.interfaces.kv_cache import CacheCapabilities, CacheSpec, KVCache, copy_block_rows
+from kvcore.interfaces.kv_cache import CacheCapabilities, CacheSpec, KVCache, copy_block_rows, zeros
 from kvcore.interfaces.layer_attention import VARIANTS, LayerAttention
 from kvcore.interfaces.metadata import AttentionMetadata, host_to_device
 
@@ -72,8 +72,8 @@ class PagedKVCache(KVCache):
         super().__init__(block_size_option(spec, block_size, self.name), **options)
         spec = self.spec
         shape = (spec.num_layers, self.num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim)
-        self.k_pool = torch.zeros(shape, dtype=self.storage_dtype, device=spec.device)
-        self.v_pool = torch.zeros(shape, dtype=self.storage_dtype, device=spec.device)
+        self.k_pool = zeros(shape, dtype=self.storage_dtype, device=spec.device)
+        self.v_pool = zeros(shape, dtype=self.storage_dtype, device=spec.device)
 
     @property
     def storage_dtype(self) -> torch.dtype:
