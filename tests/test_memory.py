@@ -10,8 +10,9 @@ import torch
 from gguf import GGMLQuantizationType as QType
 
 from kvcore.interfaces.kv_cache import CacheSpec, zeros
+from kvcore.kernels.cpu_kernels import int4a8_reasons
 from kvcore.kernels.linear import DenseMatmuls
-from kvcore.kernels.quant import Int4Groups
+from kvcore.kernels.quant import Int4A8Linear, Int4Groups
 from kvcore.loaders.gguf_blocks import GGUFBlocks
 
 
@@ -123,3 +124,13 @@ def test_a_quantized_gguf_model_holds_each_weight_once_in_its_packed_form():
     assert held == packed + dense  # int4a8 codes and scales are the Q4_1 bytes; the rest in bfloat16, once
     for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
         assert all(p.numel() == 0 for p in getattr(model, name))  # no dense copy beside the packed one
+
+
+@pytest.mark.skipif(bool(int4a8_reasons()), reason="; ".join(int4a8_reasons()))
+def test_int4a8_built_in_row_chunks_equals_the_whole_weight_packed_at_once():
+    torch.manual_seed(0)
+    w = torch.randn(4096 + 96, 64).to(torch.bfloat16)
+    whole = Int4A8Linear(Int4Groups.from_float(w, 32), torch.bfloat16)
+    chunked = Int4A8Linear.from_float(w, torch.bfloat16, rows=1024)
+    assert chunked.shape == whole.shape
+    assert torch.equal(chunked.codes, whole.codes) and torch.equal(chunked.dm, whole.dm)

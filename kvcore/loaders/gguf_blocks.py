@@ -29,7 +29,7 @@ __all__ = ["GGUFBlocks", "INT4_TYPES", "file_blocks"]
 #: the GGUF types that map onto the int4 kernel exactly
 INT4_TYPES = (QType.Q4_0, QType.Q4_1)
 #: rows dequantized per ``gguf`` call (it makes several temporaries the size of its input)
-_DEQUANT_ROWS = 4096
+_DEQUANT_ROWS = 1024
 
 
 def file_blocks(path: str | os.PathLike[str], offset: int, nbytes: int) -> Callable[[], np.ndarray]:

@@ -70,7 +70,10 @@ class RescoredInt4Head:
         self.weight, self.top_k = weight, min(top_k, vocab)
         # a8 (the model's weights are int4a8): scores from kvcore's int8-activation kernel, up to its row limit
         linear, self.max_rows = (Int4A8Linear, A8_MAX_ROWS) if a8 else (Int4Linear, INT4_MAX_ROWS)
-        self.int4 = linear(Int4Groups.from_float(weight, group_size, weight.dtype), weight.dtype)
+        if a8 and group_size == 32:  # in row chunks: the head's unpacked codes never exist whole
+            self.int4 = Int4A8Linear.from_float(weight, weight.dtype)
+        else:
+            self.int4 = linear(Int4Groups.from_float(weight, group_size, weight.dtype), weight.dtype)
 
     @property
     def nbytes(self) -> int:
