@@ -49,7 +49,7 @@ QUANTIZED_FORMATS = ("int8", "int4", "int4a8")
 #: llama.cpp's block length: Q4_0/Q4_1/Q8_0 blocks are groups of 32
 DEFAULT_GROUP_SIZE = 32
 _GROUP_SIZES = (32, 64, 128, 256)  # what the int4 kernel accepts
-_QUANTIZE_ROWS = 4096  # rows per step of Int4Groups.from_float
+_QUANTIZE_ROWS = 1024  # rows per step of Int4Groups.from_float
 
 
 def check_weight_format(name: str) -> str:
@@ -204,7 +204,7 @@ class Int4A8Linear:
         return n % 16 == 0 and group_size == A8_GROUP and k % A8_GROUP == 0
 
     @classmethod
-    def from_float(cls, w: torch.Tensor, dtype: torch.dtype = torch.bfloat16, rows: int = 4096) -> Int4A8Linear:
+    def from_float(cls, w: torch.Tensor, dtype: torch.dtype = torch.bfloat16, rows: int = 1024) -> Int4A8Linear:
         """``Int4A8Linear(Int4Groups.from_float(w, 32, dtype), dtype)`` built ``rows`` output rows at a time (a
         multiple of 16): the layout is per block of 16 rows, so the parts stack, and a big weight's unpacked codes
         never exist whole."""
