@@ -14,6 +14,7 @@ from kvcore.kernels.cpu_kernels import int4a8_reasons
 from kvcore.kernels.linear import DenseMatmuls
 from kvcore.kernels.quant import Int4A8Linear, Int4Groups
 from kvcore.loaders.gguf_blocks import GGUFBlocks
+from kvcore.model.lm_head import int4a8_in_chunks
 
 
 def _rss_bytes() -> int:
@@ -131,6 +132,6 @@ def test_int4a8_built_in_row_chunks_equals_the_whole_weight_packed_at_once():
     torch.manual_seed(0)
     w = torch.randn(4096 + 96, 64).to(torch.bfloat16)
     whole = Int4A8Linear(Int4Groups.from_float(w, 32), torch.bfloat16)
-    chunked = Int4A8Linear.from_float(w, torch.bfloat16, rows=1024)
+    chunked = int4a8_in_chunks(w, rows=1024)
     assert chunked.shape == whole.shape
     assert torch.equal(chunked.codes, whole.codes) and torch.equal(chunked.dm, whole.dm)

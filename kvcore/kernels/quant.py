@@ -203,23 +203,6 @@ class Int4A8Linear:
         """The kernel's shape rules: output rows in multiples of 16, groups of 32 columns."""
         return n % 16 == 0 and group_size == A8_GROUP and k % A8_GROUP == 0
 
-    @classmethod
-    def from_float(cls, w: torch.Tensor, dtype: torch.dtype = torch.bfloat16, rows: int = 1024) -> Int4A8Linear:
-        """``Int4A8Linear(Int4Groups.from_float(w, 32, dtype), dtype)`` built ``rows`` output rows at a time (a
-        multiple of 16): the layout is per block of 16 rows, so the parts stack, and a big weight's unpacked codes
-        never exist whole."""
-        n, k = w.shape
-        out = cls(Int4Groups.from_float(w[:rows], A8_GROUP, dtype), dtype)
-        if n > rows:
-            codes, dm = out.codes, out.dm
-            out.codes = torch.empty((n // 16, *codes.shape[1:]), dtype=codes.dtype)
-            out.dm = torch.empty((n // 16, *dm.shape[1:]), dtype=dm.dtype)
-            out.codes[: rows // 16], out.dm[: rows // 16], out.shape = codes, dm, (n, k)
-            for a in range(rows, n, rows):
-                part = cls(Int4Groups.from_float(w[a : a + rows], A8_GROUP, dtype), dtype)
-                out.codes[a // 16 : (a + rows) // 16], out.dm[a // 16 : (a + rows) // 16] = part.codes, part.dm
-        return out
-
     @property
     def nbytes(self) -> int:
         return self.codes.nbytes + self.dm.nbytes
