@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from kvcore.hookspecs import hookimpl
-from kvcore.interfaces.kv_cache import CacheCapabilities, CacheSpec, KVCache, copy_block_rows
+from kvcore.interfaces.kv_cache import CacheCapabilities, CacheSpec, KVCache, copy_block_rows, zeros
 from kvcore.interfaces.metadata import AttentionMetadata
 
 __all__ = ["ContiguousKVCache", "ALL_DTYPES"]
@@ -34,8 +34,8 @@ class ContiguousKVCache(KVCache):
 
     def __init__(self, spec: CacheSpec, **options: Any) -> None:
         super().__init__(spec, **options)
-        self.k = torch.zeros(self.storage_shape(), dtype=spec.dtype, device=spec.device)
-        self.v = torch.zeros(self.storage_shape(), dtype=spec.dtype, device=spec.device)
+        self.k = zeros(self.storage_shape(), dtype=spec.dtype, device=spec.device)
+        self.v = zeros(self.storage_shape(), dtype=spec.dtype, device=spec.device)
         #: ``k`` and ``v`` as ``[L * slots * H_kv * S, D]`` rows (views of the same memory). A backend that
         #: writes and reads only through these stays traceable by torch.compile: in-place writes into a view
         #: of a compiled function's input would make it copy the whole cache back on every call.

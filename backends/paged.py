@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from kvcore.errors import ConfigError
 from kvcore.hookspecs import hookimpl
 from kvcore.interfaces.attention import AttentionBackend, BackendCapabilities, causal_mask, explicit_attention
-from kvcore.interfaces.kv_cache import CacheCapabilities, CacheSpec, KVCache, copy_block_rows
+from kvcore.interfaces.kv_cache import CacheCapabilities, CacheSpec, KVCache, copy_block_rows, zeros
 from kvcore.interfaces.layer_attention import VARIANTS, LayerAttention
 from kvcore.interfaces.metadata import AttentionMetadata, host_to_device
 
@@ -77,8 +77,8 @@ class PagedKVCache(KVCache):
         #: the pool row of each model layer: its storage layer (CacheSpec.layer_storage)
         self.rows = spec.layer_storage or tuple(range(spec.num_layers))
         shape = (spec.num_storage_layers, self.num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim)
-        self.k_pool = torch.zeros(shape, dtype=self.storage_dtype, device=spec.device)
-        self.v_pool = torch.zeros(shape, dtype=self.storage_dtype, device=spec.device)
+        self.k_pool = zeros(shape, dtype=self.storage_dtype, device=spec.device)
+        self.v_pool = zeros(shape, dtype=self.storage_dtype, device=spec.device)
 
     @property
     def storage_dtype(self) -> torch.dtype:

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from kvcore.hookspecs import hookimpl
-from kvcore.interfaces.kv_cache import CacheCapabilities, CacheSpec
+from kvcore.interfaces.kv_cache import CacheCapabilities, CacheSpec, zeros
 from kvcore.interfaces.metadata import AttentionMetadata
 
 from .contiguous import ALL_DTYPES
@@ -44,8 +44,8 @@ class Int8KVCache(PagedKVCache):
     def __init__(self, spec: CacheSpec, block_size: int | None = None, **options: Any) -> None:
         super().__init__(spec, block_size, **options)
         shape = self.k_pool.shape[:-1]  # [L, num_blocks, block_size, H_kv]
-        self.k_scale = torch.zeros(shape, dtype=torch.float32, device=self.spec.device)
-        self.v_scale = torch.zeros(shape, dtype=torch.float32, device=self.spec.device)
+        self.k_scale = zeros(shape, dtype=torch.float32, device=self.spec.device)
+        self.v_scale = zeros(shape, dtype=torch.float32, device=self.spec.device)
 
     @property
     def storage_dtype(self) -> torch.dtype:

@@ -169,18 +169,20 @@ class Engine(EngineStep):
             tokenizer, the tokens it needs (prompt + new tokens). Without ``max_model_len`` the KV cache is then
             sized to it instead of to the model's window.
         """
+        from kvcore.loaders.heap import load_scope
         from kvcore.loaders.model_cache import load_pretrained
 
         config = config or EngineConfig()
         choice = choose_defaults(config, file_facts(model), kwargs.get("registry"))
         config = choice.apply(config)
-        decoder, tokenizer = load_pretrained(
-            model, parse_dtype(config.dtype), config.device, config.max_model_len, model_cache, config.weights
-        )
-        if request_tokens is not None and config.max_model_len is None:
-            window = decoder.config.max_position_embeddings
-            config = dataclasses.replace(config, max_model_len=min(window, max(2, request_tokens(tokenizer))))
-        return cls(decoder, tokenizer, config, choice=choice, **kwargs)
+        with load_scope():  # what loading frees goes back to the system (the LM head is packed in the engine)
+            decoder, tokenizer = load_pretrained(
+                model, parse_dtype(config.dtype), config.device, config.max_model_len, model_cache, config.weights
+            )
+            if request_tokens is not None and config.max_model_len is None:
+                window = decoder.config.max_position_embeddings
+                config = dataclasses.replace(config, max_model_len=min(window, max(2, request_tokens(tokenizer))))
+            return cls(decoder, tokenizer, config, choice=choice, **kwargs)
 
     @classmethod
     def from_settings(cls, settings: Settings, *, registry: PluginRegistry | None = None, **kwargs: Any) -> Engine:

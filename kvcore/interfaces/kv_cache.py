@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import abc
 import math
+import mmap
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -33,7 +34,7 @@ from kvcore.errors import ConfigError
 if TYPE_CHECKING:
     from kvcore.interfaces.metadata import AttentionMetadata
 
-__all__ = ["CacheSpec", "KVCache", "CacheCapabilities", "copy_block_rows", "placement_reasons"]
+__all__ = ["CacheSpec", "KVCache", "CacheCapabilities", "copy_block_rows", "placement_reasons", "zeros"]
 
 
 def copy_block_rows(tensors: tuple[torch.Tensor, ...], pairs: list[tuple[int, int]]) -> None:
@@ -59,6 +60,18 @@ def placement_reasons(
         reasons.append(f"dtype {str(dtype).removeprefix('torch.')} not supported (supports: {names})")
     return reasons
 
+
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """``torch.zeros(shape)`` for a cache's storage. On the CPU it is an anonymous mapping (zero pages the system
+    backs only when first written), so a pool sized for every sequence a config allows costs memory only for
+    the tokens it really holds; ``torch.zeros`` writes, and so makes resident, every byte up front."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    numel = math.prod(shape)
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype, count=numel).view(shape)  # keeps the mapping alive
 
 @dataclass(frozen=True)
 class CacheSpec:

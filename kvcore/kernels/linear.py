@@ -5,7 +5,8 @@ Every matmul weight of a :class:`~kvcore.model.decoder.DecoderModel` is called a
 picks, per forward, how each dense weight runs:
 
 * float32 on CPU, one row: ``parts`` partial GEMVs over the column-major weight (:func:`linear`);
-* float32 on CPU, 2+ rows: oneDNN on a copy prepacked for ~8-row inputs;
+* float32 on CPU, 2+ rows: ``F.linear`` on the column-major weight (MKL; a prepacked copy would double the
+  reference model's memory for prefills only a little faster);
 * bfloat16 on a CPU with AVX512_BF16, up to :data:`BF16_KERNEL_MAX_ROWS` rows (:data:`BF16_KERNEL_MAX_ROWS_AMX` with
   AMX): kvcore's ``bf16_linear`` kernel on a copy repacked for ``vdpbf16ps`` (:class:`Bf16Linear`; a decode step's
   weights stream at close to the memory bandwidth); more rows: ``F.linear`` (oneDNN's GEMM, as fast as on a
@@ -177,8 +178,8 @@ class DenseMatmuls:
         if p.device.type != "cpu":
             return "plain"
         packs = use_packed and self.can_prepack
-        if p.dtype == torch.float32:
-            return "packed" if packs and num_rows >= 2 else "gemv" if num_rows == 1 else "plain"
+        if p.dtype == torch.float32:  # the reference path keeps one copy: no prepacking (little faster for prefills)
+            return "gemv" if num_rows == 1 else "plain"
         if p.dtype == torch.bfloat16 and use_packed and bf16_linear_ready():
             limit = BF16_KERNEL_MAX_ROWS_AMX if cpu_features().amx else BF16_KERNEL_MAX_ROWS
             return "kernel" if num_rows <= limit else "plain"

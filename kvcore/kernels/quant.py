@@ -49,6 +49,7 @@ QUANTIZED_FORMATS = ("int8", "int4", "int4a8", "gguf")
 #: llama.cpp's block length: Q4_0/Q4_1/Q8_0 blocks are groups of 32
 DEFAULT_GROUP_SIZE = 32
 _GROUP_SIZES = (32, 64, 128, 256)  # what the int4 kernel accepts
+_QUANTIZE_ROWS = 1024  # rows per step of Int4Groups.from_float
 
 
 def check_weight_format(name: str) -> str:
@@ -111,12 +112,17 @@ class Int4Groups:
         scales and offsets rounded to ``dtype`` as the kernel will read them: every weight is off by at most
         half a step, plus the offset's rounding (``|z| 2^-9`` in bfloat16) at the group's extremes."""
         n, k = w.shape
-        g = w.detach().float().reshape(n, k // group_size, group_size)
-        lo, hi = g.amin(-1), g.amax(-1)
-        scales = ((hi - lo) / 15).clamp(min=1e-12).to(dtype).float()  # constant group: any scale, z = its value
-        zeros = (lo + 8 * scales).to(dtype).float()
-        q = ((g - zeros[..., None]) / scales[..., None]).round_().add_(8).clamp_(0, 15)
-        return cls(q.to(torch.uint8).reshape(n, k), scales, zeros)
+        groups = k // group_size
+        out = cls(torch.empty(n, k, dtype=torch.uint8), torch.empty(n, groups), torch.empty(n, groups))
+        for a in range(0, n, _QUANTIZE_ROWS):  # row chunks: a big head's float32 temporaries stay small
+            g = w[a : a + _QUANTIZE_ROWS].detach().float().reshape(-1, groups, group_size)
+            lo, hi = g.amin(-1), g.amax(-1)
+            scales = ((hi - lo) / 15).clamp(min=1e-12).to(dtype).float()  # constant group: any scale, z = its value
+            zeros = (lo + 8 * scales).to(dtype).float()
+            q = ((g - zeros[..., None]) / scales[..., None]).round_().add_(8).clamp_(0, 15)
+            out.q[a : a + _QUANTIZE_ROWS] = q.reshape(-1, k)
+            out.scales[a : a + _QUANTIZE_ROWS], out.zeros[a : a + _QUANTIZE_ROWS] = scales, zeros
+        return out
 
     @staticmethod
     def cat(parts: list[Int4Groups]) -> Int4Groups:

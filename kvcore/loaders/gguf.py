@@ -4,9 +4,10 @@ What differs from a Hugging Face checkpoint is undone here:
 
 * names: ``blk.3.attn_q.weight`` is ``model.layers.3.self_attn.q_proj.weight``
   (:data:`kvcore.model.architectures.GGUF_LAYER_NAMES` and the family's own names and fused tensors);
-* quantisation: tensors may be Q4_1, Q8_0, ...; they are dequantised with the ``gguf`` package, except
-  layer weights of the types kvcore runs natively when the caller keeps them quantized (``keep_quantized``: the
-  quantized weight formats, :mod:`kvcore.loaders.gguf_blocks`);
+* quantisation: tensors may be Q4_1, Q8_0, K-quants, ...; they are dequantised with the ``gguf`` package, or
+  kept as their blocks when the caller asks (``keep_quantized``: :mod:`kvcore.loaders.gguf_blocks`; the quantized
+  weight formats run the types kvcore has codes for as stored, anything else is dequantised one tensor at a time
+  as the model is built);
 * Q/K row order ("llama" arch only): llama.cpp's converter interleaves the two halves of each head's rows
   (its RoPE rotates adjacent pairs, Hugging Face's rotates halves), so :func:`unpermute_qk` restores them;
 * Gemma's norms are stored as ``1 + w``; Llama 3.1 / Phi-3 RoPE factors come as tensors.
@@ -28,7 +29,7 @@ import torch
 from gguf import GGMLQuantizationType as QType
 
 from kvcore.errors import ModelLoadError, ModelNotFoundError
-from kvcore.loaders.gguf_blocks import CODE_TYPES, GGUFBlocks
+from kvcore.loaders.gguf_blocks import GGUFBlocks, file_blocks
 from kvcore.loaders.gguf_config import gguf_config, tensor_rope
 from kvcore.loaders.gguf_tokenizer import gguf_tokenizer
 from kvcore.loaders.gguf_validate import validate_gguf
@@ -58,6 +59,8 @@ SUPPORTED_TYPES = (
     QType.Q6_K,
 )
 
+#: stored as plain numbers: loaded as float32 tensors (the rest stay blocks with ``keep_quantized``)
+_FLOAT_TYPES = (QType.F32, QType.F16, QType.BF16)
 #: canonical -> llama.cpp names of the tensors outside the layers
 _GLOBAL_NAMES = {
     "model.embed_tokens.weight": "token_embd.weight",
@@ -154,9 +157,9 @@ def load_gguf(path: str | os.PathLike[str], name: str | None = None, keep_quanti
     Args:
         path: the ``.gguf`` file.
         name: display name; defaults to the file name without ``.gguf``.
-        keep_quantized: leave layer weights of :data:`~kvcore.loaders.gguf_blocks.CODE_TYPES` (Q4_0 ... Q6_K) as
-            :class:`~kvcore.loaders.gguf_blocks.GGUFBlocks` (their raw blocks, rows in Hugging Face order) instead
-            of float32 tensors.
+        keep_quantized: leave the quantized matrices (Q4_0, Q8_0, K-quants...) as
+            :class:`~kvcore.loaders.gguf_blocks.GGUFBlocks` (their raw blocks, rows in Hugging Face order, read from
+            the file when the model is built) instead of float32 tensors.
     """
     path = Path(path)
     reader, metadata = _open(path)
@@ -193,8 +196,9 @@ def load_gguf(path: str | os.PathLike[str], name: str | None = None, keep_quanti
                 f"'{path}': tensor '{gguf_name}' ({', '.join(parts)}) has shape {list(shape)}, "
                 f"expected {list(expected)} from the metadata"
             )
-        if keep_quantized and tensor.tensor_type in CODE_TYPES and len(shape) == 2 and gguf_name.startswith("blk."):
-            values = GGUFBlocks(tensor.tensor_type, tensor.data, shape)  # a view of the file mapping (read-only)
+        if keep_quantized and tensor.tensor_type not in _FLOAT_TYPES and len(shape) == 2:
+            # read from the file when the model is built, one tensor at a time (see GGUFBlocks)
+            values = GGUFBlocks(tensor.tensor_type, file_blocks(path, tensor.data_offset, tensor.n_bytes), shape)
         else:
             values = np.ascontiguousarray(_dequantize(tensor, path), dtype=np.float32)
             if not values.flags.writeable:  # F32 tensors are views of the read-only file mapping: copy them out

@@ -11,6 +11,7 @@ llama's Q/K row unpermute) act on whole rows of blocks, so they commute with the
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 
 import gguf
@@ -22,22 +23,56 @@ from kvcore.kernels.group_quant import GroupCodes
 from kvcore.kernels.quant import Int4Groups
 from kvcore.loaders.gguf_codes import CODE_BITS, CODE_TYPES, SCALE_OFFSETS, group_codes
 
-__all__ = ["GGUFBlocks", "INT4_TYPES", "CODE_TYPES"]
+__all__ = ["GGUFBlocks", "INT4_TYPES", "CODE_TYPES", "file_blocks"]
 
 #: the GGUF types whose files the ``auto`` weight format runs as ``int4a8`` (llama.cpp's legacy 4-bit blocks)
 INT4_TYPES = (QType.Q4_0, QType.Q4_1)
+#: rows dequantized per ``gguf`` call (it makes several temporaries the size of its input)
+_DEQUANT_ROWS = 1024
+
+
+def file_blocks(path: str | os.PathLike[str], offset: int, nbytes: int) -> Callable[[], np.ndarray]:
+    """A reader of ``nbytes`` bytes at ``offset`` of ``path``: each call reads them into a new array (no mapping
+    of the file stays behind, so its pages are the page cache's, not this process's)."""
+
+    def read() -> np.ndarray:
+        out = np.empty(nbytes, dtype=np.uint8)
+        with open(path, "rb", buffering=0) as f:
+            f.seek(offset)
+            view, done = memoryview(out), 0
+            while done < nbytes:
+                n = f.readinto(view[done:])
+                if not n:
+                    raise OSError(f"'{path}' ended inside a tensor (truncated?)")
+                done += n
+        return out
+
+    return read
 
 
 class GGUFBlocks:
     """A 2-D GGUF tensor as stored: ``data`` ``[rows, bytes per row]`` uint8 of ``qtype`` blocks; ``shape`` is the
-    logical ``[rows, columns]`` (Hugging Face's ``[out, in]``)."""
+    logical ``[rows, columns]`` (Hugging Face's ``[out, in]``).
 
-    def __init__(self, qtype: QType, data: np.ndarray, shape: tuple[int, int]) -> None:
+    ``data`` may be given as an array or as a function reading it (:func:`file_blocks`): the loader hands out
+    tensors that read their bytes from the file each time they are consumed, so a model is built one tensor at a
+    time and neither the file's pages nor a float copy of it pile up in memory."""
+
+    def __init__(self, qtype: QType, data: np.ndarray | Callable[[], np.ndarray], shape: tuple[int, int]) -> None:
         self.qtype, self.shape = qtype, (int(shape[0]), int(shape[1]))
-        self.data = np.asarray(data, dtype=np.uint8).reshape(self.shape[0], -1)
+        if callable(data):
+            self._read = data
+        else:
+            array = np.asarray(data, dtype=np.uint8).reshape(self.shape[0], -1)
+            self._read = lambda: array
 
     def __repr__(self) -> str:
         return f"GGUFBlocks({self.qtype.name}, shape={list(self.shape)})"
+
+    @property
+    def data(self) -> np.ndarray:
+        """``[rows, bytes per row]`` uint8 (read now when the tensor was given as a reader)."""
+        return np.asarray(self._read(), dtype=np.uint8).reshape(self.shape[0], -1)
 
     @property
     def int4_exact(self) -> bool:
@@ -57,24 +92,38 @@ class GGUFBlocks:
         """Row ranges of ``sizes`` (like ``Tensor.split(sizes, 0)``: a fused tensor cut into its parts)."""
         if dim != 0:
             raise ValueError("GGUF blocks split along rows only")
-        bounds = np.cumsum([0, *sizes])
-        return [GGUFBlocks(self.qtype, self.data[a:b], (b - a, self.shape[1])) for a, b in zip(bounds, bounds[1:])]
+        bounds = [int(b) for b in np.cumsum([0, *sizes])]
+        return [GGUFBlocks(self.qtype, lambda a=a, b=b: self.data[a:b], (b - a, self.shape[1]))
+                for a, b in zip(bounds, bounds[1:])]
 
     def map_rows(self, fn: Callable[[np.ndarray], np.ndarray]) -> GGUFBlocks:
-        """A copy with rows reordered by ``fn`` (any ``[rows, ...] -> [rows, ...]`` row permutation)."""
-        return GGUFBlocks(self.qtype, np.ascontiguousarray(fn(self.data)), self.shape)
+        """These rows reordered by ``fn`` (any ``[rows, ...] -> [rows, ...]`` row permutation), applied on each read."""
+        return GGUFBlocks(self.qtype, lambda: np.ascontiguousarray(fn(self.data)), self.shape)
 
-    def dequantize(self) -> torch.Tensor:
-        """``[rows, columns]`` float32, as llama.cpp's reference dequantization (the ``gguf`` package) gives."""
-        values = gguf.quants.dequantize(self.data, self.qtype)
-        return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32).reshape(self.shape))
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """``[rows, columns]`` in ``dtype``: llama.cpp's reference dequantization (the ``gguf`` package) in float32,
+        rounded once to ``dtype``."""
+        out = torch.empty(self.shape, dtype=dtype)
+        self.dequantize_into(out)
+        return out
+
+    def dequantize_into(self, out: torch.Tensor) -> None:
+        """Write the dequantized values into ``out`` (``[rows, columns]``, any float dtype and layout), a chunk of
+        rows at a time: the float32 values of a whole table (and the ``gguf`` package's temporaries, several
+        times its size) never exist at once."""
+        data = self.data
+        for start in range(0, self.shape[0], _DEQUANT_ROWS):
+            rows = gguf.quants.dequantize(data[start : start + _DEQUANT_ROWS], self.qtype)
+            out[start : start + _DEQUANT_ROWS].copy_(torch.from_numpy(rows.reshape(-1, self.shape[1])))
 
     def is_finite(self) -> bool:
         """Whether every value is finite: for coded types, whether every block's float16 scales are (the codes and
         the K-quants' integer sub-scales cannot be anything else), read without decoding."""
+        data = self.data
         if not self.has_codes:
-            return bool(torch.isfinite(self.dequantize().sum()))
-        blocks = self.data.reshape(-1, gguf.GGML_QUANT_SIZES[self.qtype][1])
+            return all(np.isfinite(gguf.quants.dequantize(data[a : a + _DEQUANT_ROWS], self.qtype).sum())
+                       for a in range(0, self.shape[0], _DEQUANT_ROWS))
+        blocks = data.reshape(-1, gguf.GGML_QUANT_SIZES[self.qtype][1])
         halves = np.concatenate([blocks[:, at:at + 2] for at in SCALE_OFFSETS[self.qtype]], axis=1)
         return bool(np.isfinite(halves.view(np.float16)).all())
 

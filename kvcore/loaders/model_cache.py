@@ -84,7 +84,7 @@ def load_pretrained(
     keep_blocks = uses_quantized_blocks(weights, dtype, device)  # a GGUF's Q4 blocks may run as int4
 
     def load():
-        loaded = load_model(spec, keep_quantized=True) if keep_blocks else load_model(spec)
+        loaded = load_model(spec, keep_quantized=True)  # blocks are dequantized as the model is built
         check_max_model_len(max_model_len, loaded.config.max_position_embeddings)  # before building anything
         return loaded, build_model(loaded, dtype, device, max_model_len, weights=weights)
 

@@ -112,8 +112,8 @@ class DecoderModel(nn.Module):
                     set_layout(p, column_major)
             set_layout(self.lm_head, column_major)  # tied embeddings: the embedding table too
 
-    #: Dense matmuls on CPU run on oneDNN-prepacked copies of the big weights where that is faster: float32
-    #: at 2+ rows, bfloat16 always (on CPUs with native bfloat16 dot products); see :class:`DenseMatmuls`.
+    #: Dense bfloat16 matmuls on CPU run on copies of the big weights in a faster layout (kvcore's bf16_linear
+    #: kernel's, or oneDNN's prepacked one); float32 keeps one copy. See :class:`DenseMatmuls`.
     #: Set False (on an instance or the class) to keep a single copy of the weights.
     packed_weights: bool = True
     #: residual adds and RMSNorms on kvcore's fused kernel (:func:`~kvcore.model.layers.add_rms_norm`): set for

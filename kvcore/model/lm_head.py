@@ -25,7 +25,7 @@ import torch
 from kvcore.errors import ConfigError
 from kvcore.kernels.quant import Int4A8Linear, Int4Groups, Int4Linear, quantized_reasons
 
-__all__ = ["LM_HEAD_FORMATS", "INT4_MAX_ROWS", "A8_MAX_ROWS", "RescoredInt4Head", "check_lm_head"]
+__all__ = ["LM_HEAD_FORMATS", "INT4_MAX_ROWS", "A8_MAX_ROWS", "RescoredInt4Head", "check_lm_head", "int4a8_in_chunks"]
 
 #: every value of ``EngineConfig.lm_head`` with what it means
 LM_HEAD_FORMATS = {
@@ -70,7 +70,10 @@ class RescoredInt4Head:
         self.weight, self.top_k = weight, min(top_k, vocab)
         # a8 (the model's weights are int4a8): scores from kvcore's int8-activation kernel, up to its row limit
         linear, self.max_rows = (Int4A8Linear, A8_MAX_ROWS) if a8 else (Int4Linear, INT4_MAX_ROWS)
-        self.int4 = linear(Int4Groups.from_float(weight, group_size, weight.dtype), weight.dtype)
+        if a8 and group_size == 32:  # in row chunks: the head's unpacked codes never exist whole
+            self.int4 = int4a8_in_chunks(weight)
+        else:
+            self.int4 = linear(Int4Groups.from_float(weight, group_size, weight.dtype), weight.dtype)
 
     @property
     def nbytes(self) -> int:
@@ -80,3 +83,20 @@ class RescoredInt4Head:
         """``[N, V]`` in the model dtype (as the dense head returns them)."""
         hidden = hidden.contiguous()
         return torch.ops.kvcore.rescore_top_k(self.int4(hidden), hidden, self.weight, self.top_k)
+
+
+def int4a8_in_chunks(w: torch.Tensor, rows: int = 1024) -> Int4A8Linear:
+    """``Int4A8Linear(Int4Groups.from_float(w, 32, w.dtype), w.dtype)`` built ``rows`` output rows at a time (a
+    multiple of 16): the kernel's layout is per block of 16 rows, so the parts stack, and a big head's unpacked
+    codes never exist whole."""
+    n, k = w.shape
+    out = Int4A8Linear(Int4Groups.from_float(w[:rows], 32, w.dtype), w.dtype)
+    if n > rows:
+        codes, dm = out.codes, out.dm
+        out.codes = torch.empty((n // 16, *codes.shape[1:]), dtype=codes.dtype)
+        out.dm = torch.empty((n // 16, *dm.shape[1:]), dtype=dm.dtype)
+        out.codes[: rows // 16], out.dm[: rows // 16], out.shape = codes, dm, (n, k)
+        for a in range(rows, n, rows):
+            part = Int4A8Linear(Int4Groups.from_float(w[a : a + rows], 32, w.dtype), w.dtype)
+            out.codes[a // 16 : (a + rows) // 16], out.dm[a // 16 : (a + rows) // 16] = part.codes, part.dm
+    return out

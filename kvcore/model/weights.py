@@ -139,6 +139,10 @@ class WeightCopier:
 
     def put(self, param: torch.Tensor, names: list[str], norm: bool = False) -> None:
         """``param`` = the tensor ``names[0]``, or the named tensors concatenated along dim 0 (fused Q/K/V)."""
+        value = self.weights.get(names[0])
+        if len(names) == 1 and hasattr(value, "dequantize_into") and tuple(param.shape) == tuple(value.shape):
+            value.dequantize_into(param)  # GGUF blocks straight into the parameter: no float32 copy of a big table
+            return
         value = self.take(names[0]) if len(names) == 1 else torch.cat([self.take(n) for n in names], 0)
         if tuple(param.shape) != tuple(value.shape):
             name = ", ".join(names)
