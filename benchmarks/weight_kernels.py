@@ -27,8 +27,9 @@ import torch.nn.functional as F
 
 from kvcore.kernels.cpu import cpu_features
 from kvcore.kernels.cpu_kernels import bf16_linear_ready, int4a8_reasons
+from kvcore.kernels.int8 import Int8Linear
 from kvcore.kernels.linear import Bf16Linear, linear, pack_bf16
-from kvcore.kernels.quant import Int4A8Linear, Int4Groups, Int4Linear, Int8Linear
+from kvcore.kernels.quant import Int4A8Linear, Int4Groups, Int4Linear
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
 HEAD = (49152, 576)

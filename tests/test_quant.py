@@ -13,7 +13,8 @@ from helpers import full_attention, make_random_model, weights_of
 
 from kvcore.engine.core import Engine, EngineConfig
 from kvcore.errors import ConfigError
-from kvcore.kernels.quant import Int4Groups, Int4Linear, Int8Linear
+from kvcore.kernels.int8 import Int8Linear
+from kvcore.kernels.quant import Int4Groups, Int4Linear
 from kvcore.loaders.gguf import unpermute_qk
 from kvcore.loaders.gguf_blocks import GGUFBlocks
 from kvcore.model.decoder import LlamaModel

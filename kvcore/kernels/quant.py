@@ -31,7 +31,7 @@ import torch
 from kvcore.errors import ConfigError
 
 __all__ = [
-    "WEIGHT_FORMATS", "QUANTIZED_FORMATS", "DEFAULT_GROUP_SIZE", "Int4Groups", "Int4Linear", "Int8Linear",
+    "WEIGHT_FORMATS", "QUANTIZED_FORMATS", "DEFAULT_GROUP_SIZE", "Int4Groups", "Int4Linear",
     "check_weight_format", "check_runnable", "quantized_reasons", "unpack_codes", "int4_dense", "unpacks_here",
     "Int4A8Linear", "pack_int4a8",
 ]
@@ -272,35 +272,3 @@ def unpacks_here() -> bool:
         return torch.equal(unpack_codes(packed, *codes.shape).int(), codes)
     except (RuntimeError, ValueError):  # another layout or size: not ours to read
         return False
-
-
-class Int8Linear:
-    """``y = x @ W.T`` with ``W = q * s``: int8 codes ``[N, K]``, one scale per output row (symmetric)."""
-
-    format = "int8"
-
-    def __init__(self, w: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> None:
-        n, k = w.shape
-        if not self.fits(n, k):
-            raise ValueError(f"int8 kernel cannot take a [{n}, {k}] weight")
-        w = w.detach().float()
-        self.scales = (w.abs().amax(1) / 127).clamp(min=1e-12).to(dtype)  # [N], as the kernel reads them
-        self.q = (w / self.scales.float()[:, None]).round_().clamp_(-127, 127).to(torch.int8).contiguous()
-        self.shape, self.dtype = (n, k), dtype
-
-    @staticmethod
-    def fits(n: int, k: int) -> bool:
-        """Input widths in multiples of 32 (others read out of bounds in torch 2.13's CPU kernel)."""
-        return k % 32 == 0
-
-    @property
-    def nbytes(self) -> int:
-        return self.q.nbytes + self.scales.nbytes
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """``x [T, K]`` in ``self.dtype`` -> ``[T, N]``."""
-        return torch.ops.aten._weight_int8pack_mm(x.contiguous(), self.q, self.scales)
-
-    def dequantize(self) -> torch.Tensor:
-        """``[N, K]`` float32 (scales as the kernel reads them)."""
-        return self.q.float() * self.scales.float()[:, None]

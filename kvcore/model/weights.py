@@ -14,6 +14,7 @@ import torch
 from kvcore.errors import ModelLoadError
 from kvcore.kernels.cpu import cpu_features
 from kvcore.kernels.group_quant import GroupCodes, Int8GroupLinear
+from kvcore.kernels.int8 import Int8Linear
 from kvcore.kernels.linear import DenseLinear, prepack
 from kvcore.kernels.quant import (
     A8_GROUP,
@@ -21,7 +22,6 @@ from kvcore.kernels.quant import (
     Int4A8Linear,
     Int4Groups,
     Int4Linear,
-    Int8Linear,
     check_runnable,
     check_weight_format,
     quantized_reasons,
