@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import time
 from pathlib import Path
@@ -28,7 +29,6 @@ import torch
 from kvcore import Engine, EngineConfig, LlamaModel, ModelConfig, SamplingParams
 from kvcore.loaders import build_model, load_model
 
-GGUF_FILE = "/work/models/gemma3/gemma-3-270m-q4_k_m.gguf"
 GIB = 2**30
 
 
@@ -104,7 +104,9 @@ def table(on: dict, off: dict) -> list[str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--gguf", default=GGUF_FILE)
+    env = os.environ.get("KVCORE_GEMMA3_GGUF")
+    ap.add_argument("--gguf", default=env, required=env is None,
+                    help="the Gemma 3 270M GGUF (default: $KVCORE_GEMMA3_GGUF)")
     ap.add_argument("--prompt", type=int, default=8128, help="prompt tokens of the 8k part")
     ap.add_argument("--new", type=int, default=64, help="decoded tokens of the 8k part")
     ap.add_argument("--chunk", type=int, default=2048, help="max_num_batched_tokens (prefill chunk)")
