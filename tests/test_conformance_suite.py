@@ -130,7 +130,7 @@ def test_cpu_builtins_pass_quick_suite(registry, name, dtype):
     report = run_suite(name, dataclasses.replace(QUICK_TINY, dtype=dtype), registry=registry)
     assert report.status == PASS, to_text(report)
     assert report.exit_code == EXIT_PASS
-    assert set(report.tiers) == {"op", "cache", "stream", "sampling"}
+    assert set(report.tiers) == {"op", "cache", "stream", "sampling", "speculative"}
     for tier in report.tiers:
         assert report.tier_status(tier) == PASS
     op = [r for r in report.results if r.tier == "op"]

@@ -127,7 +127,7 @@ def test_compiled_decode_equals_eager_in_float32():
         calls = []
 
         def counted(*args, fn=engine.compiled_decode._fn, calls=calls):
-            calls.append(args[4].shape[0])  # input_ids [B]
+            calls.append(args[5].shape[0])  # input_ids [B] (after model, backend, cache, plans, layer_groups)
             return fn(*args)
 
         engine.compiled_decode._fn = counted

@@ -368,7 +368,7 @@ def test_smollm2_greedy_through_the_server_equals_kvcore_generate(capsys, smollm
     from kvcore.model.decoder import LlamaModel
 
     # read the GGUF file once per session
-    monkeypatch.setattr(kvcore.loaders.model_cache, "load_model", lambda name: smollm2)
+    monkeypatch.setattr(kvcore.loaders.model_cache, "load_model", lambda name, **kw: smollm2)
     prompt = "The capital of France is"
     assert main(["generate", "--dtype", "float32", "--max-new-tokens", "16", "--json", prompt]) == 0
     expected = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
