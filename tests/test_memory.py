@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as QType
+from helpers import full_attention
 
 from kvcore.interfaces.kv_cache import CacheSpec, zeros
 from kvcore.kernels.cpu_kernels import int4a8_reasons
@@ -116,13 +117,15 @@ def test_a_quantized_gguf_model_holds_each_weight_once_in_its_packed_form():
     model = build_model(loaded, torch.bfloat16, weights="int4a8")
 
     layout = validate_gguf(path)
-    packed = sum(t.nbytes for t in layout.tensors if t.name.startswith("blk.") and len(t.dims) == 2)  # Q4_1 rows
-    dense = sum(int(np.prod(t.dims)) * 2 for t in layout.tensors if not (t.name.startswith("blk.") and
-                                                                           len(t.dims) == 2))  # bfloat16
+    stored = {t.name: t for t in layout.tensors if len(t.dims) == 2}  # Q4_1 layer matrices, the Q8_0 table
+    packed = sum(t.nbytes for t in stored.values())
+    dense = sum(int(np.prod(t.dims)) * 2 for t in layout.tensors if t.name not in stored)  # norms in bfloat16
     params = {id(p): p for p in model.parameters()}.values()
     linears = [lin for lists in model._quantized.values() for lin in lists]
     held = sum(p.nbytes for p in params) + sum(t.nbytes for lin in linears for t in _tensors(lin))
-    assert held == packed + dense  # int4a8 codes and scales are the Q4_1 bytes; the rest in bfloat16, once
+    # int4a8 codes and scales are the Q4_1 bytes, the tied table its Q8_0 blocks; the rest in bfloat16, once
+    assert held + model.embedding.nbytes == packed + dense
+    assert model.embed_tokens.numel() == 0 and model.lm_head is model.embed_tokens
     for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
         assert all(p.numel() == 0 for p in getattr(model, name))  # no dense copy beside the packed one
 
@@ -135,3 +138,38 @@ def test_int4a8_built_in_row_chunks_equals_the_whole_weight_packed_at_once():
     chunked = int4a8_in_chunks(w, rows=1024)
     assert chunked.shape == whole.shape
     assert torch.equal(chunked.codes, whole.codes) and torch.equal(chunked.dm, whole.dm)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(bool(int4a8_reasons()), reason="; ".join(int4a8_reasons()))
+def test_a_table_held_as_blocks_gives_the_dense_tables_logits(smollm2_blocks_and_dense):
+    """SmolLM2's tied Q8_0 table: held as blocks (rows decoded per lookup, the int4 head's candidates from the
+    same blocks) or dequantized whole, the model computes the same logits bit for bit; a dense head call (more
+    rows than the int4 head takes) turns the blocks into the dense table, once."""
+    from kvcore.model.embedding import head_rows
+    from kvcore.model.lm_head import A8_MAX_ROWS, RescoredInt4Head
+
+    held, dense = smollm2_blocks_and_dense
+    assert held.embedding is not None and dense.embedding is None
+    heads = {m: RescoredInt4Head(head_rows(m), a8=True) for m in (held, dense)}
+    ids = torch.tensor([1, 9690, 314, 253, 1345, 563, 253, 39485, 30])
+    out = {m: m(ids, torch.arange(len(ids)), full_attention) for m in (held, dense)}
+    assert torch.equal(out[held], out[dense])
+    last = {m: m.compute_logits(out[m][-1:], heads[m]) for m in (held, dense)}
+    assert torch.equal(last[held], last[dense])
+    many = torch.cat([out[held]] * 2)[: A8_MAX_ROWS + 1]  # past the int4 head: the dense head
+    assert torch.equal(held.compute_logits(many, heads[held]), dense.compute_logits(many, heads[dense]))
+    assert held.embedding is None and held.embed_tokens.shape == dense.embed_tokens.shape  # dense now, once
+    assert heads[held].weight.dense().data_ptr() == held.embed_tokens.data_ptr()
+    assert torch.equal(held.compute_logits(out[held][-1:], heads[held]), last[dense])
+
+
+@pytest.fixture
+def smollm2_blocks_and_dense():
+    from kvcore.loaders import build_model, load_model
+
+    loaded = load_model("smollm2", keep_quantized=True)
+    held = build_model(loaded, torch.bfloat16, max_model_len=64, weights="int4a8")
+    name = "model.embed_tokens.weight"
+    loaded.weights[name] = loaded.weights[name].dequantize()  # a float32 table: the dense path
+    return held, build_model(loaded, torch.bfloat16, max_model_len=64, weights="int4a8")

@@ -17,6 +17,7 @@ from kvcore.interfaces.attention import AttentionBackend
 from kvcore.interfaces.kv_cache import CacheSpec, KVCache
 from kvcore.interfaces.layer_attention import LayerAttention
 from kvcore.model.config import ModelConfig
+from kvcore.model.embedding import head_rows
 from kvcore.plugins.registry import PluginEntry, PluginRegistry
 from kvcore.scheduling.kv_groups import KVGroups, group_layers
 
@@ -99,7 +100,7 @@ def local_execution(
     if config.lm_head == "int4":
         from kvcore.model.lm_head import RescoredInt4Head
 
-        head = RescoredInt4Head(model.lm_head, a8=getattr(model, "weight_format", "") in ("int4a8", "gguf"))
+        head = RescoredInt4Head(head_rows(model), a8=getattr(model, "weight_format", "") in ("int4a8", "gguf"))
     return guards, compiled, head
 
 

@@ -31,6 +31,7 @@ from kvcore.kernels.quant import DEFAULT_GROUP_SIZE, QUANTIZED_FORMATS, Int4Line
 from kvcore.loaders.gguf_codes import CODE_TYPES
 from kvcore.loaders.gguf_validate import validate_gguf
 from kvcore.loaders.model_cache import gguf_source
+from kvcore.model.embedding import head_rows
 from kvcore.plugins.registry import KV_CACHE, PluginRegistry, get_registry
 
 __all__ = ["ModelFacts", "DefaultChoice", "choose_defaults", "file_facts", "model_facts"]
@@ -222,4 +223,4 @@ def model_facts(model) -> ModelFacts:
     mc = model.config
     heads = {"head_dim": mc.head_dim, "num_heads": mc.num_attention_heads, "num_kv_heads": mc.num_key_value_heads}
     return ModelFacts(dtype=str(model.dtype).removeprefix("torch."), weights=getattr(model, "weight_format", "float"),
-                      heads=heads, head_shape=tuple(model.lm_head.shape))
+                      heads=heads, head_shape=tuple(head_rows(model).shape))

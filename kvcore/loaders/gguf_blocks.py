@@ -29,6 +29,8 @@ __all__ = ["GGUFBlocks", "INT4_TYPES", "CODE_TYPES", "file_blocks"]
 INT4_TYPES = (QType.Q4_0, QType.Q4_1)
 #: rows dequantized per ``gguf`` call (it makes several temporaries the size of its input)
 _DEQUANT_ROWS = 1024
+#: bytes of a Q8_0 block: a float16 scale and 32 signed codes
+_Q8_0_BYTES = 34
 
 
 def file_blocks(path: str | os.PathLike[str], offset: int, nbytes: int) -> Callable[[], np.ndarray]:
@@ -60,6 +62,7 @@ class GGUFBlocks:
 
     def __init__(self, qtype: QType, data: np.ndarray | Callable[[], np.ndarray], shape: tuple[int, int]) -> None:
         self.qtype, self.shape = qtype, (int(shape[0]), int(shape[1]))
+        self._table: torch.Tensor | None = None  # set by resident()
         if callable(data):
             self._read = data
         else:
@@ -99,6 +102,29 @@ class GGUFBlocks:
     def map_rows(self, fn: Callable[[np.ndarray], np.ndarray]) -> GGUFBlocks:
         """These rows reordered by ``fn`` (any ``[rows, ...] -> [rows, ...]`` row permutation), applied on each read."""
         return GGUFBlocks(self.qtype, lambda: np.ascontiguousarray(fn(self.data)), self.shape)
+
+    def resident(self) -> GGUFBlocks:
+        """These blocks read once and held (a table the model keeps as stored, decoding rows per lookup)."""
+        held = GGUFBlocks(self.qtype, self.data, self.shape)
+        held._table = torch.from_numpy(held.data)  # the same bytes as a tensor, indexed per lookup
+        return held
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes
+
+    def rows(self, index: torch.Tensor | slice, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Rows ``index`` (``[n]`` int64 or a slice) ``[n, columns]`` in ``dtype``: exactly the rows of
+        :meth:`dequantize` (llama.cpp's reference values in float32, rounded once), only those decoded."""
+        table = self._table if self._table is not None else torch.from_numpy(self.data)
+        picked = table[index]  # [n, bytes per row]
+        if self.qtype == QType.Q8_0:  # the embedding tables of llama.cpp's files: decoded in torch (traceable)
+            blocks = picked.reshape(-1, _Q8_0_BYTES)
+            d = blocks[:, :2].contiguous().view(torch.float16).float()
+            q = blocks[:, 2:].contiguous().view(torch.int8).float()
+            return (q * d).view(-1, self.shape[1]).to(dtype)  # d q is exact in float32, as the reference's
+        rows = gguf.quants.dequantize(picked.numpy(), self.qtype).reshape(-1, self.shape[1])
+        return torch.from_numpy(rows).to(dtype)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """``[rows, columns]`` in ``dtype``: llama.cpp's reference dequantization (the ``gguf`` package) in float32,

@@ -24,6 +24,7 @@ from torch import nn
 from kvcore.errors import ConfigError
 from kvcore.kernels.linear import DenseMatmuls, set_layout
 from kvcore.model.config import ModelConfig
+from kvcore.model.embedding import BlockTable, dense_embedding, hold_blocks
 from kvcore.model.layers import ACTIVATIONS, add_rms_norm, attention_layers, rms_norm
 from kvcore.model.rope import RotaryEmbedding
 from kvcore.model.weights import LINEAR_PARTS, WeightCopier, quantized_linears
@@ -62,6 +63,7 @@ class DecoderModel(nn.Module):
             return nn.ParameterList(empty(*shape) for _ in range(L))
 
         self.embed_tokens = empty(c.vocab_size, d)  # [V, d]
+        self.embedding: BlockTable | None = None  # the table as GGUF blocks (embed_tokens then empty)
         self.input_norm = per_layer(d)
         self.qkv_proj = per_layer(q_size + 2 * kv_size, d)  # [(H + 2 H_kv) D, d]
         self.qkv_bias = per_layer(q_size + 2 * kv_size) if c.attention_bias else None
@@ -133,6 +135,7 @@ class DecoderModel(nn.Module):
         where its int4 head scores every decode step, no packed copy of the head is ever made."""
         if self._quantized is None:
             return self.matmuls(num_rows)["lm_head"][0]
+        dense_embedding(self)
         return self._dense.get({"lm_head": [self.lm_head]}, num_rows, self.packed_weights)["lm_head"][0]
 
     @property
@@ -170,11 +173,13 @@ class DecoderModel(nn.Module):
             for plist in (model.qkv_proj, model.o_proj, model.gate_up_proj, model.down_proj):
                 for i in range(c.num_hidden_layers):  # no dense copy: the quantized weights are the model's
                     plist[i] = nn.Parameter(torch.empty(0, c.hidden_size, dtype=dtype), requires_grad=False)
+            weights = hold_blocks(model, weights, dtype)
 
         put_names = WeightCopier(weights, c, dtype).put
 
         with torch.no_grad():
-            put_names(model.embed_tokens, ["model.embed_tokens.weight"])
+            if model.embedding is None:
+                put_names(model.embed_tokens, ["model.embed_tokens.weight"])
             put_names(model.norm, ["model.norm.weight"], norm=True)
             if not c.tie_word_embeddings:
                 put_names(model.lm_head, ["lm_head.weight"])
@@ -236,7 +241,7 @@ class DecoderModel(nn.Module):
             tables = [local if c.layer_window(i) is not None else t for i, t in enumerate(tables)]
         mm = matmuls or self.matmuls(num_tokens)
         qkv_w, o_w, gate_up_w, down_w = mm["qkv"], mm["o"], mm["gate_up"], mm["down"]  # x [T, in] -> [T, out]
-        h = F.embedding(input_ids, self.embed_tokens)  # (T, d)
+        h = F.embedding(input_ids, self.embed_tokens) if self.embedding is None else self.embedding(input_ids)  # (T, d)
         if c.embedding_multiplier is not None:
             h = h * torch.tensor(c.embedding_multiplier, dtype=h.dtype)  # Gemma rounds the factor to the dtype
         fused, pending = self.fused_norm, None  # pending: the last MLP output, added to h by the next norm

@@ -24,6 +24,7 @@ import torch
 
 from kvcore.errors import ConfigError
 from kvcore.kernels.quant import Int4A8Linear, Int4Groups, Int4Linear, quantized_reasons
+from kvcore.model.embedding import BlockTable
 
 __all__ = ["LM_HEAD_FORMATS", "INT4_MAX_ROWS", "A8_MAX_ROWS", "RescoredInt4Head", "check_lm_head", "int4a8_in_chunks"]
 
@@ -55,10 +56,14 @@ def check_lm_head(fmt: str, dtype: torch.dtype, device: torch.device | str) -> s
 class RescoredInt4Head:
     """``hidden [N, d] -> logits [N, V]``: int4 scores, the ``top_k`` best of each row recomputed densely.
 
-    :param weight: the dense head ``[V, d]`` (the model's own tensor: read at call time, not copied).
+    :param weight: the dense head ``[V, d]`` (the model's own tensor: read at call time, not copied), or the model's
+        :class:`~kvcore.model.embedding.BlockTable` (a tied table held as GGUF blocks): the int4 copy is made from
+        its rows and the candidates' rows are decoded per call, the same values as the dense table's.
     """
 
-    def __init__(self, weight: torch.Tensor, top_k: int = 64, group_size: int = 32, a8: bool = False) -> None:
+    def __init__(
+        self, weight: torch.Tensor | BlockTable, top_k: int = 64, group_size: int = 32, a8: bool = False
+    ) -> None:
         vocab, width = weight.shape
         if not Int4Linear.fits(vocab, width, group_size):
             raise ConfigError(f"lm_head 'int4' cannot take this model's head: the int4 kernel needs a vocabulary "
@@ -73,7 +78,7 @@ class RescoredInt4Head:
         if a8 and group_size == 32:  # in row chunks: the head's unpacked codes never exist whole
             self.int4 = int4a8_in_chunks(weight)
         else:
-            self.int4 = linear(Int4Groups.from_float(weight, group_size, weight.dtype), weight.dtype)
+            self.int4 = linear(Int4Groups.from_float(weight[:], group_size, weight.dtype), weight.dtype)
 
     @property
     def nbytes(self) -> int:
@@ -82,13 +87,18 @@ class RescoredInt4Head:
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[N, V]`` in the model dtype (as the dense head returns them)."""
         hidden = hidden.contiguous()
-        return torch.ops.kvcore.rescore_top_k(self.int4(hidden), hidden, self.weight, self.top_k)
+        if isinstance(self.weight, torch.Tensor):
+            return torch.ops.kvcore.rescore_top_k(self.int4(hidden), hidden, self.weight, self.top_k)
+        scores = self.int4(hidden)
+        index = torch.ops.kvcore.top_k_candidates(scores, self.top_k)  # [N, k]
+        rows = self.weight[index.view(-1)].view(*index.shape, -1)  # [N, k, d]: only the candidates decoded
+        return torch.ops.kvcore.rescore_candidates(scores, hidden, rows, index)
 
 
-def int4a8_in_chunks(w: torch.Tensor, rows: int = 1024) -> Int4A8Linear:
+def int4a8_in_chunks(w: torch.Tensor | BlockTable, rows: int = 1024) -> Int4A8Linear:
     """``Int4A8Linear(Int4Groups.from_float(w, 32, w.dtype), w.dtype)`` built ``rows`` output rows at a time (a
     multiple of 16): the kernel's layout is per block of 16 rows, so the parts stack, and a big head's unpacked
-    codes never exist whole."""
+    codes never exist whole (nor, for a :class:`BlockTable`, its dense rows)."""
     n, k = w.shape
     out = Int4A8Linear(Int4Groups.from_float(w[:rows], 32, w.dtype), w.dtype)
     if n > rows:

@@ -12,6 +12,10 @@
 // block is skipped, so a row costs about one read of its logits (torch.topk sorts far more). Which of equal
 // values at the k-th place is kept is unspecified (as for torch.topk); NaN estimates are never selected. Rows run
 // in parallel.
+//
+// For a head held as quantized blocks (no dense [V, d] table) the two passes are separate operators, the rows
+// decoded in between: top_k_candidates(logits, k) -> [N, k] int64 indices (the same selection, in the same
+// order), then rescore_candidates(logits, hidden, rows [N, k, d], indices) writes the same dot products.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -108,10 +112,60 @@ at::Tensor rescore_top_k(at::Tensor logits, const at::Tensor& hidden, const at::
   return logits;
 }
 
+at::Tensor top_k_candidates(const at::Tensor& logits, int64_t k) {
+  TORCH_CHECK(logits.scalar_type() == at::kBFloat16 && logits.dim() == 2 && logits.is_contiguous(),
+              "top_k_candidates: contiguous bfloat16 logits [N, V]");
+  const int64_t N = logits.size(0), V = logits.size(1);
+  TORCH_CHECK(k >= 1 && k <= V, "top_k_candidates: k must be 1..V");
+  at::Tensor out = at::empty({N, k}, logits.options().dtype(at::kLong));
+  const c10::BFloat16* lp = logits.data_ptr<c10::BFloat16>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, N, 1, [&](int64_t r0, int64_t r1) {
+    std::vector<Entry> heap;
+    heap.reserve(k);
+    for (int64_t r = r0; r < r1; ++r) {
+      top_k(lp + r * V, V, k, heap);
+      for (int64_t j = 0; j < k; ++j) op[r * k + j] = heap[j].second;
+    }
+  });
+  return out;
+}
+
+at::Tensor rescore_candidates(at::Tensor logits, const at::Tensor& hidden, const at::Tensor& rows,
+                              const at::Tensor& index) {
+  TORCH_CHECK(logits.scalar_type() == at::kBFloat16 && hidden.scalar_type() == at::kBFloat16 &&
+              rows.scalar_type() == at::kBFloat16 && index.scalar_type() == at::kLong,
+              "rescore_candidates: bfloat16 logits, hidden and rows, int64 index");
+  TORCH_CHECK(logits.dim() == 2 && hidden.dim() == 2 && rows.dim() == 3 && index.dim() == 2 &&
+              logits.is_contiguous() && hidden.is_contiguous() && rows.is_contiguous() && index.is_contiguous(),
+              "rescore_candidates: contiguous logits [N, V], hidden [N, d], rows [N, k, d], index [N, k]");
+  const int64_t N = logits.size(0), V = logits.size(1), d = hidden.size(1), k = index.size(1);
+  TORCH_CHECK(hidden.size(0) == N && index.size(0) == N && rows.size(0) == N && rows.size(1) == k &&
+              rows.size(2) == d, "rescore_candidates: shapes must be logits [N, V], hidden [N, d], rows [N, k, d], "
+              "index [N, k]");
+  c10::BFloat16* lp = logits.data_ptr<c10::BFloat16>();
+  const c10::BFloat16* hp = hidden.data_ptr<c10::BFloat16>();
+  const c10::BFloat16* rp = rows.data_ptr<c10::BFloat16>();
+  const int64_t* ip = index.data_ptr<int64_t>();
+  for (int64_t i = 0; i < N * k; ++i) TORCH_CHECK(ip[i] >= 0 && ip[i] < V, "rescore_candidates: index out of range");
+  at::parallel_for(0, N, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r)
+      for (int64_t j = 0; j < k; ++j)
+        lp[r * V + ip[r * k + j]] = c10::BFloat16(dot(hp + r * d, rp + (r * k + j) * d, d));
+  });
+  return logits;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvcore, m) {
   m.def("rescore_top_k(Tensor(a!) logits, Tensor hidden, Tensor weight, int k) -> Tensor(a!)");
+  m.def("top_k_candidates(Tensor logits, int k) -> Tensor");
+  m.def("rescore_candidates(Tensor(a!) logits, Tensor hidden, Tensor rows, Tensor index) -> Tensor(a!)");
 }
 
-TORCH_LIBRARY_IMPL(kvcore, CPU, m) { m.impl("rescore_top_k", &rescore_top_k); }
+TORCH_LIBRARY_IMPL(kvcore, CPU, m) {
+  m.impl("rescore_top_k", &rescore_top_k);
+  m.impl("top_k_candidates", &top_k_candidates);
+  m.impl("rescore_candidates", &rescore_candidates);
+}

@@ -1,0 +1,107 @@
+"""A quantized model's token table held as GGUF blocks (kvcore/model/embedding.py): the rows it decodes, for the
+embedding lookup and the int4 head's rescoring, are exactly those of the whole table dequantized."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QType
+
+from kvcore.kernels.cpu_kernels import int4a8_reasons
+from kvcore.loaders.gguf_blocks import CODE_TYPES, GGUFBlocks
+from kvcore.loaders.gguf_codes import SCALE_OFFSETS
+from kvcore.model.embedding import BlockTable
+from kvcore.model.lm_head import RescoredInt4Head
+
+needs_kernel = pytest.mark.skipif(bool(int4a8_reasons()), reason="; ".join(int4a8_reasons()))
+
+
+def _blocks(qtype: QType, rows: int, cols: int, seed: int = 0) -> GGUFBlocks:
+    """Random codes with small finite float16 scales (a weight's magnitudes), held like a model's table."""
+    rng = np.random.default_rng(seed)
+    block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    per_row = cols // block_size
+    data = rng.integers(0, 256, (rows, per_row, type_size), dtype=np.uint8)
+    for at in SCALE_OFFSETS[qtype]:
+        scales = rng.standard_normal((rows, per_row, 1)) * 10.0 ** rng.integers(-4, -1, (rows, per_row, 1))
+        data[..., at:at + 2] = scales.astype(np.float16).view(np.uint8)
+    return GGUFBlocks(qtype, data.reshape(rows, -1), (rows, cols)).resident()
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit for bit, with -0 and +0 one value."""
+    return torch.equal((a.float() + 0.0).view(torch.int32), (b.float() + 0.0).view(torch.int32))
+
+
+@pytest.mark.parametrize("qtype", CODE_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_gathered_rows_equal_the_whole_table_dequantized(qtype, dtype):
+    blocks = _blocks(qtype, 96, 512)
+    whole = blocks.dequantize(dtype)  # the dense table a model without blocks holds
+    index = torch.tensor([5, 0, 95, 5, 17, 64, 63])  # repeats and any order, as token ids come
+    table = BlockTable(blocks, dtype)
+    assert _same_bits(table(index), whole[index])
+    assert _same_bits(table[10:40], whole[10:40])
+    assert table(index).dtype == dtype and table.nbytes == blocks.data.nbytes < whole.nbytes
+
+
+def test_the_q8_0_fast_path_decodes_every_code_and_scale_as_the_reference():
+    """Every int8 code, scales of all magnitudes (subnormal, negative): the torch decoding of Q8_0 rows is
+    llama.cpp's reference dequantization, bit for bit."""
+    rng = np.random.default_rng(3)
+    data = rng.integers(0, 256, (256, 4, 34), dtype=np.uint8)
+    data[:, 0, 2:] = np.arange(256, dtype=np.uint8).reshape(8, 32)[np.arange(256) % 8]  # each code in some row
+    scales = rng.standard_normal((256, 4, 1)) * 10.0 ** rng.integers(-7, 3, (256, 4, 1))
+    data[..., :2] = scales.astype(np.float16).view(np.uint8)
+    blocks = GGUFBlocks(QType.Q8_0, data.reshape(256, -1), (256, 128)).resident()
+    reference = torch.from_numpy(gguf.quants.dequantize(blocks.data, QType.Q8_0).reshape(256, 128))
+    index = torch.randperm(256)
+    assert _same_bits(blocks.rows(index, torch.float32), reference[index])
+    assert _same_bits(blocks.rows(index, torch.bfloat16), reference[index].to(torch.bfloat16))
+
+
+def test_dense_is_made_once_and_lets_the_blocks_go():
+    blocks = _blocks(QType.Q8_0, 64, 256)
+    table = BlockTable(blocks, torch.bfloat16)
+    index = torch.tensor([3, 60, 3])
+    before = table(index)
+    dense = table.dense()
+    assert table.blocks is None and table.dense() is dense and table.nbytes == dense.nbytes
+    assert torch.equal(table(index), before) and torch.equal(dense, blocks.dequantize(torch.bfloat16))
+
+
+@needs_kernel
+@pytest.mark.parametrize("qtype", [QType.Q8_0, QType.Q6_K, QType.Q4_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("a8", [False, True], ids=["int4", "int4a8"])
+def test_int4_head_on_blocks_gives_the_dense_heads_logits(qtype, a8):
+    """The int4 copy made from the blocks' rows, the candidates' rows decoded per call: the same logits, bit for
+    bit, as the head built on the dense table (rows of estimates, rescored candidates, the untouched tail)."""
+    blocks = _blocks(qtype, 2048 + 64, 256, seed=1)
+    dense = blocks.dequantize(torch.bfloat16)
+    on_dense = RescoredInt4Head(dense, a8=a8)
+    on_blocks = RescoredInt4Head(BlockTable(blocks, torch.bfloat16), a8=a8)
+    assert on_blocks.nbytes == on_dense.nbytes
+    torch.manual_seed(0)
+    hidden = torch.randn(3, 256).to(torch.bfloat16)
+    got, want = on_blocks(hidden), on_dense(hidden)
+    assert torch.equal(got, want)
+    assert not torch.equal(got, on_dense.int4(hidden))  # the estimates were rescored
+
+
+@needs_kernel
+def test_candidate_rescoring_writes_each_candidates_exact_logit_only():
+    from kvcore.kernels.cpu_kernels import load_kernels
+
+    load_kernels()
+    torch.manual_seed(1)
+    weight = torch.randn(640, 64).to(torch.bfloat16)
+    hidden = torch.randn(2, 64).to(torch.bfloat16)
+    est = torch.randn(2, 640).to(torch.bfloat16)
+    index = torch.ops.kvcore.top_k_candidates(est, 8)
+    assert torch.equal(index.sort(dim=1).values, est.float().topk(8, dim=1).indices.sort(dim=1).values)
+    got = torch.ops.kvcore.rescore_candidates(est.clone(), hidden, weight[index.view(-1)].view(2, 8, 64), index)
+    assert torch.equal(got, torch.ops.kvcore.rescore_top_k(est.clone(), hidden, weight, 8))
+    with pytest.raises(RuntimeError, match="index out of range"):
+        torch.ops.kvcore.rescore_candidates(est.clone(), hidden, weight[:16].view(2, 8, 64), index + 640)
