@@ -8,6 +8,8 @@ import types
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
+import gguf
+import numpy as np
 import torch
 
 from kvcore import LlamaModel, ModelConfig, SamplingParams, hookimpl
@@ -165,3 +167,20 @@ def weights_of(model: LlamaModel) -> dict[str, torch.Tensor]:
         state.update({p + "mlp.gate_proj.weight": gate, p + "mlp.up_proj.weight": up,
                       p + "mlp.down_proj.weight": model.down_proj[i]})
     return {n: t.detach() for n, t in state.items()}
+
+
+class FastGGUFReader(gguf.GGUFReader):
+    """``GGUFReader`` over a plain ndarray view of its memory map, for transformers' GGUF loading in tests.
+
+    The reader slices its ``np.memmap`` once per metadata value, and every slice of a memmap subclass pays for
+    ``__array_finalize__`` (seconds for a 49k-token vocabulary); a plain view of the same mapping reads the same
+    bytes several times faster. The base class assigns ``self.data`` in ``__init__``; this property intercepts it.
+    """
+
+    @property  # type: ignore[override]
+    def data(self) -> np.ndarray:
+        return self._plain_data
+
+    @data.setter
+    def data(self, value: np.ndarray) -> None:
+        self._plain_data = value.view(np.ndarray)

@@ -14,11 +14,12 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as QType
+from helpers import FastGGUFReader
 from safetensors.torch import save_file
 
 from kvcore.errors import ModelLoadError, ModelNotFoundError
 from kvcore.loaders import LoadedModel, expected_shapes, load_model, resolve
-from kvcore.loaders.gguf import _Reader, load_gguf, unpermute_qk
+from kvcore.loaders.gguf import load_gguf, unpermute_qk
 from kvcore.model.config import ModelConfig
 from kvcore.text.vocab import byte_level_bpe
 
@@ -49,7 +50,7 @@ def hf_state(smollm2_file: Path) -> dict[str, torch.Tensor]:
         # speed only (~2-3x): transformers parses the metadata twice with the stock reader, whose
         # memmap slicing is slow, and rebuilds the same tensor-name map once per tensor. The values
         # it reads are byte-for-byte the same.
-        mp.setattr(gguf, "GGUFReader", _Reader)
+        mp.setattr(gguf, "GGUFReader", FastGGUFReader)
         mp.setattr(gguf, "get_tensor_name_map", functools.lru_cache(gguf.get_tensor_name_map))
         model = transformers.AutoModelForCausalLM.from_pretrained(
             str(smollm2_file.parent), gguf_file=smollm2_file.name, dtype=torch.float32

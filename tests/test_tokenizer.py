@@ -7,12 +7,13 @@ from pathlib import Path
 
 import gguf
 import pytest
+from helpers import FastGGUFReader
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvcore.errors import ConfigError, InvalidRequestError, ModelNotFoundError
 from kvcore.loaders import resolve
-from kvcore.loaders.gguf import _Reader, load_gguf_tokenizer
+from kvcore.loaders.gguf import load_gguf_tokenizer
 from kvcore.text.tokenizer import Tokenizer
 from kvcore.text.vocab import byte_level_bpe
 
@@ -75,7 +76,7 @@ def hf_tok(smollm2_file: Path):
     with pytest.MonkeyPatch.context() as mp:
         # speed only: the stock reader's memmap slicing makes parsing the 49k-token vocabulary slow;
         # this subclass reads the same bytes through a plain ndarray view
-        mp.setattr(gguf, "GGUFReader", _Reader)
+        mp.setattr(gguf, "GGUFReader", FastGGUFReader)
         return transformers.AutoTokenizer.from_pretrained(
             str(smollm2_file.parent), gguf_file=smollm2_file.name
         )

@@ -31,8 +31,9 @@ from gguf import GGMLQuantizationType as QType
 from kvcore.errors import ModelLoadError, ModelNotFoundError
 from kvcore.loaders.gguf_blocks import GGUFBlocks, file_blocks
 from kvcore.loaders.gguf_config import gguf_config, tensor_rope
+from kvcore.loaders.gguf_format import GGUFLayout, GGUFTensorInfo
+from kvcore.loaders.gguf_metadata import read_gguf, tensor_data
 from kvcore.loaders.gguf_tokenizer import gguf_tokenizer
-from kvcore.loaders.gguf_validate import validate_gguf
 from kvcore.loaders.loaded import LoadedModel, check_layer_count, expected_shapes, split_rows, stored_tensors
 from kvcore.model.architectures import Architecture
 from kvcore.model.config import ModelConfig
@@ -70,40 +71,15 @@ _GLOBAL_NAMES = {
 #: tensors that carry RoPE frequency factors, not weights
 _ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 
-# what a damaged or foreign file makes the gguf reader raise (it has no exception type of its own)
+# what a damaged tensor makes the gguf package's dequantizer raise (it has no exception type of its own)
 _READER_ERRORS = (ValueError, IndexError, KeyError, TypeError, OverflowError, OSError)
 
 
-class _Reader(gguf.GGUFReader):
-    """``GGUFReader`` over a plain ndarray view of its memory map.
-
-    The reader slices its ``np.memmap`` once per metadata value, and every slice of a memmap
-    subclass pays for ``__array_finalize__``: ~100k slices for a 49k-token vocabulary took 6-8 s.
-    A plain ndarray view of the same mapping makes that ~1 s. The base class assigns ``self.data``
-    in ``__init__``; this property intercepts that assignment.
-    """
-
-    @property  # type: ignore[override]
-    def data(self) -> np.ndarray:
-        return self._plain_data
-
-    @data.setter
-    def data(self, value: np.ndarray) -> None:
-        self._plain_data = value.view(np.ndarray)
-
-
-def _open(path: Path) -> tuple[_Reader, dict[str, Any]]:
-    """The reader and its metadata as Python values; ModelLoadError for anything unreadable."""
+def _open(path: Path) -> tuple[GGUFLayout, dict[str, Any]]:
+    """The file's tensor table and its metadata as Python values; ModelLoadError for anything unreadable."""
     if not path.is_file():
         raise ModelNotFoundError(f"GGUF file '{path}' not found")
-    validate_gguf(path)  # the reader trusts every count and offset in the file: bound them first
-    try:
-        reader = _Reader(path)
-        metadata = {name: field.contents() for name, field in reader.fields.items()}
-    except _READER_ERRORS as exc:
-        detail = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc) or type(exc).__name__
-        raise ModelLoadError(f"'{path}' is not a valid GGUF file (truncated or corrupt?): {detail}") from None
-    return reader, metadata
+    return read_gguf(path)  # the counts and offsets bounded first (validate_gguf), then read
 
 
 def unpermute_qk(weight: np.ndarray, n_head: int) -> np.ndarray:
@@ -128,23 +104,23 @@ def unpermute_qk(weight: np.ndarray, n_head: int) -> np.ndarray:
 _DEQUANT_ROWS = 4096
 
 
-def _dequantize(tensor: Any, path: Path) -> np.ndarray:
-    if tensor.tensor_type not in SUPPORTED_TYPES:
+def _dequantize(tensor: GGUFTensorInfo, path: Path) -> np.ndarray:
+    qtype = QType(tensor.ggml_type)
+    if qtype not in SUPPORTED_TYPES:
         supported = ", ".join(t.name for t in SUPPORTED_TYPES)
         raise ModelLoadError(
-            f"'{path}': tensor '{tensor.name}' has unsupported type {tensor.tensor_type.name} "
-            f"(supported: {supported})"
+            f"'{path}': tensor '{tensor.name}' has unsupported type {qtype.name} (supported: {supported})"
         )
-    shape = tuple(int(n) for n in reversed(tensor.shape))  # [ne1, ne0] in numpy order is Hugging Face's [out, in]
-    data = tensor.data
+    shape = tuple(reversed(tensor.dims))  # [ne1, ne0] in numpy order is Hugging Face's [out, in]
+    data = tensor_data(path, tensor)
     try:
-        if data.ndim != 2 or tensor.tensor_type in (QType.F32, QType.F16):
-            return gguf.quants.dequantize(data, tensor.tensor_type).reshape(shape)
+        if data.ndim != 2 or qtype in (QType.F32, QType.F16):
+            return gguf.quants.dequantize(data, qtype).reshape(shape)
         # row chunks into one float32 array: gguf's dequantizer makes several full-size temporaries per call,
         # which for a big embedding table were the load's peak memory
         out = np.empty((data.shape[0], shape[-1]), dtype=np.float32)
         for start in range(0, data.shape[0], _DEQUANT_ROWS):
-            rows = gguf.quants.dequantize(data[start : start + _DEQUANT_ROWS], tensor.tensor_type)
+            rows = gguf.quants.dequantize(data[start : start + _DEQUANT_ROWS], qtype)
             out[start : start + _DEQUANT_ROWS] = rows.reshape(-1, shape[-1])
     except _READER_ERRORS as exc:
         raise ModelLoadError(f"'{path}': cannot decode tensor '{tensor.name}': {exc}") from None
@@ -162,10 +138,10 @@ def load_gguf(path: str | os.PathLike[str], name: str | None = None, keep_quanti
             the file when the model is built) instead of float32 tensors.
     """
     path = Path(path)
-    reader, metadata = _open(path)
+    layout, metadata = _open(path)
     arch, fields, meta = _checked(gguf_config, metadata, path)
     tokenizer = _checked(gguf_tokenizer, metadata, path)
-    tensors = {t.name: t for t in reader.tensors}
+    tensors = {t.name: t for t in layout.tensors}
     rope = {n: _dequantize(tensors.pop(n), path).reshape(-1).tolist() for n in _ROPE_TENSORS if n in tensors}
     fields["rope_scaling"] = tensor_rope(fields, rope, meta)
     fields["tie_word_embeddings"] = "output.weight" not in tensors
@@ -189,21 +165,18 @@ def load_gguf(path: str | os.PathLike[str], name: str | None = None, keep_quanti
     weights: dict[str, torch.Tensor] = {}
     for gguf_name, parts in stored.items():
         tensor = tensors[gguf_name]
-        shape = tuple(int(n) for n in reversed(tensor.shape))
+        shape = tuple(reversed(tensor.dims))
         expected = (sum(shapes[n][0] for n in parts), *shapes[parts[0]][1:])
         if shape != expected:
             raise ModelLoadError(
                 f"'{path}': tensor '{gguf_name}' ({', '.join(parts)}) has shape {list(shape)}, "
                 f"expected {list(expected)} from the metadata"
             )
-        if keep_quantized and tensor.tensor_type not in _FLOAT_TYPES and len(shape) == 2:
+        if keep_quantized and QType(tensor.ggml_type) not in _FLOAT_TYPES and len(shape) == 2:
             # read from the file when the model is built, one tensor at a time (see GGUFBlocks)
-            values = GGUFBlocks(tensor.tensor_type, file_blocks(path, tensor.data_offset, tensor.n_bytes), shape)
+            values = GGUFBlocks(QType(tensor.ggml_type), file_blocks(path, tensor.offset, tensor.nbytes), shape)
         else:
-            values = np.ascontiguousarray(_dequantize(tensor, path), dtype=np.float32)
-            if not values.flags.writeable:  # F32 tensors are views of the read-only file mapping: copy them out
-                values = values.copy()
-            values = torch.from_numpy(values)
+            values = torch.from_numpy(np.ascontiguousarray(_dequantize(tensor, path), dtype=np.float32))
         for canonical, value in split_rows(values, parts, shapes).items():
             weights[canonical] = _from_llama_cpp(canonical, value, arch, config)
     return LoadedModel(
