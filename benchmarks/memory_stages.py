@@ -13,7 +13,7 @@ import torch
 
 from kvcore.engine.core import Engine, EngineConfig
 from kvcore.interfaces.sampler import SamplingParams
-from kvcore.loaders.heap import load_scope
+from kvcore.loaders.heap import load_scope, trim_heap
 from kvcore.loaders.load import build_model, load_model
 
 MIB = 2**20
@@ -66,7 +66,8 @@ def main() -> None:
         model = build_model(loaded, torch.bfloat16, "cpu", 136, weights="int4a8")
         tok = loaded.tokenizer
         del loaded
-        mark("build_model (layers packed, embedding in bfloat16)")
+        trim_heap()
+        mark("build_model (layers packed, embedding as its Q8_0 blocks); heap trimmed")
         config = EngineConfig(dtype="bfloat16", weights="int4a8", lm_head="int4", backend="cpu_decode",
                               max_model_len=136, max_num_seqs=1)
         engine = Engine(model, tok, config)
@@ -80,8 +81,9 @@ def main() -> None:
     packed = sum(lin.nbytes for lists in model._quantized.values() for lin in lists) / MIB
     tensors = {id(t): t for t in (*model.parameters(), *model.buffers())}.values()
     dense = sum(t.nbytes for t in tensors) / MIB
-    print(f"\nheld by the model: packed layer matmuls {packed:.1f} MiB, parameters + buffers (embedding, norms, RoPE) "
-          f"{dense:.1f} MiB, int4 head {engine.lm_head.nbytes / MIB:.1f} MiB")
+    table = model.embedding.nbytes if model.embedding is not None else 0
+    print(f"\nheld by the model: packed layer matmuls {packed:.1f} MiB, embedding (GGUF blocks) {table / MIB:.1f} "
+          f"MiB, parameters + buffers (norms, RoPE) {dense:.1f} MiB, int4 head {engine.lm_head.nbytes / MIB:.1f} MiB")
     now = smaps()
     growth = sorted(((k, v - base_maps.get(k, 0)) for k, v in now.items()), key=lambda kv: -kv[1])[:6]
     print("growth by mapping (MiB): " + ", ".join(f"{k} {v:.1f}" for k, v in growth))

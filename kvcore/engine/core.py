@@ -169,7 +169,7 @@ class Engine(EngineStep):
             tokenizer, the tokens it needs (prompt + new tokens). Without ``max_model_len`` the KV cache is then
             sized to it instead of to the model's window.
         """
-        from kvcore.loaders.heap import load_scope
+        from kvcore.loaders.heap import load_scope, trim_heap
         from kvcore.loaders.model_cache import load_pretrained
 
         config = config or EngineConfig()
@@ -179,6 +179,7 @@ class Engine(EngineStep):
             decoder, tokenizer = load_pretrained(
                 model, parse_dtype(config.dtype), config.device, config.max_model_len, model_cache, config.weights
             )
+            trim_heap()
             if request_tokens is not None and config.max_model_len is None:
                 window = decoder.config.max_position_embeddings
                 config = dataclasses.replace(config, max_model_len=min(window, max(2, request_tokens(tokenizer))))

@@ -17,7 +17,7 @@ import functools
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-__all__ = ["load_scope"]
+__all__ = ["load_scope", "trim_heap"]
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt parameters (malloc.h)
 _LOAD_MMAP_THRESHOLD = 128 << 10  # glibc's initial value: every big temporary is its own mapping
@@ -32,6 +32,14 @@ def _libc():
     except (OSError, AttributeError):
         return None
     return libc
+
+
+def trim_heap() -> None:
+    """Give the heap's free pages back now (inside :func:`load_scope`: between building a model and the next
+    step, so what the build left free is not counted again in the next step's peak)."""
+    libc = _libc()
+    if libc is not None:
+        libc.malloc_trim(0)
 
 
 @contextmanager
