@@ -8,11 +8,14 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as QType
+from helpers import full_attention, make_random_model, weights_of
 
 from kvcore.kernels.cpu_kernels import int4a8_reasons
+from kvcore.kernels.quant import quantized_reasons
 from kvcore.loaders.gguf_blocks import CODE_TYPES, GGUFBlocks
 from kvcore.loaders.gguf_codes import SCALE_OFFSETS
-from kvcore.model.embedding import BlockTable
+from kvcore.model.decoder import DecoderModel
+from kvcore.model.embedding import BlockTable, head_rows
 from kvcore.model.lm_head import RescoredInt4Head
 
 needs_kernel = pytest.mark.skipif(bool(int4a8_reasons()), reason="; ".join(int4a8_reasons()))
@@ -105,3 +108,27 @@ def test_candidate_rescoring_writes_each_candidates_exact_logit_only():
     assert torch.equal(got, torch.ops.kvcore.rescore_top_k(est.clone(), hidden, weight, 8))
     with pytest.raises(RuntimeError, match="index out of range"):
         torch.ops.kvcore.rescore_candidates(est.clone(), hidden, weight[:16].view(2, 8, 64), index + 640)
+
+
+@pytest.mark.skipif(bool(quantized_reasons("int4", torch.bfloat16, "cpu")), reason="no int4 kernel here")
+@pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
+def test_a_quantized_model_holds_its_gguf_table_as_blocks_with_the_dense_tables_results(tie):
+    """Tied or not, the decoder with its table as Q8_0 blocks computes what it computes with that table
+    dequantized (a float tensor, held dense); a float model keeps a dense table."""
+    model = make_random_model(vocab_size=320, head_dim=32, tie=tie)
+    weights = weights_of(model)
+    table = model.embed_tokens.detach().numpy()
+    blocks = GGUFBlocks(QType.Q8_0, gguf.quants.quantize(table, QType.Q8_0), table.shape)
+    config, name = model.config, "model.embed_tokens.weight"
+    held = DecoderModel.from_weights(config, {**weights, name: blocks}, torch.bfloat16, weight_format="int4")
+    dense = DecoderModel.from_weights(config, {**weights, name: blocks.dequantize()}, torch.bfloat16,
+                                      weight_format="int4")
+    assert isinstance(held.embedding, BlockTable) and held.embed_tokens.numel() == 0 and dense.embedding is None
+    assert (held.lm_head is held.embed_tokens) == tie and (head_rows(held) is held.embedding) == tie
+    ids = torch.tensor([0, 319, 7, 7, 150])
+    out = {m: m(ids, torch.arange(len(ids)), full_attention) for m in (held, dense)}
+    assert torch.equal(out[held], out[dense])
+    assert torch.equal(held.compute_logits(out[held]), dense.compute_logits(out[dense]))  # the dense head
+    assert (held.embedding is None) == tie  # a tied table became dense for it; an untied one stays blocks
+    floats = DecoderModel.from_weights(config, {**weights, name: blocks}, torch.bfloat16)
+    assert floats.embedding is None and floats.embed_tokens.shape == (320, 128)
