@@ -42,6 +42,9 @@ class BlockTable:
             return self._dense[index]
         return self.blocks.rows(index, self.dtype)
 
+    # eager under torch.compile (a compiled decode step breaks its graph here): Inductor warns about, and may
+    # fuse differently, the float16 scales decoded next to bfloat16 rows
+    @torch.compiler.disable
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         """The embedding lookup: ``ids`` ``[T]`` int64 -> ``[T, d]``."""
         return self[ids]
