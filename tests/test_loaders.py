@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import time
 from pathlib import Path
 
 import gguf
@@ -36,10 +35,7 @@ def smollm2_file() -> Path:
 
 @pytest.fixture(scope="module")
 def smol(smollm2_file: Path) -> LoadedModel:
-    start = time.perf_counter()
-    model = load_model("smollm2")
-    model.load_seconds = time.perf_counter() - start  # type: ignore[attr-defined]
-    return model
+    return load_model("smollm2")
 
 
 @pytest.fixture(scope="module")
@@ -88,12 +84,6 @@ def test_smollm2_weights_contract(smol: LoadedModel) -> None:
         assert tensor.is_contiguous(), name
     assert smol.weights["model.layers.0.self_attn.q_proj.weight"].shape == (576, 576)
     assert smol.weights["model.layers.0.self_attn.k_proj.weight"].shape == (192, 576)
-
-
-@pytest.mark.slow
-def test_smollm2_load_time(smol: LoadedModel) -> None:
-    # generous bound for slow CI machines; ~5 s on 2 cores
-    assert smol.load_seconds < 30  # type: ignore[attr-defined]
 
 
 @pytest.mark.slow
