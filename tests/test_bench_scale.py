@@ -34,7 +34,7 @@ def test_quick_mode_runs_every_point_on_both_kvcore_configurations(random_model)
 
     kv = KvcoreSide(lambda config: Engine(random_model, None, config), QUICK, {})
     points = run_points(kv, llamacpp, QUICK, reps=1)
-    long_prompt = QUICK.long_context - QUICK.long_new_tokens  # the tiny model's window is 512: 504 tokens
+    long_prompt = QUICK.long_context - QUICK.long_new_tokens  # 504 tokens: the tiny model's whole window
     assert calls == [("short", 1, 16), ("short", 8, 16), ("long", 1, 8), ("long", 8, 8)]
     assert [(p["kind"], p["seqs"], p["prompt_tokens"]) for p in points] == [
         ("short", 1, 32), ("short", 8, 32), ("long", 1, long_prompt), ("long", 8, long_prompt)]

@@ -4,7 +4,7 @@ context, kvcore beside native ``llama-batched-bench`` (llama.cpp's parallel sequ
 Points (``--quick`` shrinks them): ``short``, 1 / 8 / 32 / 64 concurrent requests of 128 random prompt tokens each,
 generating 128 / 128 / 64 / 32 tokens (fewer at high concurrency keeps a run to minutes; the throughput is
 steady long before), against ``llama-batched-bench -npp 128 -ntg N -npl P``; ``long``, 1 and 8 requests sharing
-one prompt that fills the model's window up to 8192 tokens less the 32 they generate, against
+one 8160-token prompt (8192 with the 32 tokens they generate: SmolLM2's whole window), against
 ``llama-batched-bench -pps -kvu`` (the prompt computed once and shared by every sequence, as kvcore's prefix cache
 shares it). Aggregate decode tok/s = tokens after each request's first / (last token - first token), summed over
 the requests (kvcore); ``S_TG`` = ``speed_tg`` (llama.cpp). Time to first token: kvcore's mean over the requests
@@ -34,7 +34,7 @@ __all__ = ["Plan", "FULL", "QUICK", "KvcoreSide", "llamacpp_point", "run_scale",
 @dataclass(frozen=True)
 class Plan:
     """The points measured. ``new_tokens``: (concurrent requests, tokens each generates); ``long_context``:
-    shared prompt + generated tokens (at most the model's window)."""
+    shared prompt + generated tokens (at most the model's context window)."""
 
     prompt_tokens: int = 128
     new_tokens: tuple[tuple[int, int], ...] = ((1, 128), (8, 128), (32, 64), (64, 32))
@@ -42,9 +42,10 @@ class Plan:
     long_new_tokens: int = 32
     long_seqs: tuple[int, ...] = (1, 8)
 
-    def long_prompt(self, window: int) -> int:
-        """Tokens of the shared long prompt for a model with a ``window``-token context."""
-        return min(self.long_context, window) - self.long_new_tokens
+    @property
+    def long_prompt(self) -> int:
+        """Tokens of the shared long prompt."""
+        return self.long_context - self.long_new_tokens
 
     @property
     def max_seqs(self) -> int:
@@ -72,11 +73,6 @@ class KvcoreSide:
         self._engines: dict[tuple[str, bool], Any] = {}
         self.vocab = 0
 
-    @property
-    def window(self) -> int:
-        """The model's context window (``max_position_embeddings``)."""
-        return self.engine("paged", False).model.config.max_position_embeddings
-
     def engine(self, config: str, long: bool):
         key = (config, long)
         if key not in self._engines:
@@ -88,7 +84,7 @@ class KvcoreSide:
                 fields.update(backend="paged", enable_prefix_caching=True)
             if long:
                 seqs = max(p.long_seqs) if config == "paged" else 1
-                length = p.long_prompt(self.window) + p.long_new_tokens
+                length = p.long_context
                 if config == "paged":  # the shared prompt twice (one repetition's, evictable, and the next's) + tails
                     bs = fields.get("block_size", 16)
                     fields["num_blocks"] = 2 * (length // bs + 2) + seqs * (p.long_new_tokens // bs + 2)
@@ -108,7 +104,7 @@ class KvcoreSide:
 
     def long(self, config: str, seqs: int, salt: int) -> dict[str, float]:
         engine = self.engine(config, True)
-        prompt = _prompt(self.vocab, self.plan.long_prompt(self.window), salt)  # cold: a new prompt every time
+        prompt = _prompt(self.vocab, self.plan.long_prompt, salt)  # cold: a new prompt every time
         return _figures(kv_run(engine, [prompt] * seqs, self.plan.long_new_tokens))
 
     def runs(self, config: str) -> bool:
@@ -182,7 +178,7 @@ def run_points(kv: KvcoreSide, lc: Callable[..., dict[str, float]] | None, plan:
             log(f"{kind} x{seqs}, rep {rep + 1}/{reps}: " + ", ".join(
                 f"{s} {v['tok_s']:.1f} tok/s" for s, v in run.items() if isinstance(v, dict)))
         point = {"kind": kind, "seqs": seqs, "new_tokens": new, "runs": runs}
-        point["prompt_tokens"] = plan.prompt_tokens if kind == "short" else plan.long_prompt(kv.window)
+        point["prompt_tokens"] = plan.prompt_tokens if kind == "short" else plan.long_prompt
         if lc is not None:
             point["median"] = point_medians(runs)
         points.append(point)
@@ -215,7 +211,7 @@ def run_scale(args: argparse.Namespace) -> int:
             (row,) = batched_bench(bin_dir, path, threads, [seqs], plan.prompt_tokens, new,
                                    ctx=seqs * (plan.prompt_tokens + new) + 64)
         else:
-            prompt = plan.long_prompt(kv.window)
+            prompt = plan.long_prompt
             (row,) = batched_bench(bin_dir, path, threads, [seqs], prompt, new, ctx=prompt + seqs * new + 64,
                                    shared_prompt=True)
         return llamacpp_point(row)
