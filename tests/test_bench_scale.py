@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from test_bench_native import fake_tool
 
 from kvcore import Engine
@@ -89,3 +90,22 @@ def test_report_tables_and_plot(tmp_path):
     paths = write_scale(report, tmp_path)
     assert json.loads((tmp_path / "scale-curves.json").read_text())["points"][1]["seqs"] == 8
     assert tmp_path / "scale-curves.png" in paths and (tmp_path / "scale-curves.png").stat().st_size > 1000
+
+
+def _break_even_module():
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "compile_break_even.py"
+    spec = importlib.util.spec_from_file_location("compile_break_even", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_compile_break_even_is_where_the_lines_cross():
+    m = _break_even_module()
+    eager = m.fit([(100, 11.0), (1100, 21.0)])  # 10 s + 10 ms/token
+    assert eager == pytest.approx((10.0, 0.01))
+    assert m.break_even(eager, (30.0, 0.005)) == pytest.approx(4000)  # 20 s more, 5 ms/token less
+    assert m.break_even(eager, (30.0, 0.01)) is None  # never cheaper per token: never pays
+    assert m.break_even(eager, (5.0, 0.005)) == 0.0  # cheaper from the first token
