@@ -70,29 +70,30 @@ def main() -> None:
     ap.add_argument("--out", default="bench-out")
     args = ap.parse_args()
     counts = [int(t) for t in args.tokens.split(",")]
-    warm_cache = tempfile.mkdtemp(prefix="kvc-inductor-prep-")
-    generate(args.threads, 8, False, warm_cache)  # the prepared-model cache is written once, before any timing
+    eager_dir = tempfile.mkdtemp(prefix="kvc-inductor-eager-")  # an eager run compiles nothing into it
+    generate(args.threads, 8, False, eager_dir)  # the prepared-model cache is written once, before any timing
     runs: dict[str, dict[int, dict]] = {m: {} for m in MODES}
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="kvc-inductor-") as cache:
         for i, n in enumerate(counts):
-            order = [("eager", False), ("compile_cold" if i == 0 else "compile_warm", True)]
+            cold = i == 0
+            order = [("eager", False), ("compile_cold" if cold else "compile_warm", True)]
             for mode, comp in order if i % 2 == 0 else order[::-1]:
-                runs[mode][n] = generate(args.threads, n, comp, cache if comp else warm_cache)
-            if i == 0:
+                runs[mode][n] = generate(args.threads, n, comp, cache if comp else eager_dir)
+            if cold:
                 runs["compile_warm"][n] = generate(args.threads, n, True, cache)
-            print(f"{n} tokens: " + ", ".join(f"{m} {runs[m][n]['wall_s']:.1f} s" for m in MODES if n in runs[m]),
-                  file=sys.stderr, flush=True)
+            print(f"{n} tokens: " + ", ".join(f"{m} {runs[m][n]['wall_s']:.1f} s (TPOT {runs[m][n]['tpot_s'] * 1e3:.1f}"
+                                              " ms)" for m in MODES if n in runs[m]), file=sys.stderr, flush=True)
     lines = {m: fit([(n, r["wall_s"]) for n, r in runs[m].items()]) for m in ("eager", "compile_warm")}
-    (n0, cold), = runs["compile_cold"].items()
-    lines["compile_cold"] = (lines["compile_warm"][0] + cold["wall_s"] - runs["compile_warm"][n0]["wall_s"],
-                             lines["compile_warm"][1])
+    for n0, c in runs["compile_cold"].items():  # the warm line, shifted by what the cold run cost more
+        lines["compile_cold"] = (lines["compile_warm"][0] + c["wall_s"] - runs["compile_warm"][n0]["wall_s"],
+                                 lines["compile_warm"][1])
     report = {
         "environment": {**environment(), **cpu_features(), "threads": args.threads, "load_average_end": _load_average(),
                         "command": "python benchmarks/compile_break_even.py " + " ".join(sys.argv[1:])},
         "seconds": time.perf_counter() - start, "runs": runs,
         "fit": {m: {"a_s": a, "b_s_per_token": b} for m, (a, b) in lines.items()},
-        "break_even_tokens": {m: break_even(lines["eager"], lines[m]) for m in ("compile_cold", "compile_warm")},
+        "break_even_tokens": {m: break_even(lines["eager"], lines[m]) for m in lines if m != "eager"},
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -112,9 +113,9 @@ def render(report: dict) -> str:
     fits = ", ".join(f"{m}: {f['a_s']:.1f} s + {f['b_s_per_token'] * 1e3:.2f} ms/token"
                      for m, f in report["fit"].items())
     be = report["break_even_tokens"]
-    fmt = {k: "never" if v is None else f"{v:.0f} tokens" for k, v in be.items()}
-    return "\n".join(lines + ["", f"Fits: {fits}.",
-                              f"Break-even: cold {fmt['compile_cold']}, warm {fmt['compile_warm']}."])
+    fmt = ", ".join(f"{k.removeprefix('compile_')} {'never' if v is None else f'{v:.0f} tokens'}"
+                    for k, v in be.items())
+    return "\n".join(lines + ["", f"Fits: {fits}.", f"Break-even: {fmt}."])
 
 
 if __name__ == "__main__":

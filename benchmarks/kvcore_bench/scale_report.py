@@ -91,11 +91,14 @@ def plot_scale(report: dict[str, Any], path: Path) -> bool:
     titles = {"short": f"{report['plan']['prompt_tokens']}-token prompts",
               "long": f"{long_prompt}-token shared prompt"}
     for ax, kind in zip(axes, ("short", "long")):
+        ticks: set[int] = set()
         for side in _sides(report):
             xs, ys = _series(report, kind, side)
             if xs:
                 ax.plot(xs, ys, marker="o", linestyle="--" if side == "llama.cpp" else "-", label=side)
+                ticks.update(xs)
         ax.set_xscale("log", base=2)
+        ax.set_xticks(sorted(ticks), [str(t) for t in sorted(ticks)])
         ax.set_xlabel("concurrent requests")
         ax.set_ylabel("aggregate decode tok/s")
         ax.set_title(titles[kind])
