@@ -14,15 +14,15 @@ from kvcore_bench.native_llamacpp import batched_bench
 from kvcore_bench.scale import QUICK, KvcoreSide, llamacpp_point, run_points
 from kvcore_bench.scale_report import render_scale, write_scale
 
-#: llama-batched-bench 0.3.36 --output-format jsonl on SmolLM2 Q4_1, two threads (stdout; the log goes to stderr):
-#: 128-token prompts at 8 sequences, and one 8128-token prompt shared by 8 sequences (-pps -kvu)
+#: llama-batched-bench 0.3.36 --output-format jsonl on SmolLM2 Q4_1, two threads, a busy machine (stdout; the log goes
+#: to stderr): 128-token prompts at 8 sequences, and one 256-token prompt shared by 4 sequences (-pps -kvu)
 CAPTURED = (
     '{"n_kv_max": 4096, "n_batch": 2048, "n_ubatch": 512, "flash_attn": -1, "is_pp_shared": 0, "n_gpu_layers": -1, '
     '"n_threads": 2, "n_threads_batch": 2, "pp": 128, "tg": 16, "pl": 8, "n_kv": 1152, "t_pp": 33.705063, '
     '"speed_pp": 30.381193, "t_tg": 19.803972, "speed_tg": 6.463350, "t": 53.509033, "speed": 21.529076}\n'
-    '{"n_kv_max": 8448, "n_batch": 2048, "n_ubatch": 512, "flash_attn": -1, "is_pp_shared": 1, "n_gpu_layers": -1, '
-    '"n_threads": 2, "n_threads_batch": 2, "pp": 8128, "tg": 32, "pl": 8, "n_kv": 8384, "t_pp": 21.5, '
-    '"speed_pp": 378.0, "t_tg": 4.0, "speed_tg": 64.0, "t": 25.5, "speed": 328.8}'
+    '{"n_kv_max": 512, "n_batch": 2048, "n_ubatch": 512, "flash_attn": -1, "is_pp_shared": 1, "n_gpu_layers": -1, '
+    '"n_threads": 2, "n_threads_batch": 2, "pp": 256, "tg": 8, "pl": 4, "n_kv": 288, "t_pp": 12.836704, '
+    '"speed_pp": 19.942814, "t_tg": 47.643997, "speed_tg": 0.671648, "t": 60.480701, "speed": 4.761849}'
 )
 
 
@@ -57,11 +57,11 @@ def test_quick_mode_runs_every_point_on_both_kvcore_configurations(random_model)
 
 def test_batched_bench_rows_as_captured_are_read(tmp_path):
     fake_tool(tmp_path / "llama-batched-bench", "llama_model_load: noise on stdout\n" + CAPTURED)
-    short, shared = batched_bench(tmp_path, Path("m.gguf"), 2, [8], 8128, 32, ctx=8448, shared_prompt=True)
+    short, shared = batched_bench(tmp_path, Path("m.gguf"), 2, [4], 256, 8, ctx=512, shared_prompt=True)
     assert llamacpp_point(short) == {"tok_s": 6.46335, "ttft_s": 33.705063}  # S_TG, not S (prompt + generation)
-    assert llamacpp_point(shared) == {"tok_s": 64.0, "ttft_s": 21.5}
+    assert llamacpp_point(shared) == {"tok_s": 0.671648, "ttft_s": 12.836704}
     args = (tmp_path / "llama-batched-bench.args").read_text()
-    assert "-npp 8128 -ntg 32 --no-repack -pps -kvu -npl 8" in args and "-c 8448" in args
+    assert "-npp 256 -ntg 8 --no-repack -pps -kvu -npl 4" in args and "-c 512" in args
     batched_bench(tmp_path, Path("m.gguf"), 2, [8], 128, 16, ctx=2112)
     assert "-pps" not in (tmp_path / "llama-batched-bench.args").read_text()
 
