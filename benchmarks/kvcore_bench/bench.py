@@ -138,6 +138,11 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.scale:
+        from kvcore_bench.scale import run_scale
+
+        args.progress = not args.no_progress
+        return run_scale(args)
     if args.llamacpp_native:
         from kvcore_bench.vs_native import run_native
 
@@ -222,7 +227,7 @@ def kv_run(engine, prompts: Sequence[Sequence[int]], new_tokens: int) -> RunStat
     for r in results:
         if r.error is not None:
             raise r.error
-    return _stats(
+    stats = _stats(
         ttfts=[r.metrics.ttft_s for r in results],
         token_times=[times[rid] for rid in ids],
         token_ids=[r.token_ids for r in results],
@@ -232,6 +237,8 @@ def kv_run(engine, prompts: Sequence[Sequence[int]], new_tokens: int) -> RunStat
         kv_peak=kv_peak,
         step_times=[b - a for a, b in zip(step_ends[1:], step_ends[2:])],
     )
+    stats.extra["cached_prompt_tokens"] = sum(r.metrics.num_cached_tokens for r in results)
+    return stats
 
 
 def _stats(ttfts, token_times, token_ids, wall, peak_rss=None, kv_alloc=None, kv_peak=None, step_times=()):
@@ -913,13 +920,21 @@ def _mib(value):
     return None if value is None else value / 2**20
 
 
-def plot_scaling(scaling: dict[str, dict[Any, float]], path: Path) -> bool:
+def pyplot():
+    """matplotlib's pyplot on the file-only Agg backend, or None when matplotlib is not installed."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
+        return None
+    return plt
+
+
+def plot_scaling(scaling: dict[str, dict[Any, float]], path: Path) -> bool:
+    plt = pyplot()
+    if plt is None:
         return False
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for side, series in scaling.items():

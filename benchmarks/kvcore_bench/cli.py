@@ -34,11 +34,15 @@ def add_parser(subparsers, run: Callable[[argparse.Namespace], int]) -> argparse
     p.add_argument("--llamacpp-native", action="store_true",
                    help="instead: kvcore's defaults (CLI and in-process) vs native llama-bench / llama-batched-bench, "
                         "built on first use from the llama-cpp-python sdist (native.md/json)")
+    p.add_argument("--scale", action="store_true",
+                   help="instead: aggregate decode tok/s at 1/8/32/64 concurrent requests and at an 8k context, "
+                        "kvcore (paged + prefix caching, and the defaults) vs native llama-batched-bench "
+                        "(scale-curves.md/json/png)")
     p.add_argument("--backend", default=None, help="--llamacpp: kvcore's backend (default: the engine's choice)")
     p.add_argument("--dtype", default="float32", help="--llamacpp: kvcore's dtype (default float32)")
     p.add_argument("--engine-option", action="append", metavar="KEY=VALUE",
-                   help="--llamacpp / --llamacpp-native (in-process engine): another EngineConfig field for kvcore "
-                        "(VALUE: JSON or a string); repeatable")
+                   help="--llamacpp / --llamacpp-native / --scale (in-process engine): another EngineConfig field "
+                        "for kvcore (VALUE: JSON or a string); repeatable")
     p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     p.set_defaults(func=run)
     return p

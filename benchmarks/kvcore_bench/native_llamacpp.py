@@ -101,11 +101,13 @@ def llama_bench(bin_dir: Path, gguf: Path, threads: int, n_gen: int = 128, reps:
 
 
 def batched_bench(bin_dir: Path, gguf: Path, threads: int, npl: list[int], npp: int, ntg: int,
-                  ctx: int) -> list[dict[str, Any]]:
+                  ctx: int, shared_prompt: bool = False) -> list[dict[str, Any]]:
     """``llama-batched-bench -npl ...`` (parallel sequences, each ``npp`` prompt tokens then ``ntg`` generated):
-    one JSON row per parallel count (``speed_tg``: aggregate generation tok/s). ``--no-repack``: on a VM whose
-    CPU reports AMX, batched steps on ggml's repacked (AMX) weight buffers died of SIGILL; without them llama.cpp
-    runs its AVX-512 kernels on the blocks as stored."""
+    one JSON row per parallel count (``speed_tg``: aggregate generation tok/s; ``t_pp``: the prefill, s).
+    ``--no-repack``: on a VM whose CPU reports AMX, batched steps on ggml's repacked (AMX) weight buffers died of
+    SIGILL; without them llama.cpp runs its AVX-512 kernels on the blocks as stored. ``shared_prompt``: one
+    prompt computed once and its cells shared by every sequence in one unified KV buffer (``-pps -kvu``)."""
+    shared = ["-pps", "-kvu"] if shared_prompt else []
     return _run_json([str(bin_dir / "llama-batched-bench"), "-m", str(gguf), "-t", str(threads), "-c", str(ctx),
-                      "-b", "2048", "-ub", "512", "-npp", str(npp), "-ntg", str(ntg), "--no-repack",
+                      "-b", "2048", "-ub", "512", "-npp", str(npp), "-ntg", str(ntg), "--no-repack", *shared,
                       "-npl", ",".join(map(str, npl)), "--output-format", "jsonl"])
