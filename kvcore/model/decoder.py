@@ -24,6 +24,7 @@ from torch import nn
 from kvcore.errors import ConfigError
 from kvcore.kernels.linear import DenseMatmuls, set_layout
 from kvcore.model.config import ModelConfig
+from kvcore.model.fused_layer import fused_forward, fused_layer_reasons
 from kvcore.model.layers import ACTIVATIONS, add_rms_norm, attention_layers, rms_norm
 from kvcore.model.rope import RotaryEmbedding
 from kvcore.model.weights import LINEAR_PARTS, WeightCopier, quantized_linears
@@ -119,6 +120,9 @@ class DecoderModel(nn.Module):
     #: residual adds and RMSNorms on kvcore's fused kernel (:func:`~kvcore.model.layers.add_rms_norm`): set for
     #: int4a8 models, which load the kernels and are approximate already; dense models keep the eager ops
     fused_norm: bool = False
+    #: each layer as kvcore's two fused operators (:mod:`kvcore.model.fused_layer`): set where they compute what the
+    #: eager ops do (bfloat16 int4a8 Llama-style layers), since their dispatch costs more than a decode step's matmuls
+    fused_layers: bool = False
 
     def matmuls(self, num_rows: int) -> dict[str, list]:
         """``{"qkv", "o", "gate_up", "down": [per layer]}`` callables ``x -> x @ W.T`` for a forward of ``num_rows``
@@ -164,6 +168,7 @@ class DecoderModel(nn.Module):
             model._quantized = quantized_linears(c, weights, weight_format, dtype, group_size)
             model.weight_format = weight_format
             model.fused_norm = weight_format == "int4a8"
+            model.fused_layers = not fused_layer_reasons(model)
             linear_names = {f"model.layers.{i}.{p}" for i in range(c.num_hidden_layers) for ps in
                             LINEAR_PARTS.values() for p in ps}
             weights = {n: v for n, v in weights.items() if n not in linear_names}
@@ -239,6 +244,8 @@ class DecoderModel(nn.Module):
         h = F.embedding(input_ids, self.embed_tokens)  # (T, d)
         if c.embedding_multiplier is not None:
             h = h * torch.tensor(c.embedding_multiplier, dtype=h.dtype)  # Gemma rounds the factor to the dtype
+        if self.fused_layers and mm is self._quantized:
+            return fused_forward(self, h, tables, attention, mm)
         fused, pending = self.fused_norm, None  # pending: the last MLP output, added to h by the next norm
         for i in range(c.num_hidden_layers):
             cos, sin = tables[i]
