@@ -16,7 +16,9 @@ The kernels:
 * ``torch.ops.kvcore.rescore_top_k`` (``csrc/rescore_top_k.cpp``): the int4 LM head's exact rescoring of each
   row's top candidates (:class:`kvcore.model.lm_head.RescoredInt4Head`), run eagerly;
 * ``torch.ops.kvcore.rms_norm`` (``csrc/rms_norm.cpp``): a bfloat16 residual add and RMSNorm in one operator, for
-  the decoder of an ``int4a8`` model (:func:`kvcore.model.layers.add_rms_norm`).
+  the decoder of an ``int4a8`` model (:func:`kvcore.model.layers.add_rms_norm`);
+* ``torch.ops.kvcore.fused_qkv`` and ``torch.ops.kvcore.fused_mlp`` (``csrc/fused_layer.cpp``): a bfloat16 ``int4a8``
+  decoder layer as two operators around its attention call (:mod:`kvcore.model.fused_layer`).
 
 ``torch.ops.kvcore.built_with("avx512_vnni" | "avx512_bf16")`` (``csrc/isa.cpp``) says whether the library was
 compiled with an extension (``csrc/isa.h`` decides it for every kernel file): :func:`extension_reasons` says
@@ -59,9 +61,9 @@ from kvcore.paths import cache_root, private_dir, verify_entry, warn_no_cache, w
 __all__ = ["bf16_linear_ready", "cxx_compiler", "extension_reasons", "int4a8_reasons", "kernel_reasons",
            "kernels_built", "load_kernels", "vector_isa"]
 
-_SOURCES = ("bf16_linear.cpp", "decode_attention.cpp", "int4_linear.cpp", "int8_group_linear.cpp", "isa.cpp",
-            "prefill_attention.cpp", "rescore_top_k.cpp", "rms_norm.cpp")
-_HEADERS = ("isa.h", "quantize_rows.h")  # included by the sources: part of the build's cache key
+_SOURCES = ("bf16_linear.cpp", "decode_attention.cpp", "fused_layer.cpp", "int4_linear.cpp", "int8_group_linear.cpp",
+            "isa.cpp", "prefill_attention.cpp", "rescore_top_k.cpp", "rms_norm.cpp")
+_HEADERS = ("int4a8.h", "isa.h", "quantize_rows.h", "rms_norm.h")  # included by the sources: in the cache key
 _CSRC = Path(__file__).with_name("csrc")
 _LIBRARY = "kvcore_cpu_kernels.so"
 #: what a cache entry of the kernels holds (the library and its checksum); part of the key, so folders of
@@ -234,33 +236,29 @@ def load_kernels() -> str:
     cxx = cxx_compiler()
     sources = [_CSRC / name for name in _SOURCES]
     library = _cached_or_built(cxx, sources, cache_root() / "kernels", _entry_name(cxx, sources))
-    torch.library.register_fake("kvcore::decode_attention")(_decode_attention_fake)
+    for op in ("decode_attention", "prefill_attention", "rms_norm", "fused_mlp"):
+        torch.library.register_fake(f"kvcore::{op}")(_shaped_like_first_fake)
     torch.library.register_fake("kvcore::int4_linear")(_rows_of_16_fake)
     torch.library.register_fake("kvcore::int8_group_linear")(_rows_of_16_fake)
-    torch.library.register_fake("kvcore::prefill_attention")(_prefill_attention_fake)
     torch.library.register_fake("kvcore::bf16_linear")(_bf16_linear_fake)
-    torch.library.register_fake("kvcore::rms_norm")(_rms_norm_fake)
+    torch.library.register_fake("kvcore::fused_qkv")(_fused_qkv_fake)
     return str(library)
 
 
-def _decode_attention_fake(q, k, v, seq_lens, scale):
-    return torch.empty_like(q)
-
-
-def _prefill_attention_fake(q, k, v, context_len, scale):
-    return torch.empty_like(q)
+def _shaped_like_first_fake(first, *args):
+    return torch.empty_like(first)
 
 
 def _bf16_linear_fake(x, packed):
     return x.new_empty(x.shape[0], packed.shape[0] * 16)
 
 
-def _rms_norm_fake(h, delta, weight, eps):
-    return torch.empty_like(h)
-
-
 def _rows_of_16_fake(x, codes, dm):
     return x.new_empty(x.shape[0], codes.shape[0] * 16)
+
+
+def _fused_qkv_fake(h, delta, norm_weight, eps, packed, *args):
+    return h.new_empty(h.shape[0], packed.shape[0] * 16)
 
 
 def extension_reasons(feature: str) -> list[str]:

@@ -25,9 +25,10 @@ from kvcore.errors import ConfigError
 from kvcore.kernels.linear import DenseMatmuls, set_layout
 from kvcore.model.config import ModelConfig
 from kvcore.model.embedding import BlockTable, dense_embedding, hold_blocks
+from kvcore.model.fused_layer import fused_forward, fused_layer_reasons
 from kvcore.model.layers import ACTIVATIONS, add_rms_norm, attention_layers, rms_norm
 from kvcore.model.rope import RotaryEmbedding
-from kvcore.model.weights import LINEAR_PARTS, WeightCopier, quantized_linears
+from kvcore.model.weights import LINEAR_PARTS, WeightCopier, copy_weights, quantized_linears
 
 __all__ = ["DecoderModel", "LlamaModel", "RotaryEmbedding", "rms_norm", "Attention"]
 
@@ -121,6 +122,9 @@ class DecoderModel(nn.Module):
     #: residual adds and RMSNorms on kvcore's fused kernel (:func:`~kvcore.model.layers.add_rms_norm`): set for
     #: int4a8 models, which load the kernels and are approximate already; dense models keep the eager ops
     fused_norm: bool = False
+    #: each layer as kvcore's two fused operators (:mod:`kvcore.model.fused_layer`): set where they compute what the
+    #: eager ops do (bfloat16 int4a8 Llama-style layers), since their dispatch costs more than a decode step's matmuls
+    fused_layers: bool = False
 
     def matmuls(self, num_rows: int) -> dict[str, list]:
         """``{"qkv", "o", "gate_up", "down": [per layer]}`` callables ``x -> x @ W.T`` for a forward of ``num_rows``
@@ -167,6 +171,7 @@ class DecoderModel(nn.Module):
             model._quantized = quantized_linears(c, weights, weight_format, dtype, group_size)
             model.weight_format = weight_format
             model.fused_norm = weight_format == "int4a8"
+            model.fused_layers = not fused_layer_reasons(model)
             linear_names = {f"model.layers.{i}.{p}" for i in range(c.num_hidden_layers) for ps in
                             LINEAR_PARTS.values() for p in ps}
             weights = {n: v for n, v in weights.items() if n not in linear_names}
@@ -175,35 +180,7 @@ class DecoderModel(nn.Module):
                     plist[i] = nn.Parameter(torch.empty(0, c.hidden_size, dtype=dtype), requires_grad=False)
             weights = hold_blocks(model, weights, dtype)
 
-        put_names = WeightCopier(weights, c, dtype).put
-
-        with torch.no_grad():
-            if model.embedding is None:
-                put_names(model.embed_tokens, ["model.embed_tokens.weight"])
-            put_names(model.norm, ["model.norm.weight"], norm=True)
-            if not c.tie_word_embeddings:
-                put_names(model.lm_head, ["lm_head.weight"])
-            for i in range(c.num_hidden_layers):
-                p = f"model.layers.{i}."
-                if model._quantized is None:
-                    put_names(model.qkv_proj[i], [p + f"self_attn.{n}_proj.weight" for n in "qkv"])
-                    put_names(model.o_proj[i], [p + "self_attn.o_proj.weight"])
-                    put_names(model.gate_up_proj[i], [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"])
-                    put_names(model.down_proj[i], [p + "mlp.down_proj.weight"])
-                if model.qkv_bias is not None:
-                    put_names(model.qkv_bias[i], [p + f"self_attn.{n}_proj.bias" for n in "qkv"])
-                if model.q_norm is not None:
-                    put_names(model.q_norm[i], [p + "self_attn.q_norm.weight"], norm=True)
-                    put_names(model.k_norm[i], [p + "self_attn.k_norm.weight"], norm=True)
-                if model.o_bias is not None:
-                    put_names(model.o_bias[i], [p + "self_attn.o_proj.bias"])
-                put_names(model.input_norm[i], [p + "input_layernorm.weight"], norm=True)
-                if c.sandwich_norms:  # Gemma 2's names: post_attention_layernorm follows attention
-                    put_names(model.post_attn_norm[i], [p + "post_attention_layernorm.weight"], norm=True)
-                    put_names(model.post_norm[i], [p + "pre_feedforward_layernorm.weight"], norm=True)
-                    put_names(model.post_mlp_norm[i], [p + "post_feedforward_layernorm.weight"], norm=True)
-                else:
-                    put_names(model.post_norm[i], [p + "post_attention_layernorm.weight"], norm=True)
+        copy_weights(model, WeightCopier(weights, c, dtype).put)
         return model
 
     #: ``all_reduce(partial [T, d]) -> [T, d]``, applied to the o_proj and down_proj outputs: under tensor
@@ -244,6 +221,8 @@ class DecoderModel(nn.Module):
         h = F.embedding(input_ids, self.embed_tokens) if self.embedding is None else self.embedding(input_ids)  # (T, d)
         if c.embedding_multiplier is not None:
             h = h * torch.tensor(c.embedding_multiplier, dtype=h.dtype)  # Gemma rounds the factor to the dtype
+        if self.fused_layers and mm is self._quantized:
+            return fused_forward(self, h, tables, attention, mm)
         fused, pending = self.fused_norm, None  # pending: the last MLP output, added to h by the next norm
         for i in range(c.num_hidden_layers):
             cos, sin = tables[i]

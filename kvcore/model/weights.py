@@ -28,8 +28,8 @@ from kvcore.kernels.quant import (
 )
 from kvcore.model.config import ModelConfig
 
-__all__ = [
-    "WeightCopier","LINEAR_PARTS", "dense", "resolve_weights", "quantized_linears", "uses_quantized_blocks"]
+__all__ = ["WeightCopier", "copy_weights", "LINEAR_PARTS", "dense", "resolve_weights", "quantized_linears",
+           "uses_quantized_blocks"]
 
 #: the model's fused matmul lists -> the canonical weights (under ``model.layers.{i}.``) stacked in each
 LINEAR_PARTS = {
@@ -150,3 +150,37 @@ class WeightCopier:
         if norm and self.config.norm_offset:
             value = value.float() + self.config.norm_offset
         param.copy_(value.to(self.dtype))
+
+
+def copy_weights(model, put_names) -> None:
+    """Copy every dense tensor of ``model`` (a :class:`~kvcore.model.decoder.DecoderModel` being built) from the
+    canonical names with ``put_names`` (:meth:`WeightCopier.put`): the embedding unless it is held as blocks, the
+    untied LM head, the dense layer matmuls unless they are quantized, the biases and the norms."""
+    c = model.config
+    with torch.no_grad():
+        if model.embedding is None:
+            put_names(model.embed_tokens, ["model.embed_tokens.weight"])
+        put_names(model.norm, ["model.norm.weight"], norm=True)
+        if not c.tie_word_embeddings:
+            put_names(model.lm_head, ["lm_head.weight"])
+        for i in range(c.num_hidden_layers):
+            p = f"model.layers.{i}."
+            if model._quantized is None:
+                put_names(model.qkv_proj[i], [p + f"self_attn.{n}_proj.weight" for n in "qkv"])
+                put_names(model.o_proj[i], [p + "self_attn.o_proj.weight"])
+                put_names(model.gate_up_proj[i], [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"])
+                put_names(model.down_proj[i], [p + "mlp.down_proj.weight"])
+            if model.qkv_bias is not None:
+                put_names(model.qkv_bias[i], [p + f"self_attn.{n}_proj.bias" for n in "qkv"])
+            if model.q_norm is not None:
+                put_names(model.q_norm[i], [p + "self_attn.q_norm.weight"], norm=True)
+                put_names(model.k_norm[i], [p + "self_attn.k_norm.weight"], norm=True)
+            if model.o_bias is not None:
+                put_names(model.o_bias[i], [p + "self_attn.o_proj.bias"])
+            put_names(model.input_norm[i], [p + "input_layernorm.weight"], norm=True)
+            if c.sandwich_norms:  # Gemma 2's names: post_attention_layernorm follows attention
+                put_names(model.post_attn_norm[i], [p + "post_attention_layernorm.weight"], norm=True)
+                put_names(model.post_norm[i], [p + "pre_feedforward_layernorm.weight"], norm=True)
+                put_names(model.post_mlp_norm[i], [p + "post_feedforward_layernorm.weight"], norm=True)
+            else:
+                put_names(model.post_norm[i], [p + "post_attention_layernorm.weight"], norm=True)

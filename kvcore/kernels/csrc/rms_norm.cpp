@@ -13,13 +13,11 @@
 //   returns [T, d]  bfloat16
 
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Optional.h>
 #include <torch/library.h>
 
-#include <cmath>
-#include <cstdint>
+#include "rms_norm.h"
 
 namespace {
 
@@ -32,30 +30,10 @@ at::Tensor rms_norm(at::Tensor h, const std::optional<at::Tensor>& delta, const 
   if (add)
     TORCH_CHECK(delta->scalar_type() == at::kBFloat16 && delta->is_contiguous() && delta->sizes() == h.sizes(),
                 "rms_norm: delta must be a contiguous bfloat16 tensor shaped like h");
-  const int64_t T = h.size(0), d = h.size(1);
   at::Tensor out = at::empty_like(h);
-  c10::BFloat16* hp = h.data_ptr<c10::BFloat16>();
-  const c10::BFloat16* dp = add ? delta->data_ptr<c10::BFloat16>() : nullptr;
-  const c10::BFloat16* wp = weight.data_ptr<c10::BFloat16>();
-  c10::BFloat16* op = out.data_ptr<c10::BFloat16>();
-  const float feps = static_cast<float>(eps);
-  // a decode step's row is too short to share: rows run in parallel only for prefills
-  at::parallel_for(0, T, T >= 16 ? 1 : T, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      c10::BFloat16* row = hp + r * d;
-      float ss = 0.f;
-      for (int64_t i = 0; i < d; ++i) {
-        if (add) row[i] = c10::BFloat16(static_cast<float>(row[i]) + static_cast<float>(dp[r * d + i]));
-        const float v = static_cast<float>(row[i]);
-        ss += v * v;
-      }
-      const float inv = 1.f / std::sqrt(ss / static_cast<float>(d) + feps);
-      for (int64_t i = 0; i < d; ++i) {
-        const float normed = static_cast<float>(c10::BFloat16(static_cast<float>(row[i]) * inv));
-        op[r * d + i] = c10::BFloat16(normed * static_cast<float>(wp[i]));
-      }
-    }
-  });
+  kvcore_norm::add_rms_norm(h.data_ptr<c10::BFloat16>(), add ? delta->data_ptr<c10::BFloat16>() : nullptr,
+                            weight.data_ptr<c10::BFloat16>(), h.size(0), h.size(1), static_cast<float>(eps),
+                            out.data_ptr<c10::BFloat16>());
   return out;
 }
 
