@@ -14,8 +14,9 @@ makes it one more than were kept (the length that would have been right, plus on
 
 Back-off: ``misses`` verifications in a row that keep nothing make the request propose nothing for
 ``cooldown`` steps, doubling with each back-off that follows without a kept draft in between. A request that
-has backed off probes only on a ``max_n``-token match, with one draft; a probe that misses backs off again. So a free-form stream, whose n-grams
-rarely repeat, decodes as without speculation: a step without drafts is a plain one-token decode step.
+has backed off probes only on a ``max_n``-token match, with one draft; a probe that misses backs off again.
+So a free-form stream, whose n-grams rarely repeat, decodes as without speculation: a step without drafts
+is a plain one-token decode step.
 """
 
 from __future__ import annotations
