@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import statistics
 from pathlib import Path
 
@@ -62,6 +63,7 @@ def main() -> None:
                                  proposer_options={args.proposer: options})
     spec = Engine(base.model, base.tokenizer, config)
     print(f"base: {base.serving_config()}\nspeculative: proposer={args.proposer} k={args.k} {options}")
+    print("load average (1, 5, 15 min):", " ".join(f"{x:.1f}" for x in os.getloadavg()), flush=True)
     rows = []
     run(base, PROMPTS["free-story"], 8)  # warm-up (allocations, first-use kernels)
     for i, name in enumerate(args.prompts.split(",")):
@@ -77,8 +79,11 @@ def main() -> None:
                "acceptance": acc, "accepted_per_step": runs["spec"][-1]["accepted_per_step"]}
         rows.append(row)
         acc_text = "-" if acc is None else f"{acc:.2f}"
+        kept = row["accepted_per_step"]
+        kept_text = "-" if kept is None else f"{kept:.2f}"
         print(f"{name:13s} prompt {row['prompt_tokens']:4d} tok  base {b:6.1f} tok/s  spec {s:6.1f} tok/s  "
-              f"x{s / b:4.2f}  acceptance {acc_text}", flush=True)
+              f"x{s / b:4.2f}  acceptance {acc_text}  kept/verification {kept_text}  "
+              f"load {os.getloadavg()[0]:.1f}", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
 
