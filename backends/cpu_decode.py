@@ -16,6 +16,10 @@ against blocks of 32 keys, online softmax, probabilities rounded to bfloat16 bef
 GPU flash attention does), after repacking each KV head's keys and values so one vector load feeds 16 lanes.
 torch's CPU flash-attention kernel runs bfloat16 no faster than float32. float32 prefill stays torch's, the exact path.
 
+A few query rows continuing a cache (a speculative verification's ``[last token, drafts]``, a short prefill
+chunk) run the decode kernel too, one batch row per query row over the same cache view with its own length:
+cheaper than the prefill kernel, which repacks the whole context for its tiles.
+
 Everything else is the ``sdpa`` backend's: the same contiguous cache and cache writes; a decode batch whose
 sequences are not on consecutive slots goes through the prefill path. Attention variants: the decode kernel
 takes a layer's sliding window (it reads only the last ``window`` keys of each row) and soft-cap (applied to
@@ -38,6 +42,8 @@ from .sdpa import SDPABackend, SDPAPlan
 #: the kernel's limits (csrc/decode_attention.cpp)
 MAX_HEAD_DIM = 256
 MAX_GROUP = 16
+#: rows continuing a cache up to this many take the decode kernel (:meth:`CPUDecodeBackend._short_rows_attend`)
+SHORT_ROWS = 16
 
 
 class CPUDecodeBackend(SDPABackend):
@@ -80,9 +86,27 @@ class CPUDecodeBackend(SDPABackend):
         return SDPABackend._decode_mask(meta, dtype) if "sinks" in meta.variants else None
 
     def _prefill_attend(self, q, k, v, context_len: int, layer: LayerAttention) -> torch.Tensor:
+        q_len = q.shape[0]
+        if context_len > 0 and q_len <= SHORT_ROWS and layer.sinks is None:
+            return self._short_rows_attend(q, k, v, context_len, layer)
         if self._bf16_prefill and q.dtype == torch.bfloat16 and not layer.variants:
             return torch.ops.kvcore.prefill_attention(q, k, v, context_len, layer.scale)
         return super()._prefill_attend(q, k, v, context_len, layer)
+
+    @staticmethod
+    def _short_rows_attend(q, k, v, context_len: int, layer: LayerAttention) -> torch.Tensor:
+        """A few query rows continuing a cache (a speculative verification, a small prefill chunk) through the
+        decode kernel: row ``j`` as a batch row of its own reading ``context_len + j + 1`` keys of the same
+        cache view (stride 0 over the batch). The prefill kernel repacks the whole context for its tiles, which
+        costs more than reading it once per row while the rows are few."""
+        q_len, num_heads, head_dim = q.shape
+        num_kv_heads = k.shape[0]
+        qs = q.reshape(q_len, num_kv_heads, num_heads // num_kv_heads, head_dim).contiguous()
+        lens = torch.arange(context_len + 1, context_len + q_len + 1, dtype=torch.int32, device=q.device)
+        ks, vs = k.unsqueeze(0).expand(q_len, -1, -1, -1), v.unsqueeze(0).expand(q_len, -1, -1, -1)
+        out = torch.ops.kvcore.decode_attention(qs, ks, vs, lens, layer.scale, layer.sliding_window or 0,
+                                                layer.softcap or 0.0)
+        return out.reshape(q_len, num_heads, head_dim)
 
     @staticmethod
     def _decode_attend(qs, ks, vs, plan: SDPAPlan, layer: LayerAttention) -> torch.Tensor:

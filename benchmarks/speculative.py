@@ -1,10 +1,12 @@
 """Batch-1 decode speed with n-gram (or draft-model) speculation vs the same engine without, side by side.
 
-    .venv/bin/python benchmarks/speculative.py [--proposer ngram] [--k 4] [--reps 2] [--new 128]
+    .venv/bin/python benchmarks/speculative.py [--proposer ngram] [--k 8] [--reps 2] [--new 128]
 
 The engine without speculation is kvcore's default (best) configuration for the embedded SmolLM2 GGUF; the
 speculative one is that configuration plus ``proposer``. Runs alternate (base, speculative, base, ...) so
-a shared machine's load hits both alike. Decode speed is tokens after the first / time after the first.
+a shared machine's load hits both alike. Decode speed is tokens after the first / time after the first;
+CPU ms/token is this process's CPU time over the same tokens, which other processes' load disturbs far less
+than wall time (with ``--threads 1`` it is the work done; with more threads it also counts threads waiting).
 Prompts: input-grounded (repeat or edit a given text or code of >= 500 tokens) and free-form.
 """
 
@@ -13,7 +15,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import statistics
+import time
 from pathlib import Path
 
 from kvcore import Engine, SamplingParams
@@ -35,9 +39,18 @@ PROMPTS = {
 def run(engine: Engine, prompt: str, new: int) -> dict:
     messages = [{"role": "user", "content": prompt}]
     ids = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    out = engine.generate([ids], SamplingParams(max_new_tokens=new))[0]
+    rid = engine.add_request(ids, SamplingParams(max_new_tokens=new))
+    first = None  # (process CPU time, tokens) when the first token came
+    while engine.has_unfinished():
+        engine.step()
+        if first is None and engine.result(rid).token_ids:
+            first = (time.process_time(), len(engine.result(rid).token_ids))
+    cpu_s = time.process_time() - first[0]
+    out = engine.release(rid)
     m = out.metrics
+    decoded = len(out.token_ids) - first[1]
     return {"prompt_tokens": len(ids), "tokens": len(out.token_ids), "tok_s": m.tokens_per_s,
+            "cpu_ms_per_token": 1000 * cpu_s / decoded if decoded else None,
             "acceptance": m.acceptance_rate, "accepted_per_step": m.mean_accepted_length}
 
 
@@ -45,7 +58,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--proposer", default="ngram")
     ap.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", help="[proposers.NAME] option")
-    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--k", type=int, default=8)
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--prompts", default=",".join(PROMPTS))
@@ -62,6 +75,7 @@ def main() -> None:
                                  proposer_options={args.proposer: options})
     spec = Engine(base.model, base.tokenizer, config)
     print(f"base: {base.serving_config()}\nspeculative: proposer={args.proposer} k={args.k} {options}")
+    print("load average (1, 5, 15 min):", " ".join(f"{x:.1f}" for x in os.getloadavg()), flush=True)
     rows = []
     run(base, PROMPTS["free-story"], 8)  # warm-up (allocations, first-use kernels)
     for i, name in enumerate(args.prompts.split(",")):
@@ -72,13 +86,19 @@ def main() -> None:
         b = statistics.median(r["tok_s"] for r in runs["base"])
         s = statistics.median(r["tok_s"] for r in runs["spec"])
         acc = runs["spec"][-1]["acceptance"]
+        cpu_b = statistics.median(r["cpu_ms_per_token"] for r in runs["base"])
+        cpu_s = statistics.median(r["cpu_ms_per_token"] for r in runs["spec"])
         row = {"prompt": name, "prompt_tokens": runs["base"][0]["prompt_tokens"],
                "tokens": runs["spec"][-1]["tokens"], "base_tok_s": b, "spec_tok_s": s, "speedup": s / b,
+               "base_cpu_ms_per_token": cpu_b, "spec_cpu_ms_per_token": cpu_s, "cpu_speedup": cpu_b / cpu_s,
                "acceptance": acc, "accepted_per_step": runs["spec"][-1]["accepted_per_step"]}
         rows.append(row)
         acc_text = "-" if acc is None else f"{acc:.2f}"
+        kept = row["accepted_per_step"]
+        kept_text = "-" if kept is None else f"{kept:.2f}"
         print(f"{name:13s} prompt {row['prompt_tokens']:4d} tok  base {b:6.1f} tok/s  spec {s:6.1f} tok/s  "
-              f"x{s / b:4.2f}  acceptance {acc_text}", flush=True)
+              f"x{s / b:4.2f}  CPU ms/token {cpu_b:.1f} vs {cpu_s:.1f}: x{cpu_b / cpu_s:4.2f}  "
+              f"acceptance {acc_text}  kept/verification {kept_text}  load {os.getloadavg()[0]:.1f}", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
 

@@ -20,6 +20,7 @@ from kvcore.conformance.target import resolve_target
 from kvcore.engine import verify
 from kvcore.errors import ConfigError
 from kvcore.interfaces.attention import BackendCapabilities
+from kvcore.interfaces.proposer import Proposal
 from kvcore.kernels.cpu_kernels import kernel_reasons
 from kvcore.sampling.speculative import rejection_sample
 from kvcore.scheduling.scheduler import Scheduler
@@ -156,20 +157,91 @@ class _Row:
         self.request_id, self.prompt_ids, self.output_ids = request_id, tokens, []
 
 
-def test_ngram_proposes_the_latest_continuation_and_backs_off():
-    proposer = NgramProposer(max_n=3, min_n=2, min_acceptance=0.5, cooldown=2)
+def test_ngram_proposes_the_latest_continuation_of_the_longest_match():
+    proposer = NgramProposer(max_n=3, min_n=2)
     proposer.start("r", [])
     tokens = [1, 2, 3, 4, 9, 1, 2, 3, 5, 6, 1, 2, 3]
     assert proposer.propose([_Row(tokens)], [3])[0].token_ids == [5, 6, 1]  # the latest "1 2 3" came before 5
-    assert proposer.propose([_Row([7, 8, 9])], [3])[0].token_ids == []  # nothing repeats: nothing proposed
-    for _ in range(3):
-        proposer.advance("r", 3, 0)
-    assert proposer.propose([_Row(tokens)], [3])[0].token_ids == []  # cooling down after failed guesses
-    assert proposer.propose([_Row(tokens)], [3])[0].token_ids == []
-    probe = proposer.propose([_Row(tokens)], [3])[0].token_ids
-    assert 1 <= len(probe) < 3 and probe == [5, 6, 1][: len(probe)]  # then a shorter probe
+    longest = [1, 2, 3, 7, 9, 2, 3, 8, 1, 2, 3]  # "2 3" came last before 8, "1 2 3" before 7
+    assert proposer.propose([_Row(longest, "s")], [2])[0].token_ids == [7, 9]
+    assert proposer.propose([_Row([7, 8, 9], "t")], [3])[0].token_ids == []  # nothing repeats: nothing proposed
+    periodic = _Row([4, 1, 2, 3, 1, 2], "u")  # "1 2" last came 3 tokens back: the copy repeats its drafts
+    assert proposer.propose([periodic], [5])[0].token_ids == [3, 1, 2, 3, 1]
     with pytest.raises(ConfigError, match="min_n"):
         NgramProposer(max_n=2, min_n=3)
+
+
+def test_ngram_index_follows_the_stream_incrementally():
+    proposer = NgramProposer(max_n=2, min_n=2)
+    row = _Row([5, 6, 7, 8])
+    assert proposer.propose([row], [2])[0].token_ids == []
+    row.output_ids += [5, 6]  # "5 6" now repeats: what followed it in the prompt
+    assert proposer.propose([row], [2])[0].token_ids == [7, 8]
+    row.output_ids += [9, 7, 8]  # "7 8" last came before 5 (in the prompt), now it is the stream's own end
+    assert proposer.propose([row], [3])[0].token_ids == [5, 6, 9]
+    other = _Row([1, 2] * 5)  # a history that does not extend the indexed one is indexed anew
+    assert proposer.propose([other], [2])[0].token_ids == [1, 2]
+
+
+def test_ngram_adapts_the_number_of_drafts_within_the_budget():
+    proposer = NgramProposer(max_n=2, min_n=2)
+    row = _Row([1, 2] * 20)
+    assert len(proposer.propose([row], [4])[0].token_ids) == 4  # starts at the engine's K
+    proposer.advance("r", 4, 4)  # all kept: twice as many next, never more than asked for
+    assert len(proposer.propose([row], [16])[0].token_ids) == 8
+    assert len(proposer.propose([row], [5])[0].token_ids) == 5
+    proposer.advance("r", 5, 2)  # a rejection: one more than were kept
+    assert len(proposer.propose([row], [16])[0].token_ids) == 3
+
+
+def test_ngram_backs_off_exponentially_and_probes_only_long_matches():
+    proposer = NgramProposer(max_n=3, min_n=2, misses=2, cooldown=2)
+    weak = _Row([4, 1, 2, 9, 8, 1, 2])  # only a 2-token match
+    strong = _Row([4, 1, 2, 3, 9, 1, 2, 3], "s")  # a 3-token match
+    for rid in ("r", "s"):
+        proposer.start(rid, [])
+        proposer.advance(rid, 4, 0)
+        proposer.advance(rid, 1, 0)  # two misses in a row: back off for 2 steps
+    assert proposer.propose([weak, strong], [4, 4]) == [Proposal(), Proposal()]
+    assert proposer.propose([weak, strong], [4, 4]) == [Proposal(), Proposal()]
+    weak_probe, strong_probe = proposer.propose([weak, strong], [4, 4])
+    assert weak_probe.token_ids == [] and strong_probe.token_ids == [9]  # one draft, on a max_n match only
+    proposer.advance("s", 1, 0)  # a failed probe backs off at once, twice as long
+    assert all(proposer.propose([strong], [4])[0].token_ids == [] for _ in range(4))
+    assert proposer.propose([strong], [4])[0].token_ids == [9]
+    proposer.advance("s", 1, 1)  # a kept probe ends the back-off
+    assert proposer.propose([strong], [4])[0].token_ids == [9, 1]
+    with pytest.raises(ConfigError, match="misses"):
+        NgramProposer(misses=0)
+
+
+def test_backed_off_steps_are_plain_decode_steps(random_model, monkeypatch):
+    """A stream whose lookups keep failing stops verifying: after the misses, the steps run the
+    one-token decode forward, with no draft rows."""
+    from kvcore.execution.runner import ModelRunner
+
+    prompt = list(range(10, 40)) * 2
+    config = EngineConfig(backend="sdpa", proposer="ngram", num_speculative_tokens=4, dtype="float32",
+                          max_model_len=256, proposer_options={"ngram": {"misses": 2, "cooldown": 64}})
+    engine = Engine(random_model, None, config)
+    wrong = NgramProposer._lookup  # every draft a token that is not the next one: the drafts always miss
+
+    def always_wrong(self, state, k, min_n):
+        return [(t + 1) % random_model.config.vocab_size for t in wrong(self, state, k, min_n)[:1]] or [0]
+
+    monkeypatch.setattr(NgramProposer, "_lookup", always_wrong)
+    verifies, plain = [], []
+    real_positions, real_forward = ModelRunner.forward_positions, ModelRunner.forward
+    monkeypatch.setattr(ModelRunner, "forward_positions",
+                        lambda self, *a: verifies.append(a[5]) or real_positions(self, *a))
+    monkeypatch.setattr(ModelRunner, "forward",
+                        lambda self, prefill, *a: plain.append((prefill, len(a[3]))) or real_forward(self, prefill, *a))
+    got = engine.generate([prompt], SamplingParams(max_new_tokens=40, ignore_eos=True))[0]
+    assert len(got.token_ids) == 40
+    assert got.metrics.num_spec_steps == 2 and got.metrics.num_accepted_tokens == 0  # then it backed off
+    assert len(verifies) == 2
+    assert all(ids == 1 for prefill, ids in plain if not prefill)  # the other steps: one token per row
+    assert sum(not prefill for prefill, _ in plain) == 40 - 1 - 2
 
 
 def test_ngram_streams_unchanged_and_its_metrics(random_model):
