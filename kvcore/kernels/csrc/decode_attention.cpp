@@ -15,6 +15,19 @@
 //   window                     > 0: a sliding window, only keys seq_lens[b] - window .. seq_lens[b] - 1 (0: all)
 //   softcap                    > 0: the scaled scores become softcap * tanh(s / softcap) (0: none)
 //   returns  [B, H_kv, G, D]   dtype of q
+//
+// kvcore::cached_decode_attention: the cpu_decode backend's whole decode-step layer on the contiguous cache in one
+// call (a Python and dispatcher round trip per op costs more than a decode step's attention at short contexts):
+// writes this step's K/V rows into the cache, at the rows the backend planned (what its two index_copy_ calls
+// write), then runs decode_attention over the layer's views of the batch's consecutive slots.
+//
+//   q        [B, H, D]          one token per sequence; any strides, rows contiguous
+//   k, v     [B, H_kv, D]       this step's keys and values; any strides, rows contiguous
+//   k_cache, v_cache [L, S, H_kv, S_max, D]  contiguous, same dtype as q; written in place
+//   rows     [L, B * H_kv]      int64: the row of each (layer, token, KV head) in k_cache viewed as [-1, D]
+//   layer, first_slot, max_len  the layer; the batch reads slots first_slot .. first_slot + B - 1, keys 0 .. max_len - 1
+//   seq_lens, scale, window, softcap   as decode_attention
+//   returns  [B, H, D]          contiguous
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -29,6 +42,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -388,11 +402,55 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   return out;
 }
 
+// Copies row i of src [B, H_kv, D] (row i = token i / H_kv, head i % H_kv) to row rows[i] of cache [N, D].
+void write_rows(const at::Tensor& src, at::Tensor& cache, const int64_t* rows, const char* name) {
+  TORCH_CHECK(src.dim() == 3 && src.stride(2) == 1 && src.scalar_type() == cache.scalar_type() &&
+              src.size(2) == cache.size(-1), "cached_decode_attention: ", name,
+              " must be [B, H_kv, D] rows of the cache's dtype and head size, contiguous within a row");
+  const int64_t H = src.size(1), D = src.size(2), n = cache.numel() / D, bytes = D * src.element_size();
+  const char* sp = static_cast<const char*>(src.data_ptr());
+  char* cp = static_cast<char*>(cache.data_ptr());
+  for (int64_t i = 0; i < src.size(0) * H; ++i) {
+    TORCH_CHECK(rows[i] >= 0 && rows[i] < n, "cached_decode_attention: row ", rows[i], " out of range 0..", n - 1);
+    const char* from = sp + ((i / H) * src.stride(0) + (i % H) * src.stride(1)) * src.element_size();
+    std::memcpy(cp + rows[i] * bytes, from, bytes);
+  }
+}
+
+at::Tensor cached_decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache,
+                                   at::Tensor v_cache, const at::Tensor& rows, const at::Tensor& seq_lens,
+                                   int64_t layer, int64_t first_slot, int64_t max_len, double scale, int64_t window,
+                                   double softcap) {
+  TORCH_CHECK(k_cache.dim() == 5 && k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
+              v_cache.is_contiguous(), "cached_decode_attention: the caches must be contiguous [L, S, H_kv, S_max, D]");
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && k.size(0) == q.size(0) && k.size(1) == k_cache.size(2) &&
+              v.sizes() == k.sizes() && q.size(1) % k.size(1) == 0,
+              "cached_decode_attention: q must be [B, H, D] and k, v [B, H_kv, D]");
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), H_kv = k.size(1);
+  TORCH_CHECK(layer >= 0 && layer < k_cache.size(0) && first_slot >= 0 && first_slot + B <= k_cache.size(1) &&
+              max_len >= 1 && max_len <= k_cache.size(3), "cached_decode_attention: layer, slots or max_len out of range");
+  TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 2 && rows.size(0) == k_cache.size(0) &&
+              rows.size(1) == B * H_kv && rows.is_contiguous(), "cached_decode_attention: rows must be int64 [L, B * H_kv]");
+  const int64_t* layer_rows = rows.data_ptr<int64_t>() + layer * rows.size(1);
+  write_rows(k, k_cache, layer_rows, "k");
+  write_rows(v, v_cache, layer_rows, "v");
+  const at::Tensor ks = k_cache.select(0, layer).narrow(0, first_slot, B).narrow(2, 0, max_len);  // [B, H_kv, max_len, D]
+  const at::Tensor vs = v_cache.select(0, layer).narrow(0, first_slot, B).narrow(2, 0, max_len);
+  const at::Tensor qs = q.reshape({B, H_kv, H / H_kv, D}).contiguous();  // a group's query heads as its rows
+  return decode_attention(qs, ks, vs, seq_lens, scale, window, softcap).view({B, H, D});
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvcore, m) {
   m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor seq_lens, float scale, int window=0, "
         "float softcap=0.0) -> Tensor");
+  m.def("cached_decode_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor rows, "
+        "Tensor seq_lens, int layer, int first_slot, int max_len, float scale, int window=0, float softcap=0.0) "
+        "-> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(kvcore, CPU, m) { m.impl("decode_attention", &decode_attention); }
+TORCH_LIBRARY_IMPL(kvcore, CPU, m) {
+  m.impl("decode_attention", &decode_attention);
+  m.impl("cached_decode_attention", &cached_decode_attention);
+}
