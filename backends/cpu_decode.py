@@ -20,14 +20,21 @@ A few query rows continuing a cache (a speculative verification's ``[last token,
 chunk) run the decode kernel too, one batch row per query row over the same cache view with its own length:
 cheaper than the prefill kernel, which repacks the whole context for its tiles.
 
-Everything else is the ``sdpa`` backend's: the same contiguous cache and cache writes; a decode batch whose
-sequences are not on consecutive slots goes through the prefill path. Attention variants: the decode kernel
-takes a layer's sliding window (it reads only the last ``window`` keys of each row) and soft-cap (applied to
-each block's scores before its online-softmax step); decode layers with sinks, and prefill layers with any
-variant, run sdpa's masked and explicit paths (correct, not the kernels' speed).
+Everything else is the ``sdpa`` backend's: the same contiguous cache and cache rows; a decode batch whose
+sequences are not on consecutive slots goes through the prefill path. A decode batch on consecutive slots runs
+each layer as one call, ``torch.ops.kvcore.cached_decode_attention``: the cache write of sdpa's two ``index_copy_``
+calls and the decode kernel over the same views, without the Python and dispatch of the ops between them
+(each layer's arguments planned once per step). A compiled decode step traces sdpa's path instead.
+
+Attention variants: the decode kernel takes a layer's sliding window (it reads only the last ``window`` keys of
+each row) and soft-cap (applied to each block's scores before its online-softmax step); decode layers with
+sinks, and prefill layers with any variant, run sdpa's masked and explicit paths (correct, not the kernels'
+speed).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -37,6 +44,7 @@ from kvcore.interfaces.layer_attention import VARIANTS, LayerAttention
 from kvcore.interfaces.metadata import AttentionMetadata
 from kvcore.kernels.cpu_kernels import kernel_reasons, load_kernels
 
+from .contiguous import ContiguousKVCache
 from .sdpa import SDPABackend, SDPAPlan
 
 #: the kernel's limits (csrc/decode_attention.cpp)
@@ -44,6 +52,13 @@ MAX_HEAD_DIM = 256
 MAX_GROUP = 16
 #: rows continuing a cache up to this many take the decode kernel (:meth:`CPUDecodeBackend._short_rows_attend`)
 SHORT_ROWS = 16
+
+
+@dataclass(frozen=True)
+class CPUDecodePlan(SDPAPlan):
+    #: each layer's ``(scale, window, softcap)`` for ``cached_decode_attention``, None for a layer with sinks; the
+    #: whole tuple None where the call is not a decode batch on consecutive slots (sdpa's path)
+    layer_args: tuple[tuple[float, int, float] | None, ...] | None = None
 
 
 class CPUDecodeBackend(SDPABackend):
@@ -59,8 +74,12 @@ class CPUDecodeBackend(SDPABackend):
         # the decode kernel takes windows and soft-caps; the rest runs sdpa's paths (see the module docstring)
         prefill_variants=frozenset(VARIANTS),
         decode_variants=frozenset(VARIANTS),
-        multi_token_decode=True,  # several-token rows take the chunked-prefill path
+        multi_token_decode=True,  # a few rows after a cache take the decode kernel (_short_rows_attend)
     )
+
+    #: each layer of a decode batch on consecutive slots as one cached_decode_attention call; False: sdpa's ops
+    #: around the same kernel (what tests and benchmarks compare it with)
+    cached_decode: bool = True
 
     def __init__(self, **options) -> None:
         super().__init__(**options)
@@ -79,6 +98,23 @@ class CPUDecodeBackend(SDPABackend):
             group = num_heads // num_kv_heads
             reasons.append(f"{group} query heads per KV head (the kernel takes at most {MAX_GROUP})")
         return reasons
+
+    def plan(self, meta: AttentionMetadata, cache: ContiguousKVCache) -> CPUDecodePlan:
+        plan = super().plan(meta, cache)
+        args = None
+        if plan.decode_slot is not None and self.cached_decode:
+            layers = map(meta.layer, range(plan.rows.shape[0]))
+            args = tuple(None if layer.sinks is not None else
+                         (layer.scale, layer.sliding_window or 0, layer.softcap or 0.0) for layer in layers)
+        return CPUDecodePlan(**vars(plan), layer_args=args)
+
+    def forward(self, layer_idx: int, q, k, v, cache: ContiguousKVCache, plan: CPUDecodePlan) -> torch.Tensor:
+        # compiled steps trace sdpa's path: functionalizing an in-place custom op on the cache would copy the cache
+        args = None if torch.compiler.is_compiling() or plan.layer_args is None else plan.layer_args[layer_idx]
+        if args is None:
+            return super().forward(layer_idx, q, k, v, cache, plan)
+        return torch.ops.kvcore.cached_decode_attention(q, k, v, cache.k, cache.v, plan.rows, plan.meta.seq_lens_t,
+                                                        layer_idx, plan.decode_slot, plan.decode_len, *args)
 
     @staticmethod
     def _decode_mask(meta: AttentionMetadata, dtype: torch.dtype) -> torch.Tensor | None:

@@ -3,9 +3,11 @@
 
 * ``--switch fused_norm`` (the default): the fused residual add + RMSNorm against the eager ops (the fused layers
   off in both);
-* ``--switch fused_layers``: each layer as kvcore's two fused operators against the eager layer (with the fused norm).
+* ``--switch fused_layers``: each layer as kvcore's two fused operators against the eager layer (with the fused norm);
+* ``--switch cached_decode``: the ``cpu_decode`` backend's attention as one call per layer (cache write and kernel)
+  against sdpa's ops around the same kernel (the fused layers on in both).
 
-    python benchmarks/fused_norm_ab.py [--switch fused_layers] [--threads 1] [--rounds 8] [--steps 15]
+    python benchmarks/fused_norm_ab.py [--switch fused_layers|cached_decode] [--threads 1] [--rounds 8] [--steps 15]
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from kvcore import Engine, EngineConfig, SamplingParams
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--switch", choices=("fused_norm", "fused_layers"), default="fused_norm")
+    ap.add_argument("--switch", choices=("fused_norm", "fused_layers", "cached_decode"), default="fused_norm")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--steps", type=int, default=15)
@@ -29,9 +31,11 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     engine = Engine.from_pretrained("smollm2", EngineConfig(max_model_len=1024, max_num_seqs=args.batch))
-    model = engine.model
-    if not getattr(model, args.switch):
-        raise SystemExit(f"the default here runs {model.weight_format} weights, which do not use {args.switch}")
+    model, backend = engine.model, engine.decode_backend
+    holder = backend if args.switch == "cached_decode" else model  # what the switch is an attribute of
+    if not getattr(holder, args.switch, False):
+        raise SystemExit(f"the default here ({model.weight_format} weights, backend {backend.name}) does not use "
+                         f"{args.switch}")
     if args.switch == "fused_norm":
         model.fused_layers = False
     for b in range(args.batch):
@@ -41,7 +45,7 @@ def main() -> None:
     times: dict[bool, list[float]] = {True: [], False: []}
     for _ in range(args.rounds):
         for fused in (True, False):
-            setattr(model, args.switch, fused)
+            setattr(holder, args.switch, fused)
             start = time.perf_counter()
             for _ in range(args.steps):
                 engine.step()

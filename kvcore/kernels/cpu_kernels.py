@@ -3,7 +3,8 @@
 The kernels:
 
 * ``torch.ops.kvcore.decode_attention`` (``csrc/decode_attention.cpp``): the decode-step attention of the
-  ``cpu_decode`` backend;
+  ``cpu_decode`` backend, and ``torch.ops.kvcore.cached_decode_attention`` beside it: the cache write and that attention
+  in one call per layer;
 * ``torch.ops.kvcore.prefill_attention`` (``csrc/prefill_attention.cpp``): its bfloat16 prefill attention, built
   only for CPUs with AVX512_BF16;
 * ``torch.ops.kvcore.int4_linear`` (``csrc/int4_linear.cpp``): every matmul of the ``int4a8`` weight format
@@ -236,7 +237,7 @@ def load_kernels() -> str:
     cxx = cxx_compiler()
     sources = [_CSRC / name for name in _SOURCES]
     library = _cached_or_built(cxx, sources, cache_root() / "kernels", _entry_name(cxx, sources))
-    for op in ("decode_attention", "prefill_attention", "rms_norm", "fused_mlp"):
+    for op in ("decode_attention", "cached_decode_attention", "prefill_attention", "rms_norm", "fused_mlp"):
         torch.library.register_fake(f"kvcore::{op}")(_shaped_like_first_fake)
     torch.library.register_fake("kvcore::int4_linear")(_rows_of_16_fake)
     torch.library.register_fake("kvcore::int8_group_linear")(_rows_of_16_fake)

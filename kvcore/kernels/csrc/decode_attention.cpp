@@ -15,6 +15,19 @@
 //   window                     > 0: a sliding window, only keys seq_lens[b] - window .. seq_lens[b] - 1 (0: all)
 //   softcap                    > 0: the scaled scores become softcap * tanh(s / softcap) (0: none)
 //   returns  [B, H_kv, G, D]   dtype of q
+//
+// kvcore::cached_decode_attention: the cpu_decode backend's whole decode-step layer on the contiguous cache in one
+// call (a Python and dispatcher round trip per op costs more than a decode step's attention at short contexts):
+// writes this step's K/V rows into the cache, at the rows the backend planned (what its two index_copy_ calls
+// write), then runs decode_attention over the layer's views of the batch's consecutive slots.
+//
+//   q        [B, H, D]          one token per sequence; any strides, rows contiguous
+//   k, v     [B, H_kv, D]       this step's keys and values; any strides, rows contiguous
+//   k_cache, v_cache [L, S, H_kv, S_max, D]  contiguous, same dtype as q; written in place
+//   rows     [L, B * H_kv]      int64: the row of each (layer, token, KV head) in k_cache viewed as [-1, D]
+//   layer, first_slot, max_len  the layer; the batch reads slots first_slot .. first_slot + B - 1, keys 0 .. max_len - 1
+//   seq_lens, scale, window, softcap   as decode_attention
+//   returns  [B, H, D]          contiguous
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -29,6 +42,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -269,10 +283,20 @@ void attend_chunk_bf16(const c10::BFloat16* q, const c10::BFloat16* k, const c10
 }
 #endif
 
+// One call's operands as pointers and element strides: query row (b, h, g) at q + b * q_b + (h * G + g) * D, key row
+// (b, h, j) at k + b * k_b + h * k_h + j * k_l, value rows alike; out [B, H, G, D] contiguous (H: the KV heads).
+struct Strides {
+  int64_t B, H, G, D, q_b, k_b, k_h, k_l, v_b, v_h, v_l;
+};
+template <typename T>
+struct Operands : Strides {
+  const T *q, *k, *v;
+  T* out;
+};
+
 template <typename T, int64_t NV>
-void decode_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const int32_t* seq_lens,
-                           float scale, int64_t window, float softcap, at::Tensor& out) {
-  const int64_t B = q.size(0), H = q.size(1), G = q.size(2), D = q.size(3), W = NV * Vec::size();
+void decode_attention_impl(const Operands<T>& x, const int32_t* seq_lens, float scale, int64_t window, float softcap) {
+  const int64_t B = x.B, H = x.H, G = x.G, D = x.D, W = NV * Vec::size();
   int64_t max_len = 0;
   for (int64_t b = 0; b < B; ++b) max_len = std::max<int64_t>(max_len, seq_lens[b]);
   // Enough chunks per (sequence, KV head) for about eight work items per thread, none under kMinChunk keys.
@@ -281,10 +305,7 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
   const int64_t chunk = (max_len + chunks - 1) / chunks;
   std::vector<float> acc(B * H * chunks * G * W), m(B * H * chunks * G), l(B * H * chunks * G);
 
-  const T* qp = q.data_ptr<T>();
-  const T* kp = k.data_ptr<T>();
-  const T* vp = v.data_ptr<T>();
-  T* op = out.data_ptr<T>();
+  T* op = x.out;
   // Little work (short contexts) runs on the calling thread: waking the pool costs more than it saves.
   const int64_t items = B * H * chunks, grain = B * H * max_len < kSerialRows ? items : 1;
   at::parallel_for(0, items, grain, [&](int64_t first, int64_t last) {
@@ -305,16 +326,16 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
 #ifdef KVCORE_BF16_DECODE
       if constexpr (std::is_same_v<T, c10::BFloat16> && NV % 2 == 0) {
         if (D == W) {  // whole 32-dim bfloat16 vectors
-          attend_chunk_bf16<NV / 2>(qp + bh * G * D, kp + b * k.stride(0) + h * k.stride(1),
-                                    vp + b * v.stride(0) + h * v.stride(1), k.stride(2), v.stride(2), begin, end, G,
+          attend_chunk_bf16<NV / 2>(x.q + b * x.q_b + h * G * D, x.k + b * x.k_b + h * x.k_h,
+                                    x.v + b * x.v_b + h * x.v_h, x.k_l, x.v_l, begin, end, G,
                                     scale, softcap, as, ms, ls);
           done = true;
         }
       }
 #endif
       if (!done)
-        attend_chunk<T, NV>(qp + bh * G * D, kp + b * k.stride(0) + h * k.stride(1),
-                            vp + b * v.stride(0) + h * v.stride(1), k.stride(2), v.stride(2), begin, end, G, D, scale,
+        attend_chunk<T, NV>(x.q + b * x.q_b + h * G * D, x.k + b * x.k_b + h * x.k_h,
+                            x.v + b * x.v_b + h * x.v_h, x.k_l, x.v_l, begin, end, G, D, scale,
                             softcap, as, ms, ls);
       if (chunks == 1)  // the whole row in one item: normalise here, no merge pass (the same values: w = 1)
         for (int64_t g = 0; g < G; ++g)
@@ -343,21 +364,48 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
 
 // NV = vectors per row, rounded up to an instantiated count (extra vectors are zero padding).
 template <typename T>
-void dispatch_head_dim(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const int32_t* lens,
-                       float scale, int64_t window, float softcap, at::Tensor& out) {
-  const int64_t nv = (q.size(3) + Vec::size() - 1) / Vec::size();
-  if (nv <= 1) return decode_attention_impl<T, 1>(q, k, v, lens, scale, window, softcap, out);
-  if (nv <= 2) return decode_attention_impl<T, 2>(q, k, v, lens, scale, window, softcap, out);
-  if (nv <= 3) return decode_attention_impl<T, 3>(q, k, v, lens, scale, window, softcap, out);
-  if (nv <= 4) return decode_attention_impl<T, 4>(q, k, v, lens, scale, window, softcap, out);
-  if (nv <= 5) return decode_attention_impl<T, 5>(q, k, v, lens, scale, window, softcap, out);
-  if (nv <= 6) return decode_attention_impl<T, 6>(q, k, v, lens, scale, window, softcap, out);
-  if (nv <= 7) return decode_attention_impl<T, 7>(q, k, v, lens, scale, window, softcap, out);
-  if (nv <= 8) return decode_attention_impl<T, 8>(q, k, v, lens, scale, window, softcap, out);
-  if (nv <= 12) return decode_attention_impl<T, 12>(q, k, v, lens, scale, window, softcap, out);
-  if (nv <= 16) return decode_attention_impl<T, 16>(q, k, v, lens, scale, window, softcap, out);
-  if (nv <= 24) return decode_attention_impl<T, 24>(q, k, v, lens, scale, window, softcap, out);
-  return decode_attention_impl<T, 32>(q, k, v, lens, scale, window, softcap, out);
+void dispatch_head_dim(const Operands<T>& x, const int32_t* lens, float scale, int64_t window, float softcap) {
+  const int64_t nv = (x.D + Vec::size() - 1) / Vec::size();
+  if (nv <= 1) return decode_attention_impl<T, 1>(x, lens, scale, window, softcap);
+  if (nv <= 2) return decode_attention_impl<T, 2>(x, lens, scale, window, softcap);
+  if (nv <= 3) return decode_attention_impl<T, 3>(x, lens, scale, window, softcap);
+  if (nv <= 4) return decode_attention_impl<T, 4>(x, lens, scale, window, softcap);
+  if (nv <= 5) return decode_attention_impl<T, 5>(x, lens, scale, window, softcap);
+  if (nv <= 6) return decode_attention_impl<T, 6>(x, lens, scale, window, softcap);
+  if (nv <= 7) return decode_attention_impl<T, 7>(x, lens, scale, window, softcap);
+  if (nv <= 8) return decode_attention_impl<T, 8>(x, lens, scale, window, softcap);
+  if (nv <= 12) return decode_attention_impl<T, 12>(x, lens, scale, window, softcap);
+  if (nv <= 16) return decode_attention_impl<T, 16>(x, lens, scale, window, softcap);
+  if (nv <= 24) return decode_attention_impl<T, 24>(x, lens, scale, window, softcap);
+  return decode_attention_impl<T, 32>(x, lens, scale, window, softcap);
+}
+
+// What both operators check and run: the kernel over q's data and the K/V rows at k, v (q's dtype), as s lays them
+// out, rows b reading keys 0 .. seq_lens[b] - 1 of at most L; out of out_shape (B * H * G * D elements), new.
+at::Tensor attend(const at::Tensor& q, const void* k, const void* v, const Strides& s, int64_t L,
+                  const at::Tensor& seq_lens, double scale, int64_t window, double softcap, at::IntArrayRef out_shape) {
+  TORCH_CHECK(s.G <= kMaxGroup, "decode_attention: at most 16 query heads per KV head");
+  TORCH_CHECK(s.D >= 1 && s.D <= kMaxHeadDim, "decode_attention: head_dim must be 1..256");
+  TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.dim() == 1 && seq_lens.size(0) == s.B &&
+              seq_lens.is_contiguous(), "decode_attention: seq_lens must be int32 [B]");
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  for (int64_t b = 0; b < s.B; ++b)
+    TORCH_CHECK(lens[b] >= 1 && lens[b] <= L, "decode_attention: seq_lens out of range 1..L");
+  TORCH_CHECK(window >= 0 && softcap >= 0, "decode_attention: window and softcap must be >= 0 (0: none)");
+  at::Tensor out = at::empty(out_shape, q.options());
+  const float fscale = static_cast<float>(scale), cap = static_cast<float>(softcap);
+  if (q.scalar_type() == at::kFloat) {
+    const Operands<float> x{s, q.data_ptr<float>(), static_cast<const float*>(k), static_cast<const float*>(v),
+                            out.data_ptr<float>()};
+    dispatch_head_dim<float>(x, lens, fscale, window, cap);
+  } else {
+    TORCH_CHECK(q.scalar_type() == at::kBFloat16, "decode_attention: dtype must be float32 or bfloat16");
+    using BF16 = c10::BFloat16;
+    const Operands<BF16> x{s, q.data_ptr<BF16>(), static_cast<const BF16*>(k), static_cast<const BF16*>(v),
+                           out.data_ptr<BF16>()};
+    dispatch_head_dim<BF16>(x, lens, fscale, window, cap);
+  }
+  return out;
 }
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -369,23 +417,53 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
               "decode_attention: q, k, v must share a dtype");
   TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) == q.size(0) && k.size(1) == q.size(1) && k.size(3) == q.size(3),
               "decode_attention: shapes must be q [B, H_kv, G, D], k = v [B, H_kv, L, D]");
-  TORCH_CHECK(q.size(2) <= kMaxGroup, "decode_attention: at most 16 query heads per KV head");
-  TORCH_CHECK(q.size(3) >= 1 && q.size(3) <= kMaxHeadDim, "decode_attention: head_dim must be 1..256");
-  TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.dim() == 1 && seq_lens.size(0) == q.size(0) &&
-              seq_lens.is_contiguous(), "decode_attention: seq_lens must be int32 [B]");
-  const int32_t* lens = seq_lens.data_ptr<int32_t>();
-  for (int64_t b = 0; b < q.size(0); ++b)
-    TORCH_CHECK(lens[b] >= 1 && lens[b] <= k.size(2), "decode_attention: seq_lens out of range 1..L");
-  TORCH_CHECK(window >= 0 && softcap >= 0, "decode_attention: window and softcap must be >= 0 (0: none)");
-  at::Tensor out = at::empty_like(q);
-  const float cap = static_cast<float>(softcap);
-  if (q.scalar_type() == at::kFloat) {
-    dispatch_head_dim<float>(q, k, v, lens, static_cast<float>(scale), window, cap, out);
-  } else {
-    TORCH_CHECK(q.scalar_type() == at::kBFloat16, "decode_attention: dtype must be float32 or bfloat16");
-    dispatch_head_dim<c10::BFloat16>(q, k, v, lens, static_cast<float>(scale), window, cap, out);
+  const Strides s{q.size(0), q.size(1), q.size(2), q.size(3), q.size(1) * q.size(2) * q.size(3),
+                  k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2)};
+  return attend(q, k.data_ptr(), v.data_ptr(), s, k.size(2), seq_lens, scale, window, softcap, q.sizes());
+}
+
+// Copies row i of src [B, H_kv, D] (row i = token i / H_kv, head i % H_kv) to row rows[i] of cache [N, D].
+void write_rows(const at::Tensor& src, at::Tensor& cache, const int64_t* rows, const char* name) {
+  TORCH_CHECK(src.dim() == 3 && src.stride(2) == 1 && src.scalar_type() == cache.scalar_type() &&
+              src.size(2) == cache.size(-1), "cached_decode_attention: ", name,
+              " must be [B, H_kv, D] rows of the cache's dtype and head size, contiguous within a row");
+  const int64_t H = src.size(1), D = src.size(2), n = cache.numel() / D, bytes = D * src.element_size();
+  const char* sp = static_cast<const char*>(src.data_ptr());
+  char* cp = static_cast<char*>(cache.data_ptr());
+  for (int64_t i = 0; i < src.size(0) * H; ++i) {
+    TORCH_CHECK(rows[i] >= 0 && rows[i] < n, "cached_decode_attention: row ", rows[i], " out of range 0..", n - 1);
+    const char* from = sp + ((i / H) * src.stride(0) + (i % H) * src.stride(1)) * src.element_size();
+    std::memcpy(cp + rows[i] * bytes, from, bytes);
   }
-  return out;
+}
+
+// No view ops between the write and the kernel: the layer's slots are pointer offsets into the contiguous caches.
+at::Tensor cached_decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache,
+                                   at::Tensor v_cache, const at::Tensor& rows, const at::Tensor& seq_lens,
+                                   int64_t layer, int64_t first_slot, int64_t max_len, double scale, int64_t window,
+                                   double softcap) {
+  TORCH_CHECK(k_cache.dim() == 5 && k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
+              v_cache.is_contiguous(), "cached_decode_attention: the caches must be contiguous [L, S, H_kv, S_max, D]");
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && k.size(0) == q.size(0) && k.size(1) == k_cache.size(2) &&
+              v.sizes() == k.sizes() && q.size(1) % k.size(1) == 0,
+              "cached_decode_attention: q must be [B, H, D] and k, v [B, H_kv, D]");
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), H_kv = k.size(1), S_max = k_cache.size(3);
+  TORCH_CHECK(layer >= 0 && layer < k_cache.size(0) && first_slot >= 0 && first_slot + B <= k_cache.size(1) &&
+              max_len >= 1 && max_len <= S_max, "cached_decode_attention: layer, slots or max_len out of range");
+  TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 2 && rows.size(0) == k_cache.size(0) &&
+              rows.size(1) == B * H_kv && rows.is_contiguous(), "cached_decode_attention: rows must be int64 [L, B * H_kv]");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.size(2) == k_cache.size(4),
+              "cached_decode_attention: q must have the cache's dtype and head size");
+  const int64_t* layer_rows = rows.data_ptr<int64_t>() + layer * rows.size(1);
+  write_rows(k, k_cache, layer_rows, "k");
+  write_rows(v, v_cache, layer_rows, "v");
+  // a sequence's query heads in a row (a view of the fused Q/K/V output is): the kernel reads a group's as its rows
+  const at::Tensor qs = q.stride(2) == 1 && q.stride(1) == D ? q : q.contiguous();
+  const int64_t slot = H_kv * S_max * D, first = (layer * k_cache.size(1) + first_slot) * slot;
+  const Strides s{B, H_kv, H / H_kv, D, qs.stride(0), slot, S_max * D, D, slot, S_max * D, D};
+  return attend(qs, static_cast<const char*>(k_cache.data_ptr()) + first * k_cache.element_size(),
+                static_cast<const char*>(v_cache.data_ptr()) + first * v_cache.element_size(), s, max_len, seq_lens,
+                scale, window, softcap, {B, H, D});
 }
 
 }  // namespace
@@ -393,6 +471,12 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
 TORCH_LIBRARY_FRAGMENT(kvcore, m) {
   m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor seq_lens, float scale, int window=0, "
         "float softcap=0.0) -> Tensor");
+  m.def("cached_decode_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor rows, "
+        "Tensor seq_lens, int layer, int first_slot, int max_len, float scale, int window=0, float softcap=0.0) "
+        "-> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(kvcore, CPU, m) { m.impl("decode_attention", &decode_attention); }
+TORCH_LIBRARY_IMPL(kvcore, CPU, m) {
+  m.impl("decode_attention", &decode_attention);
+  m.impl("cached_decode_attention", &cached_decode_attention);
+}
