@@ -11,23 +11,20 @@
 #pragma once
 
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
-#include <algorithm>
 #include <cstdint>
-#include <memory>
 
+#include "group_matmul.h"
 #include "isa.h"
-#include "quantize_rows.h"
 
 namespace kvcore_int4a8 {
 
 constexpr int64_t kGroup = 32;
-constexpr int64_t kRows = 16;  // output rows per block
-constexpr int64_t kMaxM = 16;
-constexpr int64_t kTileM = 8;  // rows per tile of a longer matmul: accumulators and codes fit in registers
+using kvcore_gm::kMaxM;
+using kvcore_gm::kRows;
+constexpr int64_t kAhead = kvcore_gm::kPrefetchBytes / 256;  // groups of codes (256 bytes) prefetched ahead
 
 #ifdef KVCORE_VNNI
 inline __m512 load_scales(const c10::Half* src) {
@@ -48,8 +45,10 @@ void block_dot(const uint8_t* packed, const S* dm, const int8_t* p, const float*
   const __m512i low = _mm512_set1_epi8(0x0F);
   for (int64_t g = 0; g < G; ++g) {
     const uint8_t* w = packed + g * 256;
-    for (int64_t line = 0; line < 256; line += 64)  // four groups ahead (a prefetch past the end is harmless)
-      _mm_prefetch(reinterpret_cast<const char*>(w + 4 * 256 + line), _MM_HINT_T0);
+    // codes and scales ahead (past the block's end: the next block's, which the same thread reads next, or harmless)
+    for (int64_t line = 0; line < 256; line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(w + kAhead * 256 + line), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(dm + (g + kAhead) * 32), _MM_HINT_T0);
     __m512i s[M];
     for (int64_t r = 0; r < M; ++r) s[r] = _mm512_setzero_si512();
     for (int64_t j = 0; j < 4; ++j) {  // codes unpacked as used: registers for the row accumulators instead
@@ -105,26 +104,9 @@ constexpr BlockDot<S> kBlockDots[kMaxM] = {block_dot<1, S>, block_dot<2, S>, blo
 template <typename T, typename S>
 void linear(const T* x, int64_t M, int64_t K, const uint8_t* wp, const S* sp, int64_t blocks, T* op) {
   const int64_t G = K / kGroup;
-  // every element is written by quantize_rows before it is read
-  std::unique_ptr<int8_t[]> p(new int8_t[M * K]);
-  std::unique_ptr<float[]> a(new float[M * G]), sx(new float[M * G]);
-  at::parallel_for(0, M, M > kMaxM ? 1 : M, [&](int64_t r0, int64_t r1) {
-    kvcore_a8::quantize_rows<kGroup, T>(x + r0 * K, r1 - r0, K, p.get() + r0 * K, a.get() + r0 * G, sx.get() + r0 * G);
-  });
-  // Up to 16 rows (decode): one tile of all rows, the work split over output blocks. More rows (prefill): tiles of
-  // kTileM rows, items ordered tile-major so that each thread keeps its tile's activations in L1 and walks the
-  // weights (small enough to stay in L2) once per tile.
-  const int64_t tile_m = M <= kMaxM ? M : kTileM, tiles = (M + tile_m - 1) / tile_m;
-  at::parallel_for(0, tiles * blocks, 1, [&](int64_t first, int64_t last) {
-    float block[kMaxM * kRows];
-    for (int64_t item = first; item < last; ++item) {
-      const int64_t t = item / blocks, nb = item % blocks, r0 = t * tile_m, rows = std::min(tile_m, M - r0);
-      kBlockDots<S>[rows - 1](wp + nb * G * 256, sp + nb * G * 32, p.get() + r0 * K, a.get() + r0 * G,
-                              sx.get() + r0 * G, G, block);
-      for (int64_t r = 0; r < rows; ++r)
-        for (int64_t n = 0; n < kRows; ++n)
-          op[(r0 + r) * blocks * kRows + nb * kRows + n] = static_cast<T>(block[r * kRows + n]);
-    }
+  kvcore_gm::drive<kGroup>(x, M, K, blocks, op, [&](int64_t rows, int64_t nb, const int8_t* p, const float* a,
+                                                    const float* sx, float* block) {
+    kBlockDots<S>[rows - 1](wp + nb * G * 256, sp + nb * G * 32, p, a, sx, G, block);
   });
 }
 

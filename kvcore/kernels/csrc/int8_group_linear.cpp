@@ -21,24 +21,20 @@
 // Without AVX512-VNNI (and AVX512BW) at build time the same arithmetic runs as plain loops (slow; tests).
 
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
-#include <algorithm>
 #include <cstdint>
-#include <memory>
 
+#include "group_matmul.h"
 #include "isa.h"
-#include "quantize_rows.h"
 
 namespace {
 
-constexpr int64_t kRows = 16;  // output rows per block
-constexpr int64_t kMaxM = 16;
-constexpr int64_t kTileM = 8;  // rows per tile of a longer matmul
+using kvcore_gm::kMaxM;
+using kvcore_gm::kRows;
 
-// Output block (16 rows) for all M rows into out_f[M][16]; M a template parameter as in int4_linear.cpp.
+// Output block (16 rows) for all M rows into out_f[M][16]; M a template parameter as in int4a8.h.
 template <int64_t M, int64_t G>
 void block_dot(const uint8_t* packed, const float* dm, const int8_t* p, const float* a, const float* sx,
                int64_t groups, float* out_f) {
@@ -48,8 +44,12 @@ void block_dot(const uint8_t* packed, const float* dm, const int8_t* p, const fl
   for (int64_t r = 0; r < M; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* w = packed + g * kBytes;
-    for (int64_t line = 0; line < kBytes; line += 64)  // two groups ahead (a prefetch past the end is harmless)
-      _mm_prefetch(reinterpret_cast<const char*>(w + 2 * kBytes + line), _MM_HINT_T0);
+    // codes and scales ahead, as in int4a8.h
+    for (int64_t line = 0; line < kBytes; line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(w + kvcore_gm::kPrefetchBytes + line), _MM_HINT_T0);
+    for (int64_t line = 0; line < 128; line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(dm + (g + kvcore_gm::kPrefetchBytes / kBytes) * 32) + line,
+                   _MM_HINT_T0);
     __m512i s[M];
     for (int64_t r = 0; r < M; ++r) s[r] = _mm512_setzero_si512();
     for (int64_t j = 0; j < G / 4; ++j) {
@@ -95,31 +95,14 @@ constexpr BlockDot<G> kBlockDots[kMaxM] = {block_dot<1, G>, block_dot<2, G>, blo
 template <typename T, int64_t G>
 at::Tensor int8_group_linear_impl(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& dm) {
   const int64_t M = x.size(0), K = x.size(1), groups = K / G, blocks = packed.size(0);
-  // every element is written by quantize_rows before it is read
-  std::unique_ptr<int8_t[]> p(new int8_t[M * K]);
-  std::unique_ptr<float[]> a(new float[M * groups]), sx(new float[M * groups]);
-  const T* xp = x.data_ptr<T>();
-  at::parallel_for(0, M, M > kMaxM ? 1 : M, [&](int64_t r0, int64_t r1) {
-    kvcore_a8::quantize_rows<G, T>(xp + r0 * K, r1 - r0, K, p.get() + r0 * K, a.get() + r0 * groups,
-                                   sx.get() + r0 * groups);
-  });
   at::Tensor out = at::empty({M, blocks * kRows}, x.options());
-  T* op = out.data_ptr<T>();
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const float* sp = dm.data_ptr<float>();
-  // work split as in int4_linear.cpp: one tile of all rows for decode, tiles of kTileM rows for prefill
-  const int64_t tile_m = M <= kMaxM ? M : kTileM, tiles = (M + tile_m - 1) / tile_m;
-  at::parallel_for(0, tiles * blocks, 1, [&](int64_t first, int64_t last) {
-    float block[kMaxM * kRows];
-    for (int64_t item = first; item < last; ++item) {
-      const int64_t t = item / blocks, nb = item % blocks, r0 = t * tile_m, rows = std::min(tile_m, M - r0);
-      kBlockDots<G>[rows - 1](wp + nb * groups * kRows * G, sp + nb * groups * 32, p.get() + r0 * K,
-                              a.get() + r0 * groups, sx.get() + r0 * groups, groups, block);
-      for (int64_t r = 0; r < rows; ++r)
-        for (int64_t n = 0; n < kRows; ++n)
-          op[(r0 + r) * blocks * kRows + nb * kRows + n] = static_cast<T>(block[r * kRows + n]);
-    }
-  });
+  kvcore_gm::drive<G>(x.data_ptr<T>(), M, K, blocks, out.data_ptr<T>(),
+                      [&](int64_t rows, int64_t nb, const int8_t* p, const float* a, const float* sx, float* block) {
+                        kBlockDots<G>[rows - 1](wp + nb * groups * kRows * G, sp + nb * groups * 32, p, a, sx, groups,
+                                                block);
+                      });
   return out;
 }
 
