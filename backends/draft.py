@@ -7,11 +7,16 @@ Options (``[proposers.draft]``):
   target model itself (its weights shared, nothing loaded).
 * ``num_layers``: run only the draft's first ``num_layers`` decoder layers (then its final norm and LM
   head): a layer-truncated copy, sharing the weights, e.g. SmolLM2's first 8 of 30 layers.
+* ``misses`` (2), ``cooldown`` (16): back-off, as the ``ngram`` proposer's (:mod:`kvcore.backends.backoff`):
+  the number of drafts adapts to what verifications keep, and a request whose drafts keep failing stops
+  drafting (no draft forward, no verification) for a cooldown that doubles, then probes with one draft. A
+  draft that is rarely right thus costs little more than decoding without speculation.
 
 Each request has a sequence in the draft's contiguous KV cache. A proposal first feeds the tokens the draft
-has not seen (after the last verification: the kept drafts and the target's own token; its cache keeps the
-longest prefix it shares with the request's tokens), then one greedy token at a time. Greedy drafts are
-deterministic, so sampled requests verify them with one-hot ``q``.
+has not seen (after the last verification: the kept drafts and the target's own token; after a cooldown:
+every token since its last proposal, in one chunk; its cache keeps the longest prefix it shares with the
+request's tokens), then one greedy token at a time. Greedy drafts are deterministic, so sampled requests
+verify them with one-hot ``q``.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from kvcore.interfaces.kv_cache import CacheSpec
 from kvcore.interfaces.proposer import Proposal, Proposer, ProposerCapabilities, ProposerTarget
 from kvcore.scheduling.kv_manager import KVCacheManager
 
+from .backoff import Backoff, DraftLength, check_positive
 from .contiguous import ContiguousKVCache
 from .sdpa import SDPABackend
 
@@ -48,8 +54,12 @@ class DraftModelProposer(Proposer):
     description = "a smaller model of the same tokenizer (or the target's first layers), greedy, own KV cache"
     capabilities = ProposerCapabilities(deterministic=True, needs_model=True)
 
-    def __init__(self, model: str | None = None, num_layers: int | None = None) -> None:
+    def __init__(self, model: str | None = None, num_layers: int | None = None, misses: int = 2,
+                 cooldown: int = 16) -> None:
         super().__init__()
+        check_positive("draft", misses=misses, cooldown=cooldown)
+        self.backoff = Backoff(misses, cooldown)
+        self._lengths: dict[str, DraftLength] = {}
         if num_layers is not None and (not isinstance(num_layers, int) or isinstance(num_layers, bool)
                                        or num_layers < 1):
             raise ConfigError(f"proposer 'draft': num_layers must be a positive integer, got {num_layers!r}")
@@ -92,7 +102,11 @@ class DraftModelProposer(Proposer):
                 return ["the draft's tokenizer splits text differently from the target's"]
         return []
 
+    def advance(self, request_id, num_proposed, num_accepted) -> None:
+        self.backoff.advance(self._lengths.setdefault(request_id, DraftLength()), num_proposed, num_accepted)
+
     def finish(self, request_id) -> None:
+        self._lengths.pop(request_id, None)
         seq = self._seqs.pop(request_id, None)
         if seq is not None:
             self.kv.free_sequence(seq[0])
@@ -115,6 +129,17 @@ class DraftModelProposer(Proposer):
 
     @torch.inference_mode()
     def propose(self, rows, num_tokens) -> list[Proposal]:
+        num_tokens = [self.backoff.drafts(self._lengths.setdefault(r.request_id, DraftLength()), k)
+                      for r, k in zip(rows, num_tokens)]
+        drafting = [i for i, k in enumerate(num_tokens) if k > 0]
+        out = [Proposal() for _ in rows]
+        if drafting:  # a step in which every row cools down runs no draft forward
+            got = self._drafts([rows[i] for i in drafting], [num_tokens[i] for i in drafting])
+            for i, proposal in zip(drafting, got):
+                out[i] = proposal
+        return out
+
+    def _drafts(self, rows, num_tokens) -> list[Proposal]:
         seqs, feeds, held = [], [], []
         for row in rows:
             tokens = row.prompt_ids + row.output_ids

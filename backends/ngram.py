@@ -9,14 +9,16 @@ The lookup is incremental: an index from each n-gram to where the tokens after i
 extended by the tokens that arrived since the last step; a step costs O(``max_n``) dictionary operations,
 whatever the context length.
 
-How many drafts (adaptive, at most the engine's ``K``): all drafts kept doubles the next proposal; a rejection
-makes it one more than were kept (the length that would have been right, plus one to find out more).
+A copy in progress is followed without a new search: when the stream went on as the source of the last
+proposal did (its last ``max_n`` tokens are the ones before the next source position), the next drafts
+continue that source, even where its n-gram also occurs later elsewhere (repeated lines of code, a list
+whose items start alike); otherwise the index gives the latest occurrence of the longest match.
 
-Back-off: ``misses`` verifications in a row that keep nothing make the request propose nothing for
-``cooldown`` steps, doubling with each back-off that follows without a kept draft in between. A request that
-has backed off probes only on a ``max_n``-token match, with one draft; a probe that misses backs off again.
-So a free-form stream, whose n-grams rarely repeat, decodes as without speculation: a step without drafts
-is a plain one-token decode step.
+How many drafts, and when a request stops drafting: :mod:`kvcore.backends.backoff` (adaptive length up to
+the engine's ``K``; ``misses`` verifications in a row that keep nothing back the request off for
+``cooldown`` steps, doubling; a backed-off request probes with one draft, and only on a ``max_n``-token
+match). So a free-form stream, whose n-grams rarely repeat, decodes as without speculation: a step without
+drafts is a plain one-token decode step.
 """
 
 from __future__ import annotations
@@ -27,8 +29,7 @@ from kvcore.errors import ConfigError
 from kvcore.hookspecs import hookimpl
 from kvcore.interfaces.proposer import Proposal, Proposer
 
-#: the longest cooldown a request backs off for, in steps
-MAX_COOLDOWN = 1024
+from .backoff import Backoff, DraftLength, check_positive
 
 
 @dataclass
@@ -36,10 +37,9 @@ class _State:
     tokens: list[int] = field(default_factory=list)  # what the index covers: the request's tokens so far
     #: per n: n-gram -> where the tokens after its latest occurrence start
     index: dict[int, dict[tuple[int, ...], int]] = field(default_factory=dict)
-    num_drafts: int | None = None  # drafts to propose next (None: the engine's K)
-    num_misses: int = 0  # verifications in a row that kept nothing
-    num_backoffs: int = 0  # back-offs since the last kept draft
-    cooldown: int = 0  # steps left without proposing
+    length: DraftLength = field(default_factory=DraftLength)
+    #: the last proposal's source: (where its drafts started in ``tokens``, len(tokens) then)
+    source: tuple[int, int] | None = None
 
 
 class NgramProposer(Proposer):
@@ -48,13 +48,11 @@ class NgramProposer(Proposer):
 
     def __init__(self, max_n: int = 4, min_n: int = 2, misses: int = 2, cooldown: int = 16) -> None:
         super().__init__()
-        for key, value in (("max_n", max_n), ("min_n", min_n), ("misses", misses), ("cooldown", cooldown)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"proposer 'ngram': {key} must be a positive integer, got {value!r}")
+        check_positive("ngram", max_n=max_n, min_n=min_n, misses=misses, cooldown=cooldown)
         if min_n > max_n:
             raise ConfigError(f"proposer 'ngram': min_n ({min_n}) is larger than max_n ({max_n})")
         self.max_n, self.min_n = max_n, min_n
-        self.misses, self.cooldown = misses, cooldown
+        self.backoff = Backoff(misses, cooldown)
         self._states: dict[str, _State] = {}
 
     def start(self, request_id, token_ids) -> None:
@@ -83,41 +81,41 @@ class NgramProposer(Proposer):
         for row, k in zip(rows, num_tokens):
             state = self._states.setdefault(row.request_id, _State())
             self._catch_up(state, row.prompt_ids, row.output_ids)
-            if state.cooldown > 0:
-                state.cooldown -= 1
-                out.append(Proposal())
-                continue
-            probing = state.num_backoffs > 0
-            num = 1 if probing else min(k, state.num_drafts or k)
-            out.append(Proposal(self._lookup(state, num, self.max_n if probing else self.min_n)))
+            num = self.backoff.drafts(state.length, k)
+            out.append(Proposal(self._lookup(state, num, self.max_n if state.length.probing else self.min_n)
+                                if num else []))
         return out
 
     def _lookup(self, state: _State, k: int, min_n: int) -> list[int]:
-        tokens = state.tokens
+        tokens, start = state.tokens, self._followed(state)
         for n in range(min(self.max_n, len(tokens) - 1), min_n - 1, -1):
+            if start is not None:
+                break
             start = state.index.get(n, {}).get(tuple(tokens[-n:]))
-            if start is not None:  # a copy that runs past the end repeats its own drafts (a periodic stream)
-                drafts, period = tokens[start : start + k], len(tokens) - start
-                while len(drafts) < k:
-                    drafts.append(drafts[len(drafts) - period])
-                return drafts
-        return []
+        if start is None:
+            state.source = None
+            return []
+        state.source = (start, len(tokens))
+        drafts, period = tokens[start : start + k], len(tokens) - start
+        while len(drafts) < k:  # a copy that runs past the end repeats its own drafts (a periodic stream)
+            drafts.append(drafts[len(drafts) - period])
+        return drafts
+
+    def _followed(self, state: _State) -> int | None:
+        """Where the last proposal's source goes on, if the stream went on as it did (its last ``max_n``
+        tokens precede that position); else None."""
+        if state.source is None:
+            return None
+        tokens, n = state.tokens, self.max_n
+        start = state.source[0] + len(tokens) - state.source[1]
+        if n <= start < len(tokens) and tokens[start - n : start] == tokens[-n:]:
+            return start
+        return None
 
     def advance(self, request_id, num_proposed, num_accepted) -> None:
         state = self._states.get(request_id)
-        if state is None or num_proposed == 0:
-            return
-        if num_accepted == num_proposed:
-            state.num_drafts = 2 * num_proposed
-        else:
-            state.num_drafts = num_accepted + 1
-        if num_accepted > 0:
-            state.num_misses = state.num_backoffs = 0
-            return
-        state.num_misses += 1
-        if state.num_misses >= self.misses or state.num_backoffs > 0:  # a failed probe backs off at once
-            state.cooldown = min(MAX_COOLDOWN, self.cooldown << state.num_backoffs)
-            state.num_misses, state.num_backoffs = 0, state.num_backoffs + 1
+        if state is not None:
+            self.backoff.advance(state.length, num_proposed, num_accepted)
 
 
 @hookimpl

@@ -1,13 +1,16 @@
 """Batch-1 decode speed with n-gram (or draft-model) speculation vs the same engine without, side by side.
 
-    .venv/bin/python benchmarks/speculative.py [--proposer ngram] [--k 8] [--reps 2] [--new 128]
+    .venv/bin/python benchmarks/speculative.py [--proposer ngram] [--k 8] [--reps 2] [--new 128] [--show]
 
 The engine without speculation is kvcore's default (best) configuration for the embedded SmolLM2 GGUF; the
 speculative one is that configuration plus ``proposer``. Runs alternate (base, speculative, base, ...) so
 a shared machine's load hits both alike. Decode speed is tokens after the first / time after the first;
 CPU ms/token is this process's CPU time over the same tokens, which other processes' load disturbs far less
 than wall time (with ``--threads 1`` it is the work done; with more threads it also counts threads waiting).
-Prompts: input-grounded (repeat or edit a given text or code of >= 500 tokens) and free-form.
+Prompts (benchmarks/speculative_prompts.py): input-grounded (summarise, answer from, fix or edit a given text
+or code) and free-form. ``--show`` prints each prompt's greedy answer (base and speculative side) and whether
+the two streams are the same tokens (bfloat16: a verification's multi-row matmuls may round a near tie the
+other way).
 """
 
 from __future__ import annotations
@@ -20,25 +23,14 @@ import statistics
 import time
 from pathlib import Path
 
+from speculative_prompts import PROMPTS
+
 from kvcore import Engine, SamplingParams
-
-ROOT = Path(__file__).resolve().parents[1]
-CODE = (ROOT / "kvcore" / "scheduling" / "block_pool.py").read_text()[:900]  # about 550 tokens
-TEXT = (ROOT / "docs" / "design.md").read_text()[:2600]
-
-PROMPTS = {
-    "repeat-code": f"Repeat this Python code exactly, without any change:\n\n{CODE}",
-    "edit-code": f"Rename the variable `block_id` to `bid` everywhere in this code and print the whole result:\n\n"
-                 f"{CODE}",
-    "repeat-text": f"Repeat the following text word for word:\n\n{TEXT}",
-    "free-story": "Write a short story about a lighthouse keeper who finds a message in a bottle.",
-    "free-explain": "Explain in simple words why the sky is blue and why sunsets are red.",
-}
 
 
 def run(engine: Engine, prompt: str, new: int) -> dict:
     messages = [{"role": "user", "content": prompt}]
-    ids = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    ids = engine.tokenizer.encode(engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
     rid = engine.add_request(ids, SamplingParams(max_new_tokens=new))
     first = None  # (process CPU time, tokens) when the first token came
     while engine.has_unfinished():
@@ -51,7 +43,8 @@ def run(engine: Engine, prompt: str, new: int) -> dict:
     decoded = len(out.token_ids) - first[1]
     return {"prompt_tokens": len(ids), "tokens": len(out.token_ids), "tok_s": m.tokens_per_s,
             "cpu_ms_per_token": 1000 * cpu_s / decoded if decoded else None,
-            "acceptance": m.acceptance_rate, "accepted_per_step": m.mean_accepted_length}
+            "acceptance": m.acceptance_rate, "accepted_per_step": m.mean_accepted_length,
+            "token_ids": list(out.token_ids), "text": out.text}
 
 
 def main() -> None:
@@ -64,6 +57,7 @@ def main() -> None:
     ap.add_argument("--prompts", default=",".join(PROMPTS))
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--show", action="store_true", help="print each prompt's greedy answers")
     args = ap.parse_args()
     if args.threads:
         import torch
@@ -91,7 +85,9 @@ def main() -> None:
         row = {"prompt": name, "prompt_tokens": runs["base"][0]["prompt_tokens"],
                "tokens": runs["spec"][-1]["tokens"], "base_tok_s": b, "spec_tok_s": s, "speedup": s / b,
                "base_cpu_ms_per_token": cpu_b, "spec_cpu_ms_per_token": cpu_s, "cpu_speedup": cpu_b / cpu_s,
-               "acceptance": acc, "accepted_per_step": runs["spec"][-1]["accepted_per_step"]}
+               "acceptance": acc, "accepted_per_step": runs["spec"][-1]["accepted_per_step"],
+               "same_stream": runs["base"][0]["token_ids"] == runs["spec"][0]["token_ids"],
+               "base_text": runs["base"][0]["text"], "spec_text": runs["spec"][0]["text"]}
         rows.append(row)
         acc_text = "-" if acc is None else f"{acc:.2f}"
         kept = row["accepted_per_step"]
@@ -99,6 +95,9 @@ def main() -> None:
         print(f"{name:13s} prompt {row['prompt_tokens']:4d} tok  base {b:6.1f} tok/s  spec {s:6.1f} tok/s  "
               f"x{s / b:4.2f}  CPU ms/token {cpu_b:.1f} vs {cpu_s:.1f}: x{cpu_b / cpu_s:4.2f}  "
               f"acceptance {acc_text}  kept/verification {kept_text}  load {os.getloadavg()[0]:.1f}", flush=True)
+        if args.show:
+            same = "the same tokens" if row["same_stream"] else "a different stream: " + repr(row["spec_text"])
+            print(f"  greedy answer: {row['base_text']!r}\n  speculative: {same}", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
 

@@ -171,6 +171,19 @@ def test_ngram_proposes_the_latest_continuation_of_the_longest_match():
         NgramProposer(max_n=2, min_n=3)
 
 
+def test_ngram_follows_the_copy_in_progress():
+    """A copy that went on as proposed continues from its source, though its n-gram occurs later elsewhere."""
+    proposer = NgramProposer(max_n=2, min_n=2)
+    row = _Row([1, 2, 3, 4, 5, 6, 7, 9, 3, 4, 8, 0, 1, 2])
+    assert proposer.propose([row], [1])[0].token_ids == [3]
+    row.output_ids += [3, 4]  # the draft kept, then the target's own token: still the copy of 1 2 3 4 5 ...
+    assert proposer.propose([row], [2])[0].token_ids == [5, 6]  # not [8, 0], after the later "3 4"
+    row.output_ids += [5, 9]  # the copy broke off: the index again ("5 9" never came before)
+    assert proposer.propose([row], [2])[0].token_ids == []
+    fresh = NgramProposer(max_n=2, min_n=2)
+    assert fresh.propose([_Row(row.prompt_ids[:14] + [3, 4])], [2])[0].token_ids == [8, 0]  # no copy to follow
+
+
 def test_ngram_index_follows_the_stream_incrementally():
     proposer = NgramProposer(max_n=2, min_n=2)
     row = _Row([5, 6, 7, 8])
@@ -213,6 +226,33 @@ def test_ngram_backs_off_exponentially_and_probes_only_long_matches():
     assert proposer.propose([strong], [4])[0].token_ids == [9, 1]
     with pytest.raises(ConfigError, match="misses"):
         NgramProposer(misses=0)
+
+
+def test_draft_model_backs_off(random_model, monkeypatch):
+    """Drafts that keep missing stop the draft model: after ``misses`` verifications it drafts nothing for
+    ``cooldown`` steps (no draft forward), then probes with one draft; the stream is unchanged."""
+    from kvcore.backends.draft import DraftModelProposer
+
+    real, asked = DraftModelProposer._drafts, []
+
+    def wrong(self, rows, num_tokens):
+        asked.append(list(num_tokens))
+        return [Proposal([(t + 1) % random_model.config.vocab_size for t in p.token_ids])
+                for p in real(self, rows, num_tokens)]
+
+    monkeypatch.setattr(DraftModelProposer, "_drafts", wrong)
+    options = {"draft": {"num_layers": 1, "misses": 2, "cooldown": 8}}
+    config = EngineConfig(backend="sdpa", proposer="draft", num_speculative_tokens=3, dtype="float32",
+                          max_model_len=96, proposer_options=options)
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    got = Engine(random_model, None, config).generate([[3, 4, 5, 6]], params)[0]
+    ref = Engine(random_model, None, EngineConfig(backend="sdpa", dtype="float32", max_model_len=96)).generate(
+        [[3, 4, 5, 6]], params)[0]
+    assert got.token_ids == ref.token_ids and got.metrics.num_accepted_tokens == 0
+    # 3 drafts, then 1 (one more than kept): back off for 8 steps; a one-draft probe misses: 16 steps
+    assert asked == [[3], [1], [1]] and got.metrics.num_spec_steps == 3
+    with pytest.raises(ConfigError, match="cooldown"):
+        DraftModelProposer(cooldown=0)
 
 
 def test_backed_off_steps_are_plain_decode_steps(random_model, monkeypatch):
