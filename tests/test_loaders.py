@@ -34,8 +34,8 @@ def smollm2_file() -> Path:
 
 
 @pytest.fixture(scope="module")
-def smol(smollm2_file: Path) -> LoadedModel:
-    return load_model("smollm2")
+def smol(smollm2_file: Path, smollm2) -> LoadedModel:
+    return smollm2  # conftest's, loaded once per session: parsing and dequantizing the file is seconds
 
 
 @pytest.fixture(scope="module")
