@@ -53,6 +53,24 @@ def test_rows_read_from_the_file_are_the_rows_the_blocks_decode_to(tmp_path):
         table.rows(torch.tensor([-1]))
 
 
+def test_rows_read_once_are_kept_up_to_the_cache_size(tmp_path):
+    path = tmp_path / "t.gguf"
+    blocks, data = _table_file(path, 64, 64)
+    rows = blocks._file.rows(64, cache_rows=8)
+    first = rows[torch.tensor([3, 4, 3])]
+    assert torch.equal(first, torch.from_numpy(data[[3, 4, 3]])) and len(rows._slots) == 2
+    for start in range(0, 60, 3):  # past the cache's 8 rows: it starts over, the rows stay right
+        index = torch.tensor([start, start + 2, start + 1, start])
+        assert torch.equal(rows[index], torch.from_numpy(data[index.numpy()])) and len(rows._slots) <= 8
+    many = torch.tensor([9, 1, 50, 2, 63])  # more than half the cache: read directly
+    assert torch.equal(rows[many], torch.from_numpy(data[many.numpy()]))
+    rows[torch.tensor([3, 4])]
+    path.write_bytes(path.read_bytes()[: _OFFSET + 10 * data.shape[1]])  # truncated in place
+    assert torch.equal(rows[torch.tensor([4, 3])], first[[1, 0]])  # kept rows: no read, the rows first read
+    with pytest.raises(ModelLoadError):
+        rows[torch.tensor([5])]
+
+
 def test_the_table_is_not_copied_into_the_process(tmp_path):
     blocks, _ = _table_file(tmp_path / "big.gguf", 64 * 1024, 1024)  # 68 MiB of Q8_0 rows, in the page cache
     before = _rss_bytes()

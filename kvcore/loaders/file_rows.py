@@ -7,6 +7,9 @@ memory. A memory map would not do the same: a fault maps the whole page-cache fo
 (up to a MiB on recent kernels), and the int4 head's rescored candidates are spread over the whole vocabulary, so
 within a few steps the whole table would count in the process's resident memory again.
 
+Rows once read are kept (up to :data:`CACHE_ROWS` of them; the cache starts over when full): a step's rescored
+candidates are mostly rows earlier steps read too, so most lookups make no system call.
+
 The file must stay as it was while it is in use: replaced by a new file (``mv``, an editor's save, a package
 upgrade) the open descriptor keeps reading the old one; written over in place or truncated, the next read says
 so (:class:`~kvcore.errors.ModelLoadError`) instead of returning other bytes.
@@ -22,7 +25,10 @@ import torch
 
 from kvcore.errors import ModelLoadError
 
-__all__ = ["FileRange", "FileRows"]
+__all__ = ["CACHE_ROWS", "FileRange", "FileRows"]
+
+#: rows a :class:`FileRows` keeps after reading them (a few MiB for a small model's table)
+CACHE_ROWS = 4096
 
 
 class FileRange:
@@ -44,9 +50,9 @@ class FileRange:
                 done += n
         return out
 
-    def rows(self, num_rows: int) -> FileRows:
-        """This range as ``num_rows`` equal rows, read per lookup."""
-        return FileRows(self, num_rows)
+    def rows(self, num_rows: int, cache_rows: int = CACHE_ROWS) -> FileRows:
+        """This range as ``num_rows`` equal rows, read per lookup (keeping up to ``cache_rows`` of them)."""
+        return FileRows(self, num_rows, cache_rows)
 
 
 def _identity(st: os.stat_result) -> tuple[int, int, int]:
@@ -54,9 +60,11 @@ def _identity(st: os.stat_result) -> tuple[int, int, int]:
 
 
 class FileRows:
-    """``[rows, row_bytes]`` uint8 rows of a :class:`FileRange`, read when indexed (``rows[index]``)."""
+    """``[rows, row_bytes]`` uint8 rows of a :class:`FileRange`, read when indexed (``rows[index]``). Lookups of up
+    to half of ``cache_rows`` rows go through the cache; longer ones (a long prompt's embedding) and slices (a pass
+    over the table) read their rows directly. One engine's steps use it: it is not for concurrent threads."""
 
-    def __init__(self, source: FileRange, num_rows: int) -> None:
+    def __init__(self, source: FileRange, num_rows: int, cache_rows: int = CACHE_ROWS) -> None:
         if num_rows <= 0 or source.nbytes % num_rows:
             raise ValueError(f"{source.nbytes} bytes are not {num_rows} equal rows")
         self.path, self.offset = source.path, source.offset
@@ -67,6 +75,8 @@ class FileRows:
             raise ModelLoadError(f"cannot read '{self.path}': {exc.strerror or exc}") from None
         self._identity = _identity(os.fstat(self._fd))
         weakref.finalize(self, os.close, self._fd)
+        self._cache = np.empty((min(cache_rows, num_rows), self.shape[1]), dtype=np.uint8)  # resident as filled
+        self._slots: dict[int, int] = {}  # row -> its place in _cache
 
     def __getitem__(self, index: torch.Tensor | slice) -> torch.Tensor:
         """Rows ``index`` (int64 of any shape, each in ``[0, rows)``, or a slice): ``[*index.shape, row_bytes]``."""
@@ -81,10 +91,25 @@ class FileRows:
         ids = index.reshape(-1).tolist()
         if ids and (min(ids) < 0 or max(ids) >= rows):
             raise IndexError(f"row index out of range for a table of {rows} rows")
-        out = np.empty((len(ids), width), dtype=np.uint8)
-        self._check()
-        for row, i in zip(out, ids):
-            self._read(row, i, checked=True)
+        if 2 * len(ids) > len(self._cache):
+            out = np.empty((len(ids), width), dtype=np.uint8)
+            self._check()
+            for row, i in zip(out, ids):
+                self._read(row, i, checked=True)
+        else:
+            slots = self._slots
+            if len(slots) + len(ids) > len(self._cache):
+                slots.clear()  # start over: the rows of this lookup fit, none is overwritten before it is copied
+            missing = [i for i in ids if i not in slots]
+            if missing:
+                self._check()
+                for i in missing:
+                    if i in slots:  # a repeat within this lookup
+                        continue
+                    slot = len(slots)
+                    self._read(self._cache[slot], i, checked=True)
+                    slots[i] = slot
+            out = self._cache[[slots[i] for i in ids]]
         return torch.from_numpy(out).view(*index.shape, width)
 
     def _read(self, out: np.ndarray, row: int, checked: bool = False) -> None:
