@@ -58,10 +58,10 @@ def test_rows_read_once_are_kept_up_to_the_cache_size(tmp_path):
     blocks, data = _table_file(path, 64, 64)
     rows = blocks._file.rows(64, cache_rows=8)
     first = rows[torch.tensor([3, 4, 3])]
-    assert torch.equal(first, torch.from_numpy(data[[3, 4, 3]])) and len(rows._slots) == 2
+    assert torch.equal(first, torch.from_numpy(data[[3, 4, 3]])) and rows._used == 2
     for start in range(0, 60, 3):  # past the cache's 8 rows: it starts over, the rows stay right
         index = torch.tensor([start, start + 2, start + 1, start])
-        assert torch.equal(rows[index], torch.from_numpy(data[index.numpy()])) and len(rows._slots) <= 8
+        assert torch.equal(rows[index], torch.from_numpy(data[index.numpy()])) and rows._used <= 8
     many = torch.tensor([9, 1, 50, 2, 63])  # more than half the cache: read directly
     assert torch.equal(rows[many], torch.from_numpy(data[many.numpy()]))
     rows[torch.tensor([3, 4])]

@@ -76,7 +76,9 @@ class FileRows:
         self._identity = _identity(os.fstat(self._fd))
         weakref.finalize(self, os.close, self._fd)
         self._cache = np.empty((min(cache_rows, num_rows), self.shape[1]), dtype=np.uint8)  # resident as filled
-        self._slots: dict[int, int] = {}  # row -> its place in _cache
+        self._slot_of = np.full(num_rows, -1, dtype=np.int32)  # row -> its place in _cache, -1: not kept
+        self._row_of = np.empty(len(self._cache), dtype=np.int64)  # place -> row
+        self._used = 0
 
     def __getitem__(self, index: torch.Tensor | slice) -> torch.Tensor:
         """Rows ``index`` (int64 of any shape, each in ``[0, rows)``, or a slice): ``[*index.shape, row_bytes]``."""
@@ -88,29 +90,33 @@ class FileRows:
                 self._read(out.reshape(-1), start)
                 return torch.from_numpy(out)
             index = torch.arange(start, stop, step)
-        ids = index.reshape(-1).tolist()
-        if ids and (min(ids) < 0 or max(ids) >= rows):
+        ids = index.reshape(-1).numpy()
+        if ids.size and (ids.min() < 0 or ids.max() >= rows):
             raise IndexError(f"row index out of range for a table of {rows} rows")
-        if 2 * len(ids) > len(self._cache):
-            out = np.empty((len(ids), width), dtype=np.uint8)
+        if 2 * ids.size > len(self._cache):
+            out = np.empty((ids.size, width), dtype=np.uint8)
             self._check()
-            for row, i in zip(out, ids):
+            for row, i in zip(out, ids.tolist()):
                 self._read(row, i, checked=True)
         else:
-            slots = self._slots
-            if len(slots) + len(ids) > len(self._cache):
-                slots.clear()  # start over: the rows of this lookup fit, none is overwritten before it is copied
-            missing = [i for i in ids if i not in slots]
-            if missing:
-                self._check()
-                for i in missing:
-                    if i in slots:  # a repeat within this lookup
-                        continue
-                    slot = len(slots)
-                    self._read(self._cache[slot], i, checked=True)
-                    slots[i] = slot
-            out = self._cache[[slots[i] for i in ids]]
+            slots = self._slot_of[ids]
+            if (slots < 0).any():
+                self._keep(ids, ids[slots < 0])
+                slots = self._slot_of[ids]
+            out = self._cache[slots]
         return torch.from_numpy(out).view(*index.shape, width)
+
+    def _keep(self, ids: np.ndarray, missing: np.ndarray) -> None:
+        """Read the ``missing`` rows of a lookup of ``ids`` into the cache, first emptying it where they do not fit
+        (then every row of the lookup is read again: none is overwritten before it is copied out)."""
+        if self._used + missing.size > len(self._cache):
+            self._slot_of[self._row_of[: self._used]] = -1
+            self._used, missing = 0, ids
+        self._check()
+        for i in np.unique(missing).tolist():  # in file order, each once
+            self._read(self._cache[self._used], i, checked=True)
+            self._slot_of[i], self._row_of[self._used] = self._used, i
+            self._used += 1
 
     def _read(self, out: np.ndarray, row: int, checked: bool = False) -> None:
         if not checked:
