@@ -7,6 +7,9 @@ Each run is a fresh process; `--json` reports `memory.peak_rss_bytes` (VmHWM) an
 alternating which goes first::
 
     python benchmarks/memory_rss.py --before /tmp/base --repeat 2 > benchmarks/results/memory.md
+
+``--max-new-tokens N`` runs longer generations (128 by default); ``--config NAME`` (repeatable) only those
+configurations.
 """
 
 from __future__ import annotations
@@ -27,9 +30,9 @@ CONFIGS = {
 PROMPT = "Tell me a story about a dragon."
 
 
-def run(flags: list[str], pythonpath: str | None) -> dict:
+def run(flags: list[str], pythonpath: str | None, new_tokens: int = 128) -> dict:
     kvcore = Path(sys.executable).with_name("kvcore")
-    cmd = [str(kvcore), "generate", "--json", "--max-new-tokens", "128", "--ignore-eos", *flags, PROMPT]
+    cmd = [str(kvcore), "generate", "--json", "--max-new-tokens", str(new_tokens), "--ignore-eos", *flags, PROMPT]
     env = dict(os.environ, KVCORE_MODEL_CACHE="0")
     if pythonpath:
         env["PYTHONPATH"] = pythonpath
@@ -45,21 +48,25 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--before", help="an older kvcore tree to run side by side")
     ap.add_argument("--repeat", type=int, default=1)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--config", action="append", choices=list(CONFIGS), help="only these configurations")
     args = ap.parse_args()
+    configs = {name: CONFIGS[name] for name in args.config or CONFIGS}
     from kvcore.loaders.resolve import smollm2_path
 
     file_bytes = smollm2_path().stat().st_size
     trees = [("after", None)] + ([("before", args.before)] if args.before else [])
     print(f"GGUF file: {smollm2_path().name}, {file_bytes:,} bytes ({file_bytes / 2**20:.1f} MiB); "
-          f"`kvcore generate --json --max-new-tokens 128 --ignore-eos FLAGS \"{PROMPT}\"`, model cache off\n")
+          f"`kvcore generate --json --max-new-tokens {args.max_new_tokens} --ignore-eos FLAGS \"{PROMPT}\"`, "
+          "model cache off\n")
     print("| config | tree | run | import baseline (MiB) | peak RSS (MiB) | above baseline (MiB) | × file | tok/s | "
           "stream (sha256 of the token ids) |")
     print("|---|---|---|---|---|---|---|---|---|")
     for rep in range(args.repeat):
-        for name, flags in CONFIGS.items():
+        for name, flags in configs.items():
             order = trees if rep % 2 == 0 else trees[::-1]
             for tree, path in order:
-                d = run(flags, path)
+                d = run(flags, path, args.max_new_tokens)
                 m = d["memory"]
                 above = m["peak_rss_bytes"] - m["rss_before_load_bytes"]
                 print(f"| {name} | {tree} | {rep + 1} | {m['rss_before_load_bytes'] / 2**20:.0f} | "

@@ -67,7 +67,7 @@ def main() -> None:
         tok = loaded.tokenizer
         del loaded
         trim_heap()
-        mark("build_model (layers packed, embedding as its Q8_0 blocks); heap trimmed")
+        mark("build_model (layers packed, embedding as its Q8_0 blocks in the file); heap trimmed")
         config = EngineConfig(dtype="bfloat16", weights="int4a8", lm_head="int4", backend="cpu_decode",
                               max_model_len=136, max_num_seqs=1)
         engine = Engine(model, tok, config)
@@ -82,8 +82,10 @@ def main() -> None:
     tensors = {id(t): t for t in (*model.parameters(), *model.buffers())}.values()
     dense = sum(t.nbytes for t in tensors) / MIB
     table = model.embedding.nbytes if model.embedding is not None else 0
-    print(f"\nheld by the model: packed layer matmuls {packed:.1f} MiB, embedding (GGUF blocks) {table / MIB:.1f} "
-          f"MiB, parameters + buffers (norms, RoPE) {dense:.1f} MiB, int4 head {engine.lm_head.nbytes / MIB:.1f} MiB")
+    where = "read from the file per lookup, not held" if table and model.embedding.blocks.in_file else "held"
+    print(f"\nheld by the model: packed layer matmuls {packed:.1f} MiB, embedding (GGUF blocks, {where}) "
+          f"{table / MIB:.1f} MiB, parameters + buffers (norms, RoPE) {dense:.1f} MiB, int4 head "
+          f"{engine.lm_head.nbytes / MIB:.1f} MiB")
     now = smaps()
     growth = sorted(((k, v - base_maps.get(k, 0)) for k, v in now.items()), key=lambda kv: -kv[1])[:6]
     print("growth by mapping (MiB): " + ", ".join(f"{k} {v:.1f}" for k, v in growth))

@@ -21,6 +21,7 @@ from gguf import GGMLQuantizationType as QType
 
 from kvcore.kernels.group_quant import GroupCodes
 from kvcore.kernels.quant import Int4Groups
+from kvcore.loaders.file_rows import FileRange, FileRows
 from kvcore.loaders.gguf_codes import CODE_BITS, CODE_TYPES, SCALE_OFFSETS, group_codes
 
 __all__ = ["GGUFBlocks", "INT4_TYPES", "CODE_TYPES", "file_blocks"]
@@ -33,23 +34,10 @@ _DEQUANT_ROWS = 1024
 _Q8_0_BYTES = 34
 
 
-def file_blocks(path: str | os.PathLike[str], offset: int, nbytes: int) -> Callable[[], np.ndarray]:
+def file_blocks(path: str | os.PathLike[str], offset: int, nbytes: int) -> FileRange:
     """A reader of ``nbytes`` bytes at ``offset`` of ``path``: each call reads them into a new array (no mapping
     of the file stays behind, so its pages are the page cache's, not this process's)."""
-
-    def read() -> np.ndarray:
-        out = np.empty(nbytes, dtype=np.uint8)
-        with open(path, "rb", buffering=0) as f:
-            f.seek(offset)
-            view, done = memoryview(out), 0
-            while done < nbytes:
-                n = f.readinto(view[done:])
-                if not n:
-                    raise OSError(f"'{path}' ended inside a tensor (truncated?)")
-                done += n
-        return out
-
-    return read
+    return FileRange(path, offset, nbytes)
 
 
 class GGUFBlocks:
@@ -62,7 +50,8 @@ class GGUFBlocks:
 
     def __init__(self, qtype: QType, data: np.ndarray | Callable[[], np.ndarray], shape: tuple[int, int]) -> None:
         self.qtype, self.shape = qtype, (int(shape[0]), int(shape[1]))
-        self._table: torch.Tensor | None = None  # set by resident()
+        self._table: torch.Tensor | FileRows | None = None  # set by resident() and lookup_table()
+        self._file = data if isinstance(data, FileRange) else None  # the blocks are this range of a file as stored
         if callable(data):
             self._read = data
         else:
@@ -109,9 +98,25 @@ class GGUFBlocks:
         held._table = torch.from_numpy(held.data)  # the same bytes as a tensor, indexed per lookup
         return held
 
+    def lookup_table(self) -> GGUFBlocks:
+        """These blocks as a table that decodes rows per lookup: read from the file row by row where they are a
+        range of one as stored (:class:`~kvcore.loaders.file_rows.FileRows`: the process holds no copy), else
+        :meth:`resident`."""
+        if self._file is None:
+            return self.resident()
+        table = GGUFBlocks(self.qtype, self._file, self.shape)
+        table._table = self._file.rows(self.shape[0])
+        return table
+
+    @property
+    def in_file(self) -> bool:
+        """Whether the rows a lookup decodes are read from the file (:meth:`lookup_table`), not held in memory."""
+        return isinstance(self._table, FileRows)
+
     @property
     def nbytes(self) -> int:
-        return self.data.nbytes
+        """The blocks' bytes (as stored; in memory unless :attr:`in_file`)."""
+        return self._file.nbytes if self._file is not None else self.data.nbytes
 
     def rows(self, index: torch.Tensor | slice, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Rows ``index`` (``[n]`` int64 or a slice) ``[n, columns]`` in ``dtype``: exactly the rows of

@@ -1,8 +1,9 @@
 """A quantized model's token table held as the file stores it: GGUF blocks, rows decoded when they are read.
 
 A GGUF's embedding is usually Q8_0 (or another block type); dequantized whole in bfloat16 it would take about twice
-its stored bytes, and a tied table is also the LM head. :class:`BlockTable` keeps the blocks and decodes only the
-rows a forward gathers (the embedding lookup) and the candidates the int4 head rescores
+its stored bytes, and a tied table is also the LM head. :class:`BlockTable` keeps the blocks (in the model file, read
+row by row, where the loader gives them as a range of it: :meth:`~kvcore.loaders.gguf_blocks.GGUFBlocks.lookup_table`)
+and decodes only the rows a forward gathers (the embedding lookup) and the candidates the int4 head rescores
 (:class:`~kvcore.model.lm_head.RescoredInt4Head`), each exactly as the whole table would be dequantized (llama.cpp's
 reference values rounded once to the model dtype), so the logits are the same. What needs the whole table (a dense
 LM head: more logit rows than the int4 head takes, or ``lm_head`` dense) gets it once, from :func:`dense_embedding`,
@@ -22,7 +23,7 @@ EMBEDDING = "model.embed_tokens.weight"
 
 
 class BlockTable:
-    """``[V, d]`` rows of ``blocks`` (a resident :class:`~kvcore.loaders.gguf_blocks.GGUFBlocks`, or anything with
+    """``[V, d]`` rows of ``blocks`` (a :class:`~kvcore.loaders.gguf_blocks.GGUFBlocks` lookup table, or anything with
     ``shape``, ``nbytes``, ``rows(index, dtype)`` and ``dequantize_into(out)``) in ``dtype``.
 
     ``table(ids)`` is ``F.embedding(ids, W)`` and ``table[index]`` is ``W[index]`` for the dense ``W`` the blocks
@@ -60,11 +61,12 @@ class BlockTable:
 
 def hold_blocks(model: Any, weights: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:
     """Give ``model`` its token table as blocks (``model.embedding``; ``model.embed_tokens`` left empty) when
-    ``weights`` has it as GGUF blocks; returns the weights still to copy into the model."""
+    ``weights`` has it as GGUF blocks (read from the file per lookup where they are a range of it, else held);
+    returns the weights still to copy into the model."""
     value = weights.get(EMBEDDING)
-    if not hasattr(value, "resident"):  # a float checkpoint, or a float GGUF tensor: the dense table
+    if not hasattr(value, "lookup_table"):  # a float checkpoint, or a float GGUF tensor: the dense table
         return weights
-    model.embedding = BlockTable(value.resident(), dtype)
+    model.embedding = BlockTable(value.lookup_table(), dtype)
     model.embed_tokens.data = torch.empty(0, value.shape[1], dtype=dtype)
     return {n: v for n, v in weights.items() if n != EMBEDDING}
 
