@@ -128,7 +128,7 @@ class CPUDecodeBackend(SDPABackend):
     @staticmethod
     def _decode_mask(meta: AttentionMetadata, dtype: torch.dtype) -> torch.Tensor | None:
         # the kernel reads each row's length instead; layers with sinks run sdpa's masked path
-        return SDPABackend._decode_mask(meta, dtype) if "sinks" in meta.variants else None
+        return SDPABackend._decode_mask(meta, dtype) if any(layer.sinks is not None for layer in meta.layers) else None
 
     def _prefill_attend(self, q, k, v, context_len: int, layer: LayerAttention) -> torch.Tensor:
         q_len = q.shape[0]

@@ -45,7 +45,7 @@ def fused_forward(model, h: torch.Tensor, tables: list, attention, matmuls: dict
     :meth:`DecoderModel.forward`): ``tables`` each layer's RoPE ``(cos, sin)``, ``matmuls`` the model's int4a8
     weights. Returns ``[T, d]`` final hidden states."""
     c = model.config
-    num_tokens, eps, head_dim, q_size = h.shape[0], c.rms_norm_eps, c.head_dim, model.q_size
+    num_tokens, eps, head_dim = h.shape[0], c.rms_norm_eps, c.head_dim
     heads = [c.num_attention_heads, c.num_key_value_heads, c.num_key_value_heads]
     num_rotated, num_heads = heads[0] + heads[1], sum(heads)
     fused_qkv, fused_mlp = torch.ops.kvcore.fused_qkv, torch.ops.kvcore.fused_mlp
@@ -57,8 +57,8 @@ def fused_forward(model, h: torch.Tensor, tables: list, attention, matmuls: dict
         qkv = fused_qkv(h, pending, input_norm, eps, qkv_w.codes, qkv_w.dm, cos, sin, num_rotated)
         q, k, v = qkv.view(num_tokens, num_heads, head_dim).split_with_sizes(heads, 1)  # (T, H | H_kv | H_kv, D) views
         attn = attention(i, q, k, v)  # (T, H, D)
-        pending = fused_mlp(h, attn.reshape(num_tokens, q_size), o_w.codes, o_w.dm, post_norm, eps, gate_up_w.codes,
-                            gate_up_w.dm, down_w.codes, down_w.dm)
+        pending = fused_mlp(h, attn, o_w.codes, o_w.dm, post_norm, eps, gate_up_w.codes, gate_up_w.dm, down_w.codes,
+                            down_w.dm)
     return add_rms_norm(h, pending, model.norm, eps, fused=True)
 
 
