@@ -103,10 +103,19 @@ class CPUDecodeBackend(SDPABackend):
         plan = super().plan(meta, cache)
         args = None
         if plan.decode_slot is not None and self.cached_decode:
-            layers = map(meta.layer, range(plan.rows.shape[0]))
-            args = tuple(None if layer.sinks is not None else
-                         (layer.scale, layer.sliding_window or 0, layer.softcap or 0.0) for layer in layers)
+            args = self._layer_args(meta, plan.rows.shape[0])
         return CPUDecodePlan(**vars(plan), layer_args=args)
+
+    def _layer_args(self, meta: AttentionMetadata, num_layers: int) -> tuple[tuple[float, int, float] | None, ...]:
+        """Each layer's kernel arguments, made once per model (every step's metadata carries the same layers)."""
+        key = (meta.layers, meta.scale, num_layers)
+        cached = getattr(self, "_args", None)
+        if cached is None or cached[0][0] is not meta.layers or cached[0][1:] != key[1:]:
+            layers = map(meta.layer, range(num_layers))
+            cached = self._args = (key, tuple(None if layer.sinks is not None else
+                                              (layer.scale, layer.sliding_window or 0, layer.softcap or 0.0)
+                                              for layer in layers))
+        return cached[1]
 
     def forward(self, layer_idx: int, q, k, v, cache: ContiguousKVCache, plan: CPUDecodePlan) -> torch.Tensor:
         # compiled steps trace sdpa's path: functionalizing an in-place custom op on the cache would copy the cache
@@ -119,7 +128,7 @@ class CPUDecodeBackend(SDPABackend):
     @staticmethod
     def _decode_mask(meta: AttentionMetadata, dtype: torch.dtype) -> torch.Tensor | None:
         # the kernel reads each row's length instead; layers with sinks run sdpa's masked path
-        return SDPABackend._decode_mask(meta, dtype) if "sinks" in meta.variants else None
+        return SDPABackend._decode_mask(meta, dtype) if any(layer.sinks is not None for layer in meta.layers) else None
 
     def _prefill_attend(self, q, k, v, context_len: int, layer: LayerAttention) -> torch.Tensor:
         q_len = q.shape[0]

@@ -65,19 +65,28 @@ class SDPABackend(AttentionBackend[SDPAPlan]):
     )
 
     def plan(self, meta: AttentionMetadata, cache: ContiguousKVCache) -> SDPAPlan:
-        num_layers, num_slots, num_kv_heads, max_len, _ = cache.storage_shape()
-        device = meta.positions.device
-        heads = torch.arange(num_kv_heads, device=device)
-        token_slots = meta.slot_mapping // cache.block_size
-        rows = ((token_slots[:, None] * num_kv_heads + heads) * max_len + meta.positions[:, None]).flatten()
-        layer_rows = num_slots * num_kv_heads * max_len
-        rows = rows + torch.arange(num_layers, device=device)[:, None] * layer_rows  # [L, T * H_kv]
+        num_layers, _, num_kv_heads, max_len, _ = cache.storage_shape()
+        # row of (layer l, token t, KV head h): l * layer_rows + (slot_t * H_kv + h) * max_len + position_t
+        token_rows = (meta.slot_mapping // cache.block_size) * (num_kv_heads * max_len) + meta.positions  # [T]
+        rows = (self._row_bases(cache, meta.positions.device)[:, None, :] + token_rows[None, :, None])
+        rows = rows.view(num_layers, -1)  # [L, T * H_kv]
         slots = meta.slots
         if not (meta.is_decode and slots == list(range(slots[0], slots[0] + len(slots)))):
             return SDPAPlan(meta, rows, None)
         windows = {layer.sliding_window for layer in meta.layers} - {None}
         return SDPAPlan(meta, rows, slots[0], meta.max_seq_len, self._decode_mask(meta, cache.spec.dtype),
                         {w: self._window_mask(meta, w) for w in windows})
+
+    def _row_bases(self, cache: ContiguousKVCache, device: torch.device) -> torch.Tensor:
+        """``[L, H_kv]`` int64 ``l * layer_rows + h * max_len``: the part of every cache row a step does not change,
+        made once per cache (a plan then adds each token's own part)."""
+        shape = cache.storage_shape()
+        key = (shape, device)
+        if getattr(self, "_bases", (None,))[0] != key:
+            num_layers, num_slots, num_kv_heads, max_len, _ = shape
+            layers = torch.arange(num_layers, device=device)[:, None] * (num_slots * num_kv_heads * max_len)
+            self._bases = (key, layers + torch.arange(num_kv_heads, device=device)[None, :] * max_len)
+        return self._bases[1]
 
     @staticmethod
     def _window_mask(meta: AttentionMetadata, window: int) -> torch.Tensor:

@@ -165,10 +165,16 @@ class EngineStep(SpeculativeStep):
         # ignore_eos suppresses EOS (llama.cpp --ignore-eos, transformers min_new_tokens): the stream then
         # holds exactly max_new_tokens real tokens instead of EOS followed by noise.
         banned_rows = [i for i, r in enumerate(reqs) if r.params.ignore_eos]
-        if banned_rows and self.eos_token_ids:
-            rows = torch.tensor(banned_rows, device=logits.device)[:, None]
-            cols = torch.tensor(sorted(self.eos_token_ids), device=logits.device)[None, :]
-            logits[rows, cols] = float("-inf")
+        if not (banned_rows and self.eos_token_ids):
+            return
+        key = (self.eos_token_ids, logits.device)
+        if getattr(self, "_eos_columns", (None,))[0] != key:  # made once, not per step
+            self._eos_columns = (key, torch.tensor(sorted(self.eos_token_ids), device=logits.device))
+        cols = self._eos_columns[1]
+        if len(banned_rows) == logits.shape[0]:
+            logits[:, cols] = float("-inf")
+        else:
+            logits[torch.tensor(banned_rows, device=logits.device)[:, None], cols[None, :]] = float("-inf")
 
     def _advance(self, req: Request, num_computed: int, sampled: tuple[int, Any] | None) -> None:
         """Commit one row: ``num_computed`` more tokens are in the cache, and (when it sampled) the new token,

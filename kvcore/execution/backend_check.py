@@ -7,7 +7,7 @@ engine runs every forward through a :class:`BackendGuard`, which raises :class:`
 (the batch fails; other requests go on, as for a sampler error):
 
 - every layer: shape, dtype and device, compared in Python (no device work);
-- once per step: the finiteness of layer 0's output and of the logits, as two 0-dim flags on the device
+- once per step: the finiteness of layer 0's output and of the logits, as one 0-dim flag on the device
   read with one sync right before the sampler (which syncs at that point anyway). NaN or inf from any
   later layer reaches the logits, so it is caught there (the message then says layer 0 was finite).
   Sequences do not mix in a forward, so when only some sequences are not finite, only they fail
@@ -117,11 +117,12 @@ class _StepCheck:
         ``j`` is sequence ``rows[j]`` of the batch (every sequence in order without ``rows``)."""
         if self.out0 is None:
             return
-        # A tensor's sum is finite only if every element is (a NaN or inf propagates), so one reduction per
-        # tensor usually settles it; a non-finite sum is checked element-wise (finite values may overflow it).
-        flags = torch.stack([self.out0.sum().isfinite(), logits.sum().isfinite()]).tolist()
-        out0_ok = flags[0] or bool(torch.isfinite(self.out0).all())
-        logits_ok = flags[1] or bool(torch.isfinite(logits).all())
+        # A sum is finite only if every term is (a NaN or inf propagates), so the two tensors' sums added usually
+        # settle it in one flag; a non-finite total is checked element-wise (finite values may overflow it).
+        if bool((self.out0.sum() + logits.sum()).isfinite()):
+            return
+        out0_ok = bool(torch.isfinite(self.out0).all())
+        logits_ok = bool(torch.isfinite(logits).all())
         if out0_ok and logits_ok:
             return
         num_seqs = len(self.meta.query_lens)

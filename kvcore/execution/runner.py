@@ -50,9 +50,11 @@ def run_model(
     elif compiled is not None:
         matmuls = compiled.prefill_matmuls(model, ids.shape[0])
 
+    layer_plans = [plans[g] for g in meta.layer_groups] if meta.layer_groups else None
+    forward, plan0 = backend.forward, plans[0]
+
     def attention(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        plan = plans[meta.layer_groups[layer_idx]] if meta.layer_groups else plans[0]
-        out = backend.forward(layer_idx, q, k, v, cache, plan)
+        out = forward(layer_idx, q, k, v, cache, layer_plans[layer_idx] if layer_plans else plan0)
         if check is not None:
             check.observe(layer_idx, q, out)
         return out
@@ -82,10 +84,11 @@ def last_token_logits(
     """
     check = guard.begin(meta, cache) if guard is not None else None
     hidden = run_model(model, backend, cache, meta, input_ids, check, compiled)
-    last_rows = (meta.cu_seqlens_q[1:] - 1).long()
-    if rows is not None:
-        last_rows = last_rows[torch.as_tensor(rows, dtype=torch.long, device=last_rows.device)]
-    logits = model.compute_logits(hidden[last_rows], head)
+    ends = meta.query_starts[1:]  # host lists: no device work to pick the rows
+    last_rows = [ends[i] - 1 for i in rows] if rows is not None else [e - 1 for e in ends]
+    if last_rows != list(range(hidden.shape[0])):  # a decode batch samples every row: hidden as it is
+        hidden = hidden[torch.tensor(last_rows, dtype=torch.long, device=hidden.device)]
+    logits = model.compute_logits(hidden, head)
     if check is not None:
         check.finish(logits, list(rows) if rows is not None else None)
     return logits

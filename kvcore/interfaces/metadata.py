@@ -135,9 +135,11 @@ class AttentionMetadata:
     ) -> AttentionMetadata:
         """The metadata of one call: ``query_lens[i]`` new tokens after ``context_lens[i]`` cached ones;
         ``layers``: each decoder layer's attention (empty: plain causal at ``scale``)."""
-        positions = torch.cat([torch.arange(c, c + q) for c, q in zip(context_lens, query_lens)])  # [T]
+        # built from the host lists in Python: a decode step's few values cost one tensor each this way, where
+        # deriving them with tensor ops costs a dispatch per op (and a long prefill's lists are still cheap)
+        positions = torch.tensor(_positions(query_lens, context_lens), dtype=torch.int64)  # [T]
         seq_lens = torch.tensor([c + q for c, q in zip(context_lens, query_lens)], dtype=torch.int32)
-        tables, slot_mapping = _addressing(query_lens, context_lens, block_tables, block_size, positions)
+        tables, slot_mapping = _addressing(query_lens, context_lens, block_tables, block_size)
         # built on the host, sent in one copy (a step's metadata is small; one copy per tensor would not be)
         positions, cu_q, seq_lens, tables, slot_mapping = host_to_device(
             [positions, cu_seqlens(query_lens), seq_lens, tables, slot_mapping], device
@@ -157,26 +159,26 @@ class AttentionMetadata:
         )
 
 
+def _positions(query_lens: Sequence[int], context_lens: Sequence[int]) -> list[int]:
+    """The absolute position of every packed token ``[T]``."""
+    return [p for c, q in zip(context_lens, query_lens) for p in range(c, c + q)]
+
+
 def _addressing(
-    query_lens: Sequence[int], context_lens: Sequence[int], block_tables: Sequence[list[int]], block_size: int,
-    positions: torch.Tensor | None = None,
+    query_lens: Sequence[int], context_lens: Sequence[int], block_tables: Sequence[list[int]], block_size: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Host tensors ``(block_tables_t [B, max_blocks] int32, slot_mapping [T] int64)`` of one call."""
-    if positions is None:
-        positions = torch.cat([torch.arange(c, c + q) for c, q in zip(context_lens, query_lens)])  # [T]
     max_blocks = max(len(t) for t in block_tables)
     tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in block_tables], dtype=torch.int32)
-    seq_of_token = torch.repeat_interleave(torch.arange(len(query_lens)), torch.tensor(query_lens))  # [T]
-    blocks = tables.long()[seq_of_token, positions // block_size]
-    return tables, blocks * block_size + positions % block_size
+    slots = [t[p // block_size] * block_size + p % block_size
+             for t, c, q in zip(block_tables, context_lens, query_lens) for p in range(c, c + q)]
+    return tables, torch.tensor(slots, dtype=torch.int64)
 
 
 def cu_seqlens(lengths: list[int], device: torch.device | str = "cpu") -> torch.Tensor:
     """int32 prefix sums ``[0, l0, l0 + l1, ...]`` ``[B + 1]``: row offsets of packed sequences (flash-attn's
     ``cu_seqlens``)."""
-    out = torch.zeros(len(lengths) + 1, dtype=torch.int32)
-    out[1:] = torch.tensor(lengths, dtype=torch.int64).cumsum(0)
-    return out.to(device)
+    return torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device)
 
 
 def host_to_device(tensors: Sequence[torch.Tensor], device: torch.device | str) -> list[torch.Tensor]:

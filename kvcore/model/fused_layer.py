@@ -45,17 +45,26 @@ def fused_forward(model, h: torch.Tensor, tables: list, attention, matmuls: dict
     :meth:`DecoderModel.forward`): ``tables`` each layer's RoPE ``(cos, sin)``, ``matmuls`` the model's int4a8
     weights. Returns ``[T, d]`` final hidden states."""
     c = model.config
-    num_tokens, eps = h.shape[0], c.rms_norm_eps
-    heads = (c.num_attention_heads, c.num_key_value_heads, c.num_key_value_heads)
-    qkv_w, o_w, gate_up_w, down_w = matmuls["qkv"], matmuls["o"], matmuls["gate_up"], matmuls["down"]
+    num_tokens, eps, head_dim = h.shape[0], c.rms_norm_eps, c.head_dim
+    heads = [c.num_attention_heads, c.num_key_value_heads, c.num_key_value_heads]
+    num_rotated, num_heads = heads[0] + heads[1], sum(heads)
+    fused_qkv, fused_mlp = torch.ops.kvcore.fused_qkv, torch.ops.kvcore.fused_mlp
+    layers = zip(_tensors(model.input_norm), _tensors(model.post_norm), tables, matmuls["qkv"], matmuls["o"],
+                 matmuls["gate_up"], matmuls["down"])
     pending = None  # the last MLP output, added to h by the next layer's first operator
-    for i in range(c.num_hidden_layers):
-        cos, sin = tables[i]
-        qkv = torch.ops.kvcore.fused_qkv(h, pending, model.input_norm[i], eps, qkv_w[i].codes, qkv_w[i].dm, cos, sin,
-                                         heads[0] + heads[1])  # (T, (H + 2 H_kv) D), Q and K rotated
-        q, k, v = qkv.view(num_tokens, sum(heads), c.head_dim).split(heads, 1)  # (T, H | H_kv | H_kv, D) views
+    for i, (input_norm, post_norm, (cos, sin), qkv_w, o_w, gate_up_w, down_w) in enumerate(layers):
+        # (T, (H + 2 H_kv) D), Q and K rotated
+        qkv = fused_qkv(h, pending, input_norm, eps, qkv_w.codes, qkv_w.dm, cos, sin, num_rotated)
+        q, k, v = qkv.view(num_tokens, num_heads, head_dim).split_with_sizes(heads, 1)  # (T, H | H_kv | H_kv, D) views
         attn = attention(i, q, k, v)  # (T, H, D)
-        pending = torch.ops.kvcore.fused_mlp(h, attn.reshape(num_tokens, model.q_size), o_w[i].codes, o_w[i].dm,
-                                             model.post_norm[i], eps, gate_up_w[i].codes, gate_up_w[i].dm,
-                                             down_w[i].codes, down_w[i].dm)
+        pending = fused_mlp(h, attn, o_w.codes, o_w.dm, post_norm, eps, gate_up_w.codes, gate_up_w.dm, down_w.codes,
+                            down_w.dm)
     return add_rms_norm(h, pending, model.norm, eps, fused=True)
+
+
+def _tensors(params: torch.nn.ParameterList) -> list[torch.Tensor]:
+    """The parameters of a ParameterList in order. Eagerly read from its own dict at once: indexing it costs a few
+    Python calls per layer, more than a decode step's small kernels between them."""
+    if torch.compiler.is_compiling():
+        return [params[i] for i in range(len(params))]
+    return list(params._parameters.values())

@@ -194,8 +194,21 @@ class RotaryEmbedding(nn.Module):
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Full-width ``cos`` and sign-folded ``sin`` ``[T, 1, D]`` for :meth:`rotate`: built once per
         forward call and shared by every layer (and by Q and K)."""
-        cos, sin = self.cos[positions], self.sin[positions]  # [T, D/2] float32
-        return torch.cat((cos, cos), -1).to(dtype)[:, None, :], torch.cat((-sin, sin), -1).to(dtype)[:, None, :]
+        if torch.compiler.is_compiling():  # traced code keeps no state: the same values from the gathered rows
+            cos, sin = self.cos[positions], self.sin[positions]  # [T, D/2] float32
+            return torch.cat((cos, cos), -1).to(dtype)[:, None, :], torch.cat((-sin, sin), -1).to(dtype)[:, None, :]
+        cos, sin = self._full_tables(dtype)
+        return cos[positions][:, None, :], sin[positions][:, None, :]
+
+    def _full_tables(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[P, D]`` ``cat(cos, cos)`` and ``cat(-sin, sin)`` in ``dtype`` (the same values as building them from
+        the gathered rows), made once per dtype and table: a step then gathers its rows, nothing more."""
+        cos, sin = self.cos, self.sin
+        cached = vars(self).get("_full")
+        if cached is None or cached[0] is not cos or cached[1] is not sin or cached[2] != dtype:
+            full = torch.cat((cos, cos), -1).to(dtype), torch.cat((-sin, sin), -1).to(dtype)
+            self._full = cached = (cos, sin, dtype, full)
+        return cached[3]
 
     @staticmethod
     def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -125,8 +125,9 @@ at::Tensor fused_mlp(at::Tensor h, const at::Tensor& attn, const at::Tensor& o_p
                      const at::Tensor& gate_up_dm, const at::Tensor& down_packed, const at::Tensor& down_dm) {
   check_norm(h, norm_weight, "fused_mlp");
   const int64_t T = h.size(0), d = h.size(1), two_i = gate_up_packed.size(0) * kvcore_int4a8::kRows, I = two_i / 2;
-  const at::Tensor a = attn.contiguous();
-  TORCH_CHECK(a.dim() == 2 && a.size(0) == T, "fused_mlp: attn must be a [T, H D] matrix");
+  // [T, H, D] as the attention returns it is taken too: the reshape here costs no Python call per layer
+  TORCH_CHECK(attn.dim() >= 2 && attn.size(0) == T, "fused_mlp: attn must be a [T, H D] matrix or [T, H, D]");
+  const at::Tensor a = attn.reshape({T, -1}).contiguous();
   check_rows(a, T, a.size(1), "fused_mlp: attn");
   kvcore_int4a8::check_weight(o_packed, o_dm, a.size(1), "fused_mlp (o)");
   kvcore_int4a8::check_weight(gate_up_packed, gate_up_dm, d, "fused_mlp (gate_up)");
