@@ -63,7 +63,7 @@ constexpr int64_t kMaxHeadDim = 256;
 constexpr int64_t kBlock = 32;      // keys scored before their values are accumulated
 constexpr int64_t kAhead = 64;     // prefetch distance in keys
 constexpr int64_t kMinChunk = 256;  // fewer keys per work item cost more in merging than they save
-constexpr int64_t kSerialRows = 512;  // key rows (all sequences and KV heads) below which one thread does it all
+constexpr int64_t kSerialRows = 512;  // keys read (sequences x KV heads x tokens) below which one thread does it all
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 inline void load_vec(const float* src, Vec& dst) { dst = Vec::loadu(src); }
