@@ -17,8 +17,9 @@ GPU flash attention does), after repacking each KV head's keys and values so one
 torch's CPU flash-attention kernel runs bfloat16 no faster than float32. float32 prefill stays torch's, the exact path.
 
 A few query rows continuing a cache (a speculative verification's ``[last token, drafts]``, a short prefill
-chunk) run the decode kernel too, one batch row per query row over the same cache view with its own length:
-cheaper than the prefill kernel, which repacks the whole context for its tiles.
+chunk) take the same per-layer call as a decode step, ``cached_decode_attention`` with ``R`` tokens per sequence:
+it writes their K/V rows and attends every row to its own causal length while reading each block of the context
+once for all of them (the prefill kernel would repack the whole context for its tiles).
 
 Everything else is the ``sdpa`` backend's: the same contiguous cache and cache rows; a decode batch whose
 sequences are not on consecutive slots goes through the prefill path. A decode batch on consecutive slots runs
@@ -50,15 +51,27 @@ from .sdpa import SDPABackend, SDPAPlan
 #: the kernel's limits (csrc/decode_attention.cpp)
 MAX_HEAD_DIM = 256
 MAX_GROUP = 16
-#: rows continuing a cache up to this many take the decode kernel (:meth:`CPUDecodeBackend._short_rows_attend`)
+#: rows continuing a cache up to this many take the decode kernel (the kernel's limit of tokens per sequence)
 SHORT_ROWS = 16
+
+
+@dataclass(frozen=True)
+class ShortRows:
+    """One sequence's query rows continuing its cache, as one ``cached_decode_attention`` call per layer."""
+
+    rows: torch.Tensor  # [L, q_len * H_kv] its tokens' cache rows (a view of the plan's)
+    seq_len: torch.Tensor  # [1] int32: context_len + q_len
+    slot: int
 
 
 @dataclass(frozen=True)
 class CPUDecodePlan(SDPAPlan):
     #: each layer's ``(scale, window, softcap)`` for ``cached_decode_attention``, None for a layer with sinks; the
-    #: whole tuple None where the call is not a decode batch on consecutive slots (sdpa's path)
+    #: whole tuple None where no sequence takes the call (sdpa's path)
     layer_args: tuple[tuple[float, int, float] | None, ...] | None = None
+    #: a call that is not a decode batch on consecutive slots: each sequence's ShortRows, None for one that takes
+    #: the prefill path
+    sequences: tuple[ShortRows | None, ...] | None = None
 
 
 class CPUDecodeBackend(SDPABackend):
@@ -74,7 +87,7 @@ class CPUDecodeBackend(SDPABackend):
         # the decode kernel takes windows and soft-caps; the rest runs sdpa's paths (see the module docstring)
         prefill_variants=frozenset(VARIANTS),
         decode_variants=frozenset(VARIANTS),
-        multi_token_decode=True,  # a few rows after a cache take the decode kernel (_short_rows_attend)
+        multi_token_decode=True,  # a few rows after a cache take the decode kernel (ShortRows)
     )
 
     #: each layer of a decode batch on consecutive slots as one cached_decode_attention call; False: sdpa's ops
@@ -101,10 +114,16 @@ class CPUDecodeBackend(SDPABackend):
 
     def plan(self, meta: AttentionMetadata, cache: ContiguousKVCache) -> CPUDecodePlan:
         plan = super().plan(meta, cache)
-        args = None
-        if plan.decode_slot is not None and self.cached_decode:
-            args = self._layer_args(meta, plan.rows.shape[0])
-        return CPUDecodePlan(**vars(plan), layer_args=args)
+        sequences = None
+        if plan.decode_slot is None:
+            heads, starts = cache.spec.num_kv_heads, meta.query_starts
+            sequences = tuple(
+                ShortRows(plan.rows[:, starts[i] * heads : starts[i + 1] * heads], meta.seq_lens_t[i : i + 1], slot)
+                if ctx > 0 and q_len <= SHORT_ROWS else None
+                for i, (slot, ctx, q_len) in enumerate(zip(meta.slots, meta.context_lens, meta.query_lens)))
+        if not self.cached_decode or (sequences is not None and not any(sequences)):
+            return CPUDecodePlan(**vars(plan))
+        return CPUDecodePlan(**vars(plan), layer_args=self._layer_args(meta, plan.rows.shape[0]), sequences=sequences)
 
     def _layer_args(self, meta: AttentionMetadata, num_layers: int) -> tuple[tuple[float, int, float] | None, ...]:
         """Each layer's kernel arguments, made once per model (every step's metadata carries the same layers)."""
@@ -122,8 +141,31 @@ class CPUDecodeBackend(SDPABackend):
         args = None if torch.compiler.is_compiling() or plan.layer_args is None else plan.layer_args[layer_idx]
         if args is None:
             return super().forward(layer_idx, q, k, v, cache, plan)
-        return torch.ops.kvcore.cached_decode_attention(q, k, v, cache.k, cache.v, plan.rows, plan.meta.seq_lens_t,
-                                                        layer_idx, plan.decode_slot, plan.decode_len, *args)
+        op = torch.ops.kvcore.cached_decode_attention
+        if plan.sequences is None:  # a decode batch on consecutive slots
+            return op(q, k, v, cache.k, cache.v, plan.rows, plan.meta.seq_lens_t, layer_idx, plan.decode_slot,
+                      plan.decode_len, *args)
+        meta, starts, outs = plan.meta, plan.meta.query_starts, []
+        for i, seq in enumerate(plan.sequences):
+            s, e = starts[i], starts[i + 1]
+            if seq is None:
+                outs.append(self._prefill_sequence(layer_idx, i, q[s:e], k[s:e], v[s:e], cache, plan))
+            else:
+                ctx_len = meta.context_lens[i] + e - s
+                outs.append(op(q[s:e], k[s:e], v[s:e], cache.k, cache.v, seq.rows, seq.seq_len, layer_idx, seq.slot,
+                               ctx_len, *args))
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def _prefill_sequence(self, layer_idx: int, i: int, q, k, v, cache: ContiguousKVCache,
+                          plan: CPUDecodePlan) -> torch.Tensor:
+        """Sequence ``i`` of a call that mixes it with short rows: its cache write and prefill attention alone."""
+        meta, heads, d = plan.meta, k.shape[1], k.shape[-1]
+        rows = plan.rows[layer_idx, meta.query_starts[i] * heads : meta.query_starts[i + 1] * heads]
+        cache.k_rows.index_copy_(0, rows, k.reshape(-1, d))
+        cache.v_rows.index_copy_(0, rows, v.reshape(-1, d))
+        slot, end = meta.slots[i], meta.context_lens[i] + q.shape[0]
+        return self._prefill_attend(q, cache.k[layer_idx, slot, :, :end], cache.v[layer_idx, slot, :, :end],
+                                    meta.context_lens[i], meta.layer(layer_idx))
 
     @staticmethod
     def _decode_mask(meta: AttentionMetadata, dtype: torch.dtype) -> torch.Tensor | None:
@@ -131,27 +173,9 @@ class CPUDecodeBackend(SDPABackend):
         return SDPABackend._decode_mask(meta, dtype) if any(layer.sinks is not None for layer in meta.layers) else None
 
     def _prefill_attend(self, q, k, v, context_len: int, layer: LayerAttention) -> torch.Tensor:
-        q_len = q.shape[0]
-        if context_len > 0 and q_len <= SHORT_ROWS and layer.sinks is None:
-            return self._short_rows_attend(q, k, v, context_len, layer)
         if self._bf16_prefill and q.dtype == torch.bfloat16 and not layer.variants:
             return torch.ops.kvcore.prefill_attention(q, k, v, context_len, layer.scale)
         return super()._prefill_attend(q, k, v, context_len, layer)
-
-    @staticmethod
-    def _short_rows_attend(q, k, v, context_len: int, layer: LayerAttention) -> torch.Tensor:
-        """A few query rows continuing a cache (a speculative verification, a small prefill chunk) through the
-        decode kernel: row ``j`` as a batch row of its own reading ``context_len + j + 1`` keys of the same
-        cache view (stride 0 over the batch). The prefill kernel repacks the whole context for its tiles, which
-        costs more than reading it once per row while the rows are few."""
-        q_len, num_heads, head_dim = q.shape
-        num_kv_heads = k.shape[0]
-        qs = q.reshape(q_len, num_kv_heads, num_heads // num_kv_heads, head_dim).contiguous()
-        lens = torch.arange(context_len + 1, context_len + q_len + 1, dtype=torch.int32, device=q.device)
-        ks, vs = k.unsqueeze(0).expand(q_len, -1, -1, -1), v.unsqueeze(0).expand(q_len, -1, -1, -1)
-        out = torch.ops.kvcore.decode_attention(qs, ks, vs, lens, layer.scale, layer.sliding_window or 0,
-                                                layer.softcap or 0.0)
-        return out.reshape(q_len, num_heads, head_dim)
 
     @staticmethod
     def _decode_attend(qs, ks, vs, plan: SDPAPlan, layer: LayerAttention) -> torch.Tensor:

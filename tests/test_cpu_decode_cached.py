@@ -99,7 +99,7 @@ def test_the_call_rejects_bad_inputs_with_a_message():
         op(q, k, k, cache, cache.clone(), rows + 192, lens, 0, 0, 8, 0.25)
     with pytest.raises(RuntimeError, match="layer, slots or max_len out of range"):
         op(q, k, k, cache, cache.clone(), rows, lens, 0, 3, 8, 0.25)  # slots 3 and 4 of 4
-    with pytest.raises(RuntimeError, match=r"rows must be int64 \[L, B \* H_kv\]"):
+    with pytest.raises(RuntimeError, match=r"rows must be int64 \[L, T \* H_kv\]"):
         op(q, k, k, cache, cache.clone(), rows[:, :2], lens, 0, 0, 8, 0.25)
     with pytest.raises(RuntimeError, match="of the cache's dtype"):
         op(q, k.bfloat16(), k, cache, cache.clone(), rows, lens, 0, 0, 8, 0.25)

@@ -40,27 +40,3 @@ def test_decode_kernel_window_and_softcap(dtype, window, softcap):
     if (window is not None and window < 1700) or (softcap or 99) < 10:  # where the variant changes the answer
         plain = torch.ops.kvcore.decode_attention(q, k, v, seq_lens, layer.scale)
         assert (plain.float() - want).abs().max() > 10 * tol
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("window, softcap", [(None, None), (40, None), (None, 1.5)])
-@pytest.mark.parametrize("q_len", [1, 5, 16])
-def test_short_rows_continuing_a_cache_match_the_reference(dtype, window, softcap, q_len):
-    """Query rows after a cached context (speculative verification) through the decode kernel: causal among
-    themselves, as sdpa's masked path attends them."""
-    from kvcore.backends.sdpa import SDPABackend
-
-    backend = CPUDecodeBackend()
-    gen = torch.Generator().manual_seed(q_len)
-    h_kv, g, d, ctx = 3, 3, 64, 300
-    q = torch.randn(q_len, h_kv * g, d, generator=gen).to(dtype)
-    k = torch.randn(h_kv, ctx + q_len + 7, d, generator=gen).to(dtype)[:, : ctx + q_len]  # a view, as the cache's
-    v = torch.randn(h_kv, ctx + q_len + 7, d, generator=gen).to(dtype)[:, : ctx + q_len]
-    layer = LayerAttention(d**-0.5 * 2, sliding_window=window, softcap=softcap)
-    got = backend._prefill_attend(q, k, v, ctx, layer)
-    want = SDPABackend()._prefill_attend(q.float(), k.float(), v.float(), ctx, layer)
-    tol = 1e-5 if dtype == torch.float32 else 3e-2
-    torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
-    if q_len > 1:  # causal among the rows: the first row must not see the later rows' keys
-        last_only = backend._prefill_attend(q[:1], k[:, : ctx + 1], v[:, : ctx + 1], ctx, layer)
-        torch.testing.assert_close(got[:1].float(), last_only.float(), rtol=tol, atol=tol)

@@ -16,18 +16,23 @@
 //   softcap                    > 0: the scaled scores become softcap * tanh(s / softcap) (0: none)
 //   returns  [B, H_kv, G, D]   dtype of q
 //
-// kvcore::cached_decode_attention: the cpu_decode backend's whole decode-step layer on the contiguous cache in one
-// call (a Python and dispatcher round trip per op costs more than a decode step's attention at short contexts):
-// writes this step's K/V rows into the cache, at the rows the backend planned (what its two index_copy_ calls
-// write), then runs decode_attention over the layer's views of the batch's consecutive slots.
+// kvcore::cached_decode_attention: the cpu_decode backend's whole layer for R query tokens per sequence after its
+// cache (R = 1: a decode step; R > 1: a speculative verification's [last token, drafts], a short prefill chunk)
+// in one call (a Python and dispatcher round trip per op costs more than a decode step's attention at short
+// contexts): writes the tokens' K/V rows into the cache, at the rows the backend planned (what its two index_copy_
+// calls write), then attends over the layer's views of the batch's consecutive slots, token t of a sequence to its
+// own causal length seq_lens[b] - R + 1 + t. A work item's R * G query rows share each block of keys and values
+// (read once for all of them) and keep an online softmax each.
 //
-//   q        [B, H, D]          one token per sequence; any strides, rows contiguous
-//   k, v     [B, H_kv, D]       this step's keys and values; any strides, rows contiguous
+//   q        [B * R, H, D]      R tokens per sequence, in order; any strides, rows contiguous
+//   k, v     [B * R, H_kv, D]   their keys and values; any strides, rows contiguous
 //   k_cache, v_cache [L, S, H_kv, S_max, D]  contiguous, same dtype as q; written in place
-//   rows     [L, B * H_kv]      int64: the row of each (layer, token, KV head) in k_cache viewed as [-1, D]
+//   rows     [L, B * R * H_kv]  int64: the row of each (layer, token, KV head) in k_cache viewed as [-1, D]; rows
+//                               contiguous within a layer
 //   layer, first_slot, max_len  the layer; the batch reads slots first_slot .. first_slot + B - 1, keys 0 .. max_len - 1
-//   seq_lens, scale, window, softcap   as decode_attention
-//   returns  [B, H, D]          contiguous
+//   seq_lens [B]                int32: keys of each sequence's last token (R <= seq_lens[b] <= max_len)
+//   scale, window, softcap      as decode_attention (a window counts back from each token's own position)
+//   returns  [B * R, H, D]      contiguous
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -53,11 +58,12 @@ namespace {
 
 using Vec = at::vec::Vectorized<float>;
 constexpr int64_t kMaxGroup = 16;
+constexpr int64_t kMaxRows = 16;  // query tokens per sequence
 constexpr int64_t kMaxHeadDim = 256;
 constexpr int64_t kBlock = 32;      // keys scored before their values are accumulated
 constexpr int64_t kAhead = 64;     // prefetch distance in keys
 constexpr int64_t kMinChunk = 256;  // fewer keys per work item cost more in merging than they save
-constexpr int64_t kSerialRows = 512;  // key rows (all sequences and KV heads) below which one thread does it all
+constexpr int64_t kSerialRows = 512;  // keys read (sequences x KV heads x tokens) below which one thread does it all
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 inline void load_vec(const float* src, Vec& dst) { dst = Vec::loadu(src); }
@@ -103,13 +109,15 @@ inline __m512 sum16(const __m512* s) {
 }
 #endif
 
-// One block's online-softmax step for one query row: its n scores p[0..n) become exp(score - max) in place
-// (p[n..kBlock) are set to 0), and its running max m and sum l take the block in. Returns the factor for what
-// was accumulated before: exp(old max - new max), 1 when the max did not move, 0 on the first block (m = -inf).
-inline float softmax_block(float* p, int64_t n, float& m, float& l, float softcap) {
+// One block's online-softmax step for one query row: its scores p[lo..hi) (the keys the row sees, lo < hi) become
+// exp(score - max) in place (the rest of p[0..kBlock) is set to 0), and its running max m and sum l take the
+// block in. Returns the factor for what was accumulated before: exp(old max - new max), 1 when the max did not
+// move, 0 on the first block (m = -inf).
+inline float softmax_block(float* p, int64_t lo, int64_t hi, float& m, float& l, float softcap) {
   if (softcap > 0.f)  // Gemma 2's soft-capping, on the scaled scores before the softmax
-    for (int64_t j = 0; j < n; ++j) p[j] = softcap * std::tanh(p[j] / softcap);
-  std::fill(p + n, p + kBlock, kNegInf);  // padding: exp gives 0
+    for (int64_t j = lo; j < hi; ++j) p[j] = softcap * std::tanh(p[j] / softcap);
+  std::fill(p, p + lo, kNegInf);  // keys before the row's window, after its position, padding: exp gives 0
+  std::fill(p + hi, p + kBlock, kNegInf);
   Vec top = Vec::loadu(p);
   for (int64_t j = Vec::size(); j < kBlock; j += Vec::size()) top = at::vec::maximum(top, Vec::loadu(p + j));
   const float new_max =
@@ -126,24 +134,29 @@ inline float softmax_block(float* p, int64_t n, float& m, float& l, float softca
   return correction;
 }
 
-// Keys [begin, end) of one (sequence, KV head): unnormalised output rows acc[G][NV * Vec::size()], running
-// max m[G] and sum l[G] of exp(score - m). Each block of keys and values is widened to float32 once into
-// buffers that stay in L1; the per-row loops then keep their query and accumulator vectors in registers.
+// The query rows of one (sequence, KV head) a work item attends: N = R * G rows, row i the query head i % G of the
+// group for token i / G, at q + (i / G) * q_r + (i % G) * D; row i sees keys [lo[i], hi[i]) (its causal length and
+// window, clipped to the item's chunk; none when lo[i] >= hi[i]).
+struct Rows {
+  int64_t N, G, q_r;
+  const int64_t *lo, *hi;
+};
+
+// Keys [begin, end) of one (sequence, KV head) for the rows r: unnormalised output rows acc[N][NV * Vec::size()],
+// running max m[N] and sum l[N] of exp(score - m). Each block of keys and values is widened to float32 once into
+// buffers that stay in L1 and serves every row; the per-row loops keep their query and accumulator vectors in
+// registers.
 template <typename T, int64_t NV>
 void attend_chunk(const T* q, const T* k, const T* v, int64_t k_stride, int64_t v_stride, int64_t begin,
-                  int64_t end, int64_t G, int64_t D, float scale, float softcap, float* acc, float* m, float* l) {
+                  int64_t end, const Rows& r, int64_t D, float scale, float softcap, float* acc, float* m, float* l) {
   constexpr int64_t W = NV * Vec::size();
   alignas(64) float kf[kBlock][W];
   alignas(64) float vf[kBlock][W];
-  alignas(64) float qf[kMaxGroup][W];
-  alignas(64) float p[kMaxGroup][kBlock];
-  for (int64_t g = 0; g < G; ++g) {
-    Vec row[NV];
-    load_row<NV>(q + g * D, D, row);
-    for (int64_t i = 0; i < NV; ++i) (row[i] * Vec(scale)).store(qf[g] + i * Vec::size());
-    std::fill(acc + g * W, acc + (g + 1) * W, 0.f);
-    m[g] = kNegInf;
-    l[g] = 0.f;
+  alignas(64) float p[kBlock];
+  for (int64_t i = 0; i < r.N; ++i) {
+    std::fill(acc + i * W, acc + (i + 1) * W, 0.f);
+    m[i] = kNegInf;
+    l[i] = 0.f;
   }
   for (int64_t b0 = begin; b0 < end; b0 += kBlock) {
     const int64_t n = std::min(kBlock, end - b0);
@@ -162,30 +175,33 @@ void attend_chunk(const T* q, const T* k, const T* v, int64_t k_stride, int64_t 
       load_row<NV>(v + (b0 + j) * v_stride, D, row);
       for (int64_t i = 0; i < NV; ++i) row[i].store(vf[j] + i * Vec::size());
     }
-    for (int64_t g = 0; g < G; ++g) {
+    for (int64_t g = 0; g < r.N; ++g) {
+      const int64_t lo = std::max(r.lo[g], b0) - b0, hi = std::min(r.hi[g], b0 + n) - b0;
+      if (lo >= hi) continue;  // a row that sees none of this block
       Vec qv[NV], out[NV];
-      for (int64_t i = 0; i < NV; ++i) qv[i] = Vec::loadu(qf[g] + i * Vec::size());
+      load_row<NV>(q + (g / r.G) * r.q_r + (g % r.G) * D, D, qv);
+      for (int64_t i = 0; i < NV; ++i) qv[i] = qv[i] * Vec(scale);
       int64_t j = 0;
 #if defined(CPU_CAPABILITY_AVX512)
-      for (; j + 16 <= n; j += 16) {  // 16 keys' products, summed by one transposing reduction
+      for (; j + 16 <= hi; j += 16) {  // 16 keys' products, summed by one transposing reduction
         __m512 s[16];
         for (int64_t t = 0; t < 16; ++t) {
           Vec acc_t = qv[0] * Vec::loadu(kf[j + t]);
           for (int64_t i = 1; i < NV; ++i) acc_t = at::vec::fmadd(qv[i], Vec::loadu(kf[j + t] + i * Vec::size()), acc_t);
           s[t] = acc_t;
         }
-        _mm512_storeu_ps(p[g] + j, sum16(s));
+        _mm512_storeu_ps(p + j, sum16(s));
       }
 #endif
-      for (; j < n; ++j) {
+      for (; j < hi; ++j) {  // (the scores before lo are computed and masked)
         Vec s = qv[0] * Vec::loadu(kf[j]);
         for (int64_t i = 1; i < NV; ++i) s = at::vec::fmadd(qv[i], Vec::loadu(kf[j] + i * Vec::size()), s);
-        p[g][j] = sum(s);
+        p[j] = sum(s);
       }
-      const float correction = softmax_block(p[g], n, m[g], l[g], softcap);
+      const float correction = softmax_block(p, lo, hi, m[g], l[g], softcap);
       for (int64_t i = 0; i < NV; ++i) out[i] = Vec::loadu(acc + g * W + i * Vec::size()) * Vec(correction);
-      for (int64_t j = 0; j < n; ++j) {
-        const Vec pj(p[g][j]);
+      for (int64_t j = lo; j < hi; ++j) {
+        const Vec pj(p[j]);
         for (int64_t i = 0; i < NV; ++i) out[i] = at::vec::fmadd(pj, Vec::loadu(vf[j] + i * Vec::size()), out[i]);
       }
       for (int64_t i = 0; i < NV; ++i) out[i].store(acc + g * W + i * Vec::size());
@@ -200,20 +216,20 @@ void attend_chunk(const T* q, const T* k, const T* v, int64_t k_stride, int64_t 
 // score is vdpbf16ps of the query row with the key row (pairs of products summed into float32 lanes), 16
 // keys' lanes summed at once (sum16); the values of two consecutive keys are interleaved (the
 // bfloat16-pair operand of vdpbf16ps) and weighted by the two keys' probabilities rounded to bfloat16, as the
-// prefill kernel and GPU flash attention do. The accumulators hold the dimensions in unpacklo/unpackhi order
-// (per 128-bit lane: 4 dims from the low half, 4 from the high half) until the chunk is written out.
+// prefill kernel and GPU flash attention do. The accumulators (acc's rows) hold the dimensions in
+// unpacklo/unpackhi order (per 128-bit lane: 4 dims from the low half, 4 from the high half) until the chunk
+// is written out.
 template <int64_t NB>
 void attend_chunk_bf16(const c10::BFloat16* q, const c10::BFloat16* k, const c10::BFloat16* v, int64_t k_stride,
-                       int64_t v_stride, int64_t begin, int64_t end, int64_t G, float scale, float softcap, float* acc, float* m,
-                       float* l) {
+                       int64_t v_stride, int64_t begin, int64_t end, const Rows& r, float scale, float softcap,
+                       float* acc, float* m, float* l) {
   constexpr int64_t D = 32 * NB;
-  alignas(64) float p[kMaxGroup][kBlock];
-  alignas(64) uint32_t pw[kMaxGroup][kBlock / 2];     // probabilities of key pairs as bfloat16 pairs
-  alignas(64) float ob[kMaxGroup][2 * NB][16];         // unnormalised outputs, interleaved dimension order
+  alignas(64) float p[kBlock];
+  alignas(64) uint32_t pw[kBlock / 2];                // probabilities of key pairs as bfloat16 pairs
   alignas(64) uint16_t vi[kBlock / 2][2 * NB][32];    // values of key pairs, interleaved
   alignas(64) uint16_t kb[kBlock][D];                  // the block's key rows, read with its values in one pass
-  for (int64_t g = 0; g < G; ++g) {
-    std::fill(&ob[g][0][0], &ob[g][0][0] + 2 * NB * 16, 0.f);
+  for (int64_t g = 0; g < r.N; ++g) {
+    std::fill(acc + g * D, acc + (g + 1) * D, 0.f);
     m[g] = kNegInf;
     l[g] = 0.f;
   }
@@ -239,54 +255,64 @@ void attend_chunk_bf16(const c10::BFloat16* q, const c10::BFloat16* k, const c10
         _mm512_store_si512(vi[jp][2 * i + 1], _mm512_unpackhi_epi16(x0, x1));
       }
     }
-    for (int64_t g = 0; g < G; ++g) {
+    for (int64_t g = 0; g < r.N; ++g) {
+      const int64_t lo = std::max(r.lo[g], b0) - b0, hi = std::min(r.hi[g], b0 + n) - b0;
+      if (lo >= hi) continue;  // a row that sees none of this block
+      const c10::BFloat16* qg = q + (g / r.G) * r.q_r + (g % r.G) * D;
+      float* ob = acc + g * D;  // [2 NB][16]
       __m512bh qv[NB];
-      for (int64_t i = 0; i < NB; ++i) qv[i] = (__m512bh)_mm512_loadu_si512(q + g * D + 32 * i);
-      for (int64_t j0 = 0; j0 < n; j0 += 16) {
+      for (int64_t i = 0; i < NB; ++i) qv[i] = (__m512bh)_mm512_loadu_si512(qg + 32 * i);
+      for (int64_t j0 = 0; j0 < hi; j0 += 16) {
         __m512 sc[16];
         for (int64_t t = 0; t < 16; ++t) {
           sc[t] = _mm512_setzero_ps();
-          if (j0 + t < n)
+          if (j0 + t < hi)
             for (int64_t i = 0; i < NB; ++i)
               sc[t] = _mm512_dpbf16_ps(sc[t], qv[i], (__m512bh)_mm512_load_si512(kb[j0 + t] + 32 * i));
         }
-        _mm512_store_ps(p[g] + j0, _mm512_mul_ps(sum16(sc), _mm512_set1_ps(scale)));
+        _mm512_store_ps(p + j0, _mm512_mul_ps(sum16(sc), _mm512_set1_ps(scale)));
       }
-      const float correction = softmax_block(p[g], n, m[g], l[g], softcap);
+      const float correction = softmax_block(p, lo, hi, m[g], l[g], softcap);
       if (correction != 1.f) {  // the running max moved: rescale what was accumulated
         const __m512 c = _mm512_set1_ps(correction);
-        for (int64_t i = 0; i < 2 * NB; ++i) _mm512_store_ps(ob[g][i], _mm512_mul_ps(_mm512_load_ps(ob[g][i]), c));
+        for (int64_t i = 0; i < 2 * NB; ++i) _mm512_storeu_ps(ob + 16 * i, _mm512_mul_ps(_mm512_loadu_ps(ob + 16 * i), c));
       }
-      _mm512_store_si512(pw[g], (__m512i)_mm512_cvtne2ps_pbh(_mm512_load_ps(p[g] + 16), _mm512_load_ps(p[g])));
+      _mm512_store_si512(pw, (__m512i)_mm512_cvtne2ps_pbh(_mm512_load_ps(p + 16), _mm512_load_ps(p)));
       __m512 o[2 * NB], o2[2 * NB];  // even and odd key pairs: two dependency chains
-      for (int64_t i = 0; i < 2 * NB; ++i) o[i] = _mm512_load_ps(ob[g][i]), o2[i] = _mm512_setzero_ps();
-      int64_t jp = 0;
-      for (; jp + 1 < (n + 1) / 2; jp += 2) {
-        const __m512bh pp = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(pw[g][jp]));
-        const __m512bh pq = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(pw[g][jp + 1]));
+      for (int64_t i = 0; i < 2 * NB; ++i) o[i] = _mm512_loadu_ps(ob + 16 * i), o2[i] = _mm512_setzero_ps();
+      // the pairs holding keys lo .. hi - 1 (the probabilities of the others are 0)
+      int64_t jp = lo / 2;
+      for (; jp + 1 < (hi + 1) / 2; jp += 2) {
+        const __m512bh pp = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(pw[jp]));
+        const __m512bh pq = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(pw[jp + 1]));
         for (int64_t i = 0; i < 2 * NB; ++i) {
           o[i] = _mm512_dpbf16_ps(o[i], pp, (__m512bh)_mm512_load_si512(vi[jp][i]));
           o2[i] = _mm512_dpbf16_ps(o2[i], pq, (__m512bh)_mm512_load_si512(vi[jp + 1][i]));
         }
       }
-      if (jp < (n + 1) / 2) {
-        const __m512bh pp = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(pw[g][jp]));
+      if (jp < (hi + 1) / 2) {
+        const __m512bh pp = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(pw[jp]));
         for (int64_t i = 0; i < 2 * NB; ++i) o[i] = _mm512_dpbf16_ps(o[i], pp, (__m512bh)_mm512_load_si512(vi[jp][i]));
       }
-      for (int64_t i = 0; i < 2 * NB; ++i) _mm512_store_ps(ob[g][i], _mm512_add_ps(o[i], o2[i]));
+      for (int64_t i = 0; i < 2 * NB; ++i) _mm512_storeu_ps(ob + 16 * i, _mm512_add_ps(o[i], o2[i]));
     }
   }
-  for (int64_t g = 0; g < G; ++g)  // back to dimension order: lane f of vector (i, half) is dim 32 i + 8 (f / 4) + 4 half + f % 4
+  for (int64_t g = 0; g < r.N; ++g) {  // back to dimension order: lane f of vector (i, half) is dim 32 i + 8 (f / 4) + 4 half + f % 4
+    alignas(64) float ob[D];
+    std::copy(acc + g * D, acc + (g + 1) * D, ob);
     for (int64_t i = 0; i < NB; ++i)
       for (int64_t half = 0; half < 2; ++half)
-        for (int64_t f = 0; f < 16; ++f) acc[g * D + 32 * i + 8 * (f / 4) + 4 * half + f % 4] = ob[g][2 * i + half][f];
+        for (int64_t f = 0; f < 16; ++f) acc[g * D + 32 * i + 8 * (f / 4) + 4 * half + f % 4] = ob[(2 * i + half) * 16 + f];
+  }
 }
 #endif
 
-// One call's operands as pointers and element strides: query row (b, h, g) at q + b * q_b + (h * G + g) * D, key row
-// (b, h, j) at k + b * k_b + h * k_h + j * k_l, value rows alike; out [B, H, G, D] contiguous (H: the KV heads).
+// One call's operands as pointers and element strides: R query tokens per sequence, query row (b, t, h, g) at
+// q + b * q_b + t * q_r + (h * G + g) * D, key row (b, h, j) at k + b * k_b + h * k_h + j * k_l, value rows alike;
+// out [B, R, H, G, D] contiguous (H: the KV heads). Token t of sequence b is at position seq_lens[b] - R + t: it
+// sees keys up to its own (causal), the last token all seq_lens[b].
 struct Strides {
-  int64_t B, H, G, D, q_b, k_b, k_h, k_l, v_b, v_h, v_l;
+  int64_t B, R, H, G, D, q_b, q_r, k_b, k_h, k_l, v_b, v_h, v_l;
 };
 template <typename T>
 struct Operands : Strides {
@@ -296,68 +322,75 @@ struct Operands : Strides {
 
 template <typename T, int64_t NV>
 void decode_attention_impl(const Operands<T>& x, const int32_t* seq_lens, float scale, int64_t window, float softcap) {
-  const int64_t B = x.B, H = x.H, G = x.G, D = x.D, W = NV * Vec::size();
+  const int64_t B = x.B, R = x.R, H = x.H, G = x.G, D = x.D, N = R * G, W = NV * Vec::size();
   int64_t max_len = 0;
   for (int64_t b = 0; b < B; ++b) max_len = std::max<int64_t>(max_len, seq_lens[b]);
   // Enough chunks per (sequence, KV head) for about eight work items per thread, none under kMinChunk keys.
   const int64_t want = (8 * at::get_num_threads() + B * H - 1) / (B * H);
   const int64_t chunks = std::max<int64_t>(1, std::min(want, (max_len + kMinChunk - 1) / kMinChunk));
   const int64_t chunk = (max_len + chunks - 1) / chunks;
-  std::vector<float> acc(B * H * chunks * G * W), m(B * H * chunks * G), l(B * H * chunks * G);
+  std::vector<float> acc(B * H * chunks * N * W), m(B * H * chunks * N), l(B * H * chunks * N);
 
   T* op = x.out;
+  // out row of item row i of (b, h): token i / G, query head h * G + i % G
+  const auto out_row = [&](int64_t b, int64_t h, int64_t i) { return ((b * R + i / G) * H + h) * G + i % G; };
   // Little work (short contexts) runs on the calling thread: waking the pool costs more than it saves.
-  const int64_t items = B * H * chunks, grain = B * H * max_len < kSerialRows ? items : 1;
+  const int64_t items = B * H * chunks, grain = B * H * R * max_len < kSerialRows ? items : 1;
   at::parallel_for(0, items, grain, [&](int64_t first, int64_t last) {
+    int64_t lo[kMaxRows * kMaxGroup], hi[kMaxRows * kMaxGroup];
     for (int64_t item = first; item < last; ++item) {
       const int64_t c = item % chunks, bh = item / chunks, b = bh / H, h = bh % H;
-      // a sliding window: only the last `window` keys of the row (the query's own included)
-      const int64_t first_key = window > 0 ? std::max<int64_t>(0, seq_lens[b] - window) : 0;
-      const int64_t begin = std::max(c * chunk, first_key), end = std::min<int64_t>(seq_lens[b], c * chunk + chunk);
-      float* as = acc.data() + item * G * W;
-      float* ms = m.data() + item * G;
-      float* ls = l.data() + item * G;
+      // row i sees keys up to its token's position; a sliding window: only its last `window` keys (its own included)
+      int64_t begin = c * chunk + chunk, end = c * chunk;
+      for (int64_t i = 0; i < N; ++i) {
+        const int64_t len = seq_lens[b] - R + 1 + i / G, first_key = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+        lo[i] = std::max(c * chunk, first_key);
+        hi[i] = std::min(len, c * chunk + chunk);
+        if (lo[i] < hi[i]) begin = std::min(begin, lo[i]), end = std::max(end, hi[i]);
+      }
+      float* as = acc.data() + item * N * W;
+      float* ms = m.data() + item * N;
+      float* ls = l.data() + item * N;
       if (begin >= end) {  // a short sequence of a ragged batch: no keys in this chunk
-        std::fill(ms, ms + G, kNegInf);
-        std::fill(ls, ls + G, 0.f);
+        std::fill(ms, ms + N, kNegInf);
+        std::fill(ls, ls + N, 0.f);
         continue;
       }
+      const Rows rows{N, G, x.q_r, lo, hi};
+      const T* q = x.q + b * x.q_b + h * G * D;
+      const T* k = x.k + b * x.k_b + h * x.k_h;
+      const T* v = x.v + b * x.v_b + h * x.v_h;
       bool done = false;
 #ifdef KVCORE_BF16_DECODE
       if constexpr (std::is_same_v<T, c10::BFloat16> && NV % 2 == 0) {
         if (D == W) {  // whole 32-dim bfloat16 vectors
-          attend_chunk_bf16<NV / 2>(x.q + b * x.q_b + h * G * D, x.k + b * x.k_b + h * x.k_h,
-                                    x.v + b * x.v_b + h * x.v_h, x.k_l, x.v_l, begin, end, G,
-                                    scale, softcap, as, ms, ls);
+          attend_chunk_bf16<NV / 2>(q, k, v, x.k_l, x.v_l, begin, end, rows, scale, softcap, as, ms, ls);
           done = true;
         }
       }
 #endif
-      if (!done)
-        attend_chunk<T, NV>(x.q + b * x.q_b + h * G * D, x.k + b * x.k_b + h * x.k_h,
-                            x.v + b * x.v_b + h * x.v_h, x.k_l, x.v_l, begin, end, G, D, scale,
-                            softcap, as, ms, ls);
+      if (!done) attend_chunk<T, NV>(q, k, v, x.k_l, x.v_l, begin, end, rows, D, scale, softcap, as, ms, ls);
       if (chunks == 1)  // the whole row in one item: normalise here, no merge pass (the same values: w = 1)
-        for (int64_t g = 0; g < G; ++g)
-          for (int64_t d = 0; d < D; ++d) op[(bh * G + g) * D + d] = static_cast<T>(as[g * W + d] / ls[g]);
+        for (int64_t i = 0; i < N; ++i)
+          for (int64_t d = 0; d < D; ++d) op[out_row(b, h, i) * D + d] = static_cast<T>(as[i * W + d] / ls[i]);
     }
   });
   if (chunks == 1) return;
 
-  at::parallel_for(0, B * H * G, grain == 1 ? 1 : B * H * G, [&](int64_t first, int64_t last) {
+  at::parallel_for(0, B * H * N, grain == 1 ? 1 : B * H * N, [&](int64_t first, int64_t last) {
     for (int64_t r = first; r < last; ++r) {
-      const int64_t bh = r / G, g = r % G;
+      const int64_t bh = r / N, i = r % N;
       float top = kNegInf;
-      for (int64_t c = 0; c < chunks; ++c) top = std::max(top, m[(bh * chunks + c) * G + g]);
+      for (int64_t c = 0; c < chunks; ++c) top = std::max(top, m[(bh * chunks + c) * N + i]);
       float total = 0.f, merged[NV * Vec::size()] = {0};
       for (int64_t c = 0; c < chunks; ++c) {
-        const int64_t at = (bh * chunks + c) * G + g;
+        const int64_t at = (bh * chunks + c) * N + i;
         if (l[at] == 0.f) continue;  // an empty chunk
         const float w = std::exp(m[at] - top);
         total += w * l[at];
         for (int64_t d = 0; d < D; ++d) merged[d] += w * acc[at * W + d];
       }
-      for (int64_t d = 0; d < D; ++d) op[r * D + d] = static_cast<T>(merged[d] / total);
+      for (int64_t d = 0; d < D; ++d) op[out_row(bh / H, bh % H, i) * D + d] = static_cast<T>(merged[d] / total);
     }
   });
 }
@@ -381,16 +414,18 @@ void dispatch_head_dim(const Operands<T>& x, const int32_t* lens, float scale, i
 }
 
 // What both operators check and run: the kernel over q's data and the K/V rows at k, v (q's dtype), as s lays them
-// out, rows b reading keys 0 .. seq_lens[b] - 1 of at most L; out of out_shape (B * H * G * D elements), new.
+// out, the last token of sequence b reading keys 0 .. seq_lens[b] - 1 of at most L; out of out_shape
+// (B * R * H * G * D elements), new.
 at::Tensor attend(const at::Tensor& q, const void* k, const void* v, const Strides& s, int64_t L,
                   const at::Tensor& seq_lens, double scale, int64_t window, double softcap, at::IntArrayRef out_shape) {
   TORCH_CHECK(s.G <= kMaxGroup, "decode_attention: at most 16 query heads per KV head");
   TORCH_CHECK(s.D >= 1 && s.D <= kMaxHeadDim, "decode_attention: head_dim must be 1..256");
+  TORCH_CHECK(s.R >= 1 && s.R <= kMaxRows, "cached_decode_attention: 1..16 query tokens per sequence");
   TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.dim() == 1 && seq_lens.size(0) == s.B &&
               seq_lens.is_contiguous(), "decode_attention: seq_lens must be int32 [B]");
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   for (int64_t b = 0; b < s.B; ++b)
-    TORCH_CHECK(lens[b] >= 1 && lens[b] <= L, "decode_attention: seq_lens out of range 1..L");
+    TORCH_CHECK(lens[b] >= s.R && lens[b] <= L, "decode_attention: seq_lens out of range ", s.R, "..", L);
   TORCH_CHECK(window >= 0 && softcap >= 0, "decode_attention: window and softcap must be >= 0 (0: none)");
   at::Tensor out = at::empty(out_shape, q.options());
   const float fscale = static_cast<float>(scale), cap = static_cast<float>(softcap);
@@ -417,7 +452,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
               "decode_attention: q, k, v must share a dtype");
   TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) == q.size(0) && k.size(1) == q.size(1) && k.size(3) == q.size(3),
               "decode_attention: shapes must be q [B, H_kv, G, D], k = v [B, H_kv, L, D]");
-  const Strides s{q.size(0), q.size(1), q.size(2), q.size(3), q.size(1) * q.size(2) * q.size(3),
+  const Strides s{q.size(0), 1, q.size(1), q.size(2), q.size(3), q.size(1) * q.size(2) * q.size(3), 0,
                   k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2)};
   return attend(q, k.data_ptr(), v.data_ptr(), s, k.size(2), seq_lens, scale, window, softcap, q.sizes());
 }
@@ -446,24 +481,27 @@ at::Tensor cached_decode_attention(const at::Tensor& q, const at::Tensor& k, con
               v_cache.is_contiguous(), "cached_decode_attention: the caches must be contiguous [L, S, H_kv, S_max, D]");
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && k.size(0) == q.size(0) && k.size(1) == k_cache.size(2) &&
               v.sizes() == k.sizes() && q.size(1) % k.size(1) == 0,
-              "cached_decode_attention: q must be [B, H, D] and k, v [B, H_kv, D]");
-  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), H_kv = k.size(1), S_max = k_cache.size(3);
+              "cached_decode_attention: q must be [T, H, D] and k, v [T, H_kv, D]");
+  TORCH_CHECK(seq_lens.dim() == 1 && seq_lens.size(0) >= 1 && q.size(0) % seq_lens.size(0) == 0,
+              "cached_decode_attention: seq_lens must be [B], the same number of tokens T / B per sequence");
+  const int64_t T = q.size(0), B = seq_lens.size(0), H = q.size(1), D = q.size(2), H_kv = k.size(1);
+  const int64_t S_max = k_cache.size(3);
   TORCH_CHECK(layer >= 0 && layer < k_cache.size(0) && first_slot >= 0 && first_slot + B <= k_cache.size(1) &&
               max_len >= 1 && max_len <= S_max, "cached_decode_attention: layer, slots or max_len out of range");
   TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 2 && rows.size(0) == k_cache.size(0) &&
-              rows.size(1) == B * H_kv && rows.is_contiguous(), "cached_decode_attention: rows must be int64 [L, B * H_kv]");
+              rows.size(1) == T * H_kv && rows.stride(1) == 1, "cached_decode_attention: rows must be int64 [L, T * H_kv]");
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.size(2) == k_cache.size(4),
               "cached_decode_attention: q must have the cache's dtype and head size");
-  const int64_t* layer_rows = rows.data_ptr<int64_t>() + layer * rows.size(1);
+  const int64_t* layer_rows = rows.data_ptr<int64_t>() + layer * rows.stride(0);
   write_rows(k, k_cache, layer_rows, "k");
   write_rows(v, v_cache, layer_rows, "v");
-  // a sequence's query heads in a row (a view of the fused Q/K/V output is): the kernel reads a group's as its rows
+  // a token's query heads in a row (a view of the fused Q/K/V output is): the kernel reads a group's as its rows
   const at::Tensor qs = q.stride(2) == 1 && q.stride(1) == D ? q : q.contiguous();
-  const int64_t slot = H_kv * S_max * D, first = (layer * k_cache.size(1) + first_slot) * slot;
-  const Strides s{B, H_kv, H / H_kv, D, qs.stride(0), slot, S_max * D, D, slot, S_max * D, D};
+  const int64_t slot = H_kv * S_max * D, first = (layer * k_cache.size(1) + first_slot) * slot, R = T / B;
+  const Strides s{B, R, H_kv, H / H_kv, D, R * qs.stride(0), qs.stride(0), slot, S_max * D, D, slot, S_max * D, D};
   return attend(qs, static_cast<const char*>(k_cache.data_ptr()) + first * k_cache.element_size(),
                 static_cast<const char*>(v_cache.data_ptr()) + first * v_cache.element_size(), s, max_len, seq_lens,
-                scale, window, softcap, {B, H, D});
+                scale, window, softcap, {T, H, D});
 }
 
 }  // namespace
