@@ -20,10 +20,16 @@ ARGS = ["generate", "--model", TINY, "--backend", "sdpa", "--max-new-tokens", "2
 LONG = ["generate", "--model", "smollm2", "--threads", "1", "--max-new-tokens", "200", "--ignore-eos", "--json"]
 
 
+def default_sigint() -> None:
+    """In the child before exec: Ctrl-C's default action, as a process started from a terminal has it. A test
+    run started as a shell's background job inherits SIGINT ignored (POSIX), and so would every CLI it starts."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def start(*argv: str) -> subprocess.Popen:
     env = {**os.environ, "KVCORE_LOAD_PLUGINS": "", "PYTHONUNBUFFERED": "1"}
     return subprocess.Popen([sys.executable, "-m", "kvcore.cli", *argv], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, env=env)
+                            stderr=subprocess.PIPE, env=env, preexec_fn=default_sigint)
 
 
 def interrupted(proc: subprocess.Popen) -> tuple[str, str]:
@@ -91,7 +97,7 @@ def test_ctrl_c_in_a_piped_chat_session():
     proc = subprocess.Popen([sys.executable, "-m", "kvcore.cli", "chat", "--model", TINY, "--json",
                              "--max-new-tokens", "8"],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            env={**os.environ, "KVCORE_LOAD_PLUGINS": ""})
+                            env={**os.environ, "KVCORE_LOAD_PLUGINS": ""}, preexec_fn=default_sigint)
     proc.stdin.write(b"hello\n")
     proc.stdin.flush()
     line = proc.stdout.readline()  # the first reply, then its JSON line; the session waits for the next turn
@@ -127,6 +133,7 @@ def test_ctrl_c_on_a_terminal_stops_the_reply_and_the_conversation_goes_on():
 
     pid, fd = pty.fork()
     if pid == 0:  # the child: a chat REPL on a terminal
+        default_sigint()
         os.environ["KVCORE_LOAD_PLUGINS"] = ""
         os.execv(sys.executable, [sys.executable, "-m", "kvcore.cli", "chat", "--model", "smollm2", "--threads", "1",
                                   "--max-new-tokens", "200", "--ignore-eos"])  # a reply that outlasts the signal
