@@ -984,6 +984,12 @@ def _cpu_name() -> str:
         return f"{platform.processor()} × {os.cpu_count()}"
 
 
+def machine_line(env: dict[str, Any]) -> str:
+    """The reports' line naming the CPU, its vector extensions and torch's kernels (``env``: :func:`environment`)."""
+    isa = ", ".join(k for k, v in env["isa"].items() if v) or "none of AVX2/AVX-512/AMX"
+    return f"- CPU: {env['cpu']}; ISA: {isa}; torch CPU capability: {env['torch_cpu_capability']}"
+
+
 def environment() -> dict[str, Any]:
     import torch
 

@@ -7,7 +7,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from kvcore_bench.bench import pyplot
+from kvcore_bench.bench import machine_line, pyplot
 
 __all__ = ["render_scale", "plot_scale", "write_scale"]
 
@@ -22,12 +22,11 @@ def _sides(report: dict[str, Any]) -> list[str]:
 
 def render_scale(report: dict[str, Any]) -> str:
     env, lc, plan = report["environment"], report["llama_cpp"], report["plan"]
-    isa = ", ".join(k for k, v in env["isa"].items() if v) or "none of AVX2/AVX-512/AMX"
     lines = [
         "# Aggregate decode throughput vs concurrency and at a long context: kvcore vs native llama.cpp",
         "",
         f"- command: `{env.get('command')}`",
-        f"- CPU: {env['cpu']}; ISA: {isa}; torch CPU capability: {env['torch_cpu_capability']}",
+        machine_line(env),
         f"- threads: {env['threads']} (both sides); load average at end {env['load_average_end']} "
         "(per repetition in the tables)",
         f"- GGUF: `{Path(report['gguf']).name}`, both sides",

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvcore_bench.bench import _TEXT, _load_average, environment, kv_run
+from kvcore_bench.bench import _TEXT, _load_average, environment, kv_run, machine_line
 
 __all__ = ["run_llamacpp", "WORKLOADS", "cpu_features"]
 
@@ -230,12 +230,11 @@ def run_llamacpp(args: argparse.Namespace) -> int:
 
 def render(report: dict[str, Any]) -> str:
     env = report["environment"]
-    isa = ", ".join(k for k, v in env["isa"].items() if v) or "none of AVX2/AVX-512/AMX"
     lines = [
         "# kvcore vs llama.cpp",
         "",
         f"- command: `{env.get('command')}`",
-        f"- CPU: {env['cpu']}; ISA: {isa}; torch CPU capability: {env['torch_cpu_capability']}",
+        machine_line(env),
         f"- threads: {env['threads']} (both sides); load average at start {env.get('load_average')}, "
         f"at end {env.get('load_average_end')}",
         f"- GGUF: `{Path(report['gguf']).name}` (both sides); llama-cpp-python {env['llama_cpp_python']}, "

@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvcore_bench.bench import _TEXT, _load_average, environment, kv_run
+from kvcore_bench.bench import _TEXT, _load_average, environment, kv_run, machine_line
 from kvcore_bench.native_llamacpp import batched_bench, build_tools, llama_bench
 from kvcore_bench.vs_llamacpp import _engine_options, _kernels, cpu_features
 
@@ -128,14 +128,13 @@ def run_native(args: argparse.Namespace) -> int:
 
 def render_native(report: dict[str, Any]) -> str:
     env, lc = report["environment"], report["llama_cpp"]
-    isa = ", ".join(k for k, v in env["isa"].items() if v) or "none of AVX2/AVX-512/AMX"
     gguf_mib = report["gguf_bytes"] / 2**20
     chosen = {k: v for k, v in report["kvcore_default"].items() if k != "reasons"}
     lines = [
         "# kvcore defaults vs native llama.cpp",
         "",
         f"- command: `{env.get('command')}`",
-        f"- CPU: {env['cpu']}; ISA: {isa}; torch CPU capability: {env['torch_cpu_capability']}",
+        machine_line(env),
         f"- threads: {env['threads']} (both sides); load average at end {env['load_average_end']}",
         f"- GGUF: `{Path(report['gguf']).name}` ({gguf_mib:.1f} MiB), both sides",
         f"- kvcore default (no flags): {json.dumps(chosen)}; kernels: {report['kvcore_kernels']}",
