@@ -59,7 +59,10 @@ def run_model(
             check.observe(layer_idx, q, out)
         return out
 
-    return model(ids, meta.positions, attention, matmuls)
+    # every layer's attention as data for the fused layers' native stack (the model's first layer still calls
+    # attention, so a check observes layer 0); one plan only: layer groups read their own block tables
+    stack = backend.decode_stack(plan0, cache) if model.fused_layers and len(plans) == 1 else None
+    return model(ids, meta.positions, attention, matmuls, stack)
 
 
 def last_token_logits(

@@ -62,10 +62,11 @@ from kvcore.paths import cache_root, private_dir, verify_entry, warn_no_cache, w
 __all__ = ["bf16_linear_ready", "cxx_compiler", "extension_reasons", "int4a8_reasons", "kernel_reasons",
            "kernels_built", "load_kernels", "vector_isa"]
 
-_SOURCES = ("bf16_linear.cpp", "decode_attention.cpp", "fused_layer.cpp", "int4_linear.cpp", "int8_group_linear.cpp",
-            "isa.cpp", "prefill_attention.cpp", "rescore_top_k.cpp", "rms_norm.cpp")
+_SOURCES = ("bf16_linear.cpp", "decode_attention.cpp", "decode_stack.cpp", "fused_layer.cpp", "int4_linear.cpp",
+            "int8_group_linear.cpp", "isa.cpp", "prefill_attention.cpp", "rescore_top_k.cpp", "rms_norm.cpp")
 # included by the sources: in the cache key
-_HEADERS = ("group_matmul.h", "int4a8.h", "isa.h", "quantize_rows.h", "rms_norm.h")
+_HEADERS = ("decode_attention.h", "fused_layer.h", "group_matmul.h", "int4a8.h", "isa.h", "quantize_rows.h",
+            "rms_norm.h")
 _CSRC = Path(__file__).with_name("csrc")
 _LIBRARY = "kvcore_cpu_kernels.so"
 #: what a cache entry of the kernels holds (the library and its checksum); part of the key, so folders of
