@@ -27,6 +27,12 @@ each layer as one call, ``torch.ops.kvcore.cached_decode_attention``: the cache 
 calls and the decode kernel over the same views, without the Python and dispatch of the ops between them
 (each layer's arguments planned once per step). A compiled decode step traces sdpa's path instead.
 
+When every layer of a bfloat16 call takes that call (no layer with sinks, no sequence on the prefill path),
+:meth:`CPUDecodeBackend.decode_stack` describes the call's cache rows, lengths and slots as a
+:class:`~kvcore.interfaces.decode_stack.DecodeStack`: a model with fused int4a8 layers then runs layers 1.. as one
+native operator that writes the cache and attends exactly as these per-layer calls do
+(:mod:`kvcore.model.fused_layer`).
+
 Attention variants: the decode kernel takes a layer's sliding window (it reads only the last ``window`` keys of
 each row) and soft-cap (applied to each block's scores before its online-softmax step); decode layers with
 sinks, and prefill layers with any variant, run sdpa's masked and explicit paths (correct, not the kernels'

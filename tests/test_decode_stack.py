@@ -12,7 +12,8 @@ from helpers import make_random_model
 from kvcore import Engine, EngineConfig, LlamaModel, SamplingParams
 from kvcore.backends.contiguous import ContiguousKVCache
 from kvcore.backends.cpu_decode import CPUDecodeBackend
-from kvcore.execution.runner import run_model
+from kvcore.backends.sdpa import SDPABackend
+from kvcore.execution.runner import decode_stack_reasons, run_model
 from kvcore.interfaces.kv_cache import CacheSpec
 from kvcore.interfaces.layer_attention import LayerAttention
 from kvcore.interfaces.metadata import AttentionMetadata
@@ -193,3 +194,18 @@ def test_bad_arguments_are_refused_with_a_message(index, value, message):
         args[index] = value
     with pytest.raises(RuntimeError, match=message):
         torch.ops.kvcore.decode_stack(*args)
+
+
+def test_the_reasons_say_why_no_stack_runs():
+    model = _model()
+    assert decode_stack_reasons(model, _backend(True)) == []
+    assert decode_stack_reasons(model, _backend(False)) == [
+        "backend 'cpu_decode' has its native stack switched off (native_stack)"]
+    assert decode_stack_reasons(model, SDPABackend()) == [
+        "backend 'sdpa' does not describe its attention as a native stack (capabilities.decode_stack)"]
+    model.fused_layers = False
+    assert decode_stack_reasons(model, _backend(True)) == ["the model's fused layers are switched off"]
+    dense = make_random_model(num_layers=1, head_dim=HEAD_DIM, dtype=torch.bfloat16)
+    assert decode_stack_reasons(dense, _backend(True)) == [
+        "the fused layers run int4a8 weights with bfloat16 activations on CPU",
+        "every layer matmul must run on the int4a8 kernel"]
