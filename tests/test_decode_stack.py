@@ -147,6 +147,22 @@ def test_greedy_streams_equal_the_per_layer_path(stack_calls, monkeypatch):
     assert streams[0] == streams[1]
 
 
+def test_speculative_verification_takes_the_stack(stack_calls, monkeypatch):
+    """ngram drafts on a repeating prompt: the verification steps' rows (several per sequence) run as the stack, and
+    the accepted tokens are those of the per-layer path."""
+    model = _model()
+    prompt = [7, 8, 9, 10, 11] * 4
+    streams = []
+    for native in (True, False):
+        stack_calls.clear()
+        monkeypatch.setattr(CPUDecodeBackend, "native_stack", native)
+        engine = Engine(model, None, EngineConfig(backend="cpu_decode", dtype="bfloat16", max_num_seqs=2,
+                                                  max_model_len=96, proposer="ngram"))
+        streams.append(engine.generate([prompt, prompt[3:]], SamplingParams(max_new_tokens=12, ignore_eos=True)))
+        assert (max(stack_calls, default=0) > 2) == native  # more rows than sequences: drafts were verified
+    assert [r.token_ids for r in streams[0]] == [r.token_ids for r in streams[1]]
+
+
 def _op_args(model: LlamaModel):
     """Valid decode_stack arguments for one decode row of one sequence on slot 0 after 10 keys."""
     c, d = model.config, model.config.hidden_size
