@@ -239,7 +239,8 @@ def load_kernels() -> str:
     cxx = cxx_compiler()
     sources = [_CSRC / name for name in _SOURCES]
     library = _cached_or_built(cxx, sources, cache_root() / "kernels", _entry_name(cxx, sources))
-    for op in ("decode_attention", "cached_decode_attention", "prefill_attention", "rms_norm", "fused_mlp"):
+    for op in ("decode_attention", "cached_decode_attention", "prefill_attention", "rms_norm", "fused_mlp",
+               "decode_stack"):
         torch.library.register_fake(f"kvcore::{op}")(_shaped_like_first_fake)
     torch.library.register_fake("kvcore::int4_linear")(_rows_of_16_fake)
     torch.library.register_fake("kvcore::int8_group_linear")(_rows_of_16_fake)
