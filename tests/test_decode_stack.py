@@ -13,6 +13,8 @@ from kvcore import Engine, EngineConfig, LlamaModel, SamplingParams
 from kvcore.backends.contiguous import ContiguousKVCache
 from kvcore.backends.cpu_decode import CPUDecodeBackend
 from kvcore.backends.sdpa import SDPABackend
+from kvcore.errors import BackendOutputError
+from kvcore.execution.backend_check import BackendGuard
 from kvcore.execution.runner import decode_stack_reasons, run_model
 from kvcore.interfaces.kv_cache import CacheSpec
 from kvcore.interfaces.layer_attention import LayerAttention
@@ -161,6 +163,34 @@ def test_speculative_verification_takes_the_stack(stack_calls, monkeypatch):
         streams.append(engine.generate([prompt, prompt[3:]], SamplingParams(max_new_tokens=12, ignore_eos=True)))
         assert (max(stack_calls, default=0) > 2) == native  # more rows than sequences: drafts were verified
     assert [r.token_ids for r in streams[0]] == [r.token_ids for r in streams[1]]
+
+
+class _TransposingBackend(CPUDecodeBackend):
+    """cpu_decode whose layer-0 decode output has the right size and the wrong layout."""
+
+    name = "planted"
+    described = 0  # calls described as a stack
+
+    def decode_stack(self, plan, cache):
+        stack = super().decode_stack(plan, cache)
+        self.described += stack is not None
+        return stack
+
+    def forward(self, layer_idx, q, k, v, cache, plan):
+        out = super().forward(layer_idx, q, k, v, cache, plan)
+        return out.transpose(1, 2).reshape(out.shape) if layer_idx == 0 and plan.meta.is_decode else out
+
+
+def test_the_backend_check_still_verifies_layer_0():
+    """With the stack on, layer 0's attention still goes through the backend and its check: a wrong layout there
+    fails the request on its first decode step (in layer 0, before the stack runs) instead of becoming tokens."""
+    engine = Engine(_model(), None, EngineConfig(backend="cpu_decode", dtype="bfloat16", max_model_len=64))
+    engine.decode_backend = backend = _TransposingBackend()
+    engine.runner.guards[id(backend)] = BackendGuard(backend)
+    result = engine.generate([[5, 9, 200]], SamplingParams(max_new_tokens=4, ignore_eos=True))[0]
+    assert isinstance(result.error, BackendOutputError) and "wrong attention output (decode, layer 0" in str(
+        result.error)
+    assert backend.described == 1  # the failed step was one the stack would have run
 
 
 def _op_args(model: LlamaModel):
