@@ -95,8 +95,20 @@ def _same(a, b) -> bool:
     return all(map(torch.equal, hidden_a, hidden_b)) and all(map(torch.equal, caches_a, caches_b))
 
 
+@pytest.fixture(autouse=True)
+def one_thread(request):
+    """One thread unless a test asks for more: on a busy machine every parallel region of a few-row step can wait
+    a scheduler slice for its second thread, which makes these small steps seconds long."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(getattr(request, "param", 1))
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("one_thread", [1, 2], indirect=True, ids=["1-thread", "2-threads"])
 @pytest.mark.parametrize("layers", [None, VARIANT_LAYERS], ids=["plain", "window-softcap"])
-def test_the_stack_computes_the_per_layer_path_bit_for_bit(layers, stack_calls):
+def test_the_stack_computes_the_per_layer_path_bit_for_bit(layers, stack_calls, one_thread):
+    """The call groups' attention splits the context by the thread count: both counts, the same results."""
     model = _model(layers)
     native = _run(model, _backend(True))
     assert stack_calls == [3, 1, 8, 3]  # every call but the prefills
