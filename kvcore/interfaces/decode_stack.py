@@ -17,7 +17,7 @@ import torch
 __all__ = ["DecodeStack"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # tensors: compared by identity
 class DecodeStack:
     """The attention of every layer of one forward call, as ``cached_decode_attention`` arguments.
 
