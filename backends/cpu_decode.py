@@ -27,6 +27,12 @@ each layer as one call, ``torch.ops.kvcore.cached_decode_attention``: the cache 
 calls and the decode kernel over the same views, without the Python and dispatch of the ops between them
 (each layer's arguments planned once per step). A compiled decode step traces sdpa's path instead.
 
+When every layer of a bfloat16 call takes that call (no layer with sinks, no sequence on the prefill path),
+:meth:`CPUDecodeBackend.decode_stack` describes the call's cache rows, lengths and slots as a
+:class:`~kvcore.interfaces.decode_stack.DecodeStack`: a model with fused int4a8 layers then runs layers 1.. as one
+native operator that writes the cache and attends exactly as these per-layer calls do
+(:mod:`kvcore.model.fused_layer`).
+
 Attention variants: the decode kernel takes a layer's sliding window (it reads only the last ``window`` keys of
 each row) and soft-cap (applied to each block's scores before its online-softmax step); decode layers with
 sinks, and prefill layers with any variant, run sdpa's masked and explicit paths (correct, not the kernels'
@@ -41,6 +47,7 @@ import torch
 
 from kvcore.hookspecs import hookimpl
 from kvcore.interfaces.attention import BackendCapabilities
+from kvcore.interfaces.decode_stack import DecodeStack
 from kvcore.interfaces.layer_attention import VARIANTS, LayerAttention
 from kvcore.interfaces.metadata import AttentionMetadata
 from kvcore.kernels.cpu_kernels import kernel_reasons, load_kernels
@@ -88,11 +95,15 @@ class CPUDecodeBackend(SDPABackend):
         prefill_variants=frozenset(VARIANTS),
         decode_variants=frozenset(VARIANTS),
         multi_token_decode=True,  # a few rows after a cache take the decode kernel (ShortRows)
+        decode_stack=True,  # the calls that take the decode kernel in every layer, bfloat16 (see decode_stack)
     )
 
     #: each layer of a decode batch on consecutive slots as one cached_decode_attention call; False: sdpa's ops
     #: around the same kernel (what tests and benchmarks compare it with)
     cached_decode: bool = True
+    #: offer such calls to the fused layers' native decode stack (:meth:`decode_stack`); False: every layer through
+    #: :meth:`forward` (what tests and benchmarks compare it with)
+    native_stack: bool = True
 
     def __init__(self, **options) -> None:
         super().__init__(**options)
@@ -134,6 +145,34 @@ class CPUDecodeBackend(SDPABackend):
             cached = self._args = (key, tuple(None if layer.sinks is not None else
                                               (layer.scale, layer.sliding_window or 0, layer.softcap or 0.0)
                                               for layer in layers))
+        return cached[1]
+
+    def decode_stack(self, plan: CPUDecodePlan, cache: ContiguousKVCache) -> DecodeStack | None:
+        """The call's attention for ``torch.ops.kvcore.decode_stack`` when :meth:`forward` would run every layer as
+        ``cached_decode_attention`` calls on a bfloat16 cache (no layer with sinks, no sequence taking the prefill
+        path, not traced): the decode batch as one call group, or each sequence's short rows as its own."""
+        if (not self.native_stack or plan.layer_args is None or cache.k.dtype != torch.bfloat16
+                or torch.compiler.is_compiling()):
+            return None
+        if plan.sequences is None:
+            groups = [(plan.rows, plan.meta.seq_lens_t, plan.decode_slot, plan.decode_len)]
+        elif all(plan.sequences):
+            meta = plan.meta
+            groups = [(seq.rows, seq.seq_len, seq.slot, meta.context_lens[i] + meta.query_lens[i])
+                      for i, seq in enumerate(plan.sequences)]
+        else:
+            return None
+        per_layer = self._stack_args(plan.layer_args)
+        if per_layer is None:
+            return None
+        rows, lens, slots, max_lens = zip(*groups)
+        return DecodeStack(cache.k, cache.v, rows, lens, slots, max_lens, *per_layer)
+
+    def _stack_args(self, layer_args) -> tuple[tuple, tuple, tuple] | None:
+        """``(scales, windows, softcaps)`` of ``layer_args`` (None when a layer has sinks), made once per model."""
+        cached = getattr(self, "_stack", None)
+        if cached is None or cached[0] is not layer_args:
+            cached = self._stack = (layer_args, None if None in layer_args else tuple(zip(*layer_args)))
         return cached[1]
 
     def forward(self, layer_idx: int, q, k, v, cache: ContiguousKVCache, plan: CPUDecodePlan) -> torch.Tensor:

@@ -12,9 +12,14 @@ slows them alike:
     python benchmarks/step_overhead.py                  # kvcore's default configuration, 1 thread
     python benchmarks/step_overhead.py --threads 2 --reps 40
     python benchmarks/step_overhead.py --ops             # also list the recorded ops (name, count)
+    python benchmarks/step_overhead.py --stack --context 1024   # also the step with and without the native stack
 
 With ``--threads 1`` (the default) the figures are this thread's CPU time, which stays meaningful on a busy
 machine; with more threads they are wall times.
+
+``--stack`` also times whole steps with the fused layers' native decode stack (``cpu_decode``'s
+``native_stack``, csrc/decode_stack.cpp) against every layer through the backend's forward, the two alternating
+step by step (so each pair decodes at about the same context).
 """
 
 from __future__ import annotations
@@ -60,6 +65,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=64)
     ap.add_argument("--reps", type=int, default=30, help="steps (and replays of each kind) measured")
     ap.add_argument("--ops", action="store_true", help="list the recorded ops")
+    ap.add_argument("--stack", action="store_true", help="also steps with the native decode stack against without")
     ap.add_argument("--engine-option", action="append", default=[], metavar="KEY=VALUE",
                     help="an EngineConfig field beyond the defaults (e.g. compile=true)")
     args = ap.parse_args()
@@ -100,10 +106,34 @@ def main() -> None:
     print(f"  step {med['step']:.2f} ms = kernels {med['kernels']:.2f} ({len(kernels)} calls) + small ATen ops "
           f"{med['all ops'] - med['kernels']:.2f} ({len(calls) - len(kernels)} calls) + Python "
           f"{med['step'] - med['all ops']:.2f} ms")
+    if args.stack:
+        _compare_stack(engine, clock, args.reps)
     if args.ops:
         counts = collections.Counter(str(c[0]) for c in calls)
         for name, n in counts.most_common():
             print(f"  {n:4d} {name}")
+
+
+def _compare_stack(engine: Engine, clock, reps: int) -> None:
+    """Steps with the decode backend's native stack on and off, alternating; prints both medians and their ratio."""
+    backend = engine.decode_backend
+    if not hasattr(backend, "native_stack"):
+        print(f"  --stack: backend '{backend.name}' has no native decode stack")
+        return
+    times: dict[bool, list[float]] = {True: [], False: []}
+    try:
+        with torch.inference_mode():
+            for _ in range(reps):
+                for native in (True, False):
+                    backend.native_stack = native
+                    start = clock()
+                    engine.step()
+                    times[native].append(clock() - start)
+    finally:
+        backend.native_stack = True
+    on, off = (statistics.median(times[k]) * 1e3 for k in (True, False))
+    print(f"  native stack: step {on:.2f} ms (min {min(times[True]) * 1e3:.2f}); per-layer: {off:.2f} ms "
+          f"(min {min(times[False]) * 1e3:.2f}); per-layer / stack {off / on:.2f}x")
 
 
 if __name__ == "__main__":

@@ -17,8 +17,9 @@ from kvcore.interfaces.attention import AttentionBackend
 from kvcore.interfaces.kv_cache import KVCache
 from kvcore.interfaces.metadata import AttentionMetadata
 from kvcore.model.decoder import LlamaModel
+from kvcore.model.fused_layer import fused_layer_reasons
 
-__all__ = ["Executor", "ModelRunner", "run_model", "last_token_logits", "position_logits"]
+__all__ = ["Executor", "ModelRunner", "decode_stack_reasons", "run_model", "last_token_logits", "position_logits"]
 
 
 def run_model(
@@ -59,7 +60,27 @@ def run_model(
             check.observe(layer_idx, q, out)
         return out
 
-    return model(ids, meta.positions, attention, matmuls)
+    # every layer's attention as data for the fused layers' native stack (the model's first layer still calls
+    # attention, so a check observes layer 0); one plan only: layer groups read their own block tables
+    stack = None
+    if model.fused_layers and backend.capabilities.decode_stack and len(plans) == 1:
+        stack = backend.decode_stack(plan0, cache)
+    return model(ids, meta.positions, attention, matmuls, stack)
+
+
+def decode_stack_reasons(model: LlamaModel, backend: AttentionBackend) -> list[str]:
+    """Why no forward of ``model`` on ``backend`` runs layers 1.. as one native call
+    (:mod:`kvcore.interfaces.decode_stack`); [] = the calls the backend describes do (for ``cpu_decode``: decode
+    batches and short rows after a cache on a bfloat16 cache, every layer without attention sinks)."""
+    reasons = []
+    if not model.fused_layers:
+        reasons += fused_layer_reasons(model) or ["the model's fused layers are switched off"]
+    if not backend.capabilities.decode_stack:
+        reasons.append(f"backend '{backend.name}' does not describe its attention as a native stack "
+                       "(capabilities.decode_stack)")
+    elif not getattr(backend, "native_stack", True):
+        reasons.append(f"backend '{backend.name}' has its native stack switched off (native_stack)")
+    return reasons
 
 
 def last_token_logits(

@@ -19,6 +19,7 @@ from typing import Any, ClassVar, Generic, TypeVar
 import torch
 
 from kvcore.errors import ConfigError
+from kvcore.interfaces.decode_stack import DecodeStack
 from kvcore.interfaces.kv_cache import KVCache, placement_reasons
 from kvcore.interfaces.layer_attention import VARIANTS, LayerAttention
 from kvcore.interfaces.metadata import AttentionMetadata
@@ -99,6 +100,9 @@ class BackendCapabilities:
     #: its forward takes rows of several query tokens after a cached context in a step of running requests
     #: (speculative verification: a decode step whose rows score the draft tokens too, causal among them)
     multi_token_decode: bool = False
+    #: :meth:`AttentionBackend.decode_stack` hands the attention of some calls to a native decode stack
+    #: (:mod:`kvcore.interfaces.decode_stack`)
+    decode_stack: bool = False
 
     def variants(self, phase: str) -> frozenset[str]:
         """The variants of ``phase`` ("prefill" or "decode")."""
@@ -198,6 +202,12 @@ class AttentionBackend(abc.ABC, Generic[PlanT]):
         backend with work its layers share (gather indices, masks) declares ``AttentionBackend[MyPlan]``
         and returns a dataclass holding ``meta`` and that work."""
         return meta  # type: ignore[return-value]
+
+    def decode_stack(self, plan: PlanT, cache: KVCache) -> DecodeStack | None:
+        """The attention of every layer of this call as a :class:`DecodeStack`, when the backend would run each
+        layer as ``cached_decode_attention`` calls (declare ``capabilities.decode_stack``); None: the model calls
+        :meth:`forward` per layer. The operator then writes the cache and attends as those calls would."""
+        return None
 
     @abc.abstractmethod
     def forward(

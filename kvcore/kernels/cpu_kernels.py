@@ -62,10 +62,11 @@ from kvcore.paths import cache_root, private_dir, verify_entry, warn_no_cache, w
 __all__ = ["bf16_linear_ready", "cxx_compiler", "extension_reasons", "int4a8_reasons", "kernel_reasons",
            "kernels_built", "load_kernels", "vector_isa"]
 
-_SOURCES = ("bf16_linear.cpp", "decode_attention.cpp", "fused_layer.cpp", "int4_linear.cpp", "int8_group_linear.cpp",
-            "isa.cpp", "prefill_attention.cpp", "rescore_top_k.cpp", "rms_norm.cpp")
+_SOURCES = ("bf16_linear.cpp", "decode_attention.cpp", "decode_stack.cpp", "fused_layer.cpp", "int4_linear.cpp",
+            "int8_group_linear.cpp", "isa.cpp", "prefill_attention.cpp", "rescore_top_k.cpp", "rms_norm.cpp")
 # included by the sources: in the cache key
-_HEADERS = ("group_matmul.h", "int4a8.h", "isa.h", "quantize_rows.h", "rms_norm.h")
+_HEADERS = ("decode_attention.h", "fused_layer.h", "group_matmul.h", "int4a8.h", "isa.h", "quantize_rows.h",
+            "rms_norm.h")
 _CSRC = Path(__file__).with_name("csrc")
 _LIBRARY = "kvcore_cpu_kernels.so"
 #: what a cache entry of the kernels holds (the library and its checksum); part of the key, so folders of
@@ -238,7 +239,8 @@ def load_kernels() -> str:
     cxx = cxx_compiler()
     sources = [_CSRC / name for name in _SOURCES]
     library = _cached_or_built(cxx, sources, cache_root() / "kernels", _entry_name(cxx, sources))
-    for op in ("decode_attention", "cached_decode_attention", "prefill_attention", "rms_norm", "fused_mlp"):
+    for op in ("decode_attention", "cached_decode_attention", "prefill_attention", "rms_norm", "fused_mlp",
+               "decode_stack"):
         torch.library.register_fake(f"kvcore::{op}")(_shaped_like_first_fake)
     torch.library.register_fake("kvcore::int4_linear")(_rows_of_16_fake)
     torch.library.register_fake("kvcore::int8_group_linear")(_rows_of_16_fake)

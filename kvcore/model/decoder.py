@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvcore.errors import ConfigError
+from kvcore.interfaces.decode_stack import DecodeStack
 from kvcore.kernels.linear import DenseMatmuls, set_layout
 from kvcore.model.config import ModelConfig
 from kvcore.model.embedding import BlockTable, dense_embedding, hold_blocks
@@ -195,7 +196,8 @@ class DecoderModel(nn.Module):
         return (c.query_pre_attn_scalar or c.head_dim) ** -0.5
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, attention: Attention, matmuls: dict | None = None
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attention: Attention, matmuls: dict | None = None,
+        stack: DecodeStack | None = None,
     ) -> torch.Tensor:
         """Run the decoder over packed tokens.
 
@@ -205,6 +207,8 @@ class DecoderModel(nn.Module):
         :param attention: stores each layer's K/V and attends (see :data:`Attention`).
         :param matmuls: ``self.matmuls(T)``, when the caller already has it (a compiled forward resolves it
             outside the traced code: choosing and caching the kernels is Python bookkeeping).
+        :param stack: the backend's attention of every layer as data, for fused layers to run layers 1.. as one
+            native call (:func:`~kvcore.model.fused_layer.fused_forward`); ignored by the other paths.
         :returns: ``[T, d]`` final hidden states (after the last RMSNorm).
         """
         c = self.config
@@ -222,7 +226,7 @@ class DecoderModel(nn.Module):
         if c.embedding_multiplier is not None:
             h = h * torch.tensor(c.embedding_multiplier, dtype=h.dtype)  # Gemma rounds the factor to the dtype
         if self.fused_layers and mm is self._quantized:
-            return fused_forward(self, h, tables, attention, mm)
+            return fused_forward(self, h, tables, attention, mm, stack)
         fused, pending = self.fused_norm, None  # pending: the last MLP output, added to h by the next norm
         for i in range(c.num_hidden_layers):
             cos, sin = tables[i]

@@ -7,6 +7,13 @@ attention follows as in the eager path; ``torch.ops.kvcore.fused_mlp`` runs the 
 add, the second norm, the gated MLP. Every value is rounded where the eager ops round it, by the same functions,
 so the hidden states are the eager path's bit for bit (tests/test_fused_layer.py).
 
+A call whose attention the backend can describe as data (a :class:`~kvcore.interfaces.decode_stack.DecodeStack`:
+``cpu_decode``'s decode batches and short rows after a cache) goes further: layer 0 runs as above, its attention
+through the backend (so the backend check still observes and verifies it), and layers 1.. run as one operator,
+``torch.ops.kvcore.decode_stack`` (``csrc/decode_stack.cpp``): the same functions in the same order with the
+backend's cache writes and ``cached_decode_attention`` kernel between them, bit for bit the per-layer path
+(tests/test_decode_stack.py), with no Python, dispatch or allocation per layer.
+
 :func:`fused_layer_reasons` says where this runs: the layers the two operators spell out and nothing else (no
 biases, no Q/K norms, no sandwich norms, SiLU gates, one rank), every matmul on the int4a8 kernel.
 """
@@ -15,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from kvcore.interfaces.decode_stack import DecodeStack
 from kvcore.kernels.quant import Int4A8Linear
 from kvcore.model.layers import add_rms_norm
 
@@ -40,26 +48,52 @@ def fused_layer_reasons(model) -> list[str]:
     return reasons
 
 
-def fused_forward(model, h: torch.Tensor, tables: list, attention, matmuls: dict) -> torch.Tensor:
+def fused_forward(model, h: torch.Tensor, tables: list, attention, matmuls: dict,
+                  stack: DecodeStack | None = None) -> torch.Tensor:
     """The decoder's layers and final norm over the embeddings ``h [T, d]`` (updated in place, as in
     :meth:`DecoderModel.forward`): ``tables`` each layer's RoPE ``(cos, sin)``, ``matmuls`` the model's int4a8
-    weights. Returns ``[T, d]`` final hidden states."""
+    weights. With ``stack``, layer 0 runs as below (its attention through ``attention``, which a backend check
+    observes) and the others as one ``torch.ops.kvcore.decode_stack`` call. Returns ``[T, d]`` final hidden states."""
     c = model.config
     num_tokens, eps, head_dim = h.shape[0], c.rms_norm_eps, c.head_dim
     heads = [c.num_attention_heads, c.num_key_value_heads, c.num_key_value_heads]
     num_rotated, num_heads = heads[0] + heads[1], sum(heads)
     fused_qkv, fused_mlp = torch.ops.kvcore.fused_qkv, torch.ops.kvcore.fused_mlp
-    layers = zip(_tensors(model.input_norm), _tensors(model.post_norm), tables, matmuls["qkv"], matmuls["o"],
-                 matmuls["gate_up"], matmuls["down"])
+    weights = _layer_weights(model, matmuls)
+    input_norms, post_norms = weights[:2]
+    num_python = 1 if stack is not None else c.num_hidden_layers
     pending = None  # the last MLP output, added to h by the next layer's first operator
-    for i, (input_norm, post_norm, (cos, sin), qkv_w, o_w, gate_up_w, down_w) in enumerate(layers):
+    for i in range(num_python):
+        (cos, sin), (qkv_w, qkv_dm, o_w, o_dm, gate_up_w, gate_up_dm, down_w, down_dm) = tables[i], _at(weights, i)
         # (T, (H + 2 H_kv) D), Q and K rotated
-        qkv = fused_qkv(h, pending, input_norm, eps, qkv_w.codes, qkv_w.dm, cos, sin, num_rotated)
+        qkv = fused_qkv(h, pending, input_norms[i], eps, qkv_w, qkv_dm, cos, sin, num_rotated)
         q, k, v = qkv.view(num_tokens, num_heads, head_dim).split_with_sizes(heads, 1)  # (T, H | H_kv | H_kv, D) views
         attn = attention(i, q, k, v)  # (T, H, D)
-        pending = fused_mlp(h, attn, o_w.codes, o_w.dm, post_norm, eps, gate_up_w.codes, gate_up_w.dm, down_w.codes,
-                            down_w.dm)
+        pending = fused_mlp(h, attn, o_w, o_dm, post_norms[i], eps, gate_up_w, gate_up_dm, down_w, down_dm)
+    if num_python < c.num_hidden_layers:
+        cos, sin = zip(*tables)
+        pending = torch.ops.kvcore.decode_stack(h, pending, num_python, *weights[:2], eps, *weights[2:], cos, sin,
+                                                heads[0], *stack.op_args())
     return add_rms_norm(h, pending, model.norm, eps, fused=True)
+
+
+def _layer_weights(model, matmuls: dict) -> tuple[list[torch.Tensor], ...]:
+    """``(input_norms, post_norms, qkv codes, qkv dm, o codes, o dm, gate_up codes, gate_up dm, down codes,
+    down dm)``: each a list over the layers, in decode_stack's argument order; made once per set of matmuls."""
+    cached = model.__dict__.get("_fused_weights")
+    if cached is None or cached[0] is not matmuls or torch.compiler.is_compiling():
+        parts = [matmuls[name] for name in ("qkv", "o", "gate_up", "down")]
+        lists = (_tensors(model.input_norm), _tensors(model.post_norm),
+                 *([attr(w) for w in fns] for fns in parts for attr in (lambda w: w.codes, lambda w: w.dm)))
+        if torch.compiler.is_compiling():
+            return lists
+        cached = model.__dict__["_fused_weights"] = (matmuls, lists)
+    return cached[1]
+
+
+def _at(weights: tuple[list[torch.Tensor], ...], i: int) -> tuple[torch.Tensor, ...]:
+    """Layer ``i``'s matmul weights, from :func:`_layer_weights`."""
+    return tuple(w[i] for w in weights[2:])
 
 
 def _tensors(params: torch.nn.ParameterList) -> list[torch.Tensor]:

@@ -52,6 +52,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "decode_attention.h"
 #include "isa.h"
 
 namespace {
@@ -505,6 +506,32 @@ at::Tensor cached_decode_attention(const at::Tensor& q, const at::Tensor& k, con
 }
 
 }  // namespace
+
+// The entry of decode_attention.h: the same row copies and kernel as cached_decode_attention, on checked pointers.
+namespace kvcore_attn {
+
+void check_shape(int64_t R, int64_t H, int64_t H_kv, int64_t D) {
+  TORCH_CHECK(H_kv >= 1 && H % H_kv == 0 && H / H_kv <= kMaxGroup,
+              "cached_decode_attention: H must be a multiple of H_kv, at most 16 query heads per KV head");
+  TORCH_CHECK(D >= 1 && D <= kMaxHeadDim, "decode_attention: head_dim must be 1..256");
+  TORCH_CHECK(R >= 1 && R <= kMaxRows, "cached_decode_attention: 1..16 query tokens per sequence");
+}
+
+void cached_attention(const CachedCall& c) {
+  const int64_t T = c.B * c.R, D = c.D, bytes = D * int64_t(sizeof(c10::BFloat16));
+  for (int64_t i = 0; i < T * c.H_kv; ++i) {
+    const int64_t from = (i / c.H_kv) * c.kv_ld + (i % c.H_kv) * D;
+    std::memcpy(c.k_cache + c.rows[i] * D, c.k + from, bytes);
+    std::memcpy(c.v_cache + c.rows[i] * D, c.v + from, bytes);
+  }
+  const int64_t slot = c.H_kv * c.S_max * D;
+  const Strides s{c.B, c.R, c.H_kv, c.H / c.H_kv, D, c.R * c.q_ld, c.q_ld, slot, c.S_max * D, D, slot,
+                  c.S_max * D, D};
+  const Operands<c10::BFloat16> x{s, c.q, c.k_cache + c.slot_offset, c.v_cache + c.slot_offset, c.out};
+  dispatch_head_dim<c10::BFloat16>(x, c.seq_lens, c.scale, c.window, c.softcap);
+}
+
+}  // namespace kvcore_attn
 
 TORCH_LIBRARY_FRAGMENT(kvcore, m) {
   m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor seq_lens, float scale, int window=0, "

@@ -28,6 +28,7 @@
 #include <cstdint>
 #include <memory>
 
+#include "fused_layer.h"
 #include "int4a8.h"
 #include "rms_norm.h"
 
@@ -99,49 +100,92 @@ void check_norm(const at::Tensor& h, const at::Tensor& weight, const char* op) {
               weight.size(0) == h.size(1), op, ": the norm weight must be a contiguous bfloat16 [d] vector");
 }
 
+}  // namespace
+
+namespace kvcore_fused {
+
+int64_t check_qkv(const at::Tensor& h, const std::optional<at::Tensor>& delta, const at::Tensor& norm_weight,
+                  const at::Tensor& packed, const at::Tensor& dm, const at::Tensor& cos, const at::Tensor& sin,
+                  int64_t rotated_heads, const char* op) {
+  check_norm(h, norm_weight, op);
+  const int64_t T = h.size(0), d = h.size(1), N = packed.size(0) * kvcore_int4a8::kRows, D = cos.size(-1);
+  if (delta.has_value()) check_rows(*delta, T, d, "fused_qkv: delta");
+  kvcore_int4a8::check_weight(packed, dm, d, op);
+  for (const at::Tensor* table : {&cos, &sin})
+    TORCH_CHECK(table->scalar_type() == at::kBFloat16 && table->is_contiguous() && table->numel() == T * D &&
+                table->size(-1) == D, op, ": cos and sin must be contiguous bfloat16 [T, 1, D] tables");
+  TORCH_CHECK(D % 2 == 0 && rotated_heads >= 0 && rotated_heads * D <= N, op,
+              ": rotated_heads heads of an even width D must fit in the output");
+  return N;
+}
+
+int64_t check_mlp(const at::Tensor& h, int64_t A, const at::Tensor& o_packed, const at::Tensor& o_dm,
+                  const at::Tensor& norm_weight, const at::Tensor& gate_up_packed, const at::Tensor& gate_up_dm,
+                  const at::Tensor& down_packed, const at::Tensor& down_dm, const char* op) {
+  check_norm(h, norm_weight, op);
+  const int64_t d = h.size(1), two_i = gate_up_packed.size(0) * kvcore_int4a8::kRows, I = two_i / 2;
+  kvcore_int4a8::check_weight(o_packed, o_dm, A, "fused_mlp (o)");
+  kvcore_int4a8::check_weight(gate_up_packed, gate_up_dm, d, "fused_mlp (gate_up)");
+  kvcore_int4a8::check_weight(down_packed, down_dm, I, "fused_mlp (down)");
+  TORCH_CHECK(o_packed.size(0) * kvcore_int4a8::kRows == d && down_packed.size(0) * kvcore_int4a8::kRows == d &&
+              two_i % 2 == 0, op, ": o and down must output d columns, gate_up an even number");
+  return I;
+}
+
+void qkv(BF16* h, const BF16* delta, const BF16* norm_weight, int64_t T, int64_t d, float eps,
+         const at::Tensor& packed, const at::Tensor& dm, const BF16* cos, const BF16* sin, int64_t D,
+         int64_t rotated_heads, BF16* x, BF16* qkv) {
+  const int64_t N = packed.size(0) * kvcore_int4a8::kRows;
+  kvcore_norm::add_rms_norm(h, delta, norm_weight, T, d, eps, x);
+  kvcore_int4a8::linear(x, T, d, packed, dm, qkv);
+  rotate_half(qkv, T, N, rotated_heads, D, cos, sin);
+}
+
+void mlp(BF16* h, const BF16* attn, int64_t T, int64_t d, int64_t A, int64_t I, const at::Tensor& o_packed,
+         const at::Tensor& o_dm, const BF16* norm_weight, float eps, const at::Tensor& gate_up_packed,
+         const at::Tensor& gate_up_dm, const at::Tensor& down_packed, const at::Tensor& down_dm,
+         const MlpScratch& s, BF16* out) {
+  kvcore_int4a8::linear(attn, T, A, o_packed, o_dm, s.o);
+  kvcore_norm::add_rms_norm(h, s.o, norm_weight, T, d, eps, s.x);
+  kvcore_int4a8::linear(s.x, T, d, gate_up_packed, gate_up_dm, s.gu);
+  silu_and_mul(s.gu, T, I, s.act);
+  kvcore_int4a8::linear(s.act, T, I, down_packed, down_dm, out);
+}
+
+}  // namespace kvcore_fused
+
+namespace {
+
 at::Tensor fused_qkv(at::Tensor h, const std::optional<at::Tensor>& delta, const at::Tensor& norm_weight, double eps,
                      const at::Tensor& packed, const at::Tensor& dm, const at::Tensor& cos, const at::Tensor& sin,
                      int64_t rotated_heads) {
-  check_norm(h, norm_weight, "fused_qkv");
-  const int64_t T = h.size(0), d = h.size(1), N = packed.size(0) * kvcore_int4a8::kRows, D = cos.size(-1);
-  if (delta.has_value()) check_rows(*delta, T, d, "fused_qkv: delta");
-  kvcore_int4a8::check_weight(packed, dm, d, "fused_qkv");
-  for (const at::Tensor* table : {&cos, &sin})
-    TORCH_CHECK(table->scalar_type() == at::kBFloat16 && table->is_contiguous() && table->numel() == T * D &&
-                table->size(-1) == D, "fused_qkv: cos and sin must be contiguous bfloat16 [T, 1, D] tables");
-  TORCH_CHECK(D % 2 == 0 && rotated_heads >= 0 && rotated_heads * D <= N,
-              "fused_qkv: rotated_heads heads of an even width D must fit in the output");
+  const int64_t N = kvcore_fused::check_qkv(h, delta, norm_weight, packed, dm, cos, sin, rotated_heads, "fused_qkv");
+  const int64_t T = h.size(0), d = h.size(1);
   std::unique_ptr<BF16[]> x(new BF16[T * d]);
-  kvcore_norm::add_rms_norm(h.data_ptr<BF16>(), delta.has_value() ? delta->data_ptr<BF16>() : nullptr,
-                            norm_weight.data_ptr<BF16>(), T, d, static_cast<float>(eps), x.get());
-  at::Tensor qkv = at::empty({T, N}, h.options());
-  kvcore_int4a8::linear(x.get(), T, d, packed, dm, qkv.data_ptr<BF16>());
-  rotate_half(qkv.data_ptr<BF16>(), T, N, rotated_heads, D, cos.data_ptr<BF16>(), sin.data_ptr<BF16>());
-  return qkv;
+  at::Tensor out = at::empty({T, N}, h.options());
+  kvcore_fused::qkv(h.data_ptr<BF16>(), delta.has_value() ? delta->data_ptr<BF16>() : nullptr,
+                    norm_weight.data_ptr<BF16>(), T, d, static_cast<float>(eps), packed, dm, cos.data_ptr<BF16>(),
+                    sin.data_ptr<BF16>(), cos.size(-1), rotated_heads, x.get(), out.data_ptr<BF16>());
+  return out;
 }
 
 at::Tensor fused_mlp(at::Tensor h, const at::Tensor& attn, const at::Tensor& o_packed, const at::Tensor& o_dm,
                      const at::Tensor& norm_weight, double eps, const at::Tensor& gate_up_packed,
                      const at::Tensor& gate_up_dm, const at::Tensor& down_packed, const at::Tensor& down_dm) {
   check_norm(h, norm_weight, "fused_mlp");
-  const int64_t T = h.size(0), d = h.size(1), two_i = gate_up_packed.size(0) * kvcore_int4a8::kRows, I = two_i / 2;
+  const int64_t T = h.size(0);
   // [T, H, D] as the attention returns it is taken too: the reshape here costs no Python call per layer
   TORCH_CHECK(attn.dim() >= 2 && attn.size(0) == T, "fused_mlp: attn must be a [T, H D] matrix or [T, H, D]");
   const at::Tensor a = attn.reshape({T, -1}).contiguous();
   check_rows(a, T, a.size(1), "fused_mlp: attn");
-  kvcore_int4a8::check_weight(o_packed, o_dm, a.size(1), "fused_mlp (o)");
-  kvcore_int4a8::check_weight(gate_up_packed, gate_up_dm, d, "fused_mlp (gate_up)");
-  kvcore_int4a8::check_weight(down_packed, down_dm, I, "fused_mlp (down)");
-  TORCH_CHECK(o_packed.size(0) * kvcore_int4a8::kRows == d && down_packed.size(0) * kvcore_int4a8::kRows == d &&
-              two_i % 2 == 0, "fused_mlp: o and down must output d columns, gate_up an even number");
-  const float feps = static_cast<float>(eps);
-  std::unique_ptr<BF16[]> o(new BF16[T * d]), x(new BF16[T * d]), gu(new BF16[T * two_i]), act(new BF16[T * I]);
-  kvcore_int4a8::linear(a.data_ptr<BF16>(), T, a.size(1), o_packed, o_dm, o.get());
-  kvcore_norm::add_rms_norm(h.data_ptr<BF16>(), o.get(), norm_weight.data_ptr<BF16>(), T, d, feps, x.get());
-  kvcore_int4a8::linear(x.get(), T, d, gate_up_packed, gate_up_dm, gu.get());
-  silu_and_mul(gu.get(), T, I, act.get());
+  const int64_t I = kvcore_fused::check_mlp(h, a.size(1), o_packed, o_dm, norm_weight, gate_up_packed, gate_up_dm,
+                                            down_packed, down_dm, "fused_mlp");
+  const int64_t d = h.size(1);
+  std::unique_ptr<BF16[]> o(new BF16[T * d]), x(new BF16[T * d]), gu(new BF16[T * 2 * I]), act(new BF16[T * I]);
   at::Tensor out = at::empty({T, d}, h.options());
-  kvcore_int4a8::linear(act.get(), T, I, down_packed, down_dm, out.data_ptr<BF16>());
+  kvcore_fused::mlp(h.data_ptr<BF16>(), a.data_ptr<BF16>(), T, d, a.size(1), I, o_packed, o_dm,
+                    norm_weight.data_ptr<BF16>(), static_cast<float>(eps), gate_up_packed, gate_up_dm, down_packed,
+                    down_dm, {o.get(), x.get(), gu.get(), act.get()}, out.data_ptr<BF16>());
   return out;
 }
 
