@@ -10,8 +10,9 @@ import torch
 from gguf import GGMLQuantizationType as QType
 from helpers import full_attention, make_random_model, weights_of
 
-from kvcore.kernels.cpu_kernels import int4a8_reasons
+from kvcore.kernels.cpu_kernels import int4a8_reasons, kernel_reasons, load_kernels
 from kvcore.kernels.quant import quantized_reasons
+from kvcore.loaders import gguf_blocks
 from kvcore.loaders.gguf_blocks import CODE_TYPES, GGUFBlocks
 from kvcore.loaders.gguf_codes import SCALE_OFFSETS
 from kvcore.model.decoder import DecoderModel
@@ -50,9 +51,17 @@ def test_gathered_rows_equal_the_whole_table_dequantized(qtype, dtype):
     assert table(index).dtype == dtype and table.nbytes == blocks.data.nbytes < whole.nbytes
 
 
-def test_the_q8_0_fast_path_decodes_every_code_and_scale_as_the_reference():
-    """Every int8 code, scales of all magnitudes (subnormal, negative): the torch decoding of Q8_0 rows is
-    llama.cpp's reference dequantization, bit for bit."""
+@pytest.mark.parametrize("path", ["kernel", "torch"])
+def test_the_q8_0_fast_path_decodes_every_code_and_scale_as_the_reference(path, monkeypatch):
+    """Every int8 code, scales of all magnitudes (subnormal, negative): both decodings of Q8_0 rows (kvcore's
+    ``q8_0_rows`` kernel where the kernels are loaded, torch's ops otherwise) are llama.cpp's reference
+    dequantization, bit for bit, rounded once to the dtype as torch rounds it."""
+    if path == "kernel":
+        if kernel_reasons():
+            pytest.skip("; ".join(kernel_reasons()))
+        load_kernels()
+    else:
+        monkeypatch.setattr(gguf_blocks, "kernels_loaded", lambda: False)
     rng = np.random.default_rng(3)
     data = rng.integers(0, 256, (256, 4, 34), dtype=np.uint8)
     data[:, 0, 2:] = np.arange(256, dtype=np.uint8).reshape(8, 32)[np.arange(256) % 8]  # each code in some row
@@ -61,8 +70,23 @@ def test_the_q8_0_fast_path_decodes_every_code_and_scale_as_the_reference():
     blocks = GGUFBlocks(QType.Q8_0, data.reshape(256, -1), (256, 128)).resident()
     reference = torch.from_numpy(gguf.quants.dequantize(blocks.data, QType.Q8_0).reshape(256, 128))
     index = torch.randperm(256)
-    assert _same_bits(blocks.rows(index, torch.float32), reference[index])
-    assert _same_bits(blocks.rows(index, torch.bfloat16), reference[index].to(torch.bfloat16))
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        got = blocks.rows(index, dtype)
+        assert got.dtype == dtype and got.shape == (256, 128)
+        assert _same_bits(got, reference[index].to(dtype)), dtype
+    assert _same_bits(blocks.rows(slice(7, 9)), reference[7:9])
+    assert blocks.rows(torch.tensor([], dtype=torch.long)).shape == (0, 128)
+
+
+@pytest.mark.skipif(bool(kernel_reasons()), reason="; ".join(kernel_reasons()))
+def test_the_q8_0_kernel_refuses_blocks_of_another_shape():
+    load_kernels()
+    with pytest.raises(RuntimeError, match="q8_0_rows: blocks must be contiguous uint8"):
+        torch.ops.kvcore.q8_0_rows(torch.zeros(2, 33, dtype=torch.uint8), 32, torch.float32)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        torch.ops.kvcore.q8_0_rows(torch.zeros(2, 34, dtype=torch.uint8), 31, torch.float32)
+    with pytest.raises(RuntimeError, match="dtype must be"):
+        torch.ops.kvcore.q8_0_rows(torch.zeros(2, 34, dtype=torch.uint8), 32, torch.int32)
 
 
 def test_dense_is_made_once_and_lets_the_blocks_go():

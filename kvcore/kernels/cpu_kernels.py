@@ -16,6 +16,8 @@ The kernels:
   AVX512_BF16;
 * ``torch.ops.kvcore.rescore_top_k`` (``csrc/rescore_top_k.cpp``): the int4 LM head's exact rescoring of each
   row's top candidates (:class:`kvcore.model.lm_head.RescoredInt4Head`), run eagerly;
+* ``torch.ops.kvcore.q8_0_rows`` (``csrc/q8_0_rows.cpp``): rows of a GGUF Q8_0 tensor decoded in one call (a
+  quantized token table's lookups, :meth:`kvcore.loaders.gguf_blocks.GGUFBlocks.rows`);
 * ``torch.ops.kvcore.rms_norm`` (``csrc/rms_norm.cpp``): a bfloat16 residual add and RMSNorm in one operator, for
   the decoder of an ``int4a8`` model (:func:`kvcore.model.layers.add_rms_norm`);
 * ``torch.ops.kvcore.fused_qkv`` and ``torch.ops.kvcore.fused_mlp`` (``csrc/fused_layer.cpp``): a bfloat16 ``int4a8``
@@ -60,10 +62,11 @@ from kvcore.kernels.cpu import cpu_features
 from kvcore.paths import cache_root, private_dir, verify_entry, warn_no_cache, write_entry
 
 __all__ = ["bf16_linear_ready", "cxx_compiler", "extension_reasons", "int4a8_reasons", "kernel_reasons",
-           "kernels_built", "load_kernels", "vector_isa"]
+           "kernels_built", "kernels_loaded", "load_kernels", "vector_isa"]
 
 _SOURCES = ("bf16_linear.cpp", "decode_attention.cpp", "decode_stack.cpp", "fused_layer.cpp", "int4_linear.cpp",
-            "int8_group_linear.cpp", "isa.cpp", "prefill_attention.cpp", "rescore_top_k.cpp", "rms_norm.cpp")
+            "int8_group_linear.cpp", "isa.cpp", "prefill_attention.cpp", "q8_0_rows.cpp", "rescore_top_k.cpp",
+            "rms_norm.cpp")
 # included by the sources: in the cache key
 _HEADERS = ("decode_attention.h", "fused_layer.h", "group_matmul.h", "int4a8.h", "isa.h", "quantize_rows.h",
             "rms_norm.h")
@@ -225,6 +228,11 @@ def kernels_built() -> bool:
         return False
     sources = [_CSRC / name for name in _SOURCES]
     return verify_entry(cache_root() / "kernels" / _entry_name(cxx_compiler(), sources))
+
+
+def kernels_loaded() -> bool:
+    """Whether :func:`load_kernels` has loaded the kernels into this process (it never builds or loads them)."""
+    return load_kernels.cache_info().currsize > 0
 
 
 @functools.cache

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as QType
 
+from kvcore.kernels.cpu_kernels import kernels_loaded
 from kvcore.kernels.group_quant import GroupCodes
 from kvcore.kernels.quant import Int4Groups
 from kvcore.loaders.file_rows import FileRange, FileRows
@@ -123,7 +124,9 @@ class GGUFBlocks:
         :meth:`dequantize` (llama.cpp's reference values in float32, rounded once), only those decoded."""
         table = self._table if self._table is not None else torch.from_numpy(self.data)
         picked = table[index]  # [n, bytes per row]
-        if self.qtype == QType.Q8_0:  # the embedding tables of llama.cpp's files: decoded in torch (traceable)
+        if self.qtype == QType.Q8_0 and kernels_loaded():  # the token tables of llama.cpp's files: one call
+            return torch.ops.kvcore.q8_0_rows(picked.contiguous(), self.shape[1], dtype)
+        if self.qtype == QType.Q8_0:  # the same values from torch's ops, where kvcore's kernels are not loaded
             blocks = picked.reshape(-1, _Q8_0_BYTES)
             d = blocks[:, :2].contiguous().view(torch.float16).float()
             q = blocks[:, 2:].contiguous().view(torch.int8).float()
