@@ -21,7 +21,9 @@ The kernels:
 * ``torch.ops.kvcore.rms_norm`` (``csrc/rms_norm.cpp``): a bfloat16 residual add and RMSNorm in one operator, for
   the decoder of an ``int4a8`` model (:func:`kvcore.model.layers.add_rms_norm`);
 * ``torch.ops.kvcore.fused_qkv`` and ``torch.ops.kvcore.fused_mlp`` (``csrc/fused_layer.cpp``): a bfloat16 ``int4a8``
-  decoder layer as two operators around its attention call (:mod:`kvcore.model.fused_layer`).
+  decoder layer as two operators around its attention call (:mod:`kvcore.model.fused_layer`), and
+  ``torch.ops.kvcore.decode_stack`` (``csrc/decode_stack.cpp``): the same layers, with the decode kernel's cache
+  write and attention between them, for every layer of a decode call after the first, in one call.
 
 ``torch.ops.kvcore.built_with("avx512_vnni" | "avx512_bf16")`` (``csrc/isa.cpp``) says whether the library was
 compiled with an extension (``csrc/isa.h`` decides it for every kernel file): :func:`extension_reasons` says
