@@ -2,9 +2,8 @@
 
 The kernels:
 
-* ``torch.ops.kvcore.decode_attention`` (``csrc/decode_attention.cpp``): the decode-step attention of the
-  ``cpu_decode`` backend, and ``torch.ops.kvcore.cached_decode_attention`` beside it: the cache write and that attention
-  in one call per layer;
+* ``torch.ops.kvcore.decode_attention`` (``csrc/decode_attention.cpp``): ``cpu_decode``'s decode-step attention, and
+  ``cached_decode_attention`` beside it: the cache write and that attention in one call per layer;
 * ``torch.ops.kvcore.prefill_attention`` (``csrc/prefill_attention.cpp``): its bfloat16 prefill attention, built
   only for CPUs with AVX512_BF16;
 * ``torch.ops.kvcore.int4_linear`` (``csrc/int4_linear.cpp``): every matmul of the ``int4a8`` weight format
@@ -16,8 +15,7 @@ The kernels:
   AVX512_BF16;
 * ``torch.ops.kvcore.rescore_top_k`` (``csrc/rescore_top_k.cpp``): the int4 LM head's exact rescoring of each
   row's top candidates (:class:`kvcore.model.lm_head.RescoredInt4Head`), run eagerly;
-* ``torch.ops.kvcore.q8_0_rows`` (``csrc/q8_0_rows.cpp``): rows of a GGUF Q8_0 tensor decoded in one call (a
-  quantized token table's lookups, :meth:`kvcore.loaders.gguf_blocks.GGUFBlocks.rows`);
+* ``torch.ops.kvcore.q8_0_rows`` (``csrc/q8_0_rows.cpp``): a Q8_0 token table's rows decoded in one call;
 * ``torch.ops.kvcore.rms_norm`` (``csrc/rms_norm.cpp``): a bfloat16 residual add and RMSNorm in one operator, for
   the decoder of an ``int4a8`` model (:func:`kvcore.model.layers.add_rms_norm`);
 * ``torch.ops.kvcore.fused_qkv`` and ``torch.ops.kvcore.fused_mlp`` (``csrc/fused_layer.cpp``): a bfloat16 ``int4a8``
@@ -29,19 +27,19 @@ The kernels:
 compiled with an extension (``csrc/isa.h`` decides it for every kernel file): :func:`extension_reasons` says
 whether it will be.
 
-They are ordinary torch operators (registered from C++ with fake implementations for ``torch.compile``), so
+They are ordinary torch operators (with fake implementations for ``torch.compile``: :mod:`kvcore.kernels.cpu_fakes`), so
 compiled decode steps call them directly.
 
 Build: one ``c++`` call (``$CXX``, split as a shell would, so ``ccache g++`` works; else ``g++``, else ``clang++``)
-against torch's headers and libraries, with the
-widest vector ISA this CPU and ATen's ``Vectorized`` both support (:func:`vector_isa`: AVX-512, else AVX2, else
-portable code), once; the first build says so on stderr (``kvcore kernels build`` does it ahead). The library
-is cached under ``$KVCORE_CACHE_DIR/kernels`` (else ``$XDG_CACHE_HOME/kvcore/kernels``, else
-``~/.cache/kvcore/kernels``) keyed by the sources, the flags, the compiler and torch's version, so an upgrade or
-another CPU builds afresh. The folder must be the user's own (:mod:`kvcore.paths`: a library in a folder others
-can write is never loaded), the library's checksum is verified before it is loaded (a damaged one is rebuilt),
-and a cache that cannot be written means a build into a private temporary folder, with a warning. A failed build
-is a :class:`~kvcore.errors.KernelBuildError` with the compiler's first error line.
+against torch's headers and libraries, with the widest vector ISA this CPU and ATen's ``Vectorized`` both support
+(:func:`vector_isa`: AVX-512, else AVX2, else portable code), once; the first build says so on stderr (``kvcore
+kernels build`` does it ahead). The library is cached under ``$KVCORE_CACHE_DIR/kernels`` (else
+``$XDG_CACHE_HOME/kvcore/kernels``, else ``~/.cache/kvcore/kernels``) keyed by the sources, the flags, the compiler
+and torch's version, so an upgrade or another CPU builds afresh. The folder must be the user's own
+(:mod:`kvcore.paths`: a library in a folder others can write is never loaded), the library's checksum is verified
+before it is loaded (a damaged one is rebuilt), and a cache that cannot be written means a build into a private
+temporary folder, with a warning. A failed build is a :class:`~kvcore.errors.KernelBuildError` with the compiler's
+first error line.
 """
 
 from __future__ import annotations
@@ -61,6 +59,7 @@ import torch
 
 from kvcore.errors import BackendUnavailableError, KernelBuildError
 from kvcore.kernels.cpu import cpu_features
+from kvcore.kernels.cpu_fakes import register_fakes
 from kvcore.paths import cache_root, private_dir, verify_entry, warn_no_cache, write_entry
 
 __all__ = ["bf16_linear_ready", "cxx_compiler", "extension_reasons", "int4a8_reasons", "kernel_reasons",
@@ -249,30 +248,8 @@ def load_kernels() -> str:
     cxx = cxx_compiler()
     sources = [_CSRC / name for name in _SOURCES]
     library = _cached_or_built(cxx, sources, cache_root() / "kernels", _entry_name(cxx, sources))
-    for op in ("decode_attention", "cached_decode_attention", "prefill_attention", "rms_norm", "fused_mlp",
-               "decode_stack"):
-        torch.library.register_fake(f"kvcore::{op}")(_shaped_like_first_fake)
-    torch.library.register_fake("kvcore::int4_linear")(_rows_of_16_fake)
-    torch.library.register_fake("kvcore::int8_group_linear")(_rows_of_16_fake)
-    torch.library.register_fake("kvcore::bf16_linear")(_bf16_linear_fake)
-    torch.library.register_fake("kvcore::fused_qkv")(_fused_qkv_fake)
+    register_fakes()
     return str(library)
-
-
-def _shaped_like_first_fake(first, *args):
-    return torch.empty_like(first)
-
-
-def _bf16_linear_fake(x, packed):
-    return x.new_empty(x.shape[0], packed.shape[0] * 16)
-
-
-def _rows_of_16_fake(x, codes, dm):
-    return x.new_empty(x.shape[0], codes.shape[0] * 16)
-
-
-def _fused_qkv_fake(h, delta, norm_weight, eps, packed, *args):
-    return h.new_empty(h.shape[0], packed.shape[0] * 16)
 
 
 def extension_reasons(feature: str) -> list[str]:
