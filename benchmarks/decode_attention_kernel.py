@@ -5,7 +5,7 @@
 Both versions of ``kvcore/kernels/csrc/decode_attention.cpp`` (the one at git revision ``--base`` and the
 working tree's) are built here as standalone libraries with the flags kvcore's own build uses, under their own
 operator namespaces, and called the way the ``cpu_decode`` backend calls ``cached_decode_attention``: SmolLM2's
-shape (9 query heads on 3 KV heads, head size 64), R query tokens per call (1: a decode step, 5: a verification
+shape (9 query heads on 3 KV heads, head size 64), R query tokens per sequence (1: a decode step, 5: a verification
 of 4 drafts), 30 layers cycled so that long contexts read their rows from memory, not from a warm cache.
 With one thread the time is the calling thread's CPU time (``time.thread_time``: robust on a shared machine);
 with more, wall time. The sides alternate pass by pass; medians of microseconds per layer call.
@@ -49,17 +49,19 @@ def build(text: str, namespace: str) -> None:
     torch.ops.load_library(str(library))
 
 
-def setup(dtype: torch.dtype, rows: int, context: int) -> tuple:
-    """One call's operands per layer: R new tokens after ``context - R`` cached keys, caches of all layers."""
+def setup(dtype: torch.dtype, rows: int, context: int, batch: int) -> tuple:
+    """One call's operands per layer: R new tokens after ``context - R`` cached keys in each of ``batch`` slots, and
+    the caches of all layers."""
     g = torch.Generator().manual_seed(0)
     s_max = context + 16
-    caches = [torch.randn(LAYERS, 1, KV_HEADS, s_max, HEAD_DIM, generator=g).to(dtype) for _ in range(2)]
-    q = torch.randn(rows, KV_HEADS * GROUP, HEAD_DIM, generator=g).to(dtype)
-    k, v = (torch.randn(rows, KV_HEADS, HEAD_DIM, generator=g).to(dtype) for _ in range(2))
-    positions = torch.arange(context - rows, context)
-    token_rows = (torch.arange(KV_HEADS)[None, :] * s_max + positions[:, None]).flatten()
-    cache_rows = (torch.arange(LAYERS)[:, None] * KV_HEADS * s_max + token_rows[None, :]).contiguous()
-    seq_lens = torch.tensor([context], dtype=torch.int32)
+    caches = [torch.randn(LAYERS, batch, KV_HEADS, s_max, HEAD_DIM, generator=g).to(dtype) for _ in range(2)]
+    q = torch.randn(batch * rows, KV_HEADS * GROUP, HEAD_DIM, generator=g).to(dtype)
+    k, v = (torch.randn(batch * rows, KV_HEADS, HEAD_DIM, generator=g).to(dtype) for _ in range(2))
+    slot, pos, head = (x.flatten() for x in torch.meshgrid(torch.arange(batch), torch.arange(context - rows, context),
+                                                           torch.arange(KV_HEADS), indexing="ij"))
+    token_rows = (slot * KV_HEADS + head) * s_max + pos  # token (slot, position), head: in order
+    cache_rows = (torch.arange(LAYERS)[:, None] * batch * KV_HEADS * s_max + token_rows[None, :]).contiguous()
+    seq_lens = torch.full((batch,), context, dtype=torch.int32)
     return q, k, v, caches, cache_rows, seq_lens
 
 
@@ -77,6 +79,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--contexts", type=int, nargs="+", default=[64, 256, 1024, 4096])
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 5])
+    ap.add_argument("--batch", type=int, default=1, help="sequences per call")
     ap.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"], choices=("bfloat16", "float32"))
     ap.add_argument("--passes", type=int, default=20)
     args = ap.parse_args()
@@ -87,7 +90,7 @@ def main() -> None:
     sides = {"base": torch.ops.kvcore_ab_base.cached_decode_attention,
              "now": torch.ops.kvcore_ab_now.cached_decode_attention}
     print(f"{cpu_features().describe()}; built for {vector_isa()}; base {args.base} vs working tree; "
-          f"{LAYERS} layers cycled; medians of {args.passes} alternating passes")
+          f"batch {args.batch}; {LAYERS} layers cycled; medians of {args.passes} alternating passes")
     print("| dtype | threads | R | context | base µs/layer | now µs/layer | speed-up | max diff |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for dtype_name in args.dtypes:
@@ -97,7 +100,7 @@ def main() -> None:
             clock = time.thread_time if threads == 1 else time.perf_counter
             for rows in args.rows:
                 for context in args.contexts:
-                    operands = setup(dtype, rows, context)
+                    operands = setup(dtype, rows, context, args.batch)
                     outs = [fn(*operands[:3], *operands[3], *operands[4:], 0, 0, context, HEAD_DIM**-0.5)
                             for fn in sides.values()]
                     diff = (outs[0].double() - outs[1].double()).abs().max().item()
