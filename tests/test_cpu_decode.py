@@ -36,11 +36,13 @@ def _reference(q, k, v, lens, scale):
 
 
 @pytest.mark.parametrize("dtype, atol", [(torch.float32, 2e-6), (torch.bfloat16, 8e-3)])
-@pytest.mark.parametrize("kv_heads, group, head_dim", [(3, 3, 64), (2, 1, 40), (1, 8, 128), (2, 16, 24)])
+@pytest.mark.parametrize("kv_heads, group, head_dim",
+                         [(3, 3, 64), (2, 1, 40), (1, 8, 128), (2, 16, 24), (1, 4, 256), (2, 2, 32)])
 def test_kernel_matches_float64_attention(dtype, atol, kv_heads, group, head_dim):
     """Ragged lengths from 1 key to several split-K chunks (merged by the online-softmax rescaling), read through
     a strided view of a larger cache (as the backend passes it); head sizes off the vector width use the padded
-    tail. Error against float64 stays at the output's own rounding."""
+    tail, 32 and 256 (Gemma 3) the bfloat16 path's smallest and largest row tiles. Error against float64 stays at
+    the output's own rounding."""
     g = torch.Generator().manual_seed(head_dim)
     lens = torch.tensor([1, 700, 37, 2050], dtype=torch.int32)
     cache_k = torch.randn(6, kv_heads, 2100, head_dim, generator=g).to(dtype)

@@ -50,6 +50,7 @@
 #include <cstring>
 #include <limits>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "decode_attention.h"
@@ -212,23 +213,94 @@ void attend_chunk(const T* q, const T* k, const T* v, int64_t k_stride, int64_t 
 
 #if defined(CPU_CAPABILITY_AVX512) && defined(KVCORE_BF16)
 #define KVCORE_BF16_DECODE 1
-// attend_chunk for bfloat16 rows of D = 32 NB on CPUs with AVX512_BF16: no widening to float32. Each block's
-// key and value rows are read in one pass (keys copied as they are, values interleaved, into L1 buffers). A
-// score is vdpbf16ps of the query row with the key row (pairs of products summed into float32 lanes), 16
-// keys' lanes summed at once (sum16); the values of two consecutive keys are interleaved (the
-// bfloat16-pair operand of vdpbf16ps) and weighted by the two keys' probabilities rounded to bfloat16, as the
-// prefill kernel and GPU flash attention do. The accumulators (acc's rows) hold the dimensions in
-// unpacklo/unpackhi order (per 128-bit lane: 4 dims from the low half, 4 from the high half) until the chunk
-// is written out.
+using BF16 = c10::BFloat16;
+
+// acc += vdpbf16ps(q, the 32 bfloat16 at `row`), the load folded into the instruction.
+inline __m512 dot_row(__m512 acc, __m512bh q, const BF16* row) {
+  __asm__("vdpbf16ps %2, %1, %0" : "+v"(acc) : "v"(q), "m"(*reinterpret_cast<const __m512i*>(row)));
+  return acc;
+}
+
+// The scaled scores of keys [0, hi) of a block (rows `stride` elements apart, hi <= kBlock) for one query row qv of
+// D = 32 NB: vdpbf16ps of the query with each key row as the cache holds it (pairs of products summed into float32
+// lanes), 16 keys' lanes summed at once (sum16). Scores past hi (up to the next 16) are 0.
 template <int64_t NB>
-void attend_chunk_bf16(const c10::BFloat16* q, const c10::BFloat16* k, const c10::BFloat16* v, int64_t k_stride,
-                       int64_t v_stride, int64_t begin, int64_t end, const Rows& r, float scale, float softcap,
-                       float* acc, float* m, float* l) {
+inline void score_block(const __m512bh* qv, const BF16* kb, int64_t stride, int64_t hi, float scale, float* p) {
+  for (int64_t j0 = 0; j0 < hi; j0 += 16) {
+    __m512 sc[16];
+    if (j0 + 16 <= hi) {
+#pragma GCC unroll 16
+      for (int64_t t = 0; t < 16; ++t) {
+        const BF16* key = kb + (j0 + t) * stride;
+        sc[t] = _mm512_setzero_ps();
+#pragma GCC unroll 8
+        for (int64_t i = 0; i < NB; ++i) sc[t] = dot_row(sc[t], qv[i], key + 32 * i);
+      }
+    } else {
+      for (int64_t t = 0; t < 16; ++t) {
+        sc[t] = _mm512_setzero_ps();
+        if (j0 + t < hi)
+          for (int64_t i = 0; i < NB; ++i)
+            sc[t] = dot_row(sc[t], qv[i], kb + (j0 + t) * stride + 32 * i);
+      }
+    }
+    _mm512_store_ps(p + j0, _mm512_mul_ps(sum16(sc), _mm512_set1_ps(scale)));
+  }
+}
+
+// T rows' accumulators acc[T][D] (D = 32 NB, dims in unpacklo/unpackhi order) += the values of key pairs
+// [first, last) of a block of n keys weighted by each row's bfloat16 probability pairs pw[t][pair]: each pair's
+// two value rows are interleaved in registers once for the T rows, whose accumulators stay in registers.
+template <int64_t NB, int64_t T>
+inline void accumulate_values(const BF16* vb, int64_t stride, int64_t n, int64_t first, int64_t last,
+                              const uint32_t (*pw)[kBlock / 2], float* acc) {
   constexpr int64_t D = 32 * NB;
+  __m512 o[T][2 * NB];
+#pragma GCC unroll 16
+  for (int64_t t = 0; t < T; ++t)
+#pragma GCC unroll 16
+    for (int64_t i = 0; i < 2 * NB; ++i) o[t][i] = _mm512_loadu_ps(acc + t * D + 16 * i);
+  const auto pair = [&](int64_t jp, bool both) {
+    const BF16* v0 = vb + 2 * jp * stride;
+    __m512bh vi[2 * NB];
+#pragma GCC unroll 16
+    for (int64_t i = 0; i < NB; ++i) {
+      const __m512i x0 = _mm512_loadu_si512(v0 + 32 * i);
+      const __m512i x1 = both ? _mm512_loadu_si512(v0 + stride + 32 * i) : _mm512_setzero_si512();
+      vi[2 * i] = (__m512bh)_mm512_unpacklo_epi16(x0, x1);
+      vi[2 * i + 1] = (__m512bh)_mm512_unpackhi_epi16(x0, x1);
+    }
+#pragma GCC unroll 16
+    for (int64_t t = 0; t < T; ++t) {
+      const __m512bh pp = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(pw[t][jp]));
+#pragma GCC unroll 16
+      for (int64_t i = 0; i < 2 * NB; ++i) o[t][i] = _mm512_dpbf16_ps(o[t][i], pp, vi[i]);
+    }
+  };
+  const int64_t whole = std::min(last, n / 2);  // pairs with both keys in the block
+  for (int64_t jp = first; jp < whole; ++jp) pair(jp, true);
+  if (whole < last) pair(whole, false);  // the block's odd last key, its partner 0
+#pragma GCC unroll 16
+  for (int64_t t = 0; t < T; ++t)
+#pragma GCC unroll 16
+    for (int64_t i = 0; i < 2 * NB; ++i) _mm512_storeu_ps(acc + t * D + 16 * i, o[t][i]);
+}
+
+// attend_chunk for bfloat16 rows of D = 32 NB on CPUs with AVX512_BF16: no widening to float32, no copies. The
+// scores come from the key rows as the cache holds them (score_block); the values of two consecutive keys are
+// interleaved (the bfloat16-pair operand of vdpbf16ps) once per block and tile of rows and weighted by the two keys'
+// probabilities rounded to bfloat16, as the prefill kernel and GPU flash attention do. Each row adds its keys in key
+// order whatever the other rows of the call (a key a row does not see has probability 0 and adds an exact 0), so a
+// row's result does not depend on the call's other rows. The accumulators (acc's rows) hold the dimensions in
+// unpacklo/unpackhi order (per 128-bit lane: 4 dims from the low half, 4 from the high half) until the chunk is
+// written out.
+template <int64_t NB>
+void attend_chunk_bf16(const BF16* q, const BF16* k, const BF16* v, int64_t k_stride, int64_t v_stride, int64_t begin,
+                       int64_t end, const Rows& r, float scale, float softcap, float* acc, float* m, float* l) {
+  constexpr int64_t D = 32 * NB;
+  constexpr int64_t kTile = std::max<int64_t>(1, 24 / (2 * NB));  // rows whose accumulators fit the registers
   alignas(64) float p[kBlock];
-  alignas(64) uint32_t pw[kBlock / 2];                // probabilities of key pairs as bfloat16 pairs
-  alignas(64) uint16_t vi[kBlock / 2][2 * NB][32];    // values of key pairs, interleaved
-  alignas(64) uint16_t kb[kBlock][D];                  // the block's key rows, read with its values in one pass
+  alignas(64) uint32_t pw[kMaxRows * kMaxGroup][kBlock / 2];  // each row's probabilities of key pairs as bfloat16 pairs
   for (int64_t g = 0; g < r.N; ++g) {
     std::fill(acc + g * D, acc + (g + 1) * D, 0.f);
     m[g] = kNegInf;
@@ -242,61 +314,32 @@ void attend_chunk_bf16(const c10::BFloat16* q, const c10::BFloat16* k, const c10
           __builtin_prefetch(reinterpret_cast<const char*>(k + (b0 + kAhead + j) * k_stride) + byte, 0, 1);
           __builtin_prefetch(reinterpret_cast<const char*>(v + (b0 + kAhead + j) * v_stride) + byte, 0, 1);
         }
-    for (int64_t jp = 0; jp < (n + 1) / 2; ++jp) {
-      const c10::BFloat16* v0 = v + (b0 + 2 * jp) * v_stride;
-      const c10::BFloat16* v1 = v0 + v_stride;
-      const bool pair = 2 * jp + 1 < n;
-      const c10::BFloat16* k0 = k + (b0 + 2 * jp) * k_stride;
-      for (int64_t i = 0; i < NB; ++i) {
-        _mm512_store_si512(kb[2 * jp] + 32 * i, _mm512_loadu_si512(k0 + 32 * i));
-        if (pair) _mm512_store_si512(kb[2 * jp + 1] + 32 * i, _mm512_loadu_si512(k0 + k_stride + 32 * i));
-        const __m512i x0 = _mm512_loadu_si512(v0 + 32 * i);
-        const __m512i x1 = pair ? _mm512_loadu_si512(v1 + 32 * i) : _mm512_setzero_si512();
-        _mm512_store_si512(vi[jp][2 * i], _mm512_unpacklo_epi16(x0, x1));
-        _mm512_store_si512(vi[jp][2 * i + 1], _mm512_unpackhi_epi16(x0, x1));
-      }
-    }
-    for (int64_t g = 0; g < r.N; ++g) {
+    int64_t first = kBlock / 2, last = 0;  // the key pairs some row sees
+    for (int64_t g = 0; g < r.N; ++g) {  // scores, softmax, and the correction of what the row accumulated
       const int64_t lo = std::max(r.lo[g], b0) - b0, hi = std::min(r.hi[g], b0 + n) - b0;
-      if (lo >= hi) continue;  // a row that sees none of this block
-      const c10::BFloat16* qg = q + (g / r.G) * r.q_r + (g % r.G) * D;
-      float* ob = acc + g * D;  // [2 NB][16]
+      if (lo >= hi) {  // a row that sees none of this block
+        std::fill(pw[g], pw[g] + kBlock / 2, 0u);
+        continue;
+      }
+      first = std::min(first, lo / 2), last = std::max(last, (hi + 1) / 2);
+      const BF16* qg = q + (g / r.G) * r.q_r + (g % r.G) * D;
       __m512bh qv[NB];
       for (int64_t i = 0; i < NB; ++i) qv[i] = (__m512bh)_mm512_loadu_si512(qg + 32 * i);
-      for (int64_t j0 = 0; j0 < hi; j0 += 16) {
-        __m512 sc[16];
-        for (int64_t t = 0; t < 16; ++t) {
-          sc[t] = _mm512_setzero_ps();
-          if (j0 + t < hi)
-            for (int64_t i = 0; i < NB; ++i)
-              sc[t] = _mm512_dpbf16_ps(sc[t], qv[i], (__m512bh)_mm512_load_si512(kb[j0 + t] + 32 * i));
-        }
-        _mm512_store_ps(p + j0, _mm512_mul_ps(sum16(sc), _mm512_set1_ps(scale)));
-      }
+      score_block<NB>(qv, k + b0 * k_stride, k_stride, hi, scale, p);
       const float correction = softmax_block(p, lo, hi, m[g], l[g], softcap);
       if (correction != 1.f) {  // the running max moved: rescale what was accumulated
+        float* ob = acc + g * D;
         const __m512 c = _mm512_set1_ps(correction);
         for (int64_t i = 0; i < 2 * NB; ++i) _mm512_storeu_ps(ob + 16 * i, _mm512_mul_ps(_mm512_loadu_ps(ob + 16 * i), c));
       }
-      _mm512_store_si512(pw, (__m512i)_mm512_cvtne2ps_pbh(_mm512_load_ps(p + 16), _mm512_load_ps(p)));
-      __m512 o[2 * NB], o2[2 * NB];  // even and odd key pairs: two dependency chains
-      for (int64_t i = 0; i < 2 * NB; ++i) o[i] = _mm512_loadu_ps(ob + 16 * i), o2[i] = _mm512_setzero_ps();
-      // the pairs holding keys lo .. hi - 1 (the probabilities of the others are 0)
-      int64_t jp = lo / 2;
-      for (; jp + 1 < (hi + 1) / 2; jp += 2) {
-        const __m512bh pp = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(pw[jp]));
-        const __m512bh pq = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(pw[jp + 1]));
-        for (int64_t i = 0; i < 2 * NB; ++i) {
-          o[i] = _mm512_dpbf16_ps(o[i], pp, (__m512bh)_mm512_load_si512(vi[jp][i]));
-          o2[i] = _mm512_dpbf16_ps(o2[i], pq, (__m512bh)_mm512_load_si512(vi[jp + 1][i]));
-        }
-      }
-      if (jp < (hi + 1) / 2) {
-        const __m512bh pp = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(pw[jp]));
-        for (int64_t i = 0; i < 2 * NB; ++i) o[i] = _mm512_dpbf16_ps(o[i], pp, (__m512bh)_mm512_load_si512(vi[jp][i]));
-      }
-      for (int64_t i = 0; i < 2 * NB; ++i) _mm512_storeu_ps(ob + 16 * i, _mm512_add_ps(o[i], o2[i]));
+      _mm512_store_si512(pw[g], (__m512i)_mm512_cvtne2ps_pbh(_mm512_load_ps(p + 16), _mm512_load_ps(p)));
     }
+    const BF16* vb = v + b0 * v_stride;
+    int64_t g = 0;
+    for (; g + kTile <= r.N; g += kTile) accumulate_values<NB, kTile>(vb, v_stride, n, first, last, pw + g, acc + g * D);
+    [&]<int64_t... T>(std::integer_sequence<int64_t, T...>) {  // the last rows, fewer than a tile
+      ((r.N - g == T + 1 ? accumulate_values<NB, T + 1>(vb, v_stride, n, first, last, pw + g, acc + g * D) : void()), ...);
+    }(std::make_integer_sequence<int64_t, kTile - 1>{});
   }
   for (int64_t g = 0; g < r.N; ++g) {  // back to dimension order: lane f of vector (i, half) is dim 32 i + 8 (f / 4) + 4 half + f % 4
     alignas(64) float ob[D];
