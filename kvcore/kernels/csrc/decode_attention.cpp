@@ -49,8 +49,8 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <type_traits>
-#include <vector>
 
 #include "isa.h"
 
@@ -329,7 +329,9 @@ void decode_attention_impl(const Operands<T>& x, const int32_t* seq_lens, float 
   // the other rows of the call (their lengths, R, B) nor on the thread count, so a verification row computes the
   // one-token step at its position bit for bit (speculative decoding's greedy stream is the stream without it).
   const int64_t chunk = kChunk, chunks = std::max<int64_t>(1, (max_len + chunk - 1) / chunk);
-  std::vector<float> acc(B * H * chunks * N * W), m(B * H * chunks * N), l(B * H * chunks * N);
+  // not cleared: an item writes its rows before the merge reads them (an empty chunk only m and l, and l = 0 skips it)
+  std::unique_ptr<float[]> acc(new float[B * H * chunks * N * W]), m(new float[B * H * chunks * N]),
+      l(new float[B * H * chunks * N]);
 
   T* op = x.out;
   // out row of item row i of (b, h): token i / G, query head h * G + i % G
@@ -349,9 +351,9 @@ void decode_attention_impl(const Operands<T>& x, const int32_t* seq_lens, float 
         if (lo[i] < hi[i]) begin = std::min(begin, lo[i]), end = std::max(end, hi[i]);
       }
       begin -= begin % kBlock;  // (chunks start at multiples of kBlock; a window's first key may not)
-      float* as = acc.data() + item * N * W;
-      float* ms = m.data() + item * N;
-      float* ls = l.data() + item * N;
+      float* as = acc.get() + item * N * W;
+      float* ms = m.get() + item * N;
+      float* ls = l.get() + item * N;
       if (begin >= end) {  // a short sequence of a ragged batch: no keys in this chunk
         std::fill(ms, ms + N, kNegInf);
         std::fill(ls, ls + N, 0.f);
