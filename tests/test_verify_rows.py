@@ -88,20 +88,33 @@ def test_rows_attend_to_their_own_causal_length(dtype, window, softcap, rows):
             q, caches, ctx, layer)).abs().max())
 
 
+def _one_row_each(q, k, v, caches, cache_rows, ctx: int, layer: LayerAttention) -> list[torch.Tensor]:
+    """Each token of a verification row run alone, as the one-token decode step at its position runs it."""
+    return [torch.ops.kvcore.cached_decode_attention(
+        q[t : t + 1], k[t : t + 1], v[t : t + 1], caches[0], caches[1],
+        cache_rows[:, t * KV_HEADS : (t + 1) * KV_HEADS], torch.tensor([ctx + t + 1], dtype=torch.int32), 1, SLOT,
+        ctx + t + 1, layer.scale, layer.sliding_window or 0, layer.softcap or 0.0)[0] for t in range(q.shape[0])]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("softcap", [None, 1.5])
-def test_rows_compute_the_one_row_kernel_bit_for_bit(dtype, softcap):
-    """Without a window, each row is what the one-row kernel gives for that row's length (one chunk)."""
-    rows, ctx, d = 9, 150, 64
-    q, k, v, caches, cache_rows = _case(rows, ctx, d, dtype)
-    layer = LayerAttention(d**-0.5, softcap=softcap)
-    got = _run(q, k, v, caches, cache_rows, ctx + rows, layer)
-    for t in range(rows):
-        one_rows = cache_rows[:, t * KV_HEADS : (t + 1) * KV_HEADS]
-        one = torch.ops.kvcore.cached_decode_attention(
-            q[t : t + 1], k[t : t + 1], v[t : t + 1], caches[0], caches[1], one_rows,
-            torch.tensor([ctx + t + 1], dtype=torch.int32), 1, SLOT, ctx + t + 1, layer.scale, 0, layer.softcap or 0.0)
-        assert torch.equal(got[t], one[0]), t
+@pytest.mark.parametrize("window, softcap", VARIANTS)
+@pytest.mark.parametrize("ctx", [150, 250, 290])
+def test_rows_compute_the_one_row_kernel_bit_for_bit(dtype, window, softcap, ctx):
+    """Each row is what the one-row kernel gives for that row's length, bit for bit: within one split-K chunk,
+    across a chunk boundary the rows straddle (250 + 9 rows), past it (the chunks' merge) and with windows, at one
+    and at two threads (the chunks must not follow the rows' lengths or the thread count)."""
+    rows, d = 9, 64
+    layer = LayerAttention(d**-0.5, sliding_window=window, softcap=softcap)
+    threads = torch.get_num_threads()
+    try:
+        for num_threads in (1, 2):
+            torch.set_num_threads(num_threads)
+            q, k, v, caches, cache_rows = _case(rows, ctx, d, dtype)
+            got = _run(q, k, v, caches, cache_rows, ctx + rows, layer)
+            for t, one in enumerate(_one_row_each(q, k, v, caches, cache_rows, ctx, layer)):
+                assert torch.equal(got[t], one), (num_threads, t)
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("bug", ["one key too many", "one key too few"])

@@ -133,7 +133,14 @@ def position_logits(
     hidden = run_model(model, backend, cache, meta, input_ids, check)
     starts = meta.query_starts
     picked = [p for i, m in zip(rows, num_positions) for p in range(starts[i + 1] - m, starts[i + 1])]
-    logits = model.compute_logits(hidden[torch.tensor(picked, dtype=torch.long, device=hidden.device)], head)
+    picked_hidden = hidden[torch.tensor(picked, dtype=torch.long, device=hidden.device)]
+    # the head a one-token step of these rows runs (decided by the number of sequences), so that each position's
+    # logits are that step's bit for bit: the int4 head in parts of at most head.max_rows positions
+    if head is None or len(rows) > head.max_rows:
+        logits = model.compute_logits(picked_hidden)
+    else:
+        parts = [model.compute_logits(part, head) for part in picked_hidden.split(head.max_rows)]
+        logits = parts[0] if len(parts) == 1 else torch.cat(parts)
     if check is not None:
         check.finish(logits, [i for i, m in zip(rows, num_positions) for _ in range(m)])
     return logits

@@ -49,9 +49,9 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <type_traits>
 #include <utility>
-#include <vector>
 
 #include "decode_attention.h"
 #include "isa.h"
@@ -64,7 +64,7 @@ constexpr int64_t kMaxRows = 16;  // query tokens per sequence
 constexpr int64_t kMaxHeadDim = 256;
 constexpr int64_t kBlock = 32;      // keys scored before their values are accumulated
 constexpr int64_t kAhead = 64;     // prefetch distance in keys
-constexpr int64_t kMinChunk = 256;  // fewer keys per work item cost more in merging than they save
+constexpr int64_t kChunk = 256;     // keys per work item (split-K); fewer cost more in merging than they save
 constexpr int64_t kSerialRows = 512;  // keys read (sequences x KV heads x tokens) below which one thread does it all
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
@@ -369,11 +369,13 @@ void decode_attention_impl(const Operands<T>& x, const int32_t* seq_lens, float 
   const int64_t B = x.B, R = x.R, H = x.H, G = x.G, D = x.D, N = R * G, W = NV * Vec::size();
   int64_t max_len = 0;
   for (int64_t b = 0; b < B; ++b) max_len = std::max<int64_t>(max_len, seq_lens[b]);
-  // Enough chunks per (sequence, KV head) for about eight work items per thread, none under kMinChunk keys.
-  const int64_t want = (8 * at::get_num_threads() + B * H - 1) / (B * H);
-  const int64_t chunks = std::max<int64_t>(1, std::min(want, (max_len + kMinChunk - 1) / kMinChunk));
-  const int64_t chunk = (max_len + chunks - 1) / chunks;
-  std::vector<float> acc(B * H * chunks * N * W), m(B * H * chunks * N), l(B * H * chunks * N);
+  // Chunks of a fixed kChunk keys, and blocks at multiples of kBlock: where a row's keys split never depends on
+  // the other rows of the call (their lengths, R, B) nor on the thread count, so a verification row computes the
+  // one-token step at its position bit for bit (speculative decoding's greedy stream is the stream without it).
+  const int64_t chunk = kChunk, chunks = std::max<int64_t>(1, (max_len + chunk - 1) / chunk);
+  // not cleared: an item writes its rows before the merge reads them (an empty chunk only m and l, and l = 0 skips it)
+  std::unique_ptr<float[]> acc(new float[B * H * chunks * N * W]), m(new float[B * H * chunks * N]),
+      l(new float[B * H * chunks * N]);
 
   T* op = x.out;
   // out row of item row i of (b, h): token i / G, query head h * G + i % G
@@ -392,9 +394,10 @@ void decode_attention_impl(const Operands<T>& x, const int32_t* seq_lens, float 
         hi[i] = std::min(len, c * chunk + chunk);
         if (lo[i] < hi[i]) begin = std::min(begin, lo[i]), end = std::max(end, hi[i]);
       }
-      float* as = acc.data() + item * N * W;
-      float* ms = m.data() + item * N;
-      float* ls = l.data() + item * N;
+      begin -= begin % kBlock;  // (chunks start at multiples of kBlock; a window's first key may not)
+      float* as = acc.get() + item * N * W;
+      float* ms = m.get() + item * N;
+      float* ls = l.get() + item * N;
       if (begin >= end) {  // a short sequence of a ragged batch: no keys in this chunk
         std::fill(ms, ms + N, kNegInf);
         std::fill(ls, ls + N, 0.f);
