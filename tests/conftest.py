@@ -3,8 +3,8 @@
 Tiers (docs/testing.md): unmarked tests are fast; ``@pytest.mark.slow`` ones load SmolLM2 or a real GGUF and run
 in ``make test`` too; ``@pytest.mark.full`` ones are the long oracle runs (every golden token of every prompt)
 whose bounded form ``make test`` runs, and are skipped unless pytest gets ``--full`` (``make test-full``). A new
-test that takes more than about 20 s on 2 cores is ``full``, with a bounded form beside it that still fails on
-a wrong token.
+test that takes more than about 30 s on a quiet 2-core machine is ``full``, with a bounded form beside it that
+still fails on a wrong token.
 """
 
 from __future__ import annotations
