@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 PROMPT ?= The history of the printing press begins
 
-.PHONY: setup run test wheel-test lint clean
+.PHONY: setup run test test-full wheel-test lint clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,12 @@ test: setup
 	$(BIN)/python -m pytest -q examples/kvcore-example-backend/tests
 	$(BIN)/python -m pytest -q
 	$(MAKE) wheel-test
+
+# make test with the full tier (docs/testing.md): every golden token, and the wheel's kernels built from its sources
+test-full: setup
+	$(BIN)/python -m pytest -q examples/kvcore-example-backend/tests
+	$(BIN)/python -m pytest -q --full
+	$(BIN)/python scripts/wheel_check.py --build-kernels
 
 # What a user installs: the wheel, in a clean venv, run from outside the source tree (scripts/wheel_check.py).
 wheel-test: setup

@@ -2,12 +2,18 @@
 needs, install it (not editable) into a clean virtual environment and run kvcore from there, outside the
 source tree.
 
-    python scripts/wheel_check.py [--workdir DIR] [--keep] [--fresh-venv]
+    python scripts/wheel_check.py [--workdir DIR] [--keep] [--fresh-venv] [--build-kernels]
 
 Steps, each fatal: the wheel builds; every kernel source and header (``kvcore/kernels/csrc``) is in it; a
-venv that holds only torch and the embedded model takes the wheel; then, with an empty kernel cache,
-``kvcore generate --dtype bfloat16`` (the C++ kernels build from the wheel's own sources) and ``kvcore
-conformance --backend cpu_decode --quick``. Exit 0 when all pass, 1 otherwise.
+venv that holds only torch and the embedded model takes the wheel; then, with a kernel cache of its own,
+``kvcore generate --dtype bfloat16`` and ``kvcore conformance --backend cpu_decode --quick``. Exit 0 when all
+pass, 1 otherwise.
+
+The kernels: when this tree's are built (``make test`` built them before), their cache entry is copied into
+the wheel's cache. The wheel's kvcore looks it up under the key of its own sources (their texts, not their
+paths), so it loads it only if the wheel carries the tree's sources byte for byte; had it built instead, the
+check fails. ``--build-kernels`` (``make test-full``) starts from an empty cache: the kernels build from the
+wheel's own sources, as on a user's first run.
 
 Installing torch is most of a clean venv's cost, so that base venv is kept in ``.wheel-venv/`` and reused
 while the torch pin and the Python version stay the same; kvcore and its dependencies are removed from it
@@ -18,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -43,6 +50,24 @@ def missing_files(wheel: Path, data: dict[Path, str] = DATA) -> list[str]:
         names = set(z.namelist())
     wanted = [f"{dest}/{p.name}" for src, dest in data.items() for p in sorted(src.iterdir()) if p.is_file()]
     return [w for w in wanted if w not in names]
+
+
+#: what kvcore says on stderr when it builds the kernels (kvcore/kernels/cpu_kernels.py)
+BUILDING = "kvcore: building its C++ CPU kernels"
+
+
+def seed_kernels(cache: Path) -> bool:
+    """Copy this tree's built kernel entry into ``cache`` (a ``KVCORE_CACHE_DIR``); False when none is built."""
+    from kvcore.kernels.cpu_kernels import kernels_built, load_kernels
+    from kvcore.paths import verify_entry
+
+    if not kernels_built():
+        return False
+    entry = Path(load_kernels()).parent
+    if not verify_entry(entry):  # this tree's cache could not be written: a private build, not an entry
+        return False
+    shutil.copytree(entry, cache / "kernels" / entry.name)
+    return True
 
 
 def base_venv(fresh: bool = False) -> Path:
@@ -92,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workdir", type=Path, default=None, help="where to build (default: a temporary folder)")
     ap.add_argument("--keep", action="store_true", help="keep the work folder")
     ap.add_argument("--fresh-venv", action="store_true", help="rebuild the base venv (torch, model) from nothing")
+    ap.add_argument("--build-kernels", action="store_true",
+                    help="build the kernels from the wheel's sources rather than take this tree's build")
     args = ap.parse_args(argv)
     work = args.workdir or Path(tempfile.mkdtemp(prefix="kvcore-wheel-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -110,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
         _run([py, "-m", "pip", "install", "-q", *NO_COMPILE, str(wheel)],
              "install the wheel (not editable) and its dependencies")
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-        env["KVCORE_CACHE_DIR"] = str(work / "cache")  # empty: the kernels build from the wheel's sources
+        env["KVCORE_CACHE_DIR"] = str(work / "cache")
+        seeded = not args.build_kernels and seed_kernels(work / "cache")
         kvcore = str(venv / "bin" / "kvcore")
         where = _run([py, "-c", "import kvcore; print(kvcore.__file__)"], "import kvcore", cwd=work, env=env)
         if not where.stdout.strip().startswith(str(venv)):
@@ -119,6 +147,13 @@ def main(argv: list[str] | None = None) -> int:
         out = _run([kvcore, "generate", "--dtype", "bfloat16", "--max-new-tokens", "8", "--json",
                     "The capital of France is"], "kvcore generate --dtype bfloat16", cwd=work, env=env)
         print("  " + out.stdout.strip().splitlines()[0][:200])
+        built = BUILDING in out.stderr
+        if seeded and built:
+            print("wheel check: the wheel built its kernels though this tree's build was in its cache: its kernel "
+                  "sources are not the tree's", file=sys.stderr)
+            return 1
+        print("wheel check: kernels " + ("built from the wheel's sources" if built else "of this tree's build, "
+              "found under the key of the wheel's sources"), flush=True)
         _run([kvcore, "conformance", "--backend", "cpu_decode", "--quick"], "kvcore conformance --backend "
              "cpu_decode --quick", cwd=work, env=env)
         return 0

@@ -1,4 +1,11 @@
-"""Shared fixtures: a random-weights tiny Llama built in memory, and the embedded SmolLM2 (slow)."""
+"""Shared fixtures: a random-weights tiny Llama built in memory, and the embedded SmolLM2 (slow).
+
+Tiers (docs/testing.md): unmarked tests are fast; ``@pytest.mark.slow`` ones load SmolLM2 or a real GGUF and run
+in ``make test`` too; ``@pytest.mark.full`` ones are the long oracle runs (every golden token of every prompt)
+whose bounded form ``make test`` runs, and are skipped unless pytest gets ``--full`` (``make test-full``). A new
+test that takes more than about 30 s on a quiet 2-core machine is ``full``, with a bounded form beside it that
+still fails on a wrong token.
+"""
 
 from __future__ import annotations
 
@@ -15,6 +22,20 @@ DATA = Path(__file__).parent / "data"
 
 # Plugin-loading warnings are asserted explicitly where they matter.
 warnings.filterwarnings("ignore", message="kvcore: built-in plugin", category=RuntimeWarning)
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--full", action="store_true", default=False,
+                     help="also run the full tier (@pytest.mark.full: the long oracle runs; make test-full)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("full"):
+        return
+    skip = pytest.mark.skip(reason="full tier: run with --full (make test-full)")
+    for item in items:
+        if "full" in item.keywords:
+            item.add_marker(skip)
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -255,6 +255,20 @@ def test_a_planted_kernel_library_is_never_loaded(root, tmp_path):
         assert not proof.exists()
 
 
+def test_the_kernel_entry_is_keyed_by_the_sources_texts_not_their_folder(tmp_path, monkeypatch):
+    """A clone, a worktree and the installed wheel of the same sources (and torch installs of one version)
+    share one build; a changed header still makes a new entry."""
+    here = ck._entry_name("g++", [ck._CSRC / n for n in ck._SOURCES])
+    copy = tmp_path / "clone" / "csrc"
+    shutil.copytree(ck._CSRC, copy)
+    monkeypatch.setattr(ck, "_CSRC", copy)
+    monkeypatch.setattr(torch, "__file__", str(tmp_path / "venv" / "torch" / "__init__.py"))
+    assert ck._command("g++", [copy / "isa.cpp"], Path("o.so")) != ck._command("g++", [Path("isa.cpp")], Path("o.so"))
+    assert ck._entry_name("g++", [copy / n for n in ck._SOURCES]) == here
+    (copy / "isa.h").write_text((copy / "isa.h").read_text() + "\n")
+    assert ck._entry_name("g++", [copy / n for n in ck._SOURCES]) != here
+
+
 def test_cxx_may_hold_a_command_with_arguments(monkeypatch):
     monkeypatch.setenv("CXX", "env g++")
     assert ck._command(ck.cxx_compiler(), [Path("a.cpp")], Path("o.so"))[:3] == ["env", "g++", "-O3"]

@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import make_random_model
+from test_golden import GOLDEN_TOKENS, check_against_golden, load_golden
 
 from kvcore import Engine, EngineConfig, SamplingParams
 from kvcore.backends.cpu_decode import CPUDecodeBackend
@@ -154,12 +155,11 @@ def test_greedy_streams_equal_sdpa(dtype):
 
 
 @pytest.mark.slow
-def test_smollm2_matches_transformers(smollm2):
+@GOLDEN_TOKENS
+def test_smollm2_matches_transformers(smollm2, num_tokens):
     """float32 greedy streams of all golden prompts, batched (ragged decode batches through the kernel), equal
     transformers' token for token, as every backend's must."""
-    from test_golden import check_against_golden, load_golden
-
-    check_against_golden(smollm2, load_golden("golden_smollm2.json"), "cpu_decode", 11)
+    check_against_golden(smollm2, load_golden("golden_smollm2.json"), "cpu_decode", 11, num_tokens)
 
 
 def test_passes_the_quick_conformance_suite():

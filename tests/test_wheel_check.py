@@ -1,11 +1,14 @@
 """The wheel check's content test: a wheel without a kernel header (the bug that broke non-editable installs)
-is caught. The full check (build, install into a clean venv, run) is `make wheel-test`, part of `make test`."""
+is caught; the tree's kernel build is what it hands the wheel. The full check (build, install into a clean venv,
+run) is `make wheel-test`, part of `make test`."""
 
 from __future__ import annotations
 
 import importlib.util
 import zipfile
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 spec = importlib.util.spec_from_file_location("wheel_check", ROOT / "scripts" / "wheel_check.py")
@@ -37,3 +40,17 @@ def test_pyproject_ships_every_kernel_file_type():
     text = (ROOT / "pyproject.toml").read_text()
     for suffix in {p.suffix for p in (ROOT / "kvcore" / "kernels" / "csrc").iterdir()}:
         assert f'"kernels/csrc/*{suffix}"' in text
+
+
+def test_the_trees_kernel_build_is_copied_into_the_wheels_cache(tmp_path, monkeypatch):
+    """What the installed wheel finds under the key of its own sources (a path-free key: test_cache_trust.py)."""
+    import kvcore.kernels.cpu_kernels as ck
+    from kvcore.paths import verify_entry
+
+    if ck.kernel_reasons():
+        pytest.skip("; ".join(ck.kernel_reasons()))
+    assert wheel_check.seed_kernels(tmp_path)
+    [entry] = (tmp_path / "kernels").iterdir()
+    assert entry.name == Path(ck.load_kernels()).parent.name and verify_entry(entry)
+    monkeypatch.setattr(ck, "kernels_built", lambda: False)
+    assert not wheel_check.seed_kernels(tmp_path / "none") and not (tmp_path / "none").exists()

@@ -35,11 +35,11 @@ against torch's headers and libraries, with the widest vector ISA this CPU and A
 (:func:`vector_isa`: AVX-512, else AVX2, else portable code), once; the first build says so on stderr (``kvcore
 kernels build`` does it ahead). The library is cached under ``$KVCORE_CACHE_DIR/kernels`` (else
 ``$XDG_CACHE_HOME/kvcore/kernels``, else ``~/.cache/kvcore/kernels``) keyed by the sources, the flags, the compiler
-and torch's version, so an upgrade or another CPU builds afresh. The folder must be the user's own
-(:mod:`kvcore.paths`: a library in a folder others can write is never loaded), the library's checksum is verified
-before it is loaded (a damaged one is rebuilt), and a cache that cannot be written means a build into a private
-temporary folder, with a warning. A failed build is a :class:`~kvcore.errors.KernelBuildError` with the compiler's
-first error line.
+and torch's version (not by where they lie), so an upgrade or another CPU builds afresh. The folder must be the
+user's own (:mod:`kvcore.paths`: a library in a folder others can write is never loaded), the library's checksum is
+verified before it is loaded (a damaged one is rebuilt), and a cache that cannot be written means a build into a
+private temporary folder, with a warning. A failed build is a :class:`~kvcore.errors.KernelBuildError` with the
+compiler's first error line.
 """
 
 from __future__ import annotations
@@ -185,8 +185,11 @@ def _load(library: Path, entry: Path | None) -> None:
 
 
 def _entry_name(cxx: str, sources: list[Path]) -> str:
-    """The cache entry of this build: the sources, the command, torch's version and the entry format."""
-    command = _command(cxx, sources, Path("OUT"))
+    """The cache entry of this build: the sources, the command, torch's version and the entry format. The
+    command is hashed with the sources by name and torch's folder as a placeholder (the texts and the version
+    are hashed), so every checkout, clone and installed wheel of the same sources shares one entry."""
+    torch_dir = str(Path(torch.__file__).parent)
+    command = [arg.replace(torch_dir, "TORCH") for arg in _command(cxx, [Path(s.name) for s in sources], Path("OUT"))]
     texts = [(_CSRC / name).read_text() for name in (*_SOURCES, *_HEADERS)]
     return hashlib.sha256("\0".join([torch.__version__, _ENTRY_FORMAT, *command, *texts]).encode()).hexdigest()[:16]
 
