@@ -26,8 +26,9 @@ NUM_BUCKETS = 6
 #: the longest run worth measuring: every longer run is in the last bucket
 MAX_RUN = 1 << (NUM_BUCKETS - 1)
 #: before any trial, the chance that a copy of ``r`` tokens goes on: odds of ``r`` to 1 (``r`` the bucket's
-#: shortest run); an opening: even odds. Each weighs as two trials in the workload's estimate.
-PRIOR_MEAN = [0.5] * NUM_BUCKETS + [(1 << b) / ((1 << b) + 1) for b in range(NUM_BUCKETS)]
+#: shortest run); that an opening after a match of ``r`` tokens holds: odds of ``r / 2`` to 1 (a fresh match
+#: is a weaker sign than a copy that held). Each weighs as two trials in the workload's estimate.
+PRIOR_MEAN = [r / (r + 1) for r in [(1 << b) / 2 for b in range(NUM_BUCKETS)] + [1 << b for b in range(NUM_BUCKETS)]]
 #: how many trials the workload's estimate weighs in a request's own
 PRIOR_TRIALS = 4.0
 #: trials a bucket's counts hold before they are halved: recent verifications count more than old ones
