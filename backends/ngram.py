@@ -51,7 +51,7 @@ class _State:
 
 class NgramProposer(Proposer):
     name = "ngram"
-    description = "prompt lookup: the continuation of the longest repeated n-gram; adaptive length, backs off"
+    description = "prompt lookup: the continuation of the longest repeated n-gram, as long as it is worth; backs off"
 
     def __init__(self, max_n: int = 4, min_n: int = 2, misses: int = 8, cooldown: int = 16,
                  draft_cost: float = 0.15) -> None:
