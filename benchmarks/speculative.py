@@ -71,7 +71,8 @@ def main() -> None:
     print(f"base: {base.serving_config()}\nspeculative: proposer={args.proposer} k={args.k} {options}")
     print("load average (1, 5, 15 min):", " ".join(f"{x:.1f}" for x in os.getloadavg()), flush=True)
     rows = []
-    run(base, PROMPTS["free-story"], 8)  # warm-up (allocations, first-use kernels)
+    for engine in (base, spec):  # warm-up (allocations, first-use kernels, each engine's own KV cache and head)
+        run(engine, PROMPTS["free-story"], 8)
     for i, name in enumerate(args.prompts.split(",")):
         runs = {"base": [], "spec": []}
         for rep in range(args.reps):

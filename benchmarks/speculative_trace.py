@@ -7,7 +7,10 @@ configuration of the embedded SmolLM2 GGUF), with a modelled speed-up that machi
 Greedy streams are the same with speculation on and off (docs/speculative.md), so a run's proposals and kept
 drafts are the same every time: the modelled speed-up is tokens / cost, where a verification of ``k`` drafts
 costs ``1 + draft_cost * k`` plain steps (benchmarks/verify_cost.py measures ``draft_cost``) and every other
-token one plain step. ``--show`` prints each verification: position in the output, the proposal's source
+token one plain step. The ceiling is the same modelled speed-up for the same lookup (the latest occurrence of the
+longest n-gram) with a draft count that knows how many drafts will be kept: no verification where none would
+be, and only the kept ones otherwise; what no draft-count policy of this lookup can exceed. ``--show`` prints
+each verification: position in the output, the proposal's source
 position in the request's tokens, drafts kept, the drafts and what the model wrote there.
 """
 
@@ -21,6 +24,25 @@ import torch
 from speculative_prompts import PROMPTS
 
 from kvcore import Engine, SamplingParams
+
+
+def ceiling(prompt: list[int], out: list[int], k: int, max_n: int, min_n: int, draft_cost: float) -> float:
+    """Modelled speed-up of prompt lookup with an oracle draft count (the first token comes from the prefill)."""
+    t, cost = 1, 1.0
+    while t < len(out):
+        tokens, start = prompt + out[:t], None
+        for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
+            tail = tokens[-n:]
+            start = next((s for s in range(len(tokens) - 1, n - 1, -1) if tokens[s - n : s] == tail), None)
+            if start is not None:
+                break
+        kept = 0
+        if start is not None:
+            while kept < min(k, len(out) - t - 1, len(tokens) - start) and tokens[start + kept] == out[t + kept]:
+                kept += 1
+        cost += 1 + draft_cost * kept if kept else 1
+        t += kept + 1
+    return len(out) / cost
 
 
 def main() -> None:
@@ -61,12 +83,15 @@ def main() -> None:
         out = engine.generate([ids], SamplingParams(max_new_tokens=args.new))[0]
         verified = [(len(drafts), kept) for _, drafts, _, kept in log if drafts]
         cost = sum(1 + args.draft_cost * k for k, _ in verified)
-        cost += len(out.token_ids) - sum(kept + 1 for _, kept in verified)
+        # every other token is a plain step; a stream that ends inside a verification emits only up to its end
+        emitted = sum(min(kept + 1, len(out.token_ids) - at) for at, drafts, _, kept in log if drafts)
+        cost += len(out.token_ids) - emitted
         drafts = sum(k for k, _ in verified)
         kept = sum(a for _, a in verified)
+        best = ceiling(list(ids), list(out.token_ids), args.k, proposer.max_n, proposer.min_n, args.draft_cost)
         print(f"{name:13s} {len(ids):4d} prompt tokens  {len(out.token_ids):3d} tokens  {len(verified):2d} "
               f"verifications  acceptance {kept / drafts if drafts else 0:.2f}  "
-              f"modelled speed-up {len(out.token_ids) / cost:.2f}", flush=True)
+              f"modelled speed-up {len(out.token_ids) / cost:.2f}  ceiling {best:.2f}", flush=True)
         if args.show:
             print(f"  answer: {out.text!r}")
             for at, proposal, source, num_kept in log:
