@@ -11,6 +11,8 @@ slows them alike. The changes:
 * ``finite``: the backend check's flag as ``kvcore::all_finite`` / two sums, an add, ``isfinite`` and a read;
 * ``argmax``: greedy decoding's argmax as ``kvcore::argmax_rows`` / the blocked ``amax``, ``argmax``, ``index`` ops;
 * ``eos``: ``ignore_eos`` as one ``index_fill_`` / an indexing assignment;
+* ``rows``: the token table's kept rows (the step's embedding, the head's candidates) gathered and decoded in one
+  call (``q8_0_kept_rows``) / NumPy's gather from the kept rows, then ``q8_0_rows``;
 * ``all``: every one of them at once.
 
 Figures are this thread's CPU time with ``--threads 1`` (the default), medians over the pairs, with the median of
@@ -29,6 +31,7 @@ import torch
 from kvcore import Engine, EngineConfig, SamplingParams
 from kvcore.engine.step import EngineStep
 from kvcore.execution import backend_check
+from kvcore.loaders import gguf_blocks
 from kvcore.model.lm_head import RescoredInt4Head
 from kvcore.sampling import processors
 
@@ -67,6 +70,8 @@ def _before(change: str):
         patch(processors, "kernels_loaded", lambda: False)
     if change in ("eos", "all"):
         patch(EngineStep, "_suppress_eos", _old_eos)
+    if change in ("rows", "all"):
+        patch(gguf_blocks, "FileRows", type("NoNativeLookup", (), {}))  # no table is one: the NumPy path
     try:
         yield
     finally:
@@ -79,7 +84,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--context", type=int, default=64)
     ap.add_argument("--pairs", type=int, default=40)
-    ap.add_argument("--changes", default="head,finite,argmax,eos,all")
+    ap.add_argument("--changes", default="head,finite,argmax,eos,rows,all")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     clock = time.thread_time if args.threads == 1 else time.perf_counter
