@@ -13,6 +13,8 @@ slows them alike. The changes:
 * ``eos``: ``ignore_eos`` as one ``index_fill_`` / an indexing assignment;
 * ``rows``: the token table's kept rows (the step's embedding, the head's candidates) gathered and decoded in one
   call (``q8_0_kept_rows``) / NumPy's gather from the kept rows, then ``q8_0_rows``;
+* ``plan``: the sdpa / cpu_decode plan's cache rows of the step's tokens from the host lists in one tensor / as
+  ``floor_divide``, ``mul``, ``add`` and indexing on the metadata's tensors;
 * ``all``: every one of them at once.
 
 Figures are this thread's CPU time with ``--threads 1`` (the default), medians over the pairs, with the median of
@@ -29,6 +31,7 @@ import time
 import torch
 
 from kvcore import Engine, EngineConfig, SamplingParams
+from kvcore.backends.sdpa import SDPABackend, SDPAPlan
 from kvcore.engine.step import EngineStep
 from kvcore.execution import backend_check
 from kvcore.loaders import gguf_blocks
@@ -47,6 +50,19 @@ def _old_eos(self, reqs, logits):
     if cols is None:
         cols = self._old_eos_columns = torch.tensor(sorted(self.eos_token_ids), device=logits.device)
     logits[:, cols] = float("-inf")
+
+
+def _old_plan(self, meta, cache):
+    """SDPABackend.plan with the tokens' cache rows as tensor ops (before)."""
+    num_layers, _, num_kv_heads, max_len, _ = cache.storage_shape()
+    token_rows = (meta.slot_mapping // cache.block_size) * (num_kv_heads * max_len) + meta.positions  # [T]
+    rows = (self._row_bases(cache, meta.positions.device) + token_rows[None, :, None]).view(num_layers, -1)
+    slots = meta.slots
+    if not (meta.is_decode and slots == list(range(slots[0], slots[0] + len(slots)))):
+        return SDPAPlan(meta, rows, None)
+    windows = {layer.sliding_window for layer in meta.layers} - {None}
+    return SDPAPlan(meta, rows, slots[0], meta.max_seq_len, self._decode_mask(meta, cache.spec.dtype),
+                    {w: self._window_mask(meta, w) for w in windows})
 
 
 def _old_finite(out0, logits):
@@ -70,6 +86,8 @@ def _before(change: str):
         patch(processors, "kernels_loaded", lambda: False)
     if change in ("eos", "all"):
         patch(EngineStep, "_suppress_eos", _old_eos)
+    if change in ("plan", "all"):
+        patch(SDPABackend, "plan", _old_plan)
     if change in ("rows", "all"):
         patch(gguf_blocks, "FileRows", type("NoNativeLookup", (), {}))  # no table is one: the NumPy path
     try:
@@ -84,7 +102,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--context", type=int, default=64)
     ap.add_argument("--pairs", type=int, default=40)
-    ap.add_argument("--changes", default="head,finite,argmax,eos,rows,all")
+    ap.add_argument("--changes", default="head,finite,argmax,eos,rows,plan,all")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     clock = time.thread_time if args.threads == 1 else time.perf_counter
