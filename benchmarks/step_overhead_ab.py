@@ -15,6 +15,7 @@ slows them alike. The changes:
   call (``q8_0_kept_rows``) / NumPy's gather from the kept rows, then ``q8_0_rows``;
 * ``plan``: the sdpa / cpu_decode plan's cache rows of the step's tokens from the host lists in one tensor / as
   ``floor_divide``, ``mul``, ``add`` and indexing on the metadata's tensors;
+* ``rope``: the step's RoPE rows as ``index_select`` / advanced indexing and ``[:, None, :]``;
 * ``all``: every one of them at once.
 
 Figures are this thread's CPU time with ``--threads 1`` (the default), medians over the pairs, with the median of
@@ -36,6 +37,7 @@ from kvcore.engine.step import EngineStep
 from kvcore.execution import backend_check
 from kvcore.loaders import gguf_blocks
 from kvcore.model.lm_head import RescoredInt4Head
+from kvcore.model.rope import RotaryEmbedding
 from kvcore.sampling import processors
 
 _HEAD_CALL = RescoredInt4Head.__call__
@@ -65,6 +67,12 @@ def _old_plan(self, meta, cache):
                     {w: self._window_mask(meta, w) for w in windows})
 
 
+def _old_tables(self, positions, dtype):
+    """RotaryEmbedding.tables' eager rows by advanced indexing (before)."""
+    cos, sin = self._full_tables(dtype)
+    return cos[positions][:, None, :], sin[positions][:, None, :]
+
+
 def _old_finite(out0, logits):
     return bool((out0.sum() + logits.sum()).isfinite())
 
@@ -88,6 +96,8 @@ def _before(change: str):
         patch(EngineStep, "_suppress_eos", _old_eos)
     if change in ("plan", "all"):
         patch(SDPABackend, "plan", _old_plan)
+    if change in ("rope", "all"):
+        patch(RotaryEmbedding, "tables", _old_tables)
     if change in ("rows", "all"):
         patch(gguf_blocks, "FileRows", type("NoNativeLookup", (), {}))  # no table is one: the NumPy path
     try:
@@ -102,7 +112,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--context", type=int, default=64)
     ap.add_argument("--pairs", type=int, default=40)
-    ap.add_argument("--changes", default="head,finite,argmax,eos,rows,plan,all")
+    ap.add_argument("--changes", default="head,finite,argmax,eos,rows,plan,rope,all")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     clock = time.thread_time if args.threads == 1 else time.perf_counter
