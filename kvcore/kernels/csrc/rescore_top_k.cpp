@@ -86,7 +86,11 @@ float dot(const c10::BFloat16* a, const c10::BFloat16* b, int64_t d) {
   return sum;
 }
 
-at::Tensor rescore_top_k(at::Tensor logits, const at::Tensor& hidden, const at::Tensor& weight, int64_t k) {
+// Each row's top k of the bfloat16 estimates `logits`, rescored into out [N, V] (bfloat16: logits itself, in place;
+// float32: the widened estimates), each value rounded to bfloat16 first.
+template <typename T>
+at::Tensor rescore_top_k_into(const at::Tensor& logits, at::Tensor out, const at::Tensor& hidden,
+                              const at::Tensor& weight, int64_t k) {
   TORCH_CHECK(logits.scalar_type() == at::kBFloat16 && hidden.scalar_type() == at::kBFloat16 &&
               weight.scalar_type() == at::kBFloat16, "rescore_top_k: bfloat16 logits, hidden and weight");
   TORCH_CHECK(logits.dim() == 2 && hidden.dim() == 2 && weight.dim() == 2 && logits.is_contiguous() &&
@@ -96,7 +100,8 @@ at::Tensor rescore_top_k(at::Tensor logits, const at::Tensor& hidden, const at::
   TORCH_CHECK(hidden.size(0) == N && weight.size(0) == V && weight.size(1) == d,
               "rescore_top_k: shapes must be logits [N, V], hidden [N, d], weight [V, d]");
   TORCH_CHECK(k >= 1 && k <= V, "rescore_top_k: k must be 1..V");
-  c10::BFloat16* lp = logits.data_ptr<c10::BFloat16>();
+  const c10::BFloat16* lp = logits.data_ptr<c10::BFloat16>();
+  T* op = out.data_ptr<T>();
   const c10::BFloat16* hp = hidden.data_ptr<c10::BFloat16>();
   const c10::BFloat16* wp = weight.data_ptr<c10::BFloat16>();
   const int64_t w_stride = weight.stride(0);
@@ -104,16 +109,21 @@ at::Tensor rescore_top_k(at::Tensor logits, const at::Tensor& hidden, const at::
     std::vector<Entry> heap;
     heap.reserve(k);
     for (int64_t r = r0; r < r1; ++r) {
-      top_k(lp + r * V, V, k, heap);
+      top_k(lp + r * V, V, k, heap);  // the whole row is selected from before any of it is written
       // the k weight rows are scattered over the head and rarely cached: request them all before the first
       // dot product needs one, so their cache misses overlap
       for (const Entry& e : heap)
         for (int64_t byte = 0; byte < d * 2; byte += 64)
           __builtin_prefetch(reinterpret_cast<const char*>(wp + e.second * w_stride) + byte);
-      for (const Entry& e : heap) lp[r * V + e.second] = c10::BFloat16(dot(hp + r * d, wp + e.second * w_stride, d));
+      for (const Entry& e : heap)
+        op[r * V + e.second] = static_cast<T>(c10::BFloat16(dot(hp + r * d, wp + e.second * w_stride, d)));
     }
   });
-  return logits;
+  return out;
+}
+
+at::Tensor rescore_top_k(at::Tensor logits, const at::Tensor& hidden, const at::Tensor& weight, int64_t k) {
+  return rescore_top_k_into<c10::BFloat16>(logits, logits, hidden, weight, k);
 }
 
 // out [N, V] float32: the bfloat16 estimates widened
@@ -137,31 +147,7 @@ at::Tensor rescore_top_k_float(const at::Tensor& logits, const at::Tensor& hidde
                                int64_t k) {
   TORCH_CHECK(logits.scalar_type() == at::kBFloat16 && logits.dim() == 2 && logits.is_contiguous(),
               "rescore_top_k_float: contiguous bfloat16 logits [N, V]");
-  TORCH_CHECK(hidden.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16 && hidden.dim() == 2 &&
-              weight.dim() == 2 && hidden.is_contiguous() && weight.stride(1) == 1 && hidden.size(0) == logits.size(0)
-              && weight.size(0) == logits.size(1) && weight.size(1) == hidden.size(1),
-              "rescore_top_k_float: shapes must be logits [N, V], hidden [N, d], weight [V, d] (bfloat16)");
-  const int64_t N = logits.size(0), V = logits.size(1), d = hidden.size(1);
-  TORCH_CHECK(k >= 1 && k <= V, "rescore_top_k_float: k must be 1..V");
-  at::Tensor out = widened(logits);
-  const c10::BFloat16* lp = logits.data_ptr<c10::BFloat16>();
-  const c10::BFloat16* hp = hidden.data_ptr<c10::BFloat16>();
-  const c10::BFloat16* wp = weight.data_ptr<c10::BFloat16>();
-  float* op = out.data_ptr<float>();
-  const int64_t w_stride = weight.stride(0);
-  at::parallel_for(0, N, 1, [&](int64_t r0, int64_t r1) {
-    std::vector<Entry> heap;
-    heap.reserve(k);
-    for (int64_t r = r0; r < r1; ++r) {
-      top_k(lp + r * V, V, k, heap);
-      for (const Entry& e : heap)
-        for (int64_t byte = 0; byte < d * 2; byte += 64)
-          __builtin_prefetch(reinterpret_cast<const char*>(wp + e.second * w_stride) + byte);
-      for (const Entry& e : heap)
-        op[r * V + e.second] = static_cast<float>(c10::BFloat16(dot(hp + r * d, wp + e.second * w_stride, d)));
-    }
-  });
-  return out;
+  return rescore_top_k_into<float>(logits, widened(logits), hidden, weight, k);
 }
 
 at::Tensor top_k_candidates(const at::Tensor& logits, int64_t k) {
