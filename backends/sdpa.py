@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from kvcore.hookspecs import hookimpl
 from kvcore.interfaces.attention import AttentionBackend, BackendCapabilities, causal_mask, explicit_attention
 from kvcore.interfaces.layer_attention import VARIANTS, LayerAttention
-from kvcore.interfaces.metadata import AttentionMetadata
+from kvcore.interfaces.metadata import AttentionMetadata, host_to_device
 
 from .contiguous import ALL_DTYPES, ContiguousKVCache
 
@@ -66,9 +66,14 @@ class SDPABackend(AttentionBackend[SDPAPlan]):
 
     def plan(self, meta: AttentionMetadata, cache: ContiguousKVCache) -> SDPAPlan:
         num_layers, _, num_kv_heads, max_len, _ = cache.storage_shape()
-        # row of (layer l, token t, KV head h): l * layer_rows + (slot_t * H_kv + h) * max_len + position_t
-        token_rows = (meta.slot_mapping // cache.block_size) * (num_kv_heads * max_len) + meta.positions  # [T]
-        rows = (self._row_bases(cache, meta.positions.device)[:, None, :] + token_rows[None, :, None])
+        # row of (layer l, token t, KV head h): l * layer_rows + (slot_t * H_kv + h) * max_len + position_t; the
+        # tokens' part from the host lists in one tensor (as tensor ops it is a dispatch per op)
+        per_slot, bs = num_kv_heads * max_len, cache.block_size
+        token_rows = torch.tensor([t[p // bs] * per_slot + p for t, c, q in
+                                   zip(meta.block_tables, meta.context_lens, meta.query_lens) for p in range(c, c + q)],
+                                  dtype=torch.int64)
+        (token_rows,) = host_to_device([token_rows], meta.positions.device)
+        rows = self._row_bases(cache, meta.positions.device) + token_rows.view(1, -1, 1)  # [L, T, H_kv]
         rows = rows.view(num_layers, -1)  # [L, T * H_kv]
         slots = meta.slots
         if not (meta.is_decode and slots == list(range(slots[0], slots[0] + len(slots)))):
@@ -78,14 +83,14 @@ class SDPABackend(AttentionBackend[SDPAPlan]):
                         {w: self._window_mask(meta, w) for w in windows})
 
     def _row_bases(self, cache: ContiguousKVCache, device: torch.device) -> torch.Tensor:
-        """``[L, H_kv]`` int64 ``l * layer_rows + h * max_len``: the part of every cache row a step does not change,
-        made once per cache (a plan then adds each token's own part)."""
+        """``[L, 1, H_kv]`` int64 ``l * layer_rows + h * max_len``: the part of every cache row a step does not
+        change, made once per cache (a plan then adds each token's own part)."""
         shape = cache.storage_shape()
         key = (shape, device)
         if getattr(self, "_bases", (None,))[0] != key:
             num_layers, num_slots, num_kv_heads, max_len, _ = shape
             layers = torch.arange(num_layers, device=device)[:, None] * (num_slots * num_kv_heads * max_len)
-            self._bases = (key, layers + torch.arange(num_kv_heads, device=device)[None, :] * max_len)
+            self._bases = (key, (layers + torch.arange(num_kv_heads, device=device)[None, :] * max_len)[:, None, :])
         return self._bases[1]
 
     @staticmethod

@@ -191,10 +191,20 @@ def test_cli_exit_code_and_one_line(capsys, tmp_path):
         "kvcore: error: backend 'planted-nan' returned NaN or inf from forward (prefill")
 
 
-def test_finite_check_is_not_fooled_by_a_sum_that_overflows(random_model):
-    """The per-step check reduces each tensor to its sum first; finite values whose sum overflows must pass,
-    and one NaN or inf anywhere must still fail."""
+@pytest.mark.parametrize("flag", ["kernel", "sums"])
+def test_finite_check_is_not_fooled_by_a_sum_that_overflows(random_model, flag, monkeypatch):
+    """The per-step flag (kvcore's all_finite operator where the kernels are loaded, else each tensor's sum): finite
+    values whose sum overflows must pass, and one NaN or inf anywhere must still fail, naming its sequence."""
+    from kvcore.execution import backend_check
     from kvcore.execution.backend_check import _StepCheck
+    from kvcore.kernels.cpu_kernels import kernel_reasons, load_kernels
+
+    if flag == "kernel":
+        if kernel_reasons():
+            pytest.skip("; ".join(kernel_reasons()))
+        load_kernels()
+    else:
+        monkeypatch.setattr(backend_check, "kernels_loaded", lambda: False)
 
     engine = Engine(random_model, None, EngineConfig(backend="sdpa", max_model_len=64))
     guard = engine.runner.guards[id(engine.decode_backend)]

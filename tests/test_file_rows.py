@@ -12,6 +12,7 @@ import torch
 from gguf import GGMLQuantizationType as QType
 
 from kvcore.errors import ModelLoadError
+from kvcore.kernels.cpu_kernels import kernel_reasons, load_kernels
 from kvcore.loaders.gguf_blocks import GGUFBlocks, file_blocks
 from kvcore.model.embedding import BlockTable
 
@@ -98,3 +99,26 @@ def test_a_file_replaced_keeps_its_rows_and_one_written_over_is_an_error(tmp_pat
         os.utime(f.fileno(), ns=(0, 0))
     with pytest.raises(ModelLoadError, match="written to while in use"):
         table.rows(torch.tensor([5]))
+
+
+@pytest.mark.skipif(bool(kernel_reasons()), reason="; ".join(kernel_reasons()))
+def test_kept_rows_are_decoded_natively_as_the_rows_read(tmp_path):
+    """A lookup whose rows are all kept is one native call (gather and decode); the rows are those read, also after
+    the cache started over; a row not kept, or outside the table, leaves the lookup to the reads."""
+    load_kernels()
+    blocks, data = _table_file(tmp_path / "t.gguf", 64, 64)
+    reference = torch.from_numpy(gguf.quants.dequantize(data, QType.Q8_0).reshape(64, 64)).bfloat16()
+    table = GGUFBlocks(QType.Q8_0, blocks._file, (64, 64))
+    table._table = blocks._file.rows(64, cache_rows=8)
+    kept = table._table.kept
+    native = torch.ops.kvcore.q8_0_kept_rows
+    assert native(*kept, torch.tensor([3]), 64, torch.bfloat16).shape == (0, 64)  # nothing kept yet
+    for start in range(0, 60, 3):  # the cache of 8 rows starts over again and again
+        index = torch.tensor([start, start + 2, start + 1, start])
+        assert torch.equal(table.rows(index, torch.bfloat16), reference[index])  # read, then kept
+        got = native(*kept, index, 64, torch.bfloat16)
+        assert torch.equal(got, reference[index]) and torch.equal(table.rows(index, torch.bfloat16), got)
+    for outside in ([64], [-1], [start, 2]):  # past the table, negative, a row the cache no longer holds
+        assert native(*kept, torch.tensor(outside), 64, torch.bfloat16).shape == (0, 64)
+    with pytest.raises(IndexError):
+        table.rows(torch.tensor([64]))

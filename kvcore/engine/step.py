@@ -172,7 +172,7 @@ class EngineStep(SpeculativeStep):
             self._eos_columns = (key, torch.tensor(sorted(self.eos_token_ids), device=logits.device))
         cols = self._eos_columns[1]
         if len(banned_rows) == logits.shape[0]:
-            logits[:, cols] = float("-inf")
+            logits.index_fill_(1, cols, float("-inf"))  # one op; indexing assignment dispatches several
         else:
             logits[torch.tensor(banned_rows, device=logits.device)[:, None], cols[None, :]] = float("-inf")
 

@@ -30,8 +30,18 @@ from kvcore.interfaces.attention import AttentionBackend, causal_mask, explicit_
 from kvcore.interfaces.kv_cache import KVCache
 from kvcore.interfaces.layer_attention import LayerAttention
 from kvcore.interfaces.metadata import AttentionMetadata
+from kvcore.kernels.cpu_kernels import kernels_loaded
 
 __all__ = ["BackendGuard", "reference_attention"]
+
+
+def _all_finite(out0: torch.Tensor, logits: torch.Tensor) -> bool:
+    """Usually True: both tensors are finite; False: one may not be (checked element-wise next)."""
+    if kernels_loaded() and out0.device.type == logits.device.type == "cpu":
+        return torch.ops.kvcore.all_finite([out0, logits])  # one pass, one operator (csrc/logits.cpp)
+    # A sum is finite only if every term is (a NaN or inf propagates), so the two tensors' sums added usually
+    # settle it in one flag; a non-finite total is checked element-wise (finite values may overflow it).
+    return bool((out0.sum() + logits.sum()).isfinite())
 
 
 def reference_attention(
@@ -117,9 +127,7 @@ class _StepCheck:
         ``j`` is sequence ``rows[j]`` of the batch (every sequence in order without ``rows``)."""
         if self.out0 is None:
             return
-        # A sum is finite only if every term is (a NaN or inf propagates), so the two tensors' sums added usually
-        # settle it in one flag; a non-finite total is checked element-wise (finite values may overflow it).
-        if bool((self.out0.sum() + logits.sum()).isfinite()):
+        if _all_finite(self.out0, logits):
             return
         out0_ok = bool(torch.isfinite(self.out0).all())
         logits_ok = bool(torch.isfinite(logits).all())

@@ -14,7 +14,10 @@ The kernels:
   steps, short prefills) on weights repacked for ``vdpbf16ps`` (:mod:`kvcore.kernels.linear`), built only for CPUs with
   AVX512_BF16;
 * ``torch.ops.kvcore.rescore_top_k`` (``csrc/rescore_top_k.cpp``): the int4 LM head's exact rescoring of each
-  row's top candidates (:class:`kvcore.model.lm_head.RescoredInt4Head`), run eagerly;
+  row's top candidates (:class:`kvcore.model.lm_head.RescoredInt4Head`), run eagerly, and its ``_float`` forms that
+  return those logits widened to float32;
+* ``torch.ops.kvcore.all_finite`` and ``torch.ops.kvcore.argmax_rows`` (``csrc/logits.cpp``): the backend check's
+  finiteness flag and greedy decoding's argmax, one operator each instead of several ATen ops;
 * ``torch.ops.kvcore.q8_0_rows`` (``csrc/q8_0_rows.cpp``): a Q8_0 token table's rows decoded in one call;
 * ``torch.ops.kvcore.rms_norm`` (``csrc/rms_norm.cpp``): a bfloat16 residual add and RMSNorm in one operator, for
   the decoder of an ``int4a8`` model (:func:`kvcore.model.layers.add_rms_norm`);
@@ -66,8 +69,8 @@ __all__ = ["bf16_linear_ready", "cxx_compiler", "extension_reasons", "int4a8_rea
            "kernels_built", "kernels_loaded", "load_kernels", "vector_isa"]
 
 _SOURCES = ("bf16_linear.cpp", "decode_attention.cpp", "decode_stack.cpp", "fused_layer.cpp", "int4_linear.cpp",
-            "int8_group_linear.cpp", "isa.cpp", "prefill_attention.cpp", "q8_0_rows.cpp", "rescore_top_k.cpp",
-            "rms_norm.cpp")
+            "int8_group_linear.cpp", "isa.cpp", "logits.cpp", "prefill_attention.cpp", "q8_0_rows.cpp",
+            "rescore_top_k.cpp", "rms_norm.cpp")
 # included by the sources: in the cache key
 _HEADERS = ("decode_attention.h", "fused_layer.h", "group_matmul.h", "int4a8.h", "isa.h", "quantize_rows.h",
             "rms_norm.h")

@@ -79,6 +79,9 @@ class FileRows:
         self._slot_of = np.full(num_rows, -1, dtype=np.int32)  # row -> its place in _cache, -1: not kept
         self._row_of = np.empty(len(self._cache), dtype=np.int64)  # place -> row
         self._used = 0
+        #: ``(kept rows [C, row_bytes] uint8, each row's place in them [rows] int32, -1: not kept)``: tensors sharing
+        #: the cache's memory, for a native lookup of kept rows (``torch.ops.kvcore.q8_0_kept_rows``)
+        self.kept = (torch.from_numpy(self._cache), torch.from_numpy(self._slot_of))
 
     def __getitem__(self, index: torch.Tensor | slice) -> torch.Tensor:
         """Rows ``index`` (int64 of any shape, each in ``[0, rows)``, or a slice): ``[*index.shape, row_bytes]``."""

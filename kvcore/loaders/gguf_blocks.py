@@ -123,8 +123,13 @@ class GGUFBlocks:
         """Rows ``index`` (``[n]`` int64 or a slice) ``[n, columns]`` in ``dtype``: exactly the rows of
         :meth:`dequantize` (llama.cpp's reference values in float32, rounded once), only those decoded."""
         table = self._table if self._table is not None else torch.from_numpy(self.data)
+        q8_0_native = self.qtype == QType.Q8_0 and kernels_loaded()  # the token tables of llama.cpp's files
+        if q8_0_native and isinstance(table, FileRows) and isinstance(index, torch.Tensor):
+            rows = torch.ops.kvcore.q8_0_kept_rows(*table.kept, index, self.shape[1], dtype)
+            if rows.shape[0] == index.numel():  # every row was kept: gathered and decoded in one call
+                return rows
         picked = table[index]  # [n, bytes per row]
-        if self.qtype == QType.Q8_0 and kernels_loaded():  # the token tables of llama.cpp's files: one call
+        if q8_0_native:  # one call
             return torch.ops.kvcore.q8_0_rows(picked.contiguous(), self.shape[1], dtype)
         if self.qtype == QType.Q8_0:  # the same values from torch's ops, where kvcore's kernels are not loaded
             blocks = picked.reshape(-1, _Q8_0_BYTES)

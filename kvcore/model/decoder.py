@@ -267,11 +267,11 @@ class DecoderModel(nn.Module):
 
         :param head: another form of the LM head (:class:`kvcore.model.lm_head.RescoredInt4Head`), used for batches
             of at most ``head.max_rows`` rows; the dense head otherwise."""
+        cap = self.config.final_logit_softcapping
         if head is not None and hidden.shape[0] <= head.max_rows:
-            logits = head(hidden)
+            logits = head(hidden, widen=cap is None)  # float32 from the head's kernel unless a soft-cap follows
         else:
             logits = self.dense_head(hidden.shape[0])(hidden)
-        cap = self.config.final_logit_softcapping
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
         return logits.float()

@@ -84,15 +84,18 @@ class RescoredInt4Head:
     def nbytes(self) -> int:
         return self.int4.nbytes
 
-    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``[N, V]`` in the model dtype (as the dense head returns them)."""
+    def __call__(self, hidden: torch.Tensor, widen: bool = False) -> torch.Tensor:
+        """``[N, V]`` in the model dtype (as the dense head returns them); with ``widen``, those values as float32,
+        written so by the rescoring kernel (bit for bit ``.float()`` of them, without that extra pass)."""
         hidden = hidden.contiguous()
+        ops = torch.ops.kvcore
         if isinstance(self.weight, torch.Tensor):
-            return torch.ops.kvcore.rescore_top_k(self.int4(hidden), hidden, self.weight, self.top_k)
+            rescore = ops.rescore_top_k_float if widen else ops.rescore_top_k
+            return rescore(self.int4(hidden), hidden, self.weight, self.top_k)
         scores = self.int4(hidden)
-        index = torch.ops.kvcore.top_k_candidates(scores, self.top_k)  # [N, k]
+        index = ops.top_k_candidates(scores, self.top_k)  # [N, k]
         rows = self.weight[index.view(-1)].view(*index.shape, -1)  # [N, k, d]: only the candidates decoded
-        return torch.ops.kvcore.rescore_candidates(scores, hidden, rows, index)
+        return (ops.rescore_candidates_float if widen else ops.rescore_candidates)(scores, hidden, rows, index)
 
 
 def int4a8_in_chunks(w: torch.Tensor | BlockTable, rows: int = 1024) -> Int4A8Linear:

@@ -198,7 +198,8 @@ class RotaryEmbedding(nn.Module):
             cos, sin = self.cos[positions], self.sin[positions]  # [T, D/2] float32
             return torch.cat((cos, cos), -1).to(dtype)[:, None, :], torch.cat((-sin, sin), -1).to(dtype)[:, None, :]
         cos, sin = self._full_tables(dtype)
-        return cos[positions][:, None, :], sin[positions][:, None, :]
+        # index_select: the rows of cos[positions], without advanced indexing's Python and dispatch
+        return cos.index_select(0, positions).unsqueeze(1), sin.index_select(0, positions).unsqueeze(1)
 
     def _full_tables(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """``[P, D]`` ``cat(cos, cos)`` and ``cat(-sin, sin)`` in ``dtype`` (the same values as building them from

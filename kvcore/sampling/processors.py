@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
+from kvcore.kernels.cpu_kernels import kernels_loaded
+
 if TYPE_CHECKING:
     from kvcore.interfaces.sampler import SamplingRow
 
@@ -72,8 +74,11 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     largest, as in ``torch.argmax``), found block by block. On CPU torch's argmax along a row is a scalar loop,
     several times slower than the vectorised ``amax``: each row's blocks of 256 are reduced with ``amax``, the
     first block holding the maximum is picked, and ``argmax`` runs over that block only. A vocabulary that is not a
-    multiple of 256 takes ``argmax`` directly."""
+    multiple of 256 takes ``argmax`` directly. Contiguous float32 CPU logits, where kvcore's kernels are loaded, take
+    their ``argmax_rows`` operator: the same search in one call."""
     rows, vocab = logits.shape
+    if kernels_loaded() and logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.is_contiguous():
+        return torch.ops.kvcore.argmax_rows(logits)  # the same search as one operator (csrc/logits.cpp)
     if vocab % _ARGMAX_BLOCK:
         return logits.argmax(-1)
     blocks = logits.reshape(rows, vocab // _ARGMAX_BLOCK, _ARGMAX_BLOCK)

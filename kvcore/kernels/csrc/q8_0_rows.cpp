@@ -9,6 +9,16 @@
 //   columns                          a multiple of 32
 //   dtype                            float32, bfloat16 or float16
 //   returns  [n, columns]            dtype
+//
+// kvcore::q8_0_kept_rows: the same decode of rows a FileRows table has kept (kvcore/loaders/file_rows.py), gathered
+// from its cache in the same call: a decode step's lookups (its token, the head's candidates) are mostly rows
+// earlier steps read, and the NumPy gather before q8_0_rows cost more than the decode.
+//
+//   kept     [C, columns / 32 * 34]  uint8, contiguous: the kept rows
+//   slot_of  [rows]                  int32: each table row's place in kept, -1 where it is not kept
+//   index    [n]                     int64 table rows (any shape, read in order)
+//   returns  [n, columns]            dtype, or [0, columns] when some row is outside [0, rows) or not kept (the
+//                                    caller then reads the rows itself)
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -60,8 +70,38 @@ at::Tensor q8_0_rows(const at::Tensor& blocks, int64_t columns, at::ScalarType d
   return out;
 }
 
+at::Tensor q8_0_kept_rows(const at::Tensor& kept, const at::Tensor& slot_of, const at::Tensor& index, int64_t columns,
+                          at::ScalarType dtype) {
+  TORCH_CHECK(columns > 0 && columns % kGroup == 0, "q8_0_kept_rows: columns must be a positive multiple of 32");
+  TORCH_CHECK(kept.scalar_type() == at::kByte && kept.dim() == 2 && kept.is_contiguous() &&
+              kept.size(1) == columns / kGroup * kBlockBytes,
+              "q8_0_kept_rows: kept must be contiguous uint8 [C, columns / 32 * 34]");
+  TORCH_CHECK(slot_of.scalar_type() == at::kInt && slot_of.dim() == 1 && slot_of.is_contiguous() &&
+              index.scalar_type() == at::kLong, "q8_0_kept_rows: int32 slot_of [rows] and int64 index");
+  const at::Tensor ids = index.contiguous();
+  const int64_t n = ids.numel(), rows = slot_of.size(0), num_kept = kept.size(0), width = kept.size(1);
+  const int64_t* ip = ids.data_ptr<int64_t>();
+  const int32_t* sp = slot_of.data_ptr<int32_t>();
+  at::Tensor picked = at::empty({n, width}, kept.options());
+  uint8_t* dst = picked.data_ptr<uint8_t>();
+  const uint8_t* src = kept.data_ptr<uint8_t>();
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t row = ip[i];
+    const int32_t slot = row >= 0 && row < rows ? sp[row] : -1;
+    if (slot < 0 || slot >= num_kept) return at::empty({0, columns}, kept.options().dtype(dtype));
+    std::memcpy(dst + i * width, src + slot * width, width);
+  }
+  return q8_0_rows(picked, columns, dtype);
+}
+
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(kvcore, m) { m.def("q8_0_rows(Tensor blocks, int columns, ScalarType dtype) -> Tensor"); }
+TORCH_LIBRARY_FRAGMENT(kvcore, m) {
+  m.def("q8_0_rows(Tensor blocks, int columns, ScalarType dtype) -> Tensor");
+  m.def("q8_0_kept_rows(Tensor kept, Tensor slot_of, Tensor index, int columns, ScalarType dtype) -> Tensor");
+}
 
-TORCH_LIBRARY_IMPL(kvcore, CPU, m) { m.impl("q8_0_rows", &q8_0_rows); }
+TORCH_LIBRARY_IMPL(kvcore, CPU, m) {
+  m.impl("q8_0_rows", &q8_0_rows);
+  m.impl("q8_0_kept_rows", &q8_0_kept_rows);
+}

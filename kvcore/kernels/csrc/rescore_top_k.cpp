@@ -16,6 +16,10 @@
 // For a head held as quantized blocks (no dense [V, d] table) the two passes are separate operators, the rows
 // decoded in between: top_k_candidates(logits, k) -> [N, k] int64 indices (the same selection, in the same
 // order), then rescore_candidates(logits, hidden, rows [N, k, d], indices) writes the same dot products.
+//
+// rescore_top_k_float and rescore_candidates_float return the same logits as new float32 [N, V] tensors (the
+// estimates left as they are): each value is the bfloat16 one widened, bit for bit what .float() of the bfloat16
+// result gives, without that separate pass and its allocation.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -82,7 +86,11 @@ float dot(const c10::BFloat16* a, const c10::BFloat16* b, int64_t d) {
   return sum;
 }
 
-at::Tensor rescore_top_k(at::Tensor logits, const at::Tensor& hidden, const at::Tensor& weight, int64_t k) {
+// Each row's top k of the bfloat16 estimates `logits`, rescored into out [N, V] (bfloat16: logits itself, in place;
+// float32: the widened estimates), each value rounded to bfloat16 first.
+template <typename T>
+at::Tensor rescore_top_k_into(const at::Tensor& logits, at::Tensor out, const at::Tensor& hidden,
+                              const at::Tensor& weight, int64_t k) {
   TORCH_CHECK(logits.scalar_type() == at::kBFloat16 && hidden.scalar_type() == at::kBFloat16 &&
               weight.scalar_type() == at::kBFloat16, "rescore_top_k: bfloat16 logits, hidden and weight");
   TORCH_CHECK(logits.dim() == 2 && hidden.dim() == 2 && weight.dim() == 2 && logits.is_contiguous() &&
@@ -92,7 +100,8 @@ at::Tensor rescore_top_k(at::Tensor logits, const at::Tensor& hidden, const at::
   TORCH_CHECK(hidden.size(0) == N && weight.size(0) == V && weight.size(1) == d,
               "rescore_top_k: shapes must be logits [N, V], hidden [N, d], weight [V, d]");
   TORCH_CHECK(k >= 1 && k <= V, "rescore_top_k: k must be 1..V");
-  c10::BFloat16* lp = logits.data_ptr<c10::BFloat16>();
+  const c10::BFloat16* lp = logits.data_ptr<c10::BFloat16>();
+  T* op = out.data_ptr<T>();
   const c10::BFloat16* hp = hidden.data_ptr<c10::BFloat16>();
   const c10::BFloat16* wp = weight.data_ptr<c10::BFloat16>();
   const int64_t w_stride = weight.stride(0);
@@ -100,16 +109,45 @@ at::Tensor rescore_top_k(at::Tensor logits, const at::Tensor& hidden, const at::
     std::vector<Entry> heap;
     heap.reserve(k);
     for (int64_t r = r0; r < r1; ++r) {
-      top_k(lp + r * V, V, k, heap);
+      top_k(lp + r * V, V, k, heap);  // the whole row is selected from before any of it is written
       // the k weight rows are scattered over the head and rarely cached: request them all before the first
       // dot product needs one, so their cache misses overlap
       for (const Entry& e : heap)
         for (int64_t byte = 0; byte < d * 2; byte += 64)
           __builtin_prefetch(reinterpret_cast<const char*>(wp + e.second * w_stride) + byte);
-      for (const Entry& e : heap) lp[r * V + e.second] = c10::BFloat16(dot(hp + r * d, wp + e.second * w_stride, d));
+      for (const Entry& e : heap)
+        op[r * V + e.second] = static_cast<T>(c10::BFloat16(dot(hp + r * d, wp + e.second * w_stride, d)));
     }
   });
-  return logits;
+  return out;
+}
+
+at::Tensor rescore_top_k(at::Tensor logits, const at::Tensor& hidden, const at::Tensor& weight, int64_t k) {
+  return rescore_top_k_into<c10::BFloat16>(logits, logits, hidden, weight, k);
+}
+
+// out [N, V] float32: the bfloat16 estimates widened
+at::Tensor widened(const at::Tensor& logits) {
+  at::Tensor out = at::empty(logits.sizes(), logits.options().dtype(at::kFloat));
+  const c10::BFloat16* lp = logits.data_ptr<c10::BFloat16>();
+  float* op = out.data_ptr<float>();
+  const int64_t n = logits.numel();
+  at::parallel_for(0, n, 16384, [&](int64_t a, int64_t b) {
+    int64_t i = a;
+    for (Vec v; i + Vec::size() <= b; i += Vec::size()) {
+      at::vec::load_to_float(lp + i, v);
+      v.store(op + i);
+    }
+    for (; i < b; ++i) op[i] = static_cast<float>(lp[i]);
+  });
+  return out;
+}
+
+at::Tensor rescore_top_k_float(const at::Tensor& logits, const at::Tensor& hidden, const at::Tensor& weight,
+                               int64_t k) {
+  TORCH_CHECK(logits.scalar_type() == at::kBFloat16 && logits.dim() == 2 && logits.is_contiguous(),
+              "rescore_top_k_float: contiguous bfloat16 logits [N, V]");
+  return rescore_top_k_into<float>(logits, widened(logits), hidden, weight, k);
 }
 
 at::Tensor top_k_candidates(const at::Tensor& logits, int64_t k) {
@@ -131,19 +169,21 @@ at::Tensor top_k_candidates(const at::Tensor& logits, int64_t k) {
   return out;
 }
 
-at::Tensor rescore_candidates(at::Tensor logits, const at::Tensor& hidden, const at::Tensor& rows,
-                              const at::Tensor& index) {
-  TORCH_CHECK(logits.scalar_type() == at::kBFloat16 && hidden.scalar_type() == at::kBFloat16 &&
-              rows.scalar_type() == at::kBFloat16 && index.scalar_type() == at::kLong,
-              "rescore_candidates: bfloat16 logits, hidden and rows, int64 index");
-  TORCH_CHECK(logits.dim() == 2 && hidden.dim() == 2 && rows.dim() == 3 && index.dim() == 2 &&
-              logits.is_contiguous() && hidden.is_contiguous() && rows.is_contiguous() && index.is_contiguous(),
+// Writes the rescored candidates into out [N, V] (bfloat16: in place; float32: the widened estimates), each value
+// rounded to bfloat16 first.
+template <typename T>
+at::Tensor rescore_candidates_into(at::Tensor out, const at::Tensor& hidden, const at::Tensor& rows,
+                                   const at::Tensor& index) {
+  TORCH_CHECK(hidden.scalar_type() == at::kBFloat16 && rows.scalar_type() == at::kBFloat16 &&
+              index.scalar_type() == at::kLong, "rescore_candidates: bfloat16 logits, hidden and rows, int64 index");
+  TORCH_CHECK(out.dim() == 2 && hidden.dim() == 2 && rows.dim() == 3 && index.dim() == 2 &&
+              out.is_contiguous() && hidden.is_contiguous() && rows.is_contiguous() && index.is_contiguous(),
               "rescore_candidates: contiguous logits [N, V], hidden [N, d], rows [N, k, d], index [N, k]");
-  const int64_t N = logits.size(0), V = logits.size(1), d = hidden.size(1), k = index.size(1);
+  const int64_t N = out.size(0), V = out.size(1), d = hidden.size(1), k = index.size(1);
   TORCH_CHECK(hidden.size(0) == N && index.size(0) == N && rows.size(0) == N && rows.size(1) == k &&
               rows.size(2) == d, "rescore_candidates: shapes must be logits [N, V], hidden [N, d], rows [N, k, d], "
               "index [N, k]");
-  c10::BFloat16* lp = logits.data_ptr<c10::BFloat16>();
+  T* lp = out.data_ptr<T>();
   const c10::BFloat16* hp = hidden.data_ptr<c10::BFloat16>();
   const c10::BFloat16* rp = rows.data_ptr<c10::BFloat16>();
   const int64_t* ip = index.data_ptr<int64_t>();
@@ -151,9 +191,24 @@ at::Tensor rescore_candidates(at::Tensor logits, const at::Tensor& hidden, const
   at::parallel_for(0, N, 1, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r)
       for (int64_t j = 0; j < k; ++j)
-        lp[r * V + ip[r * k + j]] = c10::BFloat16(dot(hp + r * d, rp + (r * k + j) * d, d));
+        lp[r * V + ip[r * k + j]] = static_cast<T>(c10::BFloat16(dot(hp + r * d, rp + (r * k + j) * d, d)));
   });
-  return logits;
+  return out;
+}
+
+at::Tensor rescore_candidates(at::Tensor logits, const at::Tensor& hidden, const at::Tensor& rows,
+                              const at::Tensor& index) {
+  TORCH_CHECK(logits.scalar_type() == at::kBFloat16, "rescore_candidates: bfloat16 logits, hidden and rows, int64 "
+              "index");
+  return rescore_candidates_into<c10::BFloat16>(logits, hidden, rows, index);
+}
+
+at::Tensor rescore_candidates_float(const at::Tensor& logits, const at::Tensor& hidden, const at::Tensor& rows,
+                                    const at::Tensor& index) {
+  TORCH_CHECK(logits.scalar_type() == at::kBFloat16 && logits.dim() == 2 && logits.is_contiguous(),
+              "rescore_candidates_float: contiguous bfloat16 logits [N, V]");
+  at::Tensor out = widened(logits);
+  return rescore_candidates_into<float>(out, hidden, rows, index);
 }
 
 }  // namespace
@@ -162,10 +217,14 @@ TORCH_LIBRARY_FRAGMENT(kvcore, m) {
   m.def("rescore_top_k(Tensor(a!) logits, Tensor hidden, Tensor weight, int k) -> Tensor(a!)");
   m.def("top_k_candidates(Tensor logits, int k) -> Tensor");
   m.def("rescore_candidates(Tensor(a!) logits, Tensor hidden, Tensor rows, Tensor index) -> Tensor(a!)");
+  m.def("rescore_top_k_float(Tensor logits, Tensor hidden, Tensor weight, int k) -> Tensor");
+  m.def("rescore_candidates_float(Tensor logits, Tensor hidden, Tensor rows, Tensor index) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvcore, CPU, m) {
   m.impl("rescore_top_k", &rescore_top_k);
   m.impl("top_k_candidates", &top_k_candidates);
   m.impl("rescore_candidates", &rescore_candidates);
+  m.impl("rescore_top_k_float", &rescore_top_k_float);
+  m.impl("rescore_candidates_float", &rescore_candidates_float);
 }
