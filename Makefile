@@ -27,9 +27,9 @@ run: setup
 	$(BIN)/kvcore generate --max-new-tokens 48 "$(PROMPT)"
 
 # pytest workers (pytest-xdist, docs/testing.md): one per core of the 2-core machine the suite is sized for;
-# TEST_WORKERS=0 runs each suite in one process
+# TEST_WORKERS=0 runs each suite in one process. loadgroup: a module marked xdist_group runs on one worker
 TEST_WORKERS ?= 2
-PYTEST := $(BIN)/python -m pytest -q -n $(TEST_WORKERS)
+PYTEST := $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
 
 test: setup
 	$(PYTEST) examples/kvcore-example-backend/tests
