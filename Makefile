@@ -26,15 +26,20 @@ setup: $(VENV)/.setup-done
 run: setup
 	$(BIN)/kvcore generate --max-new-tokens 48 "$(PROMPT)"
 
+# pytest workers (pytest-xdist, docs/testing.md): one per core of the 2-core machine the suite is sized for;
+# TEST_WORKERS=0 runs each suite in one process. loadgroup: a module marked xdist_group runs on one worker
+TEST_WORKERS ?= 2
+PYTEST := $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
+
 test: setup
-	$(BIN)/python -m pytest -q examples/kvcore-example-backend/tests
-	$(BIN)/python -m pytest -q
+	$(PYTEST) examples/kvcore-example-backend/tests
+	$(PYTEST)
 	$(MAKE) wheel-test
 
 # make test with the full tier (docs/testing.md): every golden token, and the wheel's kernels built from its sources
 test-full: setup
-	$(BIN)/python -m pytest -q examples/kvcore-example-backend/tests
-	$(BIN)/python -m pytest -q --full
+	$(PYTEST) examples/kvcore-example-backend/tests
+	$(PYTEST) --full
 	$(BIN)/python scripts/wheel_check.py --build-kernels
 
 # What a user installs: the wheel, in a clean venv, run from outside the source tree (scripts/wheel_check.py).

@@ -76,6 +76,9 @@ class CPUDecodePlan(SDPAPlan):
     #: each layer's ``(scale, window, softcap)`` for ``cached_decode_attention``, None for a layer with sinks; the
     #: whole tuple None where no sequence takes the call (sdpa's path)
     layer_args: tuple[tuple[float, int, float] | None, ...] | None = None
+    #: the same values by kind, ``(scales, windows, softcaps)``, for :meth:`CPUDecodeBackend.decode_stack`; None
+    #: when a layer has sinks or no sequence takes the call
+    stack_args: tuple[tuple[float, ...], tuple[int, ...], tuple[float, ...]] | None = None
     #: a call that is not a decode batch on consecutive slots: each sequence's ShortRows, None for one that takes
     #: the prefill path
     sequences: tuple[ShortRows | None, ...] | None = None
@@ -134,24 +137,26 @@ class CPUDecodeBackend(SDPABackend):
                 for i, (slot, ctx, q_len) in enumerate(zip(meta.slots, meta.context_lens, meta.query_lens)))
         if not self.cached_decode or (sequences is not None and not any(sequences)):
             return CPUDecodePlan(**vars(plan))
-        return CPUDecodePlan(**vars(plan), layer_args=self._layer_args(meta, plan.rows.shape[0]), sequences=sequences)
+        layer_args, stack_args = self._layer_args(meta, plan.rows.shape[0])
+        return CPUDecodePlan(**vars(plan), layer_args=layer_args, stack_args=stack_args, sequences=sequences)
 
-    def _layer_args(self, meta: AttentionMetadata, num_layers: int) -> tuple[tuple[float, int, float] | None, ...]:
-        """Each layer's kernel arguments, made once per model (every step's metadata carries the same layers)."""
+    def _layer_args(self, meta: AttentionMetadata, num_layers: int) -> tuple[tuple, tuple | None]:
+        """The plan's ``layer_args`` and ``stack_args``, made together once per model (every step's metadata
+        carries the same layers) and again when the layers, the scale or the layer count change."""
         key = (meta.layers, meta.scale, num_layers)
         cached = getattr(self, "_args", None)
         if cached is None or cached[0][0] is not meta.layers or cached[0][1:] != key[1:]:
-            layers = map(meta.layer, range(num_layers))
-            cached = self._args = (key, tuple(None if layer.sinks is not None else
-                                              (layer.scale, layer.sliding_window or 0, layer.softcap or 0.0)
-                                              for layer in layers))
+            per_layer = tuple(None if layer.sinks is not None else
+                              (layer.scale, layer.sliding_window or 0, layer.softcap or 0.0)
+                              for layer in map(meta.layer, range(num_layers)))
+            cached = self._args = (key, (per_layer, None if None in per_layer else tuple(zip(*per_layer))))
         return cached[1]
 
     def decode_stack(self, plan: CPUDecodePlan, cache: ContiguousKVCache) -> DecodeStack | None:
         """The call's attention for ``torch.ops.kvcore.decode_stack`` when :meth:`forward` would run every layer as
         ``cached_decode_attention`` calls on a bfloat16 cache (no layer with sinks, no sequence taking the prefill
         path, not traced): the decode batch as one call group, or each sequence's short rows as its own."""
-        if (not self.native_stack or plan.layer_args is None or cache.k.dtype != torch.bfloat16
+        if (not self.native_stack or plan.stack_args is None or cache.k.dtype != torch.bfloat16
                 or torch.compiler.is_compiling()):
             return None
         if plan.sequences is None:
@@ -162,18 +167,13 @@ class CPUDecodeBackend(SDPABackend):
                       for i, seq in enumerate(plan.sequences)]
         else:
             return None
-        per_layer = self._stack_args(plan.layer_args)
-        if per_layer is None:
-            return None
         rows, lens, slots, max_lens = zip(*groups)
-        return DecodeStack(cache.k, cache.v, rows, lens, slots, max_lens, *per_layer)
+        return DecodeStack(cache.k, cache.v, rows, lens, slots, max_lens, *plan.stack_args)
 
-    def _stack_args(self, layer_args) -> tuple[tuple, tuple, tuple] | None:
-        """``(scales, windows, softcaps)`` of ``layer_args`` (None when a layer has sinks), made once per model."""
-        cached = getattr(self, "_stack", None)
-        if cached is None or cached[0] is not layer_args:
-            cached = self._stack = (layer_args, None if None in layer_args else tuple(zip(*layer_args)))
-        return cached[1]
+    def decode_stack_reason(self) -> str | None:
+        if not self.native_stack:
+            return f"backend '{self.name}' has its native stack switched off (native_stack)"
+        return super().decode_stack_reason()
 
     def forward(self, layer_idx: int, q, k, v, cache: ContiguousKVCache, plan: CPUDecodePlan) -> torch.Tensor:
         # compiled steps trace sdpa's path: functionalizing an in-place custom op on the cache would copy the cache

@@ -14,6 +14,7 @@ import warnings
 from pathlib import Path
 
 import pytest
+import torch
 from helpers import make_random_model
 
 from kvcore import LlamaModel
@@ -39,6 +40,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if workers:  # an xdist worker (`make test`: pytest -n 2)
+        # each worker takes its share of the cores, it and the processes it starts (kvcore's CLI reads
+        # OMP_NUM_THREADS): more compute threads than cores make every parallel region wait for the slowest
+        os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // int(workers))))
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     # The repo's own tests see third-party plugins only where a test asks for them. A run of the bundled
     # conformance suite (`pytest --kvcore-backend NAME` from the repo root loads this file too) certifies
     # exactly such a plugin, so it keeps the environment's plugins.
@@ -67,8 +74,6 @@ def smollm2():
 def _keep_torch_threads():
     """The CLI sets torch's thread count (--threads, or the free cores); a test calling ``main()`` in this
     process must not change it for the tests after it."""
-    import torch
-
     threads = torch.get_num_threads()
     yield
     if torch.get_num_threads() != threads:

@@ -103,3 +103,36 @@ def test_the_call_rejects_bad_inputs_with_a_message():
         op(q, k, k, cache, cache.clone(), rows[:, :2], lens, 0, 0, 8, 0.25)
     with pytest.raises(RuntimeError, match="of the cache's dtype"):
         op(q, k.bfloat16(), k, cache, cache.clone(), rows, lens, 0, 0, 8, 0.25)
+
+
+def test_the_layer_arguments_are_made_once_per_model_and_again_for_another():
+    """The plan's per-layer arguments and the decode stack's, one cache of both: reused while the metadata carries
+    the same layers, rebuilt together for another model's layers, another scale or another layer count."""
+    backend, scale = CPUDecodeBackend(), HEAD_DIM**-0.5
+    spec = CacheSpec(num_layers=4, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, dtype=torch.bfloat16,
+                     device=torch.device("cpu"), max_num_seqs=4, max_seq_len=32)
+    cache = ContiguousKVCache(spec)
+
+    def plan(layers, scale=scale, cache=cache):
+        meta = AttentionMetadata.build([1, 1], [5, 7], [[1], [2]], cache.block_size, scale, torch.device("cpu"),
+                                       layers)
+        return backend.plan(meta, cache)
+
+    plain = tuple(LayerAttention(scale) for _ in range(4))
+    first, again = plan(plain), plan(plain)
+    assert first.layer_args is again.layer_args and first.stack_args is again.stack_args
+    assert first.stack_args == ((scale,) * 4, (0,) * 4, (0.0,) * 4)
+    variants = _model(torch.bfloat16).attention_layers[:3] + (LayerAttention(scale * 2, softcap=3.0),)
+    other = plan(variants)
+    assert other.layer_args == ((scale, 5, 0.0), (scale * 4, 0, 2.0), (scale, 0, 0.0), (scale * 2, 0, 3.0))
+    assert other.stack_args == ((scale, scale * 4, scale, scale * 2), (5, 0, 0, 0), (0.0, 2.0, 0.0, 3.0))
+    stack = backend.decode_stack(other, cache)
+    assert (stack.scales, stack.windows, stack.softcaps) == other.stack_args
+    sinks = plan(_model(torch.bfloat16).attention_layers)  # a layer with sinks: no stack arguments
+    assert sinks.layer_args[3] is None and sinks.stack_args is None and backend.decode_stack(sinks, cache) is None
+    assert plan(plain).stack_args == first.stack_args  # back to the first model's layers
+    assert plan((), scale=0.5).stack_args == ((0.5,) * 4, (0,) * 4, (0.0,) * 4)
+    assert plan((), scale=0.25).stack_args == ((0.25,) * 4, (0,) * 4, (0.0,) * 4)
+    deeper = ContiguousKVCache(CacheSpec(num_layers=6, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, dtype=torch.bfloat16,
+                                         device=torch.device("cpu"), max_num_seqs=4, max_seq_len=32))
+    assert plan((), scale=0.25, cache=deeper).stack_args == ((0.25,) * 6, (0,) * 6, (0.0,) * 6)

@@ -261,6 +261,11 @@ def test_the_reasons_say_why_no_stack_runs():
         "backend 'cpu_decode' has its native stack switched off (native_stack)"]
     assert decode_stack_reasons(model, SDPABackend()) == [
         "backend 'sdpa' does not describe its attention as a native stack (capabilities.decode_stack)"]
+    described = dataclasses.replace(SDPABackend.capabilities, decode_stack=True)
+    plugin = type("Plugin", (SDPABackend,), {"name": "plugin", "capabilities": described})
+    assert decode_stack_reasons(model, plugin()) == []  # the default follows the capability
+    switched = type("Switched", (plugin,), {"decode_stack_reason": lambda self: "its kernels are not built yet"})
+    assert decode_stack_reasons(model, switched()) == ["its kernels are not built yet"]  # a backend's own reason
     model.fused_layers = False
     assert decode_stack_reasons(model, _backend(True)) == ["the model's fused layers are switched off"]
     dense = make_random_model(num_layers=1, head_dim=HEAD_DIM, dtype=torch.bfloat16)

@@ -30,6 +30,9 @@ CASES = make_corpus.all_cases()
 CHILD_TIMEOUT_S = 300  # the whole corpus; a hung case costs its own 20 s alarm, not this
 CLI_TIMEOUT_S = 60
 CLI_MEMORY_LIMIT = 1 << 30  # peak resident memory of one `kvcore` run
+# the module fixtures run the whole corpus and every CLI case: under `--dist loadgroup` (make test) one xdist
+# worker runs every test here, so they run once, not once per worker
+pytestmark = pytest.mark.xdist_group("test_hostile")
 
 
 @pytest.fixture(scope="module")

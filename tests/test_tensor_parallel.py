@@ -4,6 +4,7 @@ error line, exit code 7, and no worker process left)."""
 
 from __future__ import annotations
 
+import atexit
 import multiprocessing
 import os
 import signal
@@ -211,6 +212,8 @@ class WorkerFailsBackend(NaiveBackend):
         if multiprocessing.parent_process() is not None and layer_idx == 0:
             self.calls += 1
             if self.calls == 3:
+                # a slow teardown, as on a loaded machine: rank 0 sees the closed sockets seconds before the exit
+                atexit.register(time.sleep, 3.0)
                 raise RuntimeError("planted failure on a worker")
         return super().forward(layer_idx, q, k, v, cache, plan)
 

@@ -75,12 +75,8 @@ def decode_stack_reasons(model: LlamaModel, backend: AttentionBackend) -> list[s
     reasons = []
     if not model.fused_layers:
         reasons += fused_layer_reasons(model) or ["the model's fused layers are switched off"]
-    if not backend.capabilities.decode_stack:
-        reasons.append(f"backend '{backend.name}' does not describe its attention as a native stack "
-                       "(capabilities.decode_stack)")
-    elif not getattr(backend, "native_stack", True):
-        reasons.append(f"backend '{backend.name}' has its native stack switched off (native_stack)")
-    return reasons
+    reason = backend.decode_stack_reason()
+    return reasons + ([reason] if reason else [])
 
 
 def last_token_logits(

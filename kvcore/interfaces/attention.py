@@ -209,6 +209,14 @@ class AttentionBackend(abc.ABC, Generic[PlanT]):
         :meth:`forward` per layer. The operator then writes the cache and attends as those calls would."""
         return None
 
+    def decode_stack_reason(self) -> str | None:
+        """One line saying why :meth:`decode_stack` never hands over a call's attention; None: it does for the
+        calls it describes. The default follows ``capabilities.decode_stack``; a backend with a switch of its own
+        names it here, so generic code never reads a backend's internals."""
+        if self.capabilities.decode_stack:
+            return None
+        return f"backend '{self.name}' does not describe its attention as a native stack (capabilities.decode_stack)"
+
     @abc.abstractmethod
     def forward(
         self,

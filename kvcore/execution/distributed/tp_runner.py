@@ -265,18 +265,19 @@ class TensorParallelRunner:
 
     def _fail(self, cause: str) -> None:
         """Tear the group down and raise one TensorParallelError (what died or hung, and how)."""
-        # A peer's closed socket usually means it died a moment ago: give the kernel time to report the exit
-        # so the error can name the rank and the signal.
+        # A peer's closed socket usually means it died a moment ago: wait for its exit to name the rank and signal
         deadline = time.monotonic() + 2.0
         while self._state.procs and all(p.exitcode is None for p in self._state.procs) and time.monotonic() < deadline:
             time.sleep(0.02)
         dead = []
         for rank, p in enumerate(self._state.procs, start=1):
+            error = read_note(self._state.store, f"error/{rank}") if self._state.store is not None else None
+            if error:  # it is on its way out: its sockets close before a loaded machine has torn its interpreter down
+                p.join(collective_timeout())
             if p.exitcode is None:
                 continue
             code = p.exitcode
             how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
-            error = read_note(self._state.store, f"error/{rank}") if self._state.store is not None else None
             dead.append(f"rank {rank} (pid {p.pid}) {how}" + (f" after {error}" if error else ""))
         if dead:
             cause = "; ".join(dead)
