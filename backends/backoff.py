@@ -1,6 +1,5 @@
-"""How many drafts a request gets next, and when it stops drafting: the back-off the ``ngram`` and ``draft``
-proposers share, and the ``draft`` proposer's adaptive length (``ngram`` sizes each proposal by its match,
-:mod:`kvcore.backends.acceptance`).
+"""How many drafts a request gets next, and when it stops drafting: the policy the ``ngram`` and ``draft``
+proposers share.
 
 Adaptive length (at most the engine's ``K``): a verification that keeps every draft doubles the next
 proposal; one that rejects a draft makes the next one more than were kept (the length that would have been
@@ -50,17 +49,12 @@ class Backoff:
     def __init__(self, misses: int, cooldown: int) -> None:
         self.misses, self.cooldown = misses, cooldown
 
-    def limit(self, state: DraftLength, k: int) -> int:
-        """The most drafts the back-off allows this step: 0 while cooling down (that step counts), 1 while
-        probing, else ``k``."""
+    def drafts(self, state: DraftLength, k: int) -> int:
+        """How many drafts to propose this step (0 while cooling down: that step counts)."""
         if state.cooldown > 0:
             state.cooldown -= 1
             return 0
-        return 1 if state.probing else k
-
-    def drafts(self, state: DraftLength, k: int) -> int:
-        """How many drafts to propose this step: the back-off's limit and the adaptive length."""
-        return min(self.limit(state, k), state.num_drafts or k)
+        return 1 if state.probing else min(k, state.num_drafts or k)
 
     def advance(self, state: DraftLength, num_proposed: int, num_accepted: int) -> None:
         if num_proposed == 0:
