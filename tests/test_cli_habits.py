@@ -60,6 +60,29 @@ def test_generate_malformed_constraint_is_one_line_exit_2(capsys, tmp_path, argv
     assert rc == 2 and needle in err and err.count("\n") == 1, err
 
 
+
+def test_a_library_deprecation_is_not_printed(capsys, monkeypatch, tmp_path):
+    """The constraint compiler's first import pulls in torch modules that raise DeprecationWarnings, and whether
+    a run sees them depends on what the process imported before (pytest shows every warning): the CLI prints
+    kvcore's own warnings only, so a malformed schema is still one line."""
+    import warnings
+
+    from kvcore.sampling import structured
+
+    original = structured._llguidance
+
+    def deprecated_import():
+        warnings.warn("a library's deprecated API", DeprecationWarning, stacklevel=1)
+        return original()
+
+    monkeypatch.setattr(structured, "_llguidance", deprecated_import)
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"type": "objekt"}')
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        rc, _, err = run_cli(capsys, "generate", *BASE, "--json-schema", str(bad), "x")
+    assert rc == 2 and err == "kvcore: error: json schema: Invalid type: objekt\n", err
+
 def _generate(capsys, monkeypatch, *argv, stdin: str | None) -> dict:
     """``kvcore generate`` in this process with standard input a real pipe holding ``stdin`` (None: /dev/null)."""
     if stdin is None:

@@ -99,7 +99,9 @@ def _main(argv: list[str], sigint: _Sigint) -> int:
     state = RunState(json="--json" in argv and command in _WRITES_STDOUT)
     try:
         if not debug:
-            warnings.simplefilter("ignore", UserWarning)  # third-party library chatter
+            # third-party library chatter; deprecations are for developers (torch's own imports raise some)
+            for category in (UserWarning, DeprecationWarning, PendingDeprecationWarning):
+                warnings.simplefilter("ignore", category)
             warnings.showwarning = _one_line_warning
         try:
             return _dispatch(argv, state)
