@@ -18,8 +18,8 @@
 // order), then rescore_candidates(logits, hidden, rows [N, k, d], indices) writes the same dot products.
 //
 // rescore_top_k_float and rescore_candidates_float return the same logits as new float32 [N, V] tensors (the
-// estimates left as they are): each value is the bfloat16 one widened, bit for bit what .float() of the bfloat16
-// result gives, without that separate pass and its allocation.
+// estimates widened by ATen's copy inside the call): each value is the bfloat16 one widened, bit for bit what
+// .float() of the bfloat16 result gives, without a second operator call from Python after the head.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -126,28 +126,11 @@ at::Tensor rescore_top_k(at::Tensor logits, const at::Tensor& hidden, const at::
   return rescore_top_k_into<c10::BFloat16>(logits, logits, hidden, weight, k);
 }
 
-// out [N, V] float32: the bfloat16 estimates widened
-at::Tensor widened(const at::Tensor& logits) {
-  at::Tensor out = at::empty(logits.sizes(), logits.options().dtype(at::kFloat));
-  const c10::BFloat16* lp = logits.data_ptr<c10::BFloat16>();
-  float* op = out.data_ptr<float>();
-  const int64_t n = logits.numel();
-  at::parallel_for(0, n, 16384, [&](int64_t a, int64_t b) {
-    int64_t i = a;
-    for (Vec v; i + Vec::size() <= b; i += Vec::size()) {
-      at::vec::load_to_float(lp + i, v);
-      v.store(op + i);
-    }
-    for (; i < b; ++i) op[i] = static_cast<float>(lp[i]);
-  });
-  return out;
-}
-
 at::Tensor rescore_top_k_float(const at::Tensor& logits, const at::Tensor& hidden, const at::Tensor& weight,
                                int64_t k) {
   TORCH_CHECK(logits.scalar_type() == at::kBFloat16 && logits.dim() == 2 && logits.is_contiguous(),
               "rescore_top_k_float: contiguous bfloat16 logits [N, V]");
-  return rescore_top_k_into<float>(logits, widened(logits), hidden, weight, k);
+  return rescore_top_k_into<float>(logits, logits.to(at::kFloat), hidden, weight, k);
 }
 
 at::Tensor top_k_candidates(const at::Tensor& logits, int64_t k) {
@@ -207,8 +190,7 @@ at::Tensor rescore_candidates_float(const at::Tensor& logits, const at::Tensor& 
                                     const at::Tensor& index) {
   TORCH_CHECK(logits.scalar_type() == at::kBFloat16 && logits.dim() == 2 && logits.is_contiguous(),
               "rescore_candidates_float: contiguous bfloat16 logits [N, V]");
-  at::Tensor out = widened(logits);
-  return rescore_candidates_into<float>(out, hidden, rows, index);
+  return rescore_candidates_into<float>(logits.to(at::kFloat), hidden, rows, index);
 }
 
 }  // namespace
