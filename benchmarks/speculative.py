@@ -23,7 +23,7 @@ import statistics
 import time
 from pathlib import Path
 
-from speculative_prompts import PROMPTS
+from speculative_prompts import HELD_OUT, PROMPTS
 
 from kvcore import Engine, SamplingParams
 
@@ -54,7 +54,7 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=8)
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--new", type=int, default=128)
-    ap.add_argument("--prompts", default=",".join(PROMPTS))
+    ap.add_argument("--prompts", default=",".join(PROMPTS), help="names in speculative_prompts.PROMPTS or HELD_OUT")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--json", default=None)
     ap.add_argument("--show", action="store_true", help="print each prompt's greedy answers")
@@ -77,7 +77,7 @@ def main() -> None:
         runs = {"base": [], "spec": []}
         for rep in range(args.reps):
             for side in ("base", "spec") if (i + rep) % 2 == 0 else ("spec", "base"):
-                runs[side].append(run(base if side == "base" else spec, PROMPTS[name], args.new))
+                runs[side].append(run(base if side == "base" else spec, {**PROMPTS, **HELD_OUT}[name], args.new))
         b = statistics.median(r["tok_s"] for r in runs["base"])
         s = statistics.median(r["tok_s"] for r in runs["spec"])
         acc = runs["spec"][-1]["acceptance"]

@@ -18,6 +18,11 @@ PROSE = (ROOT / "docs" / "speculative.md").read_text().split("## How verificatio
 #: small functions: the acceptance rules (kvcore/sampling/speculative.py from its first function on)
 FUNCS = (ROOT / "kvcore" / "sampling" / "speculative.py").read_text()
 FUNCS = FUNCS[FUNCS.index("#: seed offsets") :]
+#: the held-out set's texts (speculative_replay.py): other documents and code of this repository
+KV_DOC = (ROOT / "docs" / "kv-cache.md").read_text()[:2400]
+PERF_DOC = (ROOT / "docs" / "performance.md").read_text()[3000:5400]
+SCHED_CODE = (ROOT / "kvcore" / "scheduling" / "scheduler.py").read_text()[2000:3800]
+NGRAM_CODE = (ROOT / "backends" / "ngram.py").read_text()[2400:4600]
 
 
 def _with_typos(text: str, every: int = 29) -> str:
@@ -52,3 +57,20 @@ PROMPTS = {
 }
 GROUNDED = ("repeat-code", "edit-code", "repeat-text", "summarise", "answer-doc", "fix-typos", "edit-value",
             "edit-rename")
+#: prompts of the same kinds that no proposer setting was chosen on (benchmarks/speculative_replay.py checks a
+#: setting picked on PROMPTS against them)
+HELD_OUT = {
+    "held-summarise-kv": f"Summarise the following text.\n\n{KV_DOC}",
+    "held-summarise-perf": f"Summarise the following text in a few sentences.\n\n{PERF_DOC}",
+    "held-answer-kv": f"Read this document and answer the question below it.\n\n{KV_DOC}\n\n"
+                      f"Question: what happens to a block when a sequence finishes?",
+    "held-fix-typos": f"{_with_typos(PERF_DOC)}\n\nFix the spelling mistakes in the text above. Reply with the "
+                      f"corrected text only.",
+    "held-docstrings": f"```python\n{SCHED_CODE}```\n\nAdd a docstring to every function in the code above. Reply "
+                       f"with the whole updated code.",
+    "held-rename": f"```python\n{NGRAM_CODE}```\n\nRename `state` to `st` in the code above. Reply with the whole "
+                   f"updated code.",
+    "held-free-recipe": "Give me a simple recipe for pancakes and explain each step.",
+    "held-free-history": "Tell me about the history of the printing press in a few paragraphs.",
+}
+HELD_OUT_GROUNDED = tuple(name for name in HELD_OUT if not name.startswith("held-free"))
