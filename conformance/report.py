@@ -125,11 +125,12 @@ def to_text(r: SuiteReport, verbose: bool = False) -> str:
     if cov:
         lines += ["covers:"] + [f"  {line}" for line in cov]
     lines.append("")
-    lines.append(f"{'tier':<10}{'status':<9}{'pass':>5}{'fail':>6}{'skip':>6}{'time':>9}")
+    width = max([10, *(len(tier) + 2 for tier in r.tiers)])  # "speculative" is wider than the others
+    lines.append(f"{'tier':<{width}}{'status':<9}{'pass':>5}{'fail':>6}{'skip':>6}{'time':>9}")
     for tier in r.tiers:
         c = r.counts(tier)
         secs = sum(x.seconds for x in r.by_tier(tier))
-        lines.append(f"{tier:<10}{r.tier_status(tier).upper():<9}{c['pass']:>5}{c['fail']:>6}{c['skip']:>6}"
+        lines.append(f"{tier:<{width}}{r.tier_status(tier).upper():<9}{c['pass']:>5}{c['fail']:>6}{c['skip']:>6}"
                      f"{secs:>8.1f}s")
     if r.failures:
         lines += ["", "FAILURES"]

@@ -36,6 +36,14 @@ def test_only_a_few_failures_in_full_without_verbose():
     assert all(f"off {i}" in full for i in range(5))
 
 
+def test_the_tier_table_keeps_a_long_tier_name_apart_from_its_status():
+    report = _report(0, 2)
+    report.tiers = ["op", "speculative"]
+    report.results.append(CaseResult("speculative", "accept-all", PASS))
+    rows = [line.split() for line in to_text(report).splitlines() if line.startswith(("op ", "speculative "))]
+    assert [row[:3] for row in rows] == [["op", "PASS", "2"], ["speculative", "PASS", "1"]]
+
+
 def test_json_file_is_whole_when_interrupted(tmp_path, monkeypatch, capsys):
     calls = []
     real = runner.run_case
