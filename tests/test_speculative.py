@@ -3,6 +3,8 @@ acceptance rule's distribution, the built-in proposers, and the engine's refusal
 
 from __future__ import annotations
 
+import dataclasses
+
 import math
 
 import pytest
@@ -15,7 +17,7 @@ from kvcore.backends.sdpa import SDPABackend
 from kvcore.conformance import speculative_tier as tier
 from kvcore.conformance.results import FAIL, PASS, CaseResult
 from kvcore.conformance.settings import SuiteConfig
-from kvcore.conformance.speculative_proposers import ORACLE, RANDOM, REJECT_ALL
+from kvcore.conformance.speculative_proposers import ORACLE, RANDOM, REJECT_ALL, plugin
 from kvcore.conformance.target import resolve_target
 from kvcore.engine import verify
 from kvcore.errors import ConfigError
@@ -331,6 +333,31 @@ def test_ngram_streams_unchanged_and_its_metrics(random_model):
         assert math.isclose(m["mean_accepted_length"], got.metrics.num_accepted_tokens / got.metrics.num_spec_steps)
     else:
         assert m["acceptance_rate"] is None and m["mean_accepted_length"] is None
+    # every decode step gives one token of the model's own, a verification also its kept drafts (no stop here)
+    decode_steps = got.metrics.num_token_steps - 1
+    assert decode_steps + got.metrics.num_accepted_tokens == len(got.token_ids) - 1
+    assert math.isclose(m["tokens_per_step"], (len(got.token_ids) - 1) / decode_steps)
+    assert ref.metrics.as_dict()["tokens_per_step"] == 1.0
+
+
+def test_tokens_per_step_counts_the_steps_that_gave_tokens(random_model):
+    """Drafts that are all kept (the true continuation) give K + 1 tokens a step: 20 tokens after the first in
+    ceil(20 / 5) = 4 decode steps; without speculation one a step; one token has no decode step yet."""
+    from kvcore.plugins.registry import PluginRegistry
+
+    prompt, params = list(range(10, 40)), SamplingParams(max_new_tokens=21, ignore_eos=True)
+    plain = EngineConfig(backend="sdpa", dtype="float32", max_model_len=160)
+    truth = Engine(random_model, None, plain).generate([prompt], params)[0]
+    assert truth.metrics.tokens_per_step == 1.0 and truth.metrics.num_token_steps == 21
+    reg = PluginRegistry(load_entrypoints=False)
+    reg.register_plugin(plugin(), "conformance-proposers")
+    oracle = dataclasses.replace(plain, proposer=ORACLE, num_speculative_tokens=4, proposer_options={
+        ORACLE: {"continuations": {",".join(map(str, prompt)): truth.token_ids}}})
+    got = Engine(random_model, None, oracle, registry=reg).generate([prompt], params)[0]
+    assert got.token_ids == truth.token_ids
+    assert got.metrics.num_token_steps == 1 + 4 and got.metrics.tokens_per_step == 20 / 4
+    one = Engine(random_model, None, plain).generate([prompt], SamplingParams(max_new_tokens=1))[0]
+    assert one.metrics.tokens_per_step is None
 
 
 def test_speculation_settings_from_the_config_file(tmp_path):

@@ -192,6 +192,8 @@ class EngineStep(SpeculativeStep):
         self.stats.num_generated_tokens += 1
         m = req.metrics
         m.num_generated_tokens = len(req.output_ids)
+        if m.last_token_step != self.stats.num_steps:  # a verification gives several tokens in one step
+            m.num_token_steps, m.last_token_step = m.num_token_steps + 1, self.stats.num_steps
         if m.first_token_time is None:
             m.first_token_time = time.perf_counter()
         m.kv_bytes = max(m.kv_bytes, self.kv.kv_bytes_in_use(req.seq_id))

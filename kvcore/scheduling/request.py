@@ -37,6 +37,8 @@ class RequestMetrics:
     num_spec_steps: int = 0  # speculative decoding: verification steps that scored drafts of this request
     num_draft_tokens: int = 0  # draft tokens scored
     num_accepted_tokens: int = 0  # draft tokens kept
+    num_token_steps: int = 0  # engine steps that gave this request tokens (the prefill's last one included)
+    last_token_step: int = -1  # the engine step that last did
 
     @property
     def acceptance_rate(self) -> float | None:
@@ -47,6 +49,14 @@ class RequestMetrics:
     def mean_accepted_length(self) -> float | None:
         """Draft tokens kept per verification step (each step also yields one token of the target's own)."""
         return self.num_accepted_tokens / self.num_spec_steps if self.num_spec_steps else None
+
+    @property
+    def tokens_per_step(self) -> float | None:
+        """Tokens after the first per decode step that made them: 1.0 without speculation; with it, how many
+        times fewer target forwards the request took (its speed-up before what a verification costs over a plain
+        step). None before a second token."""
+        steps = self.num_token_steps - 1
+        return (self.num_generated_tokens - 1) / steps if steps > 0 else None
 
     @property
     def ttft_s(self) -> float | None:
@@ -80,6 +90,7 @@ class RequestMetrics:
             "accepted_tokens": self.num_accepted_tokens,
             "acceptance_rate": self.acceptance_rate,
             "mean_accepted_length": self.mean_accepted_length,
+            "tokens_per_step": self.tokens_per_step,
         }
 
 
