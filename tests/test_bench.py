@@ -56,6 +56,7 @@ def test_every_case_runs_and_writes_outputs(tmp_path):
     spec = report["speculative"]["modes"]
     assert set(spec) == {"base", "ngram"} and spec["base"]["draft_tokens"] == 0
     assert 0 <= spec["ngram"]["acceptance_rate"] <= 1 and spec["ngram"]["decode_tok_s"] > 0
+    assert spec["base"]["tokens_per_step"] == 1.0 and spec["ngram"]["tokens_per_step"] >= 1.0
     modes = report["chunked"]["modes"]
     assert set(modes) == {"whole", "chunked"} and all(m["worst_gap_cpu_s"] > 0 and m["long_ttft_s"] > 0
                                                       for m in modes.values())
@@ -64,6 +65,7 @@ def test_every_case_runs_and_writes_outputs(tmp_path):
     names = {p.name for p in paths}
     assert {"results.md", "results.json"} <= names
     assert "| case |" in (tmp_path / "results.md").read_text()
+    assert "tokens per decode step" in (tmp_path / "results.md").read_text()
     assert json.loads((tmp_path / "results.json").read_text())["settings"]["model"] == TINY
 
 

@@ -17,8 +17,8 @@ repetitions. Cases (``--cases``):
 ``chunked``   the worst inter-token gap of 4 running requests while a 2048-token prompt is admitted, with
               chunked prefill (128-token budget per step) vs whole-prompt prefill, and that prompt's TTFT
 ``speculative`` batch-1 decode tokens/s with n-gram speculation vs without, on an input-grounded prompt (a
-              random token sequence given twice and a half: the model copies it), with the acceptance rate
-              and drafts kept per verification step
+              random token sequence given twice and a half: the model copies it), with the acceptance rate,
+              drafts kept per verification step and tokens per decode step
 
 Definitions: TTFT = request arrival to its first token; TPOT = mean time per output token after the
 first; decode tokens/s = tokens after the first / time after the first token (summed over the batch
@@ -662,7 +662,8 @@ class Bench:
                 runs[label].append({"decode_tok_s": m.tokens_per_s or 0.0, "draft_tokens": m.num_draft_tokens,
                                     "accepted_tokens": m.num_accepted_tokens,
                                     "acceptance_rate": m.acceptance_rate or 0.0,
-                                    "mean_accepted_length": m.mean_accepted_length or 0.0})
+                                    "mean_accepted_length": m.mean_accepted_length or 0.0,
+                                    "tokens_per_step": m.tokens_per_step or 1.0})
         modes = {label: {k: _median([r[k] for r in stats]) for k in stats[0]} for label, stats in runs.items()}
         self.speculative = {"backend": backend, "prompt_tokens": len(prompt), "new_tokens": n, "modes": modes,
                             "speedup": modes["ngram"]["decode_tok_s"] / max(modes["base"]["decode_tok_s"], 1e-9)}
@@ -910,7 +911,8 @@ def render_markdown(report: dict[str, Any]) -> str:
                 f"Batch 1 on `{sp['backend']}`, a {sp['prompt_tokens']}-token input-grounded prompt, "
                 f"{sp['new_tokens']} new tokens: n-gram speculation {g['decode_tok_s']:.1f} tok/s vs "
                 f"{b['decode_tok_s']:.1f} tok/s without ({sp['speedup']:.2f}×); acceptance rate "
-                f"{g['acceptance_rate']:.2f}, {g['mean_accepted_length']:.2f} drafts kept per verification."]
+                f"{g['acceptance_rate']:.2f}, {g['mean_accepted_length']:.2f} drafts kept per verification, "
+                f"{g['tokens_per_step']:.2f} tokens per decode step."]
     if report.get("notes"):
         out += ["", "## Notes", ""] + [f"- {n}" for n in report["notes"]]
     return "\n".join(out) + "\n"
