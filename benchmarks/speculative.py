@@ -73,11 +73,12 @@ def main() -> None:
     rows = []
     for engine in (base, spec):  # warm-up (allocations, first-use kernels, each engine's own KV cache and head)
         run(engine, PROMPTS["free-story"], 8)
+    texts = {**PROMPTS, **HELD_OUT}
     for i, name in enumerate(args.prompts.split(",")):
         runs = {"base": [], "spec": []}
         for rep in range(args.reps):
             for side in ("base", "spec") if (i + rep) % 2 == 0 else ("spec", "base"):
-                runs[side].append(run(base if side == "base" else spec, {**PROMPTS, **HELD_OUT}[name], args.new))
+                runs[side].append(run(base if side == "base" else spec, texts[name], args.new))
         b = statistics.median(r["tok_s"] for r in runs["base"])
         s = statistics.median(r["tok_s"] for r in runs["spec"])
         acc = runs["spec"][-1]["acceptance"]

@@ -26,6 +26,7 @@ from speculative_prompts import GROUNDED, HELD_OUT, HELD_OUT_GROUNDED, PROMPTS
 
 from kvcore import Engine, SamplingParams
 from kvcore.backends.ngram import NgramProposer
+from kvcore.sampling.speculative import num_matching
 
 #: the settings compared when none are given: the defaults, and the previous defaults
 SETTINGS = ("", "max_n=4,misses=2,cooldown=16")
@@ -49,9 +50,7 @@ def replay(prompt: list[int], out: list[int], proposer: NgramProposer, k: int, d
         budget = min(k, len(out) - t - 1)
         row = SimpleNamespace(request_id="r", prompt_ids=prompt, output_ids=out[:t])
         drafts = proposer.propose([row], [budget])[0].token_ids if budget > 0 else []
-        kept = 0
-        while kept < len(drafts) and drafts[kept] == out[t + kept]:
-            kept += 1
+        kept = num_matching(drafts, out[t:])
         if drafts:
             proposer.advance("r", len(drafts), kept)
         cost += 1 + draft_cost * len(drafts)
