@@ -9,7 +9,7 @@ from helpers import full_attention, make_random_model, weights_of
 
 from kvcore import Engine, EngineConfig, LlamaModel, SamplingParams
 from kvcore.errors import ConfigError
-from kvcore.kernels.quant import Int4Groups, Int4Linear, int4_dense, unpack_codes, unpacks_here
+from kvcore.kernels.quant import Int4Groups, Int4Linear, int4_dense, pack_rows, unpack_codes
 from kvcore.model.lm_head import INT4_MAX_ROWS, RescoredInt4Head
 
 
@@ -153,14 +153,16 @@ def test_a_compiled_engine_reads_its_own_weights():
 
 def test_int4_codes_unpack_and_dequantize_like_the_kernel():
     """unpack_codes inverts the kernel's packing (this torch build), and int4_dense gives the kernel's own
-    dequantized weights (read back through the kernel), rounded once to bfloat16."""
-    assert unpacks_here()
+    dequantized weights (read back through the kernel), rounded once to bfloat16; the block size follows the
+    CPU torch runs on (its AVX-512 and AVX2 kernels pack differently)."""
+    rows = pack_rows()
+    assert rows == (64 if torch.backends.cpu.get_cpu_capability().startswith("AVX512") else 32)
     g = torch.Generator().manual_seed(1)
     for n, k in ((128, 64), (192, 256)):
         groups = Int4Groups.from_float(torch.randn(n, k, generator=g), 32)
         lin = Int4Linear(groups)
-        assert lin.unpackable and torch.equal(unpack_codes(lin.packed, n, k), groups.q)
-        dense = int4_dense(lin.packed, lin.scales_and_zeros, lin.group_size)
+        assert lin.unpackable and torch.equal(unpack_codes(lin.packed, n, k, rows), groups.q)
+        dense = int4_dense(lin.packed, lin.scales_and_zeros, lin.group_size, rows)
         assert dense.dtype == torch.bfloat16
         assert torch.equal(dense, lin.dequantize().to(torch.bfloat16))
     assert not Int4Linear(Int4Groups.from_float(torch.randn(48, 64, generator=g), 32)).unpackable  # 48 rows

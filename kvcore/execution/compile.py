@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from kvcore.errors import ConfigError, KVCoreError
 from kvcore.interfaces.attention import AttentionBackend
 from kvcore.kernels.cpu_kernels import cxx_compiler
-from kvcore.kernels.quant import Int4Linear, int4_dense
+from kvcore.kernels.quant import Int4Linear, int4_dense, pack_rows
 
 __all__ = ["CompiledDecode", "compile_reasons"]
 
@@ -98,7 +98,7 @@ class _DequantizedInt4:
         lin = self.linear
         if self.owner.failed is None:
             try:
-                return F.linear(x, self.owner.dequantize(lin.packed, lin.scales_and_zeros, lin.group_size))
+                return F.linear(x, self.owner.dequantize(lin.packed, lin.scales_and_zeros, lin.group_size, pack_rows()))
             except Exception as exc:  # the compile stack, never the values: the int4 kernel computes the same
                 self.owner.give_up(exc)
         return lin(x)

@@ -32,7 +32,7 @@ from kvcore.errors import ConfigError
 
 __all__ = [
     "WEIGHT_FORMATS", "QUANTIZED_FORMATS", "DEFAULT_GROUP_SIZE", "Int4Groups", "Int4Linear",
-    "check_weight_format", "check_runnable", "quantized_reasons", "unpack_codes", "int4_dense", "unpacks_here",
+    "check_weight_format", "check_runnable", "quantized_reasons", "unpack_codes", "int4_dense", "pack_rows",
     "Int4A8Linear", "pack_int4a8",
 ]
 
@@ -175,7 +175,8 @@ class Int4Linear:
     @property
     def unpackable(self) -> bool:
         """Whether :func:`int4_dense` can read this weight's packed codes."""
-        return self.shape[0] % _PACK_ROWS == 0 and unpacks_here()
+        rows = pack_rows()
+        return rows is not None and self.shape[0] % rows == 0
 
     def dequantize(self) -> torch.Tensor:
         """``[N, K]`` float32: the weight the kernel multiplies by (scales rounded to ``self.dtype``), read
@@ -240,35 +241,40 @@ def pack_int4a8(groups) -> tuple[torch.Tensor, torch.Tensor]:
     return codes, (half if exact else dm).contiguous()
 
 
-#: the CPU int4 kernel's packed layout (torch 2.13): blocks of 64 output rows; for each block and input column,
-#: 32 bytes, byte ``j`` holding row ``j`` in its low nibble and row ``j + 32`` in its high one
-_PACK_ROWS = 64
+#: the CPU int4 kernel's packed layouts (torch 2.13): blocks of R output rows, R = 64 where torch runs its AVX-512
+#: kernels and 32 on AVX2; for each block and input column, R / 2 bytes, byte ``j`` holding row ``j`` in its low
+#: nibble and row ``j + R / 2`` in its high one
+_PACK_ROWS = (64, 32)
 
 
-def unpack_codes(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
-    """The ``[N, K]`` 4-bit codes (uint8 0..15) of an :class:`Int4Linear`'s ``packed`` weight (see
-    :func:`unpacks_here`: the layout is the kernel's, checked against this torch build once)."""
-    blocks = packed.view(n // _PACK_ROWS, k, _PACK_ROWS // 2)
-    codes = torch.cat([blocks & 15, blocks >> 4], dim=2)  # [N / 64, K, 64]
+def unpack_codes(packed: torch.Tensor, n: int, k: int, block_rows: int) -> torch.Tensor:
+    """The ``[N, K]`` 4-bit codes (uint8 0..15) of an :class:`Int4Linear`'s ``packed`` weight, packed in blocks
+    of ``block_rows`` (:func:`pack_rows`: this torch build's, checked once)."""
+    blocks = packed.view(n // block_rows, k, block_rows // 2)
+    codes = torch.cat([blocks & 15, blocks >> 4], dim=2)  # [N / R, K, R]
     return codes.transpose(1, 2).reshape(n, k)
 
 
-def int4_dense(packed: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int) -> torch.Tensor:
+def int4_dense(packed: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int, block_rows: int) -> torch.Tensor:
     """An :class:`Int4Linear`'s weight ``[N, K]`` dense in the dtype of its scales: ``(q - 8) s + z`` computed in
-    float32 as the kernel computes it, rounded once. Pure tensor code, for ``torch.compile`` to fuse."""
+    float32 as the kernel computes it, rounded once (``block_rows``: :func:`pack_rows`). Pure tensor code, for
+    ``torch.compile`` to fuse."""
     n, k = packed.shape[0], packed.shape[1] * 2
-    q = unpack_codes(packed, n, k).view(n, k // group_size, group_size).float()
+    q = unpack_codes(packed, n, k, block_rows).view(n, k // group_size, group_size).float()
     scales = scales_and_zeros[..., 0].t().unsqueeze(-1).float()  # [N, K / G, 1]
     zeros = scales_and_zeros[..., 1].t().unsqueeze(-1).float()
     return ((q - 8) * scales + zeros).to(scales_and_zeros.dtype).view(n, k)
 
 
 @functools.cache
-def unpacks_here() -> bool:
-    """Whether :func:`unpack_codes` inverts this torch build's packer (a random matrix, packed and unpacked)."""
-    codes = torch.randint(0, 16, (2 * _PACK_ROWS, 64), generator=torch.Generator().manual_seed(0), dtype=torch.int32)
+def pack_rows() -> int | None:
+    """The rows per block of this torch build's int4 packing on this CPU (the layout that inverts its packer on a
+    random matrix), or None when it is none of :data:`_PACK_ROWS` (then nothing here reads its codes)."""
+    codes = torch.randint(0, 16, (2 * max(_PACK_ROWS), 64), generator=torch.Generator().manual_seed(0),
+                          dtype=torch.int32)
     try:
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 2)
-        return torch.equal(unpack_codes(packed, *codes.shape).int(), codes)
-    except (RuntimeError, ValueError):  # another layout or size: not ours to read
-        return False
+    except RuntimeError:  # another layout or size: not ours to read
+        return None
+    return next((rows for rows in _PACK_ROWS if torch.equal(unpack_codes(packed, *codes.shape, rows).int(), codes)),
+                None)
