@@ -185,6 +185,15 @@ def test_the_backend_verifies_rows_as_sdpa_does(dtype, monkeypatch):
     got = _steps(model, CPUDecodeBackend(), steps)
     assert calls == [(n, layer) for layer in range(3) for n in (9, 3)] + [(16, layer) for layer in range(3)]
     want = _steps(model, SDPABackend(), steps)
-    tol = 1e-4 if dtype == torch.float32 else 5e-2
-    for a, b in zip(got, want):
-        torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol)
+    if dtype == torch.float32:
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+        return
+    # bfloat16: the kernel (its AVX512_BF16 or its AVX2 path) and sdpa round differently, each some bfloat16 steps
+    # of the hidden states' scale off the float32 model; a wrong row, mask or scale is off by that scale itself
+    exact = _steps(_model(torch.float32), SDPABackend(), steps)
+    for a, b, r in zip(got, want, exact):
+        scale = float(r.abs().max())
+        assert float((b.float() - r).abs().max()) <= 2**-3 * scale  # the same model, rounded
+        assert float((a.float() - b.float()).abs().max()) <= 2**-5 * scale
+        assert float((a.float() - r).abs().max()) <= 1.5 * float((b.float() - r).abs().max()) + 2**-7 * scale
