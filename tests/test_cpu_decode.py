@@ -114,11 +114,12 @@ def test_the_library_is_built_with_the_extensions_python_chose():
     """csrc/isa.h decides per extension for every kernel file; built_with reports it, and it must agree with what
     cpu_kernels passed to the compiler for this CPU (a mismatch would run the slow paths, or crash on an
     instruction the CPU lacks). An unknown name is an error, not False."""
-    from kvcore.kernels.cpu_kernels import extension_reasons, load_kernels
+    from kvcore.kernels.cpu_kernels import extension_reasons, int8_dot_isa, load_kernels
 
     load_kernels()
     for feature in ("avx512_vnni", "avx512_bf16"):
         assert torch.ops.kvcore.built_with(feature) == (not extension_reasons(feature))
+    assert torch.ops.kvcore.built_with("avx2_dot") == (int8_dot_isa() == "avx2_dot")
     with pytest.raises(RuntimeError, match="unknown feature 'avx512_fp16'"):
         torch.ops.kvcore.built_with("avx512_fp16")
 

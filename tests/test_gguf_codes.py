@@ -139,6 +139,23 @@ def test_kernels_equal_their_arithmetic(qtype, rows):
 
 
 @needs_kernel
+@pytest.mark.parametrize("rows", [1, 16, 17])
+def test_the_largest_8_bit_codes_do_not_overflow(rows):
+    """Q8_0 codes 127 (255 with the offset) against activation codes +-127: the largest sums the 8-bit kernel
+    forms (the AVX2 path splits the codes into nibbles so that its int16 sums cannot wrap or saturate)."""
+    block_size, type_size = gguf.GGML_QUANT_SIZES[QType.Q8_0]
+    data = np.full((32, 4, type_size), 0x7F, dtype=np.uint8)
+    data[..., 0:2] = np.float16(0.01).reshape(1).view(np.uint8)
+    blocks = GGUFBlocks(QType.Q8_0, data.reshape(32, -1), (32, 4 * block_size))
+    x = torch.ones(rows, 4 * block_size, dtype=torch.bfloat16)
+    x[::2] = -1
+    codes = blocks.codes()
+    got, want = Int8GroupLinear(codes)(x).double(), _emulated(codes, x)
+    assert bool(((got - want).abs() <= 2.0**-7 * want.abs() + 1e-4 * want.abs().amax()).all())
+    assert abs(float(got[0, 0]) + 1.27 * 4 * block_size) <= 2.0**-6 * 1.27 * 4 * block_size
+
+
+@needs_kernel
 def test_q4_k_keeps_its_float32_scales_on_the_int4a8_kernel():
     """d sc of Q4_K has up to 17 significant bits: float16 would round it, so the packing keeps float32."""
     blocks = _random_blocks(QType.Q4_K, rows=16, blocks_per_row=1, seed=9)

@@ -51,6 +51,21 @@ def test_kernel_equals_its_arithmetic(rows, kind):
 
 
 @needs_kernel
+@pytest.mark.parametrize("rows", [1, 16, 17])
+def test_the_largest_codes_and_activations_do_not_overflow(rows):
+    """Codes 15 against activation codes +-127 everywhere: the largest integer sums the products reach (the AVX2
+    path adds them in int16 before widening; a sum that wrapped or saturated is off by the output's size)."""
+    n, k = 32, 256
+    groups = Int4Groups(torch.full((n, k), 15, dtype=torch.uint8), torch.full((n, k // 32), 0.01),
+                        torch.full((n, k // 32), 0.08))  # m = 0: W = 0.01 * 15
+    x = torch.ones(rows, k, dtype=torch.bfloat16)
+    x[::2] = -1
+    got, want = Int4A8Linear(groups)(x).double(), _emulated(groups, x)
+    assert bool(((got - want).abs() <= 2.0**-7 * want.abs()).all())
+    assert abs(float(got[0, 0]) + 0.15 * k) <= 2.0**-7 * 0.15 * k
+
+
+@needs_kernel
 def test_a_row_gives_the_same_result_alone_and_in_any_batch():
     """Rows are quantized and summed on their own, in the same order whichever path runs them (few rows: one tile
     split over output blocks; more: tiles of rows): a prompt's prefill and its decode steps compute the same."""
@@ -105,10 +120,13 @@ def test_the_int4_head_scores_with_the_a8_kernel_for_int4a8_models():
 
 
 @needs_kernel
-def test_the_kernel_was_built_with_its_vnni_path():
-    """Where int4a8 is offered, the library must hold the AVX512-VNNI code, not the portable loops (correct but
-    many times slower)."""
-    assert torch.ops.kvcore.built_with("avx512_vnni")
+def test_the_kernel_was_built_with_a_vector_path():
+    """Where int4a8 is offered, the library must hold the AVX512-VNNI code or the AVX2 code this CPU was chosen
+    for, not the portable loops (correct but many times slower)."""
+    from kvcore.kernels.cpu_kernels import int8_dot_isa
+
+    assert torch.ops.kvcore.built_with(int8_dot_isa())
+    assert torch.ops.kvcore.built_with("avx512_vnni") != torch.ops.kvcore.built_with("avx2_dot")
 
 
 @needs_kernel

@@ -6,7 +6,8 @@ import argparse
 import json
 
 from kvcore.kernels.cpu import cpu_features
-from kvcore.kernels.cpu_kernels import cxx_compiler, extension_reasons, kernel_reasons, load_kernels, vector_isa
+from kvcore.kernels.cpu_kernels import (cxx_compiler, extension_reasons, int8_dot_isa, kernel_reasons, load_kernels,
+                                        vector_isa)
 
 __all__ = ["run_kernels"]
 
@@ -20,6 +21,7 @@ def run_kernels(args: argparse.Namespace) -> int:
         "vector_isa": vector_isa(),
         "compiler": cxx_compiler() or None,
         "extensions": {f: not extension_reasons(f) for f in ("avx512_vnni", "avx512_bf16")},
+        "int8_dot": int8_dot_isa(),  # what the int4a8 / gguf kernels multiply with (None: portable loops)
         "reasons": kernel_reasons(),
         "library": library,
     }
@@ -29,6 +31,7 @@ def run_kernels(args: argparse.Namespace) -> int:
     print(f"cpu: {info['cpu']}")
     print(f"vector ISA: {info['vector_isa']}; extensions: "
           + ", ".join(f"{f} {'yes' if on else 'no'}" for f, on in info["extensions"].items()))
+    print(f"int8 dot products: {info['int8_dot'] or 'portable loops'}")
     print(f"compiler: {info['compiler'] or 'none'}")
     if info["reasons"]:
         print("cannot build: " + "; ".join(info["reasons"]))

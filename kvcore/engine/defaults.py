@@ -26,7 +26,7 @@ import torch
 
 from kvcore.engine.config import AUTO, EngineConfig, parse_dtype
 from kvcore.errors import KVCoreError
-from kvcore.kernels.cpu_kernels import int4a8_reasons, kernel_reasons
+from kvcore.kernels.cpu_kernels import int4a8_reasons, int8_dot_isa, kernel_reasons
 from kvcore.kernels.quant import DEFAULT_GROUP_SIZE, QUANTIZED_FORMATS, Int4Linear, quantized_reasons
 from kvcore.loaders.gguf_codes import CODE_TYPES
 from kvcore.loaders.gguf_validate import validate_gguf
@@ -39,6 +39,8 @@ __all__ = ["ModelFacts", "DefaultChoice", "choose_defaults", "file_facts", "mode
 _INT4_GGML_TYPES = (2, 3)  # ggml's Q4_0, Q4_1: exactly kvcore's int4 groups of 32
 _CODE_GGML_TYPES = tuple(int(t) for t in CODE_TYPES)  # what the gguf weight format runs as stored
 _FAST_BACKEND = "cpu_decode"
+#: what the int8-activation kernels' dot products run on (cpu_kernels.int8_dot_isa), for the reasons
+_DOT_ISA = {"avx512_vnni": "AVX512-VNNI", "avx2_dot": "AVX2", None: "portable loops"}
 
 
 @dataclass(frozen=True)
@@ -129,12 +131,13 @@ def choose_defaults(config: EngineConfig, facts: ModelFacts, registry: PluginReg
         elif facts.native_int4 and torch_dtype == torch.bfloat16 and not quantized_reasons("int4", torch_dtype, device):
             a8 = int4a8_reasons()
             weights = "int4" if a8 else "int4a8"
-            reasons.append("weights int4a8: the Q4 blocks on kvcore's int8-activation kernel (AVX512-VNNI)" if not a8
-                           else f"weights int4 (torch's kernel on the Q4 blocks): int4a8 cannot run: {'; '.join(a8)}")
+            reasons.append(f"weights int4a8: the Q4 blocks on kvcore's int8-activation kernel ({_DOT_ISA[int8_dot_isa()]})"
+                           if not a8 else
+                           f"weights int4 (torch's kernel on the Q4 blocks): int4a8 cannot run: {'; '.join(a8)}")
         elif _runs_codes(config, facts, torch_dtype, device):
             weights = "gguf"
             reasons.append("weights gguf: the file's blocks as stored, on kvcore's int8-activation kernels "
-                           "(AVX512-VNNI)")
+                           f"({_DOT_ISA[int8_dot_isa()]})")
         else:
             weights = "float"
             if torch_dtype != torch.float32:

@@ -26,9 +26,9 @@ The kernels:
   ``torch.ops.kvcore.decode_stack`` (``csrc/decode_stack.cpp``): the same layers, with the decode kernel's cache
   write and attention between them, for every layer of a decode call after the first, in one call.
 
-``torch.ops.kvcore.built_with("avx512_vnni" | "avx512_bf16")`` (``csrc/isa.cpp``) says whether the library was
-compiled with an extension (``csrc/isa.h`` decides it for every kernel file): :func:`extension_reasons` says
-whether it will be.
+``torch.ops.kvcore.built_with("avx512_vnni" | "avx2_dot" | "avx512_bf16")`` (``csrc/isa.cpp``) says whether the
+library was compiled with an extension (``csrc/isa.h`` decides it for every kernel file): :func:`extension_reasons`
+and :func:`int8_dot_isa` say whether it will be.
 
 They are ordinary torch operators (with fake implementations for ``torch.compile``: :mod:`kvcore.kernels.cpu_fakes`), so
 compiled decode steps call them directly.
@@ -65,8 +65,8 @@ from kvcore.kernels.cpu import cpu_features
 from kvcore.kernels.cpu_fakes import register_fakes
 from kvcore.paths import cache_root, private_dir, verify_entry, warn_no_cache, write_entry
 
-__all__ = ["bf16_linear_ready", "cxx_compiler", "extension_reasons", "int4a8_reasons", "kernel_reasons",
-           "kernels_built", "kernels_loaded", "load_kernels", "vector_isa"]
+__all__ = ["bf16_linear_ready", "cxx_compiler", "extension_reasons", "int4a8_reasons", "int8_dot_isa",
+           "kernel_reasons", "kernels_built", "kernels_loaded", "load_kernels", "vector_isa"]
 
 _SOURCES = ("bf16_linear.cpp", "decode_attention.cpp", "decode_stack.cpp", "fused_layer.cpp", "int4_linear.cpp",
             "int8_group_linear.cpp", "isa.cpp", "logits.cpp", "prefill_attention.cpp", "q8_0_rows.cpp",
@@ -83,8 +83,8 @@ _ENTRY_FORMAT = "2"
 _COMPILER_FIX = "CXX must name a C++20 compiler (g++ >= 10 or clang++ >= 12), e.g. CXX=g++ or CXX='ccache g++'"
 #: ISA -> (ATen's CPU_CAPABILITY macro, compiler flags), widest first; the CPU must report every flag in the set
 _ISAS = {
-    "avx512": ("CPU_CAPABILITY_AVX512", ("-mavx512f", "-mavx512dq", "-mavx512vl", "-mavx512bw", "-mfma"),
-               {"avx512f", "avx512dq", "avx512vl", "avx512bw", "fma"}),
+    "avx512": ("CPU_CAPABILITY_AVX512", ("-mavx512f", "-mavx512dq", "-mavx512vl", "-mavx512bw", "-mfma", "-mf16c"),
+               {"avx512f", "avx512dq", "avx512vl", "avx512bw", "fma", "f16c"}),
     "avx2": ("CPU_CAPABILITY_AVX2", ("-mavx2", "-mfma", "-mf16c"), {"avx2", "fma", "f16c"}),
 }
 
@@ -267,12 +267,21 @@ def extension_reasons(feature: str) -> list[str]:
             f"{', '.join(cpu_features().flags) or 'no SIMD flags'}"]
 
 
+def int8_dot_isa() -> str | None:
+    """The instructions of the ``int4a8`` and ``gguf`` kernels' integer x int8 dot products on this CPU:
+    ``"avx512_vnni"`` (vpdpbusd), ``"avx2_dot"`` (AVX2's vpmaddubsw, on any AVX2 or AVX-512 CPU without VNNI),
+    or None (the kernels would run portable loops)."""
+    if not extension_reasons("avx512_vnni"):
+        return "avx512_vnni"
+    return "avx2_dot" if vector_isa() != "portable" else None
+
+
 def int4a8_reasons(fmt: str = "int4a8") -> list[str]:
     """Why the kernels of the ``int4a8`` (or ``gguf``) weight format cannot run here ([] = they can)."""
     reasons = kernel_reasons()
-    if extension_reasons("avx512_vnni"):
-        reasons.append(f"{fmt} needs a CPU with AVX512-VNNI (its integer x int8 dot products); this one reports "
-                       f"{', '.join(cpu_features().flags) or 'no SIMD flags'}")
+    if int8_dot_isa() is None:
+        reasons.append(f"{fmt} needs a CPU with AVX2 (with FMA and F16C) or AVX512-VNNI (its integer x int8 dot "
+                       f"products); this one reports {', '.join(cpu_features().flags) or 'no SIMD flags'}")
     return reasons
 
 

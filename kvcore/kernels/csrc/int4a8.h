@@ -7,7 +7,8 @@
 //   dm      [N / 16, K / 32, 2, 16] float16 or float32
 //   out     [M, N]                  dtype of x, each value rounded once from its float32 sum
 //
-// Without AVX512-VNNI (and AVX512BW) at build time the same arithmetic runs as plain loops (slow; tests).
+// With AVX512-VNNI (and AVX512BW) at build time the products are vpdpbusd's; on AVX2, vpmaddubsw's pair sums added
+// in int16 and widened once per group by vpmaddwd (exact: see block_dot); otherwise plain loops (slow; tests).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -31,6 +32,11 @@ inline __m512 load_scales(const c10::Half* src) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
 }
 inline __m512 load_scales(const float* src) { return _mm512_loadu_ps(src); }
+#elif defined(KVCORE_AVX2_DOT)
+inline __m256 load_scales8(const c10::Half* src) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
+}
+inline __m256 load_scales8(const float* src) { return _mm256_loadu_ps(src); }
 #endif
 
 // Output block nb (16 rows) for all M rows into out_f[M][16]. M is a template parameter so that the M
@@ -69,6 +75,42 @@ void block_dot(const uint8_t* packed, const S* dm, const int8_t* p, const float*
     }
   }
   for (int64_t r = 0; r < M; ++r) _mm512_storeu_ps(out_f + r * kRows, acc[r]);
+#elif defined(KVCORE_AVX2_DOT)
+  // Each 64-byte vector of codes is two halves, output rows 0-7 and 8-15. vpmaddubsw sums pairs of code x
+  // activation products into int16 (at most 2 * 15 * 127), and the group's eight such sums per lane still fit
+  // (8 * 3810 < 32767), so the group is added in int16 and widened to int32 once, by vpmaddwd with ones.
+  __m256 acc[M][2];
+  for (int64_t r = 0; r < M; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* w = packed + g * 256;
+    for (int64_t line = 0; line < 256; line += 64)  // as above
+      _mm_prefetch(reinterpret_cast<const char*>(w + kAhead * 256 + line), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(dm + (g + kAhead) * 32), _MM_HINT_T0);
+    __m256i s[M][2];
+    for (int64_t r = 0; r < M; ++r) s[r][0] = s[r][1] = _mm256_setzero_si256();
+    for (int64_t j = 0; j < 4; ++j)
+      for (int64_t h = 0; h < 2; ++h) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 64 * j + 32 * h));
+        const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+        for (int64_t r = 0; r < M; ++r) {
+          const int32_t* pr = reinterpret_cast<const int32_t*>(p + (r * G + g) * kGroup);
+          s[r][h] = _mm256_add_epi16(s[r][h], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(pr[j])));
+          s[r][h] = _mm256_add_epi16(s[r][h], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(pr[4 + j])));
+        }
+      }
+    for (int64_t h = 0; h < 2; ++h) {
+      const __m256 d = load_scales8(dm + g * 32 + 8 * h), m = load_scales8(dm + g * 32 + 16 + 8 * h);
+      for (int64_t r = 0; r < M; ++r) {
+        const __m256 da = _mm256_mul_ps(d, _mm256_set1_ps(a[r * G + g]));
+        const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(s[r][h], ones));
+        acc[r][h] = _mm256_fmadd_ps(da, dot, acc[r][h]);
+        acc[r][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(sx[r * G + g]), acc[r][h]);
+      }
+    }
+  }
+  for (int64_t r = 0; r < M; ++r)
+    for (int64_t h = 0; h < 2; ++h) _mm256_storeu_ps(out_f + r * kRows + 8 * h, acc[r][h]);
 #else
   for (int64_t r = 0; r < M; ++r)
     for (int64_t n = 0; n < kRows; ++n) out_f[r * kRows + n] = 0.f;

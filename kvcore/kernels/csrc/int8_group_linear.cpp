@@ -18,7 +18,8 @@
 //   dm      [N / 16, K / G, 2, 16]  float32
 //   returns [M, N]                  dtype of x
 //
-// Without AVX512-VNNI (and AVX512BW) at build time the same arithmetic runs as plain loops (slow; tests).
+// Without AVX512-VNNI (and AVX512BW) at build time: on AVX2 the codes' two nibbles go through vpmaddubsw apart (a
+// full byte times an int8 code could overflow its int16 pair sums), otherwise plain loops (slow; tests).
 
 #include <ATen/ATen.h>
 #include <c10/util/BFloat16.h>
@@ -67,6 +68,45 @@ void block_dot(const uint8_t* packed, const float* dm, const int8_t* p, const fl
     }
   }
   for (int64_t r = 0; r < M; ++r) _mm512_storeu_ps(out_f + r * kRows, acc[r]);
+#elif defined(KVCORE_AVX2_DOT)
+  // q = lo + 16 hi with nibbles lo, hi: each nibble's G / 4 pair sums per int16 lane stay below 32767 (as in
+  // int4a8.h), and vpmaddwd widens them, by ones and by sixteens, into the exact int32 dot product.
+  __m256 acc[M][2];
+  for (int64_t r = 0; r < M; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), sixteens = _mm256_set1_epi16(16);
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* w = packed + g * kBytes;
+    for (int64_t line = 0; line < kBytes; line += 64)  // as above
+      _mm_prefetch(reinterpret_cast<const char*>(w + kvcore_gm::kPrefetchBytes + line), _MM_HINT_T0);
+    for (int64_t line = 0; line < 128; line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(dm + (g + kvcore_gm::kPrefetchBytes / kBytes) * 32) + line,
+                   _MM_HINT_T0);
+    __m256i lo_sum[M][2], hi_sum[M][2];
+    for (int64_t r = 0; r < M; ++r)
+      lo_sum[r][0] = lo_sum[r][1] = hi_sum[r][0] = hi_sum[r][1] = _mm256_setzero_si256();
+    for (int64_t j = 0; j < G / 4; ++j)
+      for (int64_t h = 0; h < 2; ++h) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 64 * j + 32 * h));
+        const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+        for (int64_t r = 0; r < M; ++r) {
+          const __m256i pj = _mm256_set1_epi32(reinterpret_cast<const int32_t*>(p + (r * groups + g) * G)[j]);
+          lo_sum[r][h] = _mm256_add_epi16(lo_sum[r][h], _mm256_maddubs_epi16(lo, pj));
+          hi_sum[r][h] = _mm256_add_epi16(hi_sum[r][h], _mm256_maddubs_epi16(hi, pj));
+        }
+      }
+    for (int64_t h = 0; h < 2; ++h) {
+      const __m256 d = _mm256_loadu_ps(dm + g * 32 + 8 * h), m = _mm256_loadu_ps(dm + g * 32 + 16 + 8 * h);
+      for (int64_t r = 0; r < M; ++r) {
+        const __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(lo_sum[r][h], ones),
+                                             _mm256_madd_epi16(hi_sum[r][h], sixteens));
+        const __m256 da = _mm256_mul_ps(d, _mm256_set1_ps(a[r * groups + g]));
+        acc[r][h] = _mm256_fmadd_ps(da, _mm256_cvtepi32_ps(dot), acc[r][h]);
+        acc[r][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(sx[r * groups + g]), acc[r][h]);
+      }
+    }
+  }
+  for (int64_t r = 0; r < M; ++r)
+    for (int64_t h = 0; h < 2; ++h) _mm256_storeu_ps(out_f + r * kRows + 8 * h, acc[r][h]);
 #else
   for (int64_t r = 0; r < M; ++r)
     for (int64_t n = 0; n < kRows; ++n) out_f[r * kRows + n] = 0.f;

@@ -1,6 +1,7 @@
 // kvcore::built_with(feature): whether the kernels were compiled with an ISA extension (isa.h), "avx512_vnni"
-// (the int4a8 kernel's fast path; without it int4_linear runs portable loops) or "avx512_bf16" (the bf16_linear
-// and prefill_attention kernels, the bfloat16 decode path). Callers check it before using those kernels.
+// (the int4a8 and int8-group kernels' products on vpdpbusd), "avx2_dot" (the same products on AVX2's vpmaddubsw,
+// where VNNI is absent; without either those kernels run portable loops) or "avx512_bf16" (the bf16_linear and
+// prefill_attention kernels, the bfloat16 decode path). Callers check it before using those kernels.
 
 #include <torch/library.h>
 
@@ -18,7 +19,15 @@ bool built_with(const std::string& feature) {
     return false;
 #endif
   }
-  TORCH_CHECK(feature == "avx512_bf16", "built_with: unknown feature '", feature, "' (avx512_vnni, avx512_bf16)");
+  if (feature == "avx2_dot") {
+#ifdef KVCORE_AVX2_DOT
+    return true;
+#else
+    return false;
+#endif
+  }
+  TORCH_CHECK(feature == "avx512_bf16", "built_with: unknown feature '", feature,
+              "' (avx512_vnni, avx2_dot, avx512_bf16)");
 #ifdef KVCORE_BF16
   return true;
 #else

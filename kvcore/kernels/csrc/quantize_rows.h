@@ -1,6 +1,6 @@
 // Activations quantized per row and group of G columns to int8 (a = max|x| / 127, p = round(x / a)), as llama.cpp
 // does with its Q8 blocks, with the exact float sum of each group: what int4_linear.cpp and int8_group_linear.cpp
-// feed to vpdpbusd.
+// feed to vpdpbusd (or, on AVX2, to vpmaddubsw). |p| <= 127: the AVX2 products rely on it.
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -18,6 +18,45 @@ inline __m512 load16(const float* src) { return _mm512_loadu_ps(src); }
 inline __m512 load16(const c10::BFloat16* src) {  // bfloat16 is the top half of a float32
   const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+#elif defined(KVCORE_AVX2_DOT)
+inline __m256 load8(const float* src) { return _mm256_loadu_ps(src); }
+inline __m256 load8(const c10::BFloat16* src) {
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+inline float reduce_max(__m256 v) {
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+}
+inline float reduce_add(__m256 v) {
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+}
+
+// One group of G (16 or 32) values to int8 codes in dst; returns max |x| and sets the sum.
+template <int64_t G, typename T>
+float quantize_group(const T* src, int8_t* dst, float* sum) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 v[4];
+  for (int64_t i = 0; i < 4; ++i) v[i] = i < G / 8 ? load8(src + 8 * i) : _mm256_setzero_ps();
+  const __m256 amax8 = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                                     _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+  const float amax = reduce_max(amax8);
+  *sum = reduce_add(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
+  const __m256 inv = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+  __m256i q[4];  // cvtps rounds to nearest even, as the portable loop's nearbyint does
+  for (int64_t i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));
+  // the packs interleave the 128-bit lanes: dwords 0 4 1 5 2 6 3 7 restore the order
+  const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+  const __m256i ordered = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  if (G == 32)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), ordered);
+  else
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm256_castsi256_si128(ordered));
+  return amax;
 }
 #endif
 
@@ -40,6 +79,9 @@ void quantize_rows(const T* x, int64_t M, int64_t K, int8_t* p, float* a, float*
       if (G == 32)
         _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16),
                          _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v1, inv))));
+#elif defined(KVCORE_AVX2_DOT)
+      float sum;
+      const float amax = quantize_group<G>(src, dst, &sum);
 #else
       float v[G], amax = 0.f, sum = 0.f;
       for (int64_t i = 0; i < G; ++i) {
