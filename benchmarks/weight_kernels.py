@@ -13,7 +13,7 @@ Configurations: ``fp32 split GEMV`` (kvcore's float32 one-row path), ``fp32 oneD
 ``bf16 F.linear`` (plain), ``bf16 oneDNN`` (prepacked: kvcore's bfloat16 path on CPUs without AVX512_BF16),
 ``bf16 kvcore`` (kvcore's bf16_linear kernel, where the CPU has AVX512_BF16), ``int4`` (groups of 32,
 bfloat16 activations), ``int8`` (per-channel, bfloat16 activations), ``int4a8`` (the int4 weights with int8
-activations, where the CPU has AVX512-VNNI); ``head:`` rows time the LM head alone.
+activations, where the CPU has AVX512-VNNI or AVX2); ``head:`` rows time the LM head alone.
 """
 
 from __future__ import annotations
@@ -51,12 +51,14 @@ def main() -> None:
     head = torch.randn(*HEAD, generator=gen) * 0.05
     threads = torch.get_num_threads()
     kernels: dict[str, list] = {}
+    onednn_bf16 = _onednn_packs_bf16()
     for label, ws in (("layers", weights), ("head", [head])):
         bf16 = [w.bfloat16() for w in ws]
         kernels[f"{label}: fp32 split GEMV"] = [("gemv", w.t().contiguous().t()) for w in ws]
         kernels[f"{label}: fp32 oneDNN"] = [("packed", torch.ops.mkldnn._reorder_linear_weight(w, 8)) for w in ws]
         kernels[f"{label}: bf16 F.linear"] = [("plain", w) for w in bf16]
-        kernels[f"{label}: bf16 oneDNN"] = [("packed", torch.ops.mkldnn._reorder_linear_weight(w, 8)) for w in bf16]
+        if onednn_bf16:
+            kernels[f"{label}: bf16 oneDNN"] = [("packed", torch.ops.mkldnn._reorder_linear_weight(w, 8)) for w in bf16]
         if bf16_linear_ready():
             kernels[f"{label}: bf16 kvcore"] = [("call", Bf16Linear(w, pack_bf16(w))) for w in bf16]
         kernels[f"{label}: int4 g32"] = [("call", Int4Linear(Int4Groups.from_float(w, 32))) for w in ws]
@@ -98,6 +100,15 @@ def main() -> None:
         print(f"\nrows {rows}, {threads} threads: median ms (min)")
         for name, ts in times.items():
             print(f"  {name:24s} {statistics.median(ts) * 1e3:8.2f}  ({min(ts) * 1e3:.2f})")
+
+
+def _onednn_packs_bf16() -> bool:
+    """Whether oneDNN prepacks bfloat16 weights here (it needs AVX-512 or AVX-NE-CONVERT; AVX2 alone is refused)."""
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16), 8)
+    except RuntimeError:
+        return False
+    return True
 
 
 if __name__ == "__main__":

@@ -78,7 +78,9 @@ def _kernels(engine) -> str:
     elif fmt == "int4":
         matmul = "int4 group-wise weight-only (_weight_int4pack_mm_for_cpu, bfloat16 activations)"
     elif fmt == "int4a8":
-        matmul = "int4 group-wise, kvcore int4_linear (int8 activations per group of 32, AVX512-VNNI)"
+        from kvcore.kernels.cpu_kernels import int8_dot_isa
+
+        matmul = f"int4 group-wise, kvcore int4_linear (int8 activations per group of 32, {int8_dot_isa()})"
     elif fmt == "int8":
         matmul = "int8 per-channel weight-only (_weight_int8pack_mm, bfloat16 activations)"
     elif model.dtype == torch.bfloat16 and model.device.type == "cpu" and cpu_features().bf16_matmul:
