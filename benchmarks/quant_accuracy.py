@@ -39,6 +39,7 @@ from kvcore.engine.core import Engine, EngineConfig
 from kvcore.interfaces.sampler import SamplingParams
 from kvcore.kernels.cpu import cpu_features
 from kvcore.loaders import build_model, load_model
+from kvcore.model.embedding import head_rows
 from kvcore.model.lm_head import RescoredInt4Head
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -76,7 +77,7 @@ def text_logits(model, ids: list[int], lm_head: str = "dense") -> torch.Tensor:
     """``[T, V]`` float32 logits of every position of ``ids`` in one forward (the head one row at a time, as
     decode steps run it)."""
     a8 = model.weight_format in ("int4a8", "gguf")  # as the engine builds it: int4a8 weights score with their kernel
-    head = RescoredInt4Head(model.lm_head, a8=a8) if lm_head == "int4" else None
+    head = RescoredInt4Head(head_rows(model), a8=a8) if lm_head == "int4" else None
     with torch.no_grad():
         windows = [model.config.layer_window(i) for i in range(model.config.num_hidden_layers)]
         hidden = model(torch.tensor(ids), torch.arange(len(ids)), full_attention(windows))
