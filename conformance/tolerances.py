@@ -38,6 +38,19 @@ rounding perturbs a peaked softmax over few keys by up to about as much again; t
 over the op matrix with the int8 cache is about ``9u``, and the factor 16 gives it 2x headroom (a real
 addressing or scale bug errs by O(1)). Its
 streams are compared tie-aware, in float32 too, with ``max_gap = max(dtype's, LOSSY_GAP_FACTOR · u)`` logits.
+Its cache-tier logits get ``atol = max(dtype's, LOSSY_CACHE_FACTOR · u)``. Every such widening is one rule,
+:func:`widened`: the lossless tolerance, or ``factor · u`` where that is looser.
+
+``SPECULATIVE``: logprobs of a float32 greedy stream with speculation vs the same stream without, within
+``atol = widened(SPECULATIVE_LOGPROB_ATOL, LOSSY_CACHE_FACTOR, u)`` (:func:`logprob_tolerance`). A
+verification scores a request's last token and its drafts as one multi-token row, where plain decoding
+scores one row per step: the same values through GEMMs of other shapes, so K/V differ by float32 rounding.
+A lossless cache stores that difference as it is (logprobs agree to float32 rounding). A lossy cache rounds
+both to its precision, and an element within that float32 difference of a rounding boundary of the storage
+type is stored one quantum apart on the two paths; every later layer reads the stored value. That is the
+cache tier's comparison (cached K/V from one GEMM shape against K/V from another), so the speculative tier
+takes the cache tier's factor, applied to logprobs (the log-softmax of those logits: it moves them by at
+most the spread of the logit changes, typically less).
 
 Measured worst cases with the built-in backends are in ``docs/conformance.md`` (with the command).
 """
@@ -50,7 +63,8 @@ from dataclasses import dataclass
 import torch
 
 __all__ = [
-    "Tolerance", "TieRule", "OP", "CACHE", "STREAM", "UNIT_ROUNDOFF", "op_tolerance", "cache_tolerance", "tie_rule"
+    "Tolerance", "TieRule", "OP", "CACHE", "STREAM", "UNIT_ROUNDOFF", "SPECULATIVE_LOGPROB_ATOL", "widened",
+    "op_tolerance", "cache_tolerance", "tie_rule", "logprob_tolerance",
 ]
 
 
@@ -116,6 +130,12 @@ LOSSY_OP_FACTOR = 16.0
 LOSSY_GAP_FACTOR = 254.0  # int8 (u = 1/254): near-ties up to one logit
 
 
+def widened(tol: float, factor: float, unit_roundoff: float = 0.0) -> float:
+    """``tol`` over a lossless cache (``unit_roundoff`` 0); over a lossy one ``factor · unit_roundoff`` where
+    that is looser: the one rule by which every tolerance follows a cache's declared precision."""
+    return max(tol, factor * unit_roundoff) if unit_roundoff else tol
+
+
 def op_tolerance(
     dtype: torch.dtype,
     unit_roundoff: float = 0.0,
@@ -126,10 +146,8 @@ def op_tolerance(
     """Tolerance of an op case in ``dtype`` with head size ``head_dim`` and up to ``num_keys`` keys, over
     a cache whose stored elements carry a relative rounding error up to ``unit_roundoff`` (0: lossless)."""
     tol = _op_formula(dtype, head_dim, num_keys)
-    if not unit_roundoff:
-        return tol
-    widened = LOSSY_OP_FACTOR * unit_roundoff
-    return Tolerance(atol=max(tol.atol, widened), rtol=max(tol.rtol, widened))
+    return Tolerance(atol=widened(tol.atol, LOSSY_OP_FACTOR, unit_roundoff),
+                     rtol=widened(tol.rtol, LOSSY_OP_FACTOR, unit_roundoff))
 
 
 #: a lossy cache in the cache tier: the cached path's K/V (from 1-row decode GEMMs) and the recomputed
@@ -141,13 +159,21 @@ LOSSY_CACHE_FACTOR = 128.0
 
 def cache_tolerance(dtype: torch.dtype, unit_roundoff: float = 0.0) -> Tolerance:
     tol = _lookup(CACHE, dtype, "cache")
-    if not unit_roundoff:
-        return tol
-    return Tolerance(atol=max(tol.atol, LOSSY_CACHE_FACTOR * unit_roundoff), rtol=tol.rtol)
+    return Tolerance(atol=widened(tol.atol, LOSSY_CACHE_FACTOR, unit_roundoff), rtol=tol.rtol)
 
 
 def tie_rule(dtype: torch.dtype, unit_roundoff: float = 0.0) -> TieRule:
     rule = _lookup(STREAM, dtype, "stream")
     if not unit_roundoff:
         return rule
-    return TieRule(exact=False, top_k=5, max_gap=max(rule.max_gap, LOSSY_GAP_FACTOR * unit_roundoff))
+    return TieRule(exact=False, top_k=5, max_gap=widened(rule.max_gap, LOSSY_GAP_FACTOR, unit_roundoff))
+
+
+#: the speculative tier's float32 logprobs over a lossless cache: float32 rounding, with room to spare
+SPECULATIVE_LOGPROB_ATOL = 1e-4
+
+
+def logprob_tolerance(unit_roundoff: float = 0.0) -> float:
+    """How far a float32 stream's logprobs with speculation may be from those without, over a cache whose
+    stored elements carry a relative rounding error up to ``unit_roundoff`` (0: lossless)."""
+    return widened(SPECULATIVE_LOGPROB_ATOL, LOSSY_CACHE_FACTOR, unit_roundoff)

@@ -1,0 +1,95 @@
+"""The speculative tier over a lossy KV cache: logprobs held to what the cache's declared precision implies,
+a lossless cache still held to float32 rounding."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import make_plugin
+
+from kvcore.conformance import speculative_tier as tier
+from kvcore.conformance import tolerances
+from kvcore.conformance.results import FAIL, PASS
+from kvcore.conformance.runner import run_case
+from kvcore.conformance.settings import SuiteConfig
+from kvcore.conformance.speculative_proposers import ORACLE, REJECT_ALL
+from kvcore.conformance.target import resolve_target
+from kvcore.engine import verify
+from kvcore.plugins.registry import PluginRegistry
+
+try:
+    from kvcore_example_backend.cache import Float16KVCache
+except ImportError:  # the example package is not installed: use it from the source tree
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "kvcore-example-backend" / "src"))
+    from kvcore_example_backend.cache import Float16KVCache
+
+CFG = SuiteConfig(dtype="float32", models=("tiny",), tiers=("speculative",))
+FP16_U = Float16KVCache.capabilities.unit_roundoff
+SMALL = 3 * tolerances.SPECULATIVE_LOGPROB_ATOL  # over float32's tolerance, well inside float16 storage's
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _target(kv_cache: str):
+    reg = PluginRegistry(load_entrypoints=False)
+    reg.register_plugin(make_plugin(kv_caches=[Float16KVCache]), "example-fp16")
+    return resolve_target(None, reg, kv_cache=kv_cache)
+
+
+def _run(kv_cache: str, proposer: str = ORACLE):
+    return run_case(_target(kv_cache), "speculative", tier.SpecCase(proposer, "greedy"), CFG)
+
+
+def test_logprob_tolerance_is_the_shared_lossy_rule():
+    assert tolerances.logprob_tolerance() == tolerances.SPECULATIVE_LOGPROB_ATOL  # lossless: float32 only
+    for u in (FP16_U, 1 / 254):
+        want = tolerances.widened(tolerances.SPECULATIVE_LOGPROB_ATOL, tolerances.LOSSY_CACHE_FACTOR, u)
+        assert tolerances.logprob_tolerance(u) == want == tolerances.LOSSY_CACHE_FACTOR * u
+        assert tolerances.cache_tolerance(torch.float32, u).atol == tolerances.widened(
+            tolerances.CACHE[torch.float32].atol, tolerances.LOSSY_CACHE_FACTOR, u)
+    assert tolerances.SPECULATIVE_LOGPROB_ATOL < SMALL < tolerances.logprob_tolerance(FP16_U) / 10
+
+
+@pytest.mark.parametrize("proposer", [ORACLE, REJECT_ALL])
+def test_float16_cache_passes_held_to_its_unit_roundoff(proposer):
+    """Verification rows and one-row decodes store K/V that differ by float32 rounding; float16 storage rounds
+    the odd element to its neighbour, which later layers read: legitimate, and within the widened tolerance."""
+    result = _run("example_fp16", proposer)
+    assert result.status == PASS, result.describe()
+    assert f"atol={tolerances.logprob_tolerance(FP16_U):g}" in result.tolerance
+    assert result.max_err is not None and result.max_err <= tolerances.logprob_tolerance(FP16_U)
+
+
+def _shift_logprobs(monkeypatch, delta: float) -> None:
+    """Plant a bug: every logprob a verification emits is off by ``delta``."""
+    real = verify.SpeculativeStep._verified
+
+    def shifted(self, logits, views, reqs, proposals):
+        rows = real(self, logits, views, reqs, proposals)
+        return [[(t, None if lp is None else (lp[0] + delta, lp[1])) for t, lp in row] for row in rows]
+
+    monkeypatch.setattr(verify.SpeculativeStep, "_verified", shifted)
+
+
+@pytest.mark.parametrize("kv_cache, delta, caught", [
+    ("paged", SMALL, True),  # a lossless cache: still float32's tolerance
+    ("example_fp16", SMALL, False),  # the same shift is within float16 storage's rounding
+    ("example_fp16", 2 * tolerances.LOSSY_CACHE_FACTOR * FP16_U, True),  # a lossy cache still catches a real error
+], ids=["lossless-small", "float16-small", "float16-large"])
+def test_planted_logprob_shift(monkeypatch, kv_cache, delta, caught):
+    _shift_logprobs(monkeypatch, delta)
+    result = _run(kv_cache)
+    assert result.status == (FAIL if caught else PASS), result.describe()
+    if caught:
+        assert "logprobs differ from those without speculation" in result.detail
+        assert result.max_err == pytest.approx(delta, rel=0.05)
+
