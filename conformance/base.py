@@ -17,7 +17,8 @@
         conformance_quick = True  # optional: class attributes tune the run (None = pytest option/default)
 
 Each tier is its own base class (:class:`BaseAttentionOpTests`, :class:`BaseCacheConsistencyTests`,
-:class:`BaseTokenStreamTests`, :class:`BaseSamplingTests`); :class:`BaseConformanceTests` is all four.
+:class:`BaseTokenStreamTests`, :class:`BaseSamplingTests`, :class:`BaseSpeculativeTests`);
+:class:`BaseConformanceTests` is all five.
 Every case becomes one test id (``test_op[gqa8x2-d64-ragged]``). A case outside the backend's declared
 capabilities is *skipped* with the reason; an unavailable backend skips everything with its reason.
 
@@ -42,13 +43,15 @@ __all__ = [
     "BaseCacheConsistencyTests",
     "BaseTokenStreamTests",
     "BaseSamplingTests",
+    "BaseSpeculativeTests",
     "BaseConformanceTests",
     "suite_config",
     "target_label",
 ]
 
 #: parametrized argument name -> tier
-_CASE_ARGS = {"op_case": "op", "cache_case": "cache", "stream_case": "stream", "sampling_case": "sampling"}
+_CASE_ARGS = {"op_case": "op", "cache_case": "cache", "stream_case": "stream", "sampling_case": "sampling",
+              "speculative_case": "speculative"}
 
 
 def _option(config: pytest.Config, name: str) -> Any:
@@ -200,6 +203,7 @@ class _NoTarget:
         kv_layouts: tuple[str, ...] = ()
 
     kv_cache = None
+    proposer = None  # the speculative tier's cases with a proposer under test are the CLI's (--proposer)
 
     @staticmethod
     def cache_names() -> tuple[str, ...]:
@@ -246,8 +250,16 @@ class BaseSamplingTests(_ConformanceBase):
         self._assert_result(run_case(conformance_target, "sampling", sampling_case, conformance_config))
 
 
+class BaseSpeculativeTests(_ConformanceBase):
+    """Speculative tier: streams with drafts (the built-in test proposers) == streams without; skipped with the
+    reason for a backend that does not declare multi-token decode."""
+
+    def test_speculative(self, conformance_target: Target, conformance_config: SuiteConfig, speculative_case) -> None:
+        self._assert_result(run_case(conformance_target, "speculative", speculative_case, conformance_config))
+
+
 class BaseConformanceTests(
-    BaseAttentionOpTests, BaseCacheConsistencyTests, BaseTokenStreamTests, BaseSamplingTests
+    BaseAttentionOpTests, BaseCacheConsistencyTests, BaseTokenStreamTests, BaseSamplingTests, BaseSpeculativeTests
 ):
     """Every tier, in run order."""
 
@@ -255,3 +267,4 @@ class BaseConformanceTests(
     test_cache = BaseCacheConsistencyTests.test_cache
     test_stream = BaseTokenStreamTests.test_stream
     test_sampling = BaseSamplingTests.test_sampling
+    test_speculative = BaseSpeculativeTests.test_speculative

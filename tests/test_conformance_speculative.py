@@ -1,5 +1,5 @@
 """The speculative tier over a lossy KV cache: logprobs held to what the cache's declared precision implies,
-a lossless cache still held to float32 rounding."""
+a lossless cache still held to float32 rounding; and the tier in the pytest base classes."""
 
 from __future__ import annotations
 
@@ -25,6 +25,8 @@ try:
 except ImportError:  # the example package is not installed: use it from the source tree
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "kvcore-example-backend" / "src"))
     from kvcore_example_backend.cache import Float16KVCache
+
+pytest_plugins = ["pytester"]
 
 CFG = SuiteConfig(dtype="float32", models=("tiny",), tiers=("speculative",))
 FP16_U = Float16KVCache.capabilities.unit_roundoff
@@ -93,3 +95,39 @@ def test_planted_logprob_shift(monkeypatch, kv_cache, delta, caught):
         assert "logprobs differ from those without speculation" in result.detail
         assert result.max_err == pytest.approx(delta, rel=0.05)
 
+
+def test_base_classes_run_the_speculative_tier(pytester):
+    pytester.makepyfile(
+        """
+        import dataclasses
+
+        import pytest
+
+        from kvcore.backends.sdpa import SDPABackend
+        from kvcore.conformance.base import BaseConformanceTests, BaseSpeculativeTests
+
+
+        class SingleToken(SDPABackend):
+            name = "single_token"
+            capabilities = dataclasses.replace(SDPABackend.capabilities, multi_token_decode=False)
+
+
+        class TestPaged(BaseConformanceTests):
+            conformance_quick, conformance_models, conformance_dtype = True, ("tiny",), "float32"
+
+            @pytest.fixture
+            def backend(self):
+                return "paged"
+
+
+        class TestSingleToken(BaseSpeculativeTests):
+            conformance_models, conformance_dtype = ("tiny",), "float32"
+
+            @pytest.fixture
+            def backend(self):
+                return SingleToken
+        """
+    )
+    result = pytester.runpytest("-p", "no:cacheprovider", "-rs", "-k", "test_speculative and greedy")
+    result.assert_outcomes(passed=3, skipped=3)  # oracle, reject-all and random, each on both classes
+    result.stdout.fnmatch_lines(["*does not declare multi-token decode*"])
