@@ -1,5 +1,9 @@
 """The kvcore conformance suite for this package's three plugins, by subclassing its base classes.
 
+``BaseConformanceTests`` is every tier, the speculative one included: the backend's verification rows
+(``multi_token_decode``) and the cache under speculation, whose logprobs are held to the tolerance the
+cache's declared ``unit_roundoff`` implies.
+
 Each class certifies one plugin; the ``backend`` fixture returns what is under test as a
 :class:`~kvcore.conformance.target.Target` resolved in this package's own registry (the ``registry``
 fixture of conftest.py), so the run does not depend on which entry points the environment loads.

@@ -12,7 +12,9 @@ flash-attention recurrence, in float32)::
     acc   = acc · exp(m - m') + p · v_chunk
     out   = acc / l
 
-Chunks that lie wholly in every query's future are never read. Attention variants: the layer's
+Chunks that lie wholly in every query's future are never read. A sequence's query rows may continue its
+cache (a prefill chunk, or a speculative verification's last token and drafts: ``multi_token_decode``), each
+row masked to its own position. Attention variants: the layer's
 (``meta.layer(layer_idx)``) sliding window and soft-cap, in both phases; no sinks (declared in
 ``capabilities``, so a model with sinks is refused with the reason instead of run wrong).
 
@@ -55,6 +57,7 @@ class ChunkedAttentionBackend(AttentionBackend[AttentionMetadata]):
         max_head_dim=256,
         prefill_variants=frozenset({"sliding_window", "softcap"}),
         decode_variants=frozenset({"sliding_window", "softcap"}),
+        multi_token_decode=True,  # rows of several tokens after a cache are masked per position, as in prefill
     )
 
     def __init__(self, chunk_size: int = 64, **options) -> None:
