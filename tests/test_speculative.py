@@ -4,7 +4,6 @@ acceptance rule's distribution, the built-in proposers, and the engine's refusal
 from __future__ import annotations
 
 import dataclasses
-
 import math
 
 import pytest

@@ -6,8 +6,14 @@ import argparse
 import json
 
 from kvcore.kernels.cpu import cpu_features
-from kvcore.kernels.cpu_kernels import (cxx_compiler, extension_reasons, int8_dot_isa, kernel_reasons, load_kernels,
-                                        vector_isa)
+from kvcore.kernels.cpu_kernels import (
+    cxx_compiler,
+    extension_reasons,
+    int8_dot_isa,
+    kernel_reasons,
+    load_kernels,
+    vector_isa,
+)
 
 __all__ = ["run_kernels"]
 

@@ -131,9 +131,9 @@ def choose_defaults(config: EngineConfig, facts: ModelFacts, registry: PluginReg
         elif facts.native_int4 and torch_dtype == torch.bfloat16 and not quantized_reasons("int4", torch_dtype, device):
             a8 = int4a8_reasons()
             weights = "int4" if a8 else "int4a8"
-            reasons.append(f"weights int4a8: the Q4 blocks on kvcore's int8-activation kernel ({_DOT_ISA[int8_dot_isa()]})"
-                           if not a8 else
-                           f"weights int4 (torch's kernel on the Q4 blocks): int4a8 cannot run: {'; '.join(a8)}")
+            isa = _DOT_ISA[int8_dot_isa()]
+            reasons.append(f"weights int4a8: the Q4 blocks on kvcore's int8-activation kernel ({isa})" if not a8
+                           else f"weights int4 (torch's kernel on the Q4 blocks): int4a8 cannot run: {'; '.join(a8)}")
         elif _runs_codes(config, facts, torch_dtype, device):
             weights = "gguf"
             reasons.append("weights gguf: the file's blocks as stored, on kvcore's int8-activation kernels "
