@@ -78,3 +78,13 @@ def _keep_torch_threads():
     yield
     if torch.get_num_threads() != threads:
         torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def one_thread_module():
+    """torch on one thread for a whole module (``pytestmark = pytest.mark.usefixtures("one_thread_module")``): the
+    conformance modules' many tiny forwards run faster without thread hand-offs, beside the other xdist worker."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -281,12 +281,7 @@ PLANTED = {
 CFG = SuiteConfig(quick=True, models=("tiny",))
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread_module")
 
 
 def _order(cases: list) -> list:

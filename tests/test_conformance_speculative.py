@@ -33,12 +33,7 @@ FP16_U = Float16KVCache.capabilities.unit_roundoff
 SMALL = 3 * tolerances.SPECULATIVE_LOGPROB_ATOL  # over float32's tolerance, well inside float16 storage's
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread_module")
 
 
 def _target(kv_cache: str):
