@@ -165,7 +165,9 @@ def test_chat_on_a_terminal_edits_keeps_history_and_survives_ctrl_c(tmp_path, to
         tmux.type("helo")
         tmux.keys("Left", "l", "End", "!")  # line editing: the cursor moves, a character goes in mid-line
         tmux.keys("Enter")
-        tmux.wait_for(">>> ", 2)
+        # the next prompt after the reply's JSON: readline is reading again (its redraws of the edited line also
+        # print ">>> ", so counting prompts could send Ctrl-C while the reply still streams)
+        tmux.wait_for(r'"finish_reason"(?:.|\n)*>>> ')
         tmux.type("half typed")
         tmux.keys("C-c")  # clears the line; the session and the conversation go on
         tmux.wait_for(r"\^C")
