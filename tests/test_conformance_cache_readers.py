@@ -9,7 +9,10 @@ import types
 import pytest
 
 from kvcore.backends.contiguous import ContiguousKVCache
+from kvcore.backends.quantized import Int8KVCache
 from kvcore.cli import main
+from kvcore.conformance.cache_store import StoreCase, check_store
+from kvcore.conformance.results import FAIL, PASS, CaseResult
 from kvcore.conformance.runner import tier_cases
 from kvcore.conformance.settings import SuiteConfig
 from kvcore.conformance.target import resolve_target
@@ -28,20 +31,59 @@ class DropsLastRowCache(ContiguousKVCache):
         super().write(layer_idx, k[:keep], v[:keep], rows)
 
 
-@pytest.fixture
-def planted_cache():
-    plugin = types.ModuleType("planted_cache")
+class ScaleOffCache(Int8KVCache):
+    """The int8 cache with its scales stored 5% too large: large elements off by a few times their rounding."""
+
+    name = "planted_int8_scale_off"
+
+    @staticmethod
+    def quantize(x):
+        q, scale = Int8KVCache.quantize(x)
+        return q, scale * 1.05
+
+
+def _registered(cls):
+    plugin = types.ModuleType(f"planted_{cls.name}")
 
     @hookimpl
     def kvcore_register_kv_caches(register):
-        register(DropsLastRowCache)
+        register(cls)
 
     plugin.kvcore_register_kv_caches = kvcore_register_kv_caches
-    name = get_registry().register_plugin(plugin, name="planted-cache")
+    name = get_registry().register_plugin(plugin, name=cls.name)
     try:
-        yield DropsLastRowCache.name
+        yield cls.name
     finally:
         get_registry().unregister_plugin(name)
+
+
+@pytest.fixture
+def planted_cache():
+    yield from _registered(DropsLastRowCache)
+
+
+@pytest.fixture
+def scale_off_cache():
+    yield from _registered(ScaleOffCache)
+
+
+def _store(cache: str) -> CaseResult:
+    result = CaseResult(tier="cache", case="store", status=PASS)
+    check_store(resolve_target(None, kv_cache=cache), StoreCase(), SuiteConfig(quick=True, dtype="float32"), result)
+    return result
+
+
+def test_int8_cache_keeps_what_was_written_within_its_rounding():
+    """Its rounding is up to 1/254 of each row's largest magnitude, not of each element: the store case
+    measures it per row (a per-element bound failed rows with small elements beside large ones)."""
+    result = _store("int8")
+    assert result.status == PASS, result.detail
+
+
+def test_int8_scales_five_percent_off_are_caught(scale_off_cache):
+    result = _store(scale_off_cache)
+    assert result.status == FAIL
+    assert "differs from what was written" in result.detail
 
 
 def test_cache_dropping_a_row_in_write_is_caught(planted_cache, capsys):
