@@ -1,12 +1,13 @@
-"""Caches certified through every reader and driven directly: a planted cache whose write() drops a row."""
+"""Caches certified through every reader and driven directly: planted caches whose write() drops a row or whose
+int8 scales are off."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import types
 
 import pytest
+from helpers import make_plugin, registered
 
 from kvcore.backends.contiguous import ContiguousKVCache
 from kvcore.backends.quantized import Int8KVCache
@@ -16,7 +17,6 @@ from kvcore.conformance.results import FAIL, PASS, CaseResult
 from kvcore.conformance.runner import tier_cases
 from kvcore.conformance.settings import SuiteConfig
 from kvcore.conformance.target import resolve_target
-from kvcore.hookspecs import hookimpl
 from kvcore.plugins.registry import get_registry
 
 
@@ -42,29 +42,16 @@ class ScaleOffCache(Int8KVCache):
         return q, scale * 1.05
 
 
-def _registered(cls):
-    plugin = types.ModuleType(f"planted_{cls.name}")
-
-    @hookimpl
-    def kvcore_register_kv_caches(register):
-        register(cls)
-
-    plugin.kvcore_register_kv_caches = kvcore_register_kv_caches
-    name = get_registry().register_plugin(plugin, name=cls.name)
-    try:
-        yield cls.name
-    finally:
-        get_registry().unregister_plugin(name)
-
-
 @pytest.fixture
 def planted_cache():
-    yield from _registered(DropsLastRowCache)
+    with registered(get_registry(), make_plugin(kv_caches=[DropsLastRowCache]), "planted-cache"):
+        yield DropsLastRowCache.name
 
 
 @pytest.fixture
 def scale_off_cache():
-    yield from _registered(ScaleOffCache)
+    with registered(get_registry(), make_plugin(kv_caches=[ScaleOffCache]), "planted-scale-off"):
+        yield ScaleOffCache.name
 
 
 def _store(cache: str) -> CaseResult:
