@@ -9,6 +9,8 @@ import torch
 from kvcore.conformance.cases import OpCase
 from kvcore.conformance.sampler_scenarios import OracleCase
 from kvcore.conformance.settings import SuiteConfig
+from kvcore.conformance.speculative_tier import MODEL as SPECULATIVE_MODEL
+from kvcore.conformance.speculative_tier import SpecCase
 
 __all__ = ["tier_coverage", "coverage_line", "case_dimensions"]
 
@@ -24,6 +26,8 @@ def case_dimensions(case, cfg: SuiteConfig) -> dict[str, str]:
     if isinstance(case, OpCase):
         return {"dtype": dtype, "kv_cache": case.kv_cache or "", "heads": f"{case.num_heads}/{case.num_kv_heads}",
                 "head_dim": str(case.head_dim), "block_size": str(case.block_size), "scenario": case.scenario}
+    if isinstance(case, SpecCase):
+        return {"kind": "speculative", "dtype": "float32", "proposer": case.proposer, "variant": case.variant}
     if isinstance(case, OracleCase):
         return {"kind": "sampler oracle", "scenario": case.id.removeprefix("oracle-")}
     if hasattr(case, "model"):
@@ -49,6 +53,9 @@ def tier_coverage(tier: str, cases: Sequence, cfg: SuiteConfig, kv_caches: Seque
             "scenarios": sorted({c.scenario for c in cases}),
             "max_keys": max(max(c.final_lens) for c in cases),
         }
+    if isinstance(cases[0], SpecCase):  # float32 streams of one model, with and without each proposer
+        return {"cases": len(cases), "dtypes": ["float32"], "models": [SPECULATIVE_MODEL],
+                "proposers": sorted({c.proposer for c in cases}), "variants": sorted({c.variant for c in cases})}
     oracle = [c.id.removeprefix("oracle-") for c in cases if isinstance(c, OracleCase)]
     models = [c for c in cases if hasattr(c, "model")]
     cov = {
@@ -85,6 +92,8 @@ def coverage_line(tier: str, cov: dict) -> str:
         ]
     else:
         parts += [f"models {', '.join(cov['models'])}", f"variants {', '.join(cov['variants'])}"]
+        if cov.get("proposers"):
+            parts.append(f"proposers {', '.join(cov['proposers'])}")
         if cov.get("store"):
             parts.append(f"driven directly: {', '.join(cov['store'])}")
         if cov.get("readers"):

@@ -44,6 +44,7 @@ K = 3  # drafts per step
 FALSE_ALARM = 1e-3
 NUM_DRAWS = 1500
 _PLUGIN = "kvcore-conformance-proposers"
+MODEL = "tiny"  # every case runs this conformance model, in float32
 
 
 @dataclass(frozen=True)
@@ -133,7 +134,7 @@ def _options(proposer: str, continuations: dict) -> dict:
 
 
 def check(target: Target, case: SpecCase, cfg: SuiteConfig, result: CaseResult) -> None:
-    cm = get_model("tiny", torch.float32, "cpu")
+    cm = get_model(MODEL, torch.float32, "cpu")
     registered = _PLUGIN in dict(target.registry.pm.list_name_plugin())
     if not registered:
         target.registry.register_plugin(plugin(), _PLUGIN)

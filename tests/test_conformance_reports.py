@@ -8,8 +8,11 @@ import json
 import kvcore
 from kvcore.cli import main
 from kvcore.conformance import runner
+from kvcore.conformance.coverage import case_dimensions, coverage_line, tier_coverage
 from kvcore.conformance.report import failure_summary, to_text
 from kvcore.conformance.results import EXIT_INTERRUPTED, FAIL, PASS, SCHEMA_VERSION, CaseResult, SuiteReport
+from kvcore.conformance.settings import SuiteConfig
+from kvcore.conformance.speculative_tier import SpecCase
 
 QUICK = ["--quick", "--model", "tiny", "--dtype", "float32"]
 
@@ -83,3 +86,16 @@ def test_kernel_build_is_announced_before_the_first_case(monkeypatch, capsys):
     err = capsys.readouterr().err
     assert rc == 0 and built == [1]
     assert err.index("building kvcore's C++ CPU kernels") < err.index("[sampling")
+
+
+def test_speculative_coverage_names_its_model_variants_and_proposers():
+    cases = [SpecCase("conformance-oracle", "greedy"), SpecCase("conformance-random", "distribution"),
+             SpecCase("mine", "sampled")]
+    cov = tier_coverage("speculative", cases, SuiteConfig())
+    assert cov == {"cases": 3, "dtypes": ["float32"], "models": ["tiny"],
+                   "proposers": ["conformance-oracle", "conformance-random", "mine"],
+                   "variants": ["distribution", "greedy", "sampled"]}
+    assert coverage_line("speculative", cov) == (
+        "speculative: 3 cases; float32; models tiny; variants distribution, greedy, sampled; "
+        "proposers conformance-oracle, conformance-random, mine")
+    assert case_dimensions(cases[2], SuiteConfig())["proposer"] == "mine"
