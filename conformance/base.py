@@ -45,6 +45,7 @@ __all__ = [
     "BaseSamplingTests",
     "BaseSpeculativeTests",
     "BaseConformanceTests",
+    "proposer_under_test",
     "suite_config",
     "target_label",
 ]
@@ -63,33 +64,44 @@ def _option(config: pytest.Config, name: str) -> Any:
 
 def target_label(config: pytest.Config, owner: object | None = None) -> str:
     """The prefix of ``owner``'s test ids: its ``conformance_name``, else the ``--kvcore-backend`` /
-    ``--kvcore-kv-cache`` / ``--kvcore-sampler`` names (``sdpa``, ``kv_cache=paged``), else the class name."""
+    ``--kvcore-kv-cache`` / ``--kvcore-sampler`` / ``--kvcore-proposer`` names (``sdpa``, ``kv_cache=paged``),
+    else the class name."""
     name = getattr(owner, "conformance_name", None)
     if name:
         return name
     named = [(prefix, _option(config, option)) for prefix, option in
-             (("", "kvcore_backend"), ("kv_cache=", "kvcore_kv_cache"), ("sampler=", "kvcore_sampler"))]
+             (("", "kvcore_backend"), ("kv_cache=", "kvcore_kv_cache"), ("sampler=", "kvcore_sampler"),
+              ("proposer=", "kvcore_proposer"))]
     label = "+".join(f"{prefix}{value}" for prefix, value in named if value)
     return label or getattr(owner, "__name__", "conformance")
+
+
+def _pick(config: pytest.Config, owner: object | None, attr: str, option: str, default: Any) -> Any:
+    """``owner``'s class attribute ``attr``, else the pytest option, else ``default``."""
+    value = getattr(owner, attr, None) if owner is not None else None
+    if value is None:
+        value = _option(config, option)
+    return default if value is None else value
+
+
+def proposer_under_test(config: pytest.Config, owner: object | None = None) -> str | None:
+    """The speculative-decoding proposer ``owner`` certifies: its ``conformance_proposer``, else
+    ``--kvcore-proposer``, else None. A class attribute, not a fixture: its cases are collected before any
+    fixture runs."""
+    return _pick(config, owner, "conformance_proposer", "kvcore_proposer", None)
 
 
 def suite_config(config: pytest.Config, owner: object | None = None) -> SuiteConfig:
     """The :class:`SuiteConfig` for ``owner`` (a test class or instance) under this pytest run."""
 
-    def pick(attr: str, option: str, default: Any) -> Any:
-        value = getattr(owner, attr, None) if owner is not None else None
-        if value is None:
-            value = _option(config, option)
-        return default if value is None else value
-
-    models = pick("conformance_models", "kvcore_model", None)
+    models = _pick(config, owner, "conformance_models", "kvcore_model", None)
     if isinstance(models, str):
         models = [models]
     models = tuple(m.strip() for item in (models or ()) for m in item.split(",") if m.strip()) or DEFAULT_MODELS
     return SuiteConfig(
-        dtype=pick("conformance_dtype", "kvcore_dtype", None),
-        device=pick("conformance_device", "kvcore_device", "cpu"),
-        quick=bool(pick("conformance_quick", "kvcore_quick", False)),
+        dtype=_pick(config, owner, "conformance_dtype", "kvcore_dtype", None),
+        device=_pick(config, owner, "conformance_device", "kvcore_device", "cpu"),
+        quick=bool(_pick(config, owner, "conformance_quick", "kvcore_quick", False)),
         models=models,
     )
 
@@ -105,6 +117,9 @@ class _ConformanceBase:
     #: what test ids start with (``test_op[NAME-gqa8x2-d64-ragged]``), so two certified plugins never share an
     #: id on a CI dashboard; ``None``: the ``--kvcore-*`` target names, else the class name
     conformance_name: ClassVar[str | None] = None
+    #: a registered proposer to certify: its greedy and sampled cases join the speculative tier's; ``None``:
+    #: ``--kvcore-proposer``, else the built-in test proposers only
+    conformance_proposer: ClassVar[str | None] = None
 
     @pytest.fixture(autouse=True, scope="class")
     @classmethod
@@ -125,9 +140,10 @@ class _ConformanceBase:
         (``None`` with a ``kv_cache``: a backend that reads its layout). Override this fixture; the default
         reads ``--kvcore-backend``."""
         name = _option(request.config, "kvcore_backend")
-        if not name and not kv_cache and not sampler:
-            pytest.skip("nothing under test: override the `backend` (or `kv_cache`, `sampler`) fixture or pass "
-                        "--kvcore-backend / --kvcore-kv-cache / --kvcore-sampler NAME")
+        if not name and not kv_cache and not sampler and not proposer_under_test(request.config, self):
+            pytest.skip("nothing under test: override the `backend` (or `kv_cache`, `sampler`) fixture, set "
+                        "`conformance_proposer`, or pass --kvcore-backend / --kvcore-kv-cache / --kvcore-sampler / "
+                        "--kvcore-proposer NAME")
         return name
 
     @pytest.fixture
@@ -164,7 +180,7 @@ class _ConformanceBase:
 
     @pytest.fixture
     def conformance_target(
-        self, backend, kv_cache, sampler, backend_options, kv_cache_options, sampler_options
+        self, request, backend, kv_cache, sampler, backend_options, kv_cache_options, sampler_options
     ) -> Target:
         """What the tests run against. A backend that is unavailable skips every test with its reason; one
         whose ``availability()`` or constructor raises fails them (an error in pytest's terms)."""
@@ -173,7 +189,8 @@ class _ConformanceBase:
         else:
             target = resolve_target(backend, options=backend_options, kv_cache=kv_cache,
                                     kv_cache_options=kv_cache_options, sampler=sampler,
-                                    sampler_options=sampler_options)
+                                    sampler_options=sampler_options,
+                                    proposer=proposer_under_test(request.config, self))
         reason = target.availability()
         if reason:
             pytest.skip(f"backend '{target.name}' is unavailable: {reason}")
@@ -185,7 +202,7 @@ class _ConformanceBase:
         for arg, tier in _CASE_ARGS.items():
             if arg in metafunc.fixturenames:
                 cfg = suite_config(metafunc.config, metafunc.cls)
-                cases = tier_cases(_NO_TARGET, tier, cfg)
+                cases = tier_cases(_NoTarget(proposer_under_test(metafunc.config, metafunc.cls)), tier, cfg)
                 metafunc.parametrize(arg, cases, ids=[f"{label}-{c.id}" for c in cases])
 
     @staticmethod
@@ -203,14 +220,13 @@ class _NoTarget:
         kv_layouts: tuple[str, ...] = ()
 
     kv_cache = None
-    proposer = None  # the speculative tier's cases with a proposer under test are the CLI's (--proposer)
+
+    def __init__(self, proposer: str | None) -> None:
+        self.proposer = proposer  # the speculative tier's cases include the proposer under test's
 
     @staticmethod
     def cache_names() -> tuple[str, ...]:
         return ()
-
-
-_NO_TARGET: Any = _NoTarget()
 
 
 class BaseAttentionOpTests(_ConformanceBase):
@@ -251,8 +267,8 @@ class BaseSamplingTests(_ConformanceBase):
 
 
 class BaseSpeculativeTests(_ConformanceBase):
-    """Speculative tier: streams with drafts (the built-in test proposers) == streams without; skipped with the
-    reason for a backend that does not declare multi-token decode."""
+    """Speculative tier: streams with drafts (the built-in test proposers, and ``conformance_proposer``'s) ==
+    streams without; skipped with the reason for a backend that does not declare multi-token decode."""
 
     def test_speculative(self, conformance_target: Target, conformance_config: SuiteConfig, speculative_case) -> None:
         self._assert_result(run_case(conformance_target, "speculative", speculative_case, conformance_config))

@@ -4,6 +4,9 @@
   (:mod:`kvcore.conformance.suite`) against ``NAME``; with paths, it runs those (your own
   subclasses of :mod:`kvcore.conformance.base` pick the backend up from the option), and
   ``--pyargs kvcore.conformance.suite`` adds the bundled suite explicitly.
+* ``--kvcore-kv-cache``, ``--kvcore-sampler``, ``--kvcore-proposer NAME`` certify a KV cache, a sampler or a
+  speculative-decoding proposer (the proposer's cases join the speculative tier; named alone, as
+  ``kvcore conformance --proposer``, the bundled suite runs that tier only, on the best available backend).
 * ``--kvcore-backend-option``, ``--kvcore-kv-cache-option``, ``--kvcore-sampler-option KEY=VALUE``
   (repeatable) are constructor options, as the CLI's ``--backend-option`` and friends;
 * ``--kvcore-quick``, ``--kvcore-dtype``, ``--kvcore-device``, ``--kvcore-model`` tune the run;
@@ -30,6 +33,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--kvcore-kv-cache", metavar="NAME", default=None,
                     help="KV cache to certify (alone: a backend that reads its layout is chosen)")
     group.addoption("--kvcore-sampler", metavar="NAME", default=None, help="sampler to certify")
+    group.addoption("--kvcore-proposer", metavar="NAME", default=None,
+                    help="speculative-decoding proposer to certify (its cases join the speculative tier)")
     for kind, flag in (("backend", "--kvcore-backend-option"), ("KV cache", "--kvcore-kv-cache-option"),
                        ("sampler", "--kvcore-sampler-option")):
         group.addoption(flag, metavar="KEY=VALUE", action="append", default=None,
@@ -48,16 +53,27 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "kvcore_conformance: a kvcore backend conformance test")
-    if not any(config.getoption(o) for o in ("kvcore_backend", "kvcore_kv_cache", "kvcore_sampler")):
+    named = [o for o in ("kvcore_backend", "kvcore_kv_cache", "kvcore_sampler", "kvcore_proposer")
+             if config.getoption(o)]
+    if not named:
         return
-    # No explicit test paths: run the bundled suite instead of the project's own tests.
+    # No explicit test paths: run the bundled suite instead of the project's own tests (a proposer alone:
+    # the tiers that judge one, as the CLI runs).
     if getattr(config, "args_source", None) != pytest.Config.ArgsSource.ARGS:
-        config.args = [str(SUITE_PATH)]
+        tests = [""]
+        if named == ["kvcore_proposer"]:
+            # imported here, not at the top: every pytest run loads this plugin, and only a conformance run
+            # needs torch and kvcore
+            from kvcore.conformance.settings import PROPOSER_TIERS
+
+            tests = [f"::TestConformance::test_{tier}" for tier in PROPOSER_TIERS]
+        config.args = [f"{SUITE_PATH}{test}" for test in tests]
 
 
 def pytest_report_header(config: pytest.Config) -> str | None:
     named = [(what, config.getoption(o)) for what, o in
-             (("backend", "kvcore_backend"), ("KV cache", "kvcore_kv_cache"), ("sampler", "kvcore_sampler"))]
+             (("backend", "kvcore_backend"), ("KV cache", "kvcore_kv_cache"), ("sampler", "kvcore_sampler"),
+              ("proposer", "kvcore_proposer"))]
     named = [f"{what} {name}" for what, name in named if name]
     if not named:
         return None

@@ -18,7 +18,7 @@ from kvcore.conformance.settings import SuiteConfig
 from kvcore.conformance.speculative_proposers import ORACLE, REJECT_ALL
 from kvcore.conformance.target import resolve_target
 from kvcore.engine import verify
-from kvcore.plugins.registry import PluginRegistry
+from kvcore.plugins.registry import PluginRegistry, get_registry
 
 try:
     from kvcore_example_backend.cache import Float16KVCache
@@ -126,3 +126,75 @@ def test_base_classes_run_the_speculative_tier(pytester):
     result = pytester.runpytest("-p", "no:cacheprovider", "-rs", "-k", "test_speculative and greedy")
     result.assert_outcomes(passed=3, skipped=3)  # oracle, reject-all and random, each on both classes
     result.stdout.fnmatch_lines(["*does not declare multi-token decode*"])
+
+
+def test_plugin_option_certifies_a_proposer_on_the_speculative_tier_only(pytester):
+    result = pytester.runpytest("--kvcore-proposer", "ngram", "--kvcore-quick", "--kvcore-model", "tiny",
+                                "-p", "no:cacheprovider", "-v")
+    outcomes = result.parseoutcomes()
+    assert outcomes.get("passed", 0) >= 3 and set(outcomes) == {"passed"}, outcomes
+    lines = [line for line in result.outlines if " PASSED" in line]
+    assert len(lines) == outcomes["passed"] and all("::test_speculative[" in line for line in lines)
+    result.stdout.fnmatch_lines(["*kvcore conformance: proposer ngram (quick)*",
+                                 "*test_speculative[[]proposer=ngram-ngram-greedy[]] PASSED*",
+                                 "*test_speculative[[]proposer=ngram-ngram-sampled[]] PASSED*"])
+
+
+def test_base_classes_certify_a_proposer_and_fail_a_broken_one(pytester):
+    """``conformance_proposer`` adds the proposer's cases; one whose drafts are not token ids fails them."""
+    pytester.makepyfile(
+        """
+        import pytest
+
+        from kvcore import hookimpl
+        from kvcore.conformance.base import BaseSpeculativeTests
+        from kvcore.interfaces.proposer import Proposal, Proposer
+        from kvcore.plugins.registry import get_registry
+
+
+        class RepeatLast(Proposer):
+            name = "repeat_last"
+
+            def propose(self, rows, num_tokens):
+                return [Proposal([(r.prompt_ids + r.output_ids)[-1]] * k) for r, k in zip(rows, num_tokens)]
+
+
+        class OutOfVocabulary(Proposer):
+            name = "out_of_vocabulary"
+
+            def propose(self, rows, num_tokens):
+                return [Proposal([10 ** 9] * k) for k in num_tokens]
+
+
+        class Plugin:
+            @hookimpl
+            def kvcore_register_proposers(self, register):
+                register(RepeatLast)
+                register(OutOfVocabulary)
+
+
+        get_registry().register_plugin(Plugin(), name="test-proposers")
+
+
+        class TestRepeatLast(BaseSpeculativeTests):
+            conformance_models, conformance_dtype, conformance_quick = ("tiny",), "float32", True
+            conformance_proposer = "repeat_last"
+
+            @pytest.fixture
+            def backend(self):
+                return "sdpa"
+
+
+        class TestOutOfVocabulary(TestRepeatLast):
+            conformance_proposer = "out_of_vocabulary"
+        """
+    )
+    try:
+        result = pytester.runpytest("-p", "no:cacheprovider", "-v", "-k",
+                                    "repeat_last-greedy or out_of_vocabulary-greedy")
+    finally:  # the run is in this process: its registration must not outlive it
+        get_registry().unregister_plugin("test-proposers")
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(["*TestRepeatLast::test_speculative[[]TestRepeatLast-repeat_last-greedy[]] PASSED*",
+                                 "*TestOutOfVocabulary::test_speculative[[]TestOutOfVocabulary-out_of_vocabulary-greedy[]]"
+                                 " FAILED*"])
