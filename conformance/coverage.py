@@ -9,6 +9,7 @@ import torch
 from kvcore.conformance.cases import OpCase
 from kvcore.conformance.sampler_scenarios import OracleCase
 from kvcore.conformance.settings import SuiteConfig
+from kvcore.conformance.speculative_tier import DTYPE as SPECULATIVE_DTYPE
 from kvcore.conformance.speculative_tier import MODEL as SPECULATIVE_MODEL
 from kvcore.conformance.speculative_tier import SpecCase
 
@@ -27,7 +28,8 @@ def case_dimensions(case, cfg: SuiteConfig) -> dict[str, str]:
         return {"dtype": dtype, "kv_cache": case.kv_cache or "", "heads": f"{case.num_heads}/{case.num_kv_heads}",
                 "head_dim": str(case.head_dim), "block_size": str(case.block_size), "scenario": case.scenario}
     if isinstance(case, SpecCase):
-        return {"kind": "speculative", "dtype": "float32", "proposer": case.proposer, "variant": case.variant}
+        return {"kind": "speculative", "dtype": SPECULATIVE_DTYPE, "proposer": case.proposer,
+                "variant": case.variant}
     if isinstance(case, OracleCase):
         return {"kind": "sampler oracle", "scenario": case.id.removeprefix("oracle-")}
     if hasattr(case, "model"):

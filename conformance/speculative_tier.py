@@ -44,7 +44,8 @@ K = 3  # drafts per step
 FALSE_ALARM = 1e-3
 NUM_DRAWS = 1500
 _PLUGIN = "kvcore-conformance-proposers"
-MODEL = "tiny"  # every case runs this conformance model, in float32
+MODEL = "tiny"  # every case runs this conformance model
+DTYPE = "float32"  # in this precision: streams are compared exactly
 
 
 @dataclass(frozen=True)
@@ -79,8 +80,8 @@ def skip_reasons(target: Target, case: SpecCase, cfg: SuiteConfig) -> list[str]:
         reasons.append(f"backend '{target.name}' does not declare multi-token decode")
     if cfg.tensor_parallel_size > 1:
         reasons.append("verification runs in one process (tensor parallelism is on)")
-    if cfg.dtype != torch.float32 and not reasons:
-        reasons.append("streams are compared exactly: float32 only")
+    if cfg.dtype != getattr(torch, DTYPE) and not reasons:
+        reasons.append(f"streams are compared exactly: {DTYPE} only")
     if case.variant == "sampled" and case.proposer == target.proposer and not reasons:
         entry = target.registry.proposers.get(target.proposer)
         if entry is not None and not entry.cls.capabilities.deterministic:
@@ -94,7 +95,7 @@ def _engine(target: Target, cm, proposer: str | None, options: dict, max_len: in
     cache = target.cache_names()[0]
     paged = target.registry.kv_caches[cache].cls.paged
     config = EngineConfig(
-        backend=target.name, kv_cache=cache, dtype="float32", weights="float", lm_head="dense", device="cpu",
+        backend=target.name, kv_cache=cache, dtype=DTYPE, weights="float", lm_head="dense", device="cpu",
         max_num_seqs=seqs, max_model_len=max_len, max_num_batched_tokens=budget, enable_prefix_caching=paged,
         backend_options={target.name: dict(target.options)} if target.options else {},
         kv_cache_options={cache: dict(target.kv_cache_options)} if cache == target.kv_cache else {},
@@ -134,7 +135,7 @@ def _options(proposer: str, continuations: dict) -> dict:
 
 
 def check(target: Target, case: SpecCase, cfg: SuiteConfig, result: CaseResult) -> None:
-    cm = get_model(MODEL, torch.float32, "cpu")
+    cm = get_model(MODEL, getattr(torch, DTYPE), "cpu")
     registered = _PLUGIN in dict(target.registry.pm.list_name_plugin())
     if not registered:
         target.registry.register_plugin(plugin(), _PLUGIN)
