@@ -93,7 +93,8 @@ inline float sum(const Vec& v) {
 // The 16 horizontal sums of s[0..15] as one vector (lane t = sum of s[t]): pairs merged by interleaving and
 // adding, 32-bit then 64-bit elements within each 128-bit lane, then 128-bit lanes across vectors; 45
 // instructions instead of 16 separate reductions.
-inline __m512 sum16(const __m512* s) {
+using RawVec = __m512;
+inline __m512 lane_sums(const __m512* s) {
   __m512 a[8], b[4];
   for (int t = 0; t < 8; ++t)  // per 128-bit lane: [s2t, s2t+1, s2t, s2t+1] partial sums
     a[t] = _mm512_add_ps(_mm512_unpacklo_ps(s[2 * t], s[2 * t + 1]), _mm512_unpackhi_ps(s[2 * t], s[2 * t + 1]));
@@ -112,7 +113,8 @@ inline __m512 sum16(const __m512* s) {
 #elif defined(CPU_CAPABILITY_AVX2)
 // AVX2's counterpart: the 8 horizontal sums of s[0..7] as one vector, by three rounds of pairwise horizontal adds
 // (within 128-bit lanes) and one add across the lanes; 9 instructions instead of 8 separate reductions.
-inline __m256 sum8(const __m256* s) {
+using RawVec = __m256;
+inline __m256 lane_sums(const __m256* s) {
   const __m256 a0 = _mm256_hadd_ps(s[0], s[1]), a1 = _mm256_hadd_ps(s[2], s[3]), a2 = _mm256_hadd_ps(s[4], s[5]),
                a3 = _mm256_hadd_ps(s[6], s[7]);
   const __m256 b0 = _mm256_hadd_ps(a0, a1), b1 = _mm256_hadd_ps(a2, a3);  // per lane: a quarter of s[0..3], s[4..7]
@@ -193,25 +195,15 @@ void attend_chunk(const T* q, const T* k, const T* v, int64_t k_stride, int64_t 
       load_row<NV>(q + (g / r.G) * r.q_r + (g % r.G) * D, D, qv);
       for (int64_t i = 0; i < NV; ++i) qv[i] = qv[i] * Vec(scale);
       int64_t j = 0;
-#if defined(CPU_CAPABILITY_AVX512)
-      for (; j + 16 <= hi; j += 16) {  // 16 keys' products, summed by one transposing reduction
-        __m512 s[16];
-        for (int64_t t = 0; t < 16; ++t) {
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+      for (; j + Vec::size() <= hi; j += Vec::size()) {  // a vector's width of keys, summed by one lane_sums
+        RawVec s[Vec::size()];
+        for (int64_t t = 0; t < Vec::size(); ++t) {
           Vec acc_t = qv[0] * Vec::loadu(kf[j + t]);
           for (int64_t i = 1; i < NV; ++i) acc_t = at::vec::fmadd(qv[i], Vec::loadu(kf[j + t] + i * Vec::size()), acc_t);
           s[t] = acc_t;
         }
-        _mm512_storeu_ps(p + j, sum16(s));
-      }
-#elif defined(CPU_CAPABILITY_AVX2)
-      for (; j + 8 <= hi; j += 8) {  // as above, 8 keys at a time
-        __m256 s[8];
-        for (int64_t t = 0; t < 8; ++t) {
-          Vec acc_t = qv[0] * Vec::loadu(kf[j + t]);
-          for (int64_t i = 1; i < NV; ++i) acc_t = at::vec::fmadd(qv[i], Vec::loadu(kf[j + t] + i * Vec::size()), acc_t);
-          s[t] = acc_t;
-        }
-        _mm256_storeu_ps(p + j, sum8(s));
+        Vec(lane_sums(s)).store(p + j);
       }
 #endif
       for (; j < hi; ++j) {  // (the scores before lo are computed and masked)
@@ -242,7 +234,7 @@ inline __m512 dot_row(__m512 acc, __m512bh q, const BF16* row) {
 
 // The scaled scores of keys [0, hi) of a block (rows `stride` elements apart, hi <= kBlock) for one query row qv of
 // D = 32 NB: vdpbf16ps of the query with each key row as the cache holds it (pairs of products summed into float32
-// lanes), 16 keys' lanes summed at once (sum16). Scores past hi (up to the next 16) are 0.
+// lanes), 16 keys' lanes summed at once (lane_sums). Scores past hi (up to the next 16) are 0.
 template <int64_t NB>
 inline void score_block(const __m512bh* qv, const BF16* kb, int64_t stride, int64_t hi, float scale, float* p) {
   for (int64_t j0 = 0; j0 < hi; j0 += 16) {
@@ -263,7 +255,7 @@ inline void score_block(const __m512bh* qv, const BF16* kb, int64_t stride, int6
             sc[t] = dot_row(sc[t], qv[i], kb + (j0 + t) * stride + 32 * i);
       }
     }
-    _mm512_store_ps(p + j0, _mm512_mul_ps(sum16(sc), _mm512_set1_ps(scale)));
+    _mm512_store_ps(p + j0, _mm512_mul_ps(lane_sums(sc), _mm512_set1_ps(scale)));
   }
 }
 
