@@ -33,6 +33,7 @@ from typing import Any, ClassVar
 import pytest
 import torch
 
+from kvcore.conformance.pytest_plugin import TARGET_OPTIONS
 from kvcore.conformance.results import FAIL, SKIP, CaseResult
 from kvcore.conformance.runner import run_case, tier_cases
 from kvcore.conformance.settings import DEFAULT_MODELS, SuiteConfig
@@ -69,9 +70,7 @@ def target_label(config: pytest.Config, owner: object | None = None) -> str:
     name = getattr(owner, "conformance_name", None)
     if name:
         return name
-    named = [(prefix, _option(config, option)) for prefix, option in
-             (("", "kvcore_backend"), ("kv_cache=", "kvcore_kv_cache"), ("sampler=", "kvcore_sampler"),
-              ("proposer=", "kvcore_proposer"))]
+    named = [(prefix, _option(config, option)) for option, _, prefix in TARGET_OPTIONS]
     label = "+".join(f"{prefix}{value}" for prefix, value in named if value)
     return label or getattr(owner, "__name__", "conformance")
 

@@ -24,6 +24,9 @@ import pytest
 
 SUITE_MODULE = "kvcore.conformance.suite"
 SUITE_PATH = Path(__file__).with_name("suite.py")
+#: the options that name what a run certifies: (option, its word in the report header, its prefix in test ids)
+TARGET_OPTIONS = (("kvcore_backend", "backend", ""), ("kvcore_kv_cache", "KV cache", "kv_cache="),
+                  ("kvcore_sampler", "sampler", "sampler="), ("kvcore_proposer", "proposer", "proposer="))
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -53,8 +56,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "kvcore_conformance: a kvcore backend conformance test")
-    named = [o for o in ("kvcore_backend", "kvcore_kv_cache", "kvcore_sampler", "kvcore_proposer")
-             if config.getoption(o)]
+    named = [option for option, _, _ in TARGET_OPTIONS if config.getoption(option)]
     if not named:
         return
     # No explicit test paths: run the bundled suite instead of the project's own tests (a proposer alone:
@@ -71,10 +73,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_report_header(config: pytest.Config) -> str | None:
-    named = [(what, config.getoption(o)) for what, o in
-             (("backend", "kvcore_backend"), ("KV cache", "kvcore_kv_cache"), ("sampler", "kvcore_sampler"),
-              ("proposer", "kvcore_proposer"))]
-    named = [f"{what} {name}" for what, name in named if name]
+    named = [f"{what} {config.getoption(option)}" for option, what, _ in TARGET_OPTIONS if config.getoption(option)]
     if not named:
         return None
     quick = " (quick)" if config.getoption("kvcore_quick") else ""

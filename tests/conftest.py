@@ -18,6 +18,7 @@ import torch
 from helpers import make_random_model
 
 from kvcore import LlamaModel
+from kvcore.conformance.pytest_plugin import TARGET_OPTIONS
 
 DATA = Path(__file__).parent / "data"
 
@@ -49,8 +50,7 @@ def pytest_configure(config: pytest.Config) -> None:
     # The repo's own tests see third-party plugins only where a test asks for them. A run of the bundled
     # conformance suite (`pytest --kvcore-backend NAME` from the repo root loads this file too) certifies
     # exactly such a plugin, so it keeps the environment's plugins.
-    if any(config.getoption(o, None)
-           for o in ("kvcore_backend", "kvcore_kv_cache", "kvcore_sampler", "kvcore_proposer")):
+    if any(config.getoption(option, None) for option, _, _ in TARGET_OPTIONS):
         return
     os.environ.setdefault("KVCORE_LOAD_PLUGINS", "")
     # Tests never write prepared models under the user's cache folder (tests/test_model_cache.py turns the
