@@ -3,10 +3,10 @@
     python benchmarks/decode_attention_kernel.py [--base a2e8171] [--threads 1 2] [--rows 1 5]
 
 Both versions of ``kvcore/kernels/csrc/decode_attention.cpp`` (the one at git revision ``--base`` and the
-working tree's) are built here as standalone libraries with the flags kvcore's own build uses, under their own
-operator namespaces, and called the way the ``cpu_decode`` backend calls ``cached_decode_attention``: SmolLM2's
-shape (9 query heads on 3 KV heads, head size 64), R query tokens per sequence (1: a decode step, 5: a verification
-of 4 drafts), 30 layers cycled so that long contexts read their rows from memory, not from a warm cache.
+working tree's) are built here as standalone libraries (benchmarks/kernel_ab.py) and called the way the
+``cpu_decode`` backend calls ``cached_decode_attention``: SmolLM2's shape (9 query heads on 3 KV heads, head size
+64), R query tokens per sequence (1: a decode step, 5: a verification of 4 drafts), 30 layers cycled so that long
+contexts read their rows from memory, not from a warm cache.
 With one thread the time is the calling thread's CPU time (``time.thread_time``: robust on a shared machine);
 with more, wall time. The sides alternate pass by pass; medians of microseconds per layer call.
 """
@@ -14,39 +14,16 @@ with more, wall time. The sides alternate pass by pass; medians of microseconds 
 from __future__ import annotations
 
 import argparse
-import hashlib
-import statistics
-import subprocess
-import tempfile
 import time
-from pathlib import Path
 
 import torch
+from kernel_ab import alternate, build
 
 from kvcore.kernels.cpu import cpu_features
-from kvcore.kernels.cpu_kernels import _flags, cxx_compiler, vector_isa
+from kvcore.kernels.cpu_kernels import vector_isa
 
 LAYERS, KV_HEADS, GROUP, HEAD_DIM = 30, 3, 3, 64
-SOURCE = "kvcore/kernels/csrc/decode_attention.cpp"
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def build(text: str, namespace: str) -> None:
-    """Build and load ``text`` (a version of decode_attention.cpp) with its operators under ``namespace``."""
-    text = text.replace("TORCH_LIBRARY_FRAGMENT(kvcore,", f"TORCH_LIBRARY_FRAGMENT({namespace},")
-    text = text.replace("TORCH_LIBRARY_IMPL(kvcore,", f"TORCH_LIBRARY_IMPL({namespace},")
-    compiler, compile_flags, link_flags = _flags(cxx_compiler())
-    key = hashlib.sha256("\0".join([text, *compiler, *compile_flags, torch.__version__]).encode()).hexdigest()[:16]
-    folder = Path(tempfile.gettempdir()) / "kvcore-attention-ab"
-    folder.mkdir(exist_ok=True)
-    library = folder / f"{namespace}-{key}.so"
-    if not library.is_file():
-        source = folder / f"{namespace}-{key}.cpp"
-        source.write_text(text)
-        include = ["-I", str(ROOT / "kvcore/kernels/csrc")]
-        subprocess.run([*compiler, *compile_flags, *include, "-shared", str(source), *link_flags, "-o", str(library)],
-                       check=True)
-    torch.ops.load_library(str(library))
+SOURCE = "decode_attention.cpp"
 
 
 def setup(dtype: torch.dtype, rows: int, context: int, batch: int) -> tuple:
@@ -83,10 +60,8 @@ def main() -> None:
     ap.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"], choices=("bfloat16", "float32"))
     ap.add_argument("--passes", type=int, default=20)
     args = ap.parse_args()
-    base_text = subprocess.run(["git", "-C", str(ROOT), "show", f"{args.base}:{SOURCE}"], check=True,
-                               capture_output=True, text=True).stdout
-    build(base_text, "kvcore_ab_base")
-    build((ROOT / SOURCE).read_text(), "kvcore_ab_now")
+    build(args.base, SOURCE, "kvcore_ab_base")
+    build(None, SOURCE, "kvcore_ab_now")
     sides = {"base": torch.ops.kvcore_ab_base.cached_decode_attention,
              "now": torch.ops.kvcore_ab_now.cached_decode_attention}
     print(f"{cpu_features().describe()}; built for {vector_isa()}; base {args.base} vs working tree; "
@@ -104,13 +79,7 @@ def main() -> None:
                     outs = [fn(*operands[:3], *operands[3], *operands[4:], 0, 0, context, HEAD_DIM**-0.5)
                             for fn in sides.values()]
                     diff = (outs[0].double() - outs[1].double()).abs().max().item()
-                    samples = {name: [] for name in sides}
-                    for p in range(args.passes + 2):
-                        for name in sides if p % 2 == 0 else reversed(sides):
-                            t = per_layer_us(sides[name], operands, context, clock)
-                            if p >= 2:  # two warm-up passes each
-                                samples[name].append(t)
-                    a, b = (statistics.median(samples[name]) for name in sides)
+                    a, b = alternate(sides, args.passes, per_layer_us, operands, context, clock)
                     print(f"| {dtype_name} | {threads} | {rows} | {context} | {a:.1f} | {b:.1f} | {a / b:.2f}× "
                           f"| {diff:.1e} |", flush=True)
 
