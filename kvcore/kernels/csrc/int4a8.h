@@ -26,6 +26,9 @@ constexpr int64_t kGroup = 32;
 using kvcore_gm::kMaxM;
 using kvcore_gm::kRows;
 constexpr int64_t kAhead = kvcore_gm::kPrefetchBytes / 256;  // groups of codes (256 bytes) prefetched ahead
+#ifdef KVCORE_AVX2_DOT
+constexpr int64_t kAvx2Tile = 4;  // rows whose accumulators (2 x 2 ymm per row) block_dot keeps in registers
+#endif
 
 #ifdef KVCORE_VNNI
 inline __m512 load_scales(const c10::Half* src) {
@@ -76,6 +79,14 @@ void block_dot(const uint8_t* packed, const S* dm, const int8_t* p, const float*
   }
   for (int64_t r = 0; r < M; ++r) _mm512_storeu_ps(out_f + r * kRows, acc[r]);
 #elif defined(KVCORE_AVX2_DOT)
+  // Sixteen ymm registers hold the accumulators of kAvx2Tile rows: more rows go in tiles of that many, each tile a
+  // pass over the block's codes (from L1 after the first), as spilling accumulators to the stack costs more.
+  if constexpr (M > kAvx2Tile) {
+    block_dot<kAvx2Tile, S>(packed, dm, p, a, sx, G, out_f);
+    block_dot<M - kAvx2Tile, S>(packed, dm, p + kAvx2Tile * G * kGroup, a + kAvx2Tile * G, sx + kAvx2Tile * G, G,
+                                out_f + kAvx2Tile * kRows);
+    return;
+  }
   // Each 64-byte vector of codes is two halves, output rows 0-7 and 8-15. vpmaddubsw sums pairs of code x
   // activation products into int16 (at most 2 * 15 * 127), and the group's eight such sums per lane still fit
   // (8 * 3810 < 32767), so the group is added in int16 and widened to int32 once, by vpmaddwd with ones.
@@ -89,6 +100,7 @@ void block_dot(const uint8_t* packed, const S* dm, const int8_t* p, const float*
     _mm_prefetch(reinterpret_cast<const char*>(dm + (g + kAhead) * 32), _MM_HINT_T0);
     __m256i s[M][2];
     for (int64_t r = 0; r < M; ++r) s[r][0] = s[r][1] = _mm256_setzero_si256();
+#pragma GCC unroll 1  // unrolled, the compiler hoists all eight code vectors' unpacking and spills the sums
     for (int64_t j = 0; j < 4; ++j)
       for (int64_t h = 0; h < 2; ++h) {
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 64 * j + 32 * h));
