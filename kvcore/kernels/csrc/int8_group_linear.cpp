@@ -34,6 +34,9 @@ namespace {
 
 using kvcore_gm::kMaxM;
 using kvcore_gm::kRows;
+#ifdef KVCORE_AVX2_DOT
+constexpr int64_t kAvx2Tile = 4;  // rows per pass over a block's codes (benchmarks/group_matmul_kernel.py)
+#endif
 
 // Output block (16 rows) for all M rows into out_f[M][16]; M a template parameter as in int4a8.h.
 template <int64_t M, int64_t G>
@@ -69,6 +72,14 @@ void block_dot(const uint8_t* packed, const float* dm, const int8_t* p, const fl
   }
   for (int64_t r = 0; r < M; ++r) _mm512_storeu_ps(out_f + r * kRows, acc[r]);
 #elif defined(KVCORE_AVX2_DOT)
+  // Rows in tiles of kAvx2Tile, as in int4a8.h: more rows at once spill more of their accumulators (six ymm per
+  // row) to the stack than re-reading the block's codes from L1 costs.
+  if constexpr (M > kAvx2Tile) {
+    block_dot<kAvx2Tile, G>(packed, dm, p, a, sx, groups, out_f);
+    block_dot<M - kAvx2Tile, G>(packed, dm, p + kAvx2Tile * groups * G, a + kAvx2Tile * groups,
+                                sx + kAvx2Tile * groups, groups, out_f + kAvx2Tile * kRows);
+    return;
+  }
   // q = lo + 16 hi with nibbles lo, hi: each nibble's G / 4 pair sums per int16 lane stay below 32767 (as in
   // int4a8.h), and vpmaddwd widens them, by ones and by sixteens, into the exact int32 dot product.
   __m256 acc[M][2];
