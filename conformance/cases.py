@@ -51,6 +51,7 @@ import torch
 
 from kvcore.conformance._covering import covering_array
 from kvcore.conformance.scenarios import SCENARIOS, Fork, Step
+from kvcore.interfaces.dtypes import dtype_name
 
 __all__ = [
     "OpCase", "Fork", "HEAD_LAYOUTS", "HEAD_DIMS", "LAYOUTS", "HEAD_SIZES", "BLOCK_SIZES", "SCENARIOS",
@@ -98,7 +99,7 @@ def dtype_suffix(dtype: torch.dtype | None) -> str:
     """Case-id suffix of a reduced-precision case (``""`` for float32 / the run's dtype)."""
     if dtype is None or dtype == torch.float32:
         return ""
-    return {torch.bfloat16: "-bf16", torch.float16: "-fp16"}.get(dtype, "-" + str(dtype).removeprefix("torch."))
+    return {torch.bfloat16: "-bf16", torch.float16: "-fp16"}.get(dtype, "-" + dtype_name(dtype))
 
 
 @dataclass(frozen=True)

@@ -12,18 +12,19 @@ from kvcore.conformance.settings import SuiteConfig
 from kvcore.conformance.speculative_tier import DTYPE as SPECULATIVE_DTYPE
 from kvcore.conformance.speculative_tier import MODEL as SPECULATIVE_MODEL
 from kvcore.conformance.speculative_tier import SpecCase
+from kvcore.interfaces.dtypes import dtype_name
 
 __all__ = ["tier_coverage", "coverage_line", "case_dimensions"]
 
 
 def _dtype_names(cases: Sequence, cfg: SuiteConfig) -> list[str]:
     dtypes = {c.dtype or cfg.dtype for c in cases}
-    return [str(d).removeprefix("torch.") for d in (torch.float32, torch.bfloat16, torch.float16) if d in dtypes]
+    return [dtype_name(d) for d in (torch.float32, torch.bfloat16, torch.float16) if d in dtypes]
 
 
 def case_dimensions(case, cfg: SuiteConfig) -> dict[str, str]:
     """The dimensions one case takes a value in (what a report groups failures by)."""
-    dtype = str(getattr(case, "dtype", None) or cfg.dtype).removeprefix("torch.")
+    dtype = dtype_name(getattr(case, "dtype", None) or cfg.dtype)
     if isinstance(case, OpCase):
         return {"dtype": dtype, "kv_cache": case.kv_cache or "", "heads": f"{case.num_heads}/{case.num_kv_heads}",
                 "head_dim": str(case.head_dim), "block_size": str(case.block_size), "scenario": case.scenario}

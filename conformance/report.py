@@ -12,6 +12,7 @@ from pathlib import Path
 from kvcore.conformance import tolerances
 from kvcore.conformance.coverage import coverage_line
 from kvcore.conformance.results import SuiteReport
+from kvcore.interfaces.dtypes import dtype_name
 
 __all__ = ["to_text", "to_markdown", "to_json", "TIER_TITLES", "failure_summary", "write_json"]
 
@@ -190,7 +191,7 @@ def to_markdown(r: SuiteReport) -> str:
     out += ["## Tolerances", "", "| dtype | op (atol, rtol) | cache logits (atol, rtol) | token streams |",
             "|---|---|---|---|"]
     for dtype, op in tolerances.OP.items():
-        out.append(f"| {str(dtype).removeprefix('torch.')} | {op} | {tolerances.CACHE[dtype]} | "
+        out.append(f"| {dtype_name(dtype)} | {op} | {tolerances.CACHE[dtype]} | "
                    f"{tolerances.STREAM[dtype]} |")
     out += ["", "## Cases", "", "| tier | case | status | max err | time | detail |", "|---|---|---|---:|---:|---|"]
     for x in r.results:

@@ -8,6 +8,7 @@ import torch
 
 from kvcore.engine.core import parse_dtype
 from kvcore.errors import ConfigError
+from kvcore.interfaces.dtypes import dtype_name
 
 __all__ = ["SuiteConfig", "TIERS", "SAMPLER_TIERS", "PROPOSER_TIERS", "DEFAULT_MODELS", "ALL_DTYPES"]
 
@@ -76,12 +77,12 @@ class SuiteConfig:
 
     @property
     def dtype_name(self) -> str:
-        return str(self.dtype).removeprefix("torch.")
+        return dtype_name(self.dtype)
 
     def as_dict(self) -> dict:
         return {
             "dtype": self.dtype_name if len(self.dtypes) == 1 else "all",
-            "dtypes": [str(d).removeprefix("torch.") for d in self.dtypes],
+            "dtypes": [dtype_name(d) for d in self.dtypes],
             "device": self.device,
             "quick": self.quick,
             "models": list(self.models),

@@ -14,6 +14,7 @@ from kvcore.engine.config import EngineConfig, check_cache_memory, parse_dtype
 from kvcore.errors import ConfigError
 from kvcore.execution.backend_check import BackendGuard
 from kvcore.interfaces.attention import AttentionBackend
+from kvcore.interfaces.dtypes import dtype_name
 from kvcore.interfaces.kv_cache import CacheSpec, KVCache
 from kvcore.interfaces.layer_attention import LayerAttention
 from kvcore.model.config import ModelConfig
@@ -135,7 +136,7 @@ def serving_config(engine: Any) -> dict[str, Any]:
         "decode_backend": engine.decode_backend.name,
         "kv_cache": engine.kv_cache_name,
         "sampler": engine.sampler.name,
-        "dtype": str(engine.dtype).removeprefix("torch."),
+        "dtype": dtype_name(engine.dtype),
         "weights": getattr(engine.model, "weight_format", "float"),
         "device": str(engine.device),
         "max_num_seqs": engine.config.max_num_seqs,

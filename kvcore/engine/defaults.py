@@ -26,6 +26,7 @@ import torch
 
 from kvcore.engine.config import AUTO, EngineConfig, parse_dtype
 from kvcore.errors import KVCoreError
+from kvcore.interfaces.dtypes import dtype_name
 from kvcore.kernels.cpu_kernels import int4a8_reasons, int8_dot_isa, kernel_reasons
 from kvcore.kernels.quant import DEFAULT_GROUP_SIZE, QUANTIZED_FORMATS, Int4Linear, quantized_reasons
 from kvcore.loaders.gguf_codes import CODE_TYPES
@@ -192,7 +193,7 @@ def _fast_backend_reasons(config: EngineConfig, facts: ModelFacts, dtype: torch.
         return why
     caps, device = entry.cls.capabilities, torch.device(config.device)
     if device.type not in caps.devices or dtype not in caps.dtypes:
-        return f"{_FAST_BACKEND} does not run {str(dtype).removeprefix('torch.')} on {device.type}"
+        return f"{_FAST_BACKEND} does not run {dtype_name(dtype)} on {device.type}"
     if config.kv_cache is not None:
         layout = registry.get(config.kv_cache, KV_CACHE).cls.layout
         if layout not in entry.cls.capabilities.kv_layouts:
@@ -225,5 +226,5 @@ def model_facts(model) -> ModelFacts:
     """:class:`ModelFacts` of a built decoder (its dtype and weight format decide; the file is gone)."""
     mc = model.config
     heads = {"head_dim": mc.head_dim, "num_heads": mc.num_attention_heads, "num_kv_heads": mc.num_key_value_heads}
-    return ModelFacts(dtype=str(model.dtype).removeprefix("torch."), weights=getattr(model, "weight_format", "float"),
+    return ModelFacts(dtype=dtype_name(model.dtype), weights=getattr(model, "weight_format", "float"),
                       heads=heads, head_shape=tuple(head_rows(model).shape))

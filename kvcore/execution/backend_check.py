@@ -27,6 +27,7 @@ import torch
 
 from kvcore.errors import BackendOutputError, NonFiniteRowsError
 from kvcore.interfaces.attention import AttentionBackend, causal_mask, explicit_attention
+from kvcore.interfaces.dtypes import dtype_name
 from kvcore.interfaces.kv_cache import KVCache
 from kvcore.interfaces.layer_attention import LayerAttention
 from kvcore.interfaces.metadata import AttentionMetadata
@@ -93,8 +94,8 @@ class _StepCheck:
         if not isinstance(out, torch.Tensor):
             raise self._fail(f"returned {type(out).__name__} from forward, not a tensor (layer {layer})")
         if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
-            got = f"{list(out.shape)} {str(out.dtype).removeprefix('torch.')} on {out.device}"
-            want = f"{list(q.shape)} {str(q.dtype).removeprefix('torch.')} on {q.device}"
+            got = f"{list(out.shape)} {dtype_name(out.dtype)} on {out.device}"
+            want = f"{list(q.shape)} {dtype_name(q.dtype)} on {q.device}"
             raise self._fail(f"returned {got} from forward at layer {layer}; the contract is [T, H, D] = {want}")
         if layer == 0:
             self.out0 = out

@@ -24,6 +24,8 @@ from kvcore.interfaces.kv_cache import KVCache, placement_reasons
 from kvcore.interfaces.layer_attention import VARIANTS, LayerAttention
 from kvcore.interfaces.metadata import AttentionMetadata
 
+from .dtypes import dtype_name
+
 __all__ = ["BackendCapabilities", "AttentionBackend", "causal_mask", "explicit_attention"]
 
 #: a backend's own per-call plan type (``AttentionMetadata`` itself when it needs nothing more)
@@ -139,7 +141,7 @@ class BackendCapabilities:
                 need = ".".join(map(str, self.min_compute_capability))
                 reasons.append(f"GPU compute capability {have[0]}.{have[1]} < {need}")
             if dtype in self.dtypes and dtype not in self.dtypes_on(have):
-                reasons.append(f"dtype {str(dtype).removeprefix('torch.')} is not served on compute capability "
+                reasons.append(f"dtype {dtype_name(dtype)} is not served on compute capability "
                                f"{have[0]}.{have[1]} ({self.dtype_range(dtype)})")
         return reasons
 

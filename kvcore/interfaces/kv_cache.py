@@ -31,6 +31,8 @@ import torch
 
 from kvcore.errors import ConfigError
 
+from .dtypes import dtype_name
+
 if TYPE_CHECKING:
     from kvcore.interfaces.metadata import AttentionMetadata
 
@@ -56,8 +58,8 @@ def placement_reasons(
     if device.type not in devices:
         reasons.append(f"device '{device.type}' not supported (supports: {', '.join(sorted(devices))})")
     if dtype not in dtypes:
-        names = ", ".join(sorted(str(d).removeprefix("torch.") for d in dtypes))
-        reasons.append(f"dtype {str(dtype).removeprefix('torch.')} not supported (supports: {names})")
+        names = ", ".join(sorted(dtype_name(d) for d in dtypes))
+        reasons.append(f"dtype {dtype_name(dtype)} not supported (supports: {names})")
     return reasons
 
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from kvcore.errors import ConfigError
+from kvcore.interfaces.dtypes import dtype_name
 
 __all__ = [
     "WEIGHT_FORMATS", "QUANTIZED_FORMATS", "DEFAULT_GROUP_SIZE", "Int4Groups", "Int4Linear",
@@ -82,7 +83,7 @@ def quantized_reasons(fmt: str, dtype: torch.dtype, device: torch.device | str) 
         why = ("kvcore's quantized models run in bfloat16; float32 is the exact reference path"
                if fmt in ("int4a8", "gguf")
                else f"torch's fast {fmt} kernels take bfloat16 activations; with "
-                    f"{str(dtype).removeprefix('torch.')} they run a slow reference loop")
+                    f"{dtype_name(dtype)} they run a slow reference loop")
         reasons.append(f"{fmt} weights need dtype bfloat16 ({why}): use --dtype bfloat16")
     return reasons
 

@@ -23,6 +23,7 @@ from torch import nn
 
 from kvcore.errors import ConfigError
 from kvcore.interfaces.decode_stack import DecodeStack
+from kvcore.interfaces.dtypes import dtype_name
 from kvcore.kernels.linear import DenseMatmuls, set_layout
 from kvcore.model.config import ModelConfig
 from kvcore.model.embedding import BlockTable, dense_embedding, hold_blocks
@@ -99,7 +100,7 @@ class DecoderModel(nn.Module):
             probe = fn(self.embed_tokens[:0])
             if probe.device.type != "cpu" or probe.dtype != torch.bfloat16:
                 raise ConfigError(f"{self.weight_format} weights run on CPU in bfloat16; cannot move this model "
-                                  f"to {probe.device.type} {str(probe.dtype).removeprefix('torch.')}")
+                                  f"to {probe.device.type} {dtype_name(probe.dtype)}")
         super()._apply(fn, recurse)
         self._set_weight_layout()
         return self

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvcore.interfaces.dtypes import dtype_name
 from kvcore.plugins.registry import PluginEntry, PluginRegistry
 
 __all__ = ["backend_rows", "plugin_rows", "format_table", "markdown_table"]
@@ -26,7 +27,7 @@ def _variants(caps) -> str:
 
 def _dtype_names(dtypes) -> str:
     order = {"float32": 0, "bfloat16": 1, "float16": 2}
-    names = [str(d).removeprefix("torch.") for d in dtypes]
+    names = [dtype_name(d) for d in dtypes]
     return ",".join(sorted(names, key=lambda n: order.get(n, 9)))
 
 
