@@ -27,7 +27,7 @@ using kvcore_gm::kMaxM;
 using kvcore_gm::kRows;
 constexpr int64_t kAhead = kvcore_gm::kPrefetchBytes / 256;  // groups of codes (256 bytes) prefetched ahead
 #ifdef KVCORE_AVX2_DOT
-constexpr int64_t kAvx2Tile = 4;  // rows whose accumulators (2 x 2 ymm per row) block_dot keeps in registers
+constexpr int64_t kAvx2Tile = 4;  // rows per pass over a block's codes (benchmarks/group_matmul_kernel.py)
 #endif
 
 #ifdef KVCORE_VNNI
@@ -79,8 +79,8 @@ void block_dot(const uint8_t* packed, const S* dm, const int8_t* p, const float*
   }
   for (int64_t r = 0; r < M; ++r) _mm512_storeu_ps(out_f + r * kRows, acc[r]);
 #elif defined(KVCORE_AVX2_DOT)
-  // Sixteen ymm registers hold the accumulators of kAvx2Tile rows: more rows go in tiles of that many, each tile a
-  // pass over the block's codes (from L1 after the first), as spilling accumulators to the stack costs more.
+  // Each row takes four ymm accumulators of the sixteen: more than kAvx2Tile rows go in tiles of that many, each tile
+  // a pass over the block's codes (from L1 after the first), as spilling more accumulators to the stack costs more.
   if constexpr (M > kAvx2Tile) {
     block_dot<kAvx2Tile, S>(packed, dm, p, a, sx, G, out_f);
     block_dot<M - kAvx2Tile, S>(packed, dm, p + kAvx2Tile * G * kGroup, a + kAvx2Tile * G, sx + kAvx2Tile * G, G,
