@@ -227,9 +227,11 @@ class Scheduler:
         rows = rows if rows is not None else ([], [])
         admitted: list[Request] = []
         blocks = self.kv.blocks
+        # what the running and admitted requests occupy once their n > 1 samples fork, not one sequence each
+        occupied = sum(self._room(r) for r in self.running)
         while self.waiting and budget > 0:
             req = self.waiting[0]
-            if len(self.running) + len(admitted) + self._room(req) > self.max_num_seqs:
+            if occupied + self._room(req) > self.max_num_seqs:
                 break
             if not self.kv.can_add_sequence():
                 break
@@ -267,6 +269,7 @@ class Scheduler:
             self.stats.num_cached_tokens += cached
             self.waiting.popleft()
             admitted.append(req)
+            occupied += self._room(req)
         if chunked:
             return admitted
         self.running.extend(admitted)
