@@ -3,9 +3,15 @@ lifecycle calls come in order, sequence limits hold with n > 1, and the counters
 
 from __future__ import annotations
 
+import math
+
+import pytest
+import torch
 from helpers import make_plugin
 
 from kvcore import Engine, EngineConfig, SamplingParams
+from kvcore.errors import PluginError
+from kvcore.interfaces.proposer import Proposal, Proposer, ProposerCapabilities
 from kvcore.plugins.registry import PluginRegistry
 from kvcore.scheduling.scheduler import Scheduler
 
@@ -46,3 +52,133 @@ def test_admission_counts_the_samples_an_admitted_request_will_fork(random_model
         out = engine(random_model, proposer, backend=backend, max_num_seqs=2).generate(PROMPTS[:2], params)
         assert [r.error for r in out] == [None] * 3 and [len(r.token_ids) for r in out] == [12] * 3
         assert peak[0] == 2, (backend, proposer)
+
+
+def oracle(truth: dict[tuple[int, ...], list[int]], log: list) -> type[Proposer]:
+    """Proposes each prompt's true continuation; keeps per-request state from start to finish, as a plugin
+    may, and logs its lifecycle calls."""
+
+    class Oracle(Proposer):
+        name = "lifecycle-oracle"
+
+        def __init__(self):
+            super().__init__()
+            self.state: dict[str, tuple[int, ...]] = {}
+
+        def start(self, request_id, token_ids):
+            log.append(("start", request_id))
+            self.state[request_id] = tuple(token_ids)
+
+        def finish(self, request_id):
+            log.append(("finish", request_id))
+            del self.state[request_id]
+
+        def advance(self, request_id, num_proposed, num_accepted):
+            log.append(("advance", request_id))
+            self.state[request_id]  # noqa: B018 - a KeyError if the engine advances a finished request
+
+        def propose(self, rows, num_tokens):
+            return [Proposal(truth[tuple(r.prompt_ids)][len(r.output_ids):][:k]) for r, k in zip(rows, num_tokens)]
+
+    return Oracle
+
+
+def test_a_request_ending_inside_its_drafts_is_not_advanced_after_finish(random_model):
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    truth = {tuple(p): t for p, t in zip(PROMPTS, reference(random_model, PROMPTS, SamplingParams(
+        max_new_tokens=9, ignore_eos=True)))}
+    log = []
+    reg = registry_with(oracle(truth, log))
+    out = engine(random_model, "lifecycle-oracle", reg, num_speculative_tokens=4).generate(PROMPTS, params)
+    assert [r.token_ids for r in out] == [t[:6] for t in truth.values()]
+    for rid in {r for _, r in log}:
+        calls = [c for c, r in log if r == rid]
+        assert calls[0] == "start" and calls[-1] == "finish" and calls.count("finish") == 1, calls
+    assert sum(r.metrics.num_accepted_tokens for r in out) > 0
+
+
+def test_the_draft_proposer_holds_no_state_after_its_requests(random_model):
+    eng = engine(random_model, "draft", num_speculative_tokens=4)
+    for i in range(3):
+        eng.generate([[3, 4, 5, 6 + i]], SamplingParams(max_new_tokens=9, ignore_eos=True))
+    proposer = eng.speculator.proposer
+    assert not proposer._lengths and not proposer._seqs
+
+
+def test_a_preempted_request_is_finished_and_started_again(random_model):
+    """Its proposer state is not held while it waits (a draft model's cache rows), and it resumes its stream."""
+    log = []
+    prompts, params = [[3, 4, 5, 6]] * 2, SamplingParams(max_new_tokens=20, ignore_eos=True)
+    truth = {tuple(prompts[0]): reference(random_model, prompts[:1], params)[0]}
+    eng = engine(random_model, "lifecycle-oracle", registry_with(oracle(truth, log)), backend="paged",
+                 max_num_seqs=2, block_size=4, num_blocks=9)
+    out = eng.generate(prompts, params)
+    assert [r.token_ids for r in out] == [truth[tuple(prompts[0])]] * 2
+    assert eng.stats.num_preemptions > 0
+    restarted = 0
+    for rid in {r for _, r in log}:
+        calls = [c for c, r in log if r == rid and c != "advance"]
+        assert calls == ["start", "finish"] * (len(calls) // 2), calls  # never started twice without a finish
+        restarted += len(calls) > 2
+    assert restarted > 0
+
+V = 300  # random_model's vocabulary
+BAD = {
+    "out-of-vocabulary": lambda k: Proposal([V + 5]),
+    "negative": lambda k: Proposal([-1]),
+    "too-many": lambda k: Proposal([1] * (k + 1)),
+    "ids-none": lambda k: Proposal(None),
+    "ids-int": lambda k: Proposal(7),
+    "ids-bool": lambda k: Proposal([True]),
+    "probs-list": lambda k: Proposal([1], [[1.0 / V] * V]),
+    "probs-shape": lambda k: Proposal([1], torch.full((2, V), 1.0 / V)),
+    "probs-nan": lambda k: Proposal([1], torch.full((1, V), float("nan"))),
+    "probs-negative": lambda k: Proposal([1], torch.full((1, V), -1.0)),
+    "probs-logprobs": lambda k: Proposal([1], torch.full((1, V), math.log(1 / V))),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(BAD))
+def test_a_malformed_proposal_fails_only_its_request(random_model, kind):
+    class Bad(Proposer):
+        name = "bad"
+        capabilities = ProposerCapabilities(deterministic=False)
+
+        def propose(self, rows, num_tokens):
+            return [BAD[kind](k) if r.request_id == "req-1" else Proposal() for r, k in zip(rows, num_tokens)]
+
+    params = SamplingParams(max_new_tokens=8, temperature=1.0, seed=1, ignore_eos=True)
+    out = engine(random_model, "bad", registry_with(Bad)).generate(PROMPTS, params)
+    assert random_model.config.vocab_size == V
+    assert isinstance(out[1].error, PluginError) and "proposer 'bad'" in str(out[1].error)
+    ref = reference(random_model, PROMPTS, params)
+    assert [out[0].token_ids, out[2].token_ids] == [ref[0], ref[2]] and out[0].error is out[2].error is None
+
+
+def test_a_proposer_failing_in_advance_fails_only_its_request(random_model):
+    class Flaky(Proposer):
+        name = "flaky"
+
+        def propose(self, rows, num_tokens):
+            return [Proposal([1][:k]) for k in num_tokens]
+
+        def advance(self, request_id, num_proposed, num_accepted):
+            if request_id == "req-1":
+                raise RuntimeError("lost its state")
+
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    out = engine(random_model, "flaky", registry_with(Flaky)).generate(PROMPTS, params)
+    assert "failed in advance: RuntimeError: lost its state" in str(out[1].error)
+    ref = reference(random_model, PROMPTS, params)
+    assert [out[0].token_ids, out[2].token_ids] == [ref[0], ref[2]]
+
+
+def test_accepted_drafts_count_only_the_tokens_emitted(random_model):
+    """A stop token inside the kept drafts ends the stream there: the drafts after it were never emitted."""
+    ref = reference(random_model, PROMPTS[:1], SamplingParams(max_new_tokens=12, ignore_eos=True))[0]
+    stop = ref[2]
+    assert stop not in ref[:2]
+    eng = engine(random_model, "draft", num_speculative_tokens=6)
+    out = eng.generate(PROMPTS[:1], SamplingParams(max_new_tokens=12, ignore_eos=True, stop_token_ids=(stop,)))[0]
+    assert out.token_ids == ref[:3]
+    assert out.metrics.num_accepted_tokens == eng.stats.num_accepted_tokens == 2  # the tokens after the first

@@ -9,8 +9,12 @@ without speculation. See docs/speculative.md.
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 from kvcore.errors import ConfigError, PluginError
 from kvcore.interfaces.attention import AttentionBackend
@@ -19,6 +23,8 @@ from kvcore.loaders.model_cache import load_pretrained
 from kvcore.scheduling.request import EngineStats, Request
 
 __all__ = ["Speculator", "DraftView", "speculator_for"]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -76,7 +82,7 @@ class Speculator:
         self.proposer = proposer
         self.num_tokens = num_tokens  # K: drafts per request and step, at most
         self.stats = stats
-        self._started: set[str] = set()
+        self._started: dict[str, int] = {}  # request id -> its preemptions when the proposer started it
 
     def budget(self, req: Request, max_model_len: int, max_seq_len: int) -> int:
         """Drafts ``req`` may take this step: K, fewer where they would outrun ``max_new_tokens`` or the
@@ -84,37 +90,43 @@ class Speculator:
         left = min(req.params.max_new_tokens - len(req.output_ids), max_model_len - req.num_tokens) - 1
         return max(0, min(self.num_tokens, left, max_seq_len - req.num_tokens))
 
-    def propose(self, reqs: list[Request], budgets: list[int], vocab_size: int) -> list[Proposal]:
-        """One checked proposal per request (empty where its budget is 0)."""
-        for req in reqs:
-            if req.request_id not in self._started:
-                self._started.add(req.request_id)
-                self.proposer.start(req.request_id, req.all_ids)
-        asked = [i for i, b in enumerate(budgets) if b > 0]
-        out = [Proposal()] * len(reqs)
-        if not asked:
-            return out
+    def release(self, waiting: Iterable[Request]) -> None:
+        """Finish the proposer's state of the requests among ``waiting`` it started (preempted ones), so that
+        it (a draft model's cache rows) is not held while they wait; they start again when they decode. One
+        preempted and re-admitted within a step is finished and started again at its next proposal."""
+        for req in waiting:
+            self.finish(req)
+
+    def propose(self, reqs: list[Request], budgets: list[int], vocab_size: int
+                ) -> tuple[list[Proposal], dict[int, PluginError]]:
+        """One checked proposal per request (empty where its budget is 0), and the rows whose proposal was
+        refused, with the reason (their proposals are empty). A proposer that raises fails the whole call."""
         name = self.proposer.name
         try:
-            got = self.proposer.propose([reqs[i] for i in asked], [budgets[i] for i in asked])
+            for req in reqs:
+                if self._started.get(req.request_id, req.metrics.num_preemptions) != req.metrics.num_preemptions:
+                    self.finish(req)  # preempted since it started (and back before a step saw it wait)
+                if req.request_id not in self._started:
+                    self.proposer.start(req.request_id, req.all_ids)
+                    self._started[req.request_id] = req.metrics.num_preemptions
+            asked = [i for i, b in enumerate(budgets) if b > 0]
+            got = self.proposer.propose([reqs[i] for i in asked], [budgets[i] for i in asked]) if asked else []
         except Exception as exc:
             raise PluginError(f"proposer '{name}' failed: {type(exc).__name__}: {exc}") from exc
         if not isinstance(got, list) or len(got) != len(asked) or not all(isinstance(p, Proposal) for p in got):
             raise PluginError(f"proposer '{name}' must return one Proposal per row ({len(asked)})")
+        out, refused = [Proposal()] * len(reqs), {}
         for i, proposal in zip(asked, got):
-            ids = list(proposal.token_ids)
-            if len(ids) > budgets[i] or not all(isinstance(t, int) and 0 <= t < vocab_size for t in ids):
-                raise PluginError(f"proposer '{name}' proposed {ids[:8]} for at most {budgets[i]} tokens in a "
-                                  f"vocabulary of {vocab_size}")
-            probs = proposal.probs
-            if probs is not None and tuple(probs.shape) != (len(ids), vocab_size):
-                raise PluginError(f"proposer '{name}' returned probs of shape {tuple(probs.shape)}, expected "
-                                  f"({len(ids)}, {vocab_size})")
-            out[i] = Proposal(ids, probs if ids else None)
-        return out
+            reason = _refusal(proposal, budgets[i], vocab_size)
+            if reason:
+                refused[i] = PluginError(f"proposer '{name}' {reason}")
+            else:
+                out[i] = Proposal(list(proposal.token_ids), proposal.probs if proposal.token_ids else None)
+        return out, refused
 
     def advance(self, req: Request, num_proposed: int, num_accepted: int) -> None:
-        """Count one verification of ``req``'s drafts and tell the proposer."""
+        """Count one verification of ``req``'s drafts (``num_accepted``: the drafts it emitted) and tell the
+        proposer, unless the request ended in this step (the proposer has already finished it)."""
         m = req.metrics
         m.num_spec_steps += 1
         m.num_draft_tokens += num_proposed
@@ -122,9 +134,46 @@ class Speculator:
         self.stats.num_spec_steps += 1
         self.stats.num_draft_tokens += num_proposed
         self.stats.num_accepted_tokens += num_accepted
-        self.proposer.advance(req.request_id, num_proposed, num_accepted)
+        if req.request_id in self._started:
+            self._call("advance", self.proposer.advance, req.request_id, num_proposed, num_accepted)
 
     def finish(self, req: Request) -> None:
-        if req.request_id in self._started:
-            self._started.discard(req.request_id)
-            self.proposer.finish(req.request_id)
+        """Tell the proposer ``req`` ended here; a proposer that fails to is logged (what the request got stands)."""
+        if self._started.pop(req.request_id, None) is not None:
+            try:
+                self._call("finish", self.proposer.finish, req.request_id)
+            except PluginError as exc:
+                logger.warning("%s", exc)
+
+    def _call(self, what: str, method: Any, *args: Any) -> None:
+        try:
+            method(*args)
+        except Exception as exc:
+            raise PluginError(f"proposer '{self.proposer.name}' failed in {what}: {type(exc).__name__}: {exc}"
+                              ) from exc
+
+
+#: how far a draft distribution's sum may be from 1 (float32 softmax rounding over a large vocabulary)
+_PROBS_SUM_TOL = 1e-3
+
+
+def _refusal(proposal: Proposal, budget: int, vocab_size: int) -> str:
+    """Why a row's proposal cannot be verified ('' = it can): drafts must be at most ``budget`` token ids of the
+    vocabulary, and ``probs`` (when given) one probability distribution per draft, finite, >= 0, summing to 1."""
+    ids = proposal.token_ids
+    if not isinstance(ids, (list, tuple)) or len(ids) > budget or not all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in ids):
+        shown = list(ids[:8]) if isinstance(ids, (list, tuple)) else repr(ids)
+        return f"proposed {shown} for at most {budget} tokens in a vocabulary of {vocab_size}"
+    probs = proposal.probs
+    if probs is None or not ids:
+        return ""
+    if not isinstance(probs, torch.Tensor) or not probs.is_floating_point():
+        return f"returned probs of type {type(probs).__name__}, expected a floating-point tensor"
+    if tuple(probs.shape) != (len(ids), vocab_size):
+        return f"returned probs of shape {tuple(probs.shape)}, expected ({len(ids)}, {vocab_size})"
+    p = probs.detach().double()
+    if not bool(torch.isfinite(p).all()) or bool((p < 0).any()) or not torch.allclose(
+            p.sum(-1), torch.ones(len(ids), dtype=p.dtype, device=p.device), atol=_PROBS_SUM_TOL):
+        return "returned probs that are not distributions (each row finite, >= 0, summing to 1)"
+    return ""

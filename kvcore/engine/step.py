@@ -71,8 +71,10 @@ class EngineStep(SpeculativeStep):
     def _execute(self, batch: ScheduledBatch) -> None:
         """Forward and sample one batch; a KVCoreError fails its requests (a mixed batch is first retried
         split by phase, so the failure lands on the rows that cause it), every other request untouched."""
-        if self.speculator is not None and not batch.is_prefill and self._speculate(batch):
-            return  # a speculative step (kvcore.engine.verify)
+        if self.speculator is not None:
+            self.speculator.release(self.scheduler.waiting)  # preempted requests start again when they decode
+            if not batch.is_prefill and self._speculate(batch):
+                return  # a speculative step (kvcore.engine.verify)
         reqs = batch.requests
         backend = self.prefill_backend if batch.is_prefill else self.decode_backend
         sampling = [i for i, s in enumerate(batch.samples) if s]

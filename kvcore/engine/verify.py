@@ -22,7 +22,7 @@ from kvcore.engine.speculative import DraftView, Speculator
 from kvcore.errors import BackendError, KVCoreError, NonFiniteRowsError
 from kvcore.interfaces.proposer import Proposal
 from kvcore.sampling.processors import token_logprobs
-from kvcore.sampling.sampler import sample_checked
+from kvcore.sampling.sampler import logprobs_checked, sample_checked
 from kvcore.sampling.speculative import num_matching, rejection_sample
 from kvcore.scheduling.batch import ScheduledBatch
 from kvcore.scheduling.request import Request
@@ -47,9 +47,13 @@ class SpeculativeStep:
         for i, b in enumerate(budgets):  # drafts fill what the step's token budget leaves
             budgets[i], room = min(b, room), room - min(b, room)
         try:
-            proposals = self.speculator.propose(reqs, budgets, self.model.config.vocab_size)
+            proposals, refused = self.speculator.propose(reqs, budgets, self.model.config.vocab_size)
         except KVCoreError as exc:
             self._fail(reqs, exc)
+            return True
+        if refused:  # only the rows whose proposal was refused fail; the others run again next step
+            for i, exc in refused.items():
+                self._fail([reqs[i]], exc)
             return True
         query_lens = [1 + len(p.token_ids) for p in proposals]
         seq_ids = [r.seq_id for r in reqs]
@@ -85,11 +89,16 @@ class SpeculativeStep:
             return True
         self.stats.num_decode_tokens += len(reqs)
         for req, proposal, tokens in zip(reqs, proposals, emitted):
+            sent = 0
             for token in tokens:
                 if not req.is_finished:
                     self._advance(req, 1, token)
-            if proposal.token_ids:
-                self.speculator.advance(req, len(proposal.token_ids), len(tokens) - 1)
+                    sent += 1
+            if proposal.token_ids:  # the drafts counted as accepted are the ones the stream emitted
+                try:
+                    self.speculator.advance(req, len(proposal.token_ids), min(sent, len(tokens) - 1))
+                except KVCoreError as exc:  # its tokens stand; the proposer cannot go on with it
+                    self._fail([req], exc)
             if not req.is_finished:
                 self.scheduler.roll_back([req])  # the cache keeps the last token and the kept drafts only
                 self.scheduler.commit([req], [0])
@@ -101,7 +110,7 @@ class SpeculativeStep:
         """Per row, the tokens the step emits with their logprobs: the kept drafts, then the target's own."""
         self._suppress_eos(views, logits)
         rejecting = [p.probs is not None and not r.params.is_greedy for r, p in zip(reqs, proposals)]
-        target_logprobs = self.sampler.logprobs(logits.clone(), views) if any(rejecting) else None
+        target_logprobs = logprobs_checked(self.sampler, logits, views) if any(rejecting) else None
         picks, logprobs = sample_checked(self.sampler, logits, views)
         out, start = [], 0
         for req, proposal, rejects in zip(reqs, proposals, rejecting):

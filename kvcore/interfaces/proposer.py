@@ -9,7 +9,8 @@ tokens one forward yields: a wrong guess costs the compute of scoring it.
 Lifecycle per request: :meth:`Proposer.start` when it begins decoding, :meth:`Proposer.propose` each step
 (batched over requests), :meth:`Proposer.advance` with how many of the drafts were accepted,
 :meth:`Proposer.finish` when it ends (finished, failed, aborted or preempted: a preempted request starts
-again later). Proposers keep per-request state keyed by ``request_id``.
+again later), once per start and with no call for that request after it. Proposers keep per-request state
+keyed by ``request_id``.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from kvcore.hookspecs import hookimpl
 from kvcore.interfaces.sampler import Sampler, SamplingRow
 from kvcore.sampling.processors import apply_penalties, argmax_rows, min_p_mask, token_logprobs, uniform_noise
 
-__all__ = ["DefaultSampler", "sample_checked", "uniform_noise"]
+__all__ = ["DefaultSampler", "logprobs_checked", "sample_checked", "uniform_noise"]
 
 
 def sample_checked(
@@ -23,8 +23,8 @@ def sample_checked(
     or with ``params.logprobs`` set ``(logprob of the id, top (id, logprob) pairs)``."""
     name = sampler.name
     num_top = [r.params.logprobs for r in rows]
+    logprobs = logprobs_checked(sampler, logits, rows) if any(k is not None for k in num_top) else None
     try:
-        logprobs = sampler.logprobs(logits.clone(), rows) if any(k is not None for k in num_top) else None
         ids = sampler.sample(logits, rows)
     except KVCoreError:
         raise
@@ -40,9 +40,22 @@ def sample_checked(
         raise SamplerError(f"sampler '{name}' returned token id {bad[0]}, outside the vocabulary [0, {vocab})")
     if logprobs is None:
         return next_ids, [None] * len(rows)
-    if not isinstance(logprobs, torch.Tensor) or tuple(logprobs.shape) != tuple(logits.shape):
-        raise SamplerError(f"sampler '{name}' returned logprobs that are not a {tuple(logits.shape)} tensor")
     return next_ids, token_logprobs(logprobs, ids, num_top)
+
+
+def logprobs_checked(sampler: Sampler, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """``sampler.logprobs`` of a copy of ``logits``, checked: a tensor of their shape. Anything else, or an
+    exception, is a :class:`~kvcore.errors.SamplerError` naming the sampler."""
+    try:
+        logprobs = sampler.logprobs(logits.clone(), rows)
+    except KVCoreError:
+        raise
+    except Exception as exc:
+        raise SamplerError(f"sampler '{sampler.name}' failed: {type(exc).__name__}: {exc}") from exc
+    if not isinstance(logprobs, torch.Tensor) or tuple(logprobs.shape) != tuple(logits.shape):
+        raise SamplerError(f"sampler '{sampler.name}' returned logprobs that are not a {tuple(logits.shape)} "
+                           "tensor")
+    return logprobs
 
 
 class DefaultSampler(Sampler):
