@@ -14,7 +14,9 @@ with verification rows), ``n = 2``, a stop token, logprobs, and prefix caching o
   target's own seeded draws, see :mod:`kvcore.sampling.speculative`).
 * ``random-distribution``: drafts drawn from a random ``q`` (the rejection rule): the joint distribution
   of two sampled tokens over :data:`NUM_DRAWS` seeds against the exact target distribution, a chi-square
-  test at false-alarm rate :data:`FALSE_ALARM` (fixed seeds: the same verdict every run).
+  test at false-alarm rate :data:`FALSE_ALARM` (fixed seeds: the same verdict every run). The same for the
+  proposer under test when it samples its drafts (``capabilities.deterministic`` False), whose sampled
+  streams need not match.
 
 The proposers are the three of :mod:`kvcore.conformance.speculative_proposers` and, with ``kvcore
 conformance --proposer NAME``, the proposer under test.
@@ -62,8 +64,13 @@ def cases(target: Target, cfg: SuiteConfig) -> list[SpecCase]:
     out = [SpecCase(p, v) for p in (ORACLE, REJECT_ALL, RANDOM) for v in ("greedy", "sampled")]
     out.append(SpecCase(RANDOM, "distribution"))
     if target.proposer is not None:
-        out += [SpecCase(target.proposer, "greedy"), SpecCase(target.proposer, "sampled")]
+        out += [SpecCase(target.proposer, v) for v in ("greedy", "sampled", "distribution")]
     return out
+
+
+def _deterministic(target: Target, proposer: str) -> bool:
+    entry = target.registry.proposers.get(proposer)
+    return entry is None or entry.cls.capabilities.deterministic
 
 
 def tolerance(target: Target, case: SpecCase, cfg: SuiteConfig) -> str:
@@ -82,11 +89,14 @@ def skip_reasons(target: Target, case: SpecCase, cfg: SuiteConfig) -> list[str]:
         reasons.append("verification runs in one process (tensor parallelism is on)")
     if cfg.dtype != getattr(torch, DTYPE) and not reasons:
         reasons.append(f"streams are compared exactly: {DTYPE} only")
-    if case.variant == "sampled" and case.proposer == target.proposer and not reasons:
-        entry = target.registry.proposers.get(target.proposer)
-        if entry is not None and not entry.cls.capabilities.deterministic:
+    if case.proposer == target.proposer and not reasons:
+        deterministic = _deterministic(target, target.proposer)
+        if case.variant == "sampled" and not deterministic:
             reasons.append("a proposer that samples its drafts keeps the distribution, not the stream: see "
-                           "random-distribution")
+                           f"{case.id.removesuffix('-sampled')}-distribution")
+        if case.variant == "distribution" and deterministic:
+            reasons.append("a deterministic proposer's sampled streams are compared token for token: see "
+                           f"{case.id.removesuffix('-distribution')}-sampled")
     return reasons
 
 
@@ -141,7 +151,7 @@ def check(target: Target, case: SpecCase, cfg: SuiteConfig, result: CaseResult) 
         target.registry.register_plugin(plugin(), _PLUGIN)
     try:
         if case.variant == "distribution":
-            _check_distribution(target, cm, result)
+            _check_distribution(target, cm, case.proposer, result)
         else:
             _check_streams(target, cm, case, result)
     finally:
@@ -208,10 +218,11 @@ def _oracle_yields_all(target: Target, cm, prompt, continuations, max_len: int, 
     return True
 
 
-def _check_distribution(target: Target, cm, result: CaseResult) -> None:
+def _check_distribution(target: Target, cm, proposer: str, result: CaseResult) -> None:
     """Tokens sampled (top-k 3) per seed, the second through the rejection rule (the first comes from the
     prefill, a third leaves room for one draft): the joint counts of (first, second) against
-    p(first) p(second | first)."""
+    p(first) p(second | first). The drafts come from the built-in random ``q``, or from the proposer under
+    test (which must propose some: a case that verified no draft checks nothing)."""
     prompt = list(cm.prompts[1])
     base = dict(temperature=1.0, top_k=3, max_new_tokens=3, ignore_eos=True)
     result.info["where"] = "the exact target distribution"
@@ -221,11 +232,11 @@ def _check_distribution(target: Target, cm, result: CaseResult) -> None:
     for t1, p1 in first.items():
         for t2, p2 in _top(exact, prompt + [t1], base).items():
             joint[(t1, t2)] = p1 * p2
-    result.info["where"] = "sampling with drafts drawn from q"
+    result.info["where"] = f"sampling with drafts from proposer '{proposer}'"
     # q over the tokens the target can pick and as many it cannot: drafts are kept and rejected alike
     support = sorted({t for pair in joint for t in pair} | set(range(len(joint))))
-    options = {"seed": 7, "sampled": True, "support": support}
-    engine = _engine(target, cm, RANDOM, options, len(prompt) + 8, seqs=64, budget=4096)
+    options = {"seed": 7, "sampled": True, "support": support} if proposer == RANDOM else {}
+    engine = _engine(target, cm, proposer, options, len(prompt) + 8, seqs=64, budget=4096)
     outs = engine.generate([prompt] * NUM_DRAWS, [SamplingParams(seed=1000 + i, **base) for i in range(NUM_DRAWS)])
     counts: dict[tuple[int, int], int] = {}
     for o in outs:
@@ -237,7 +248,10 @@ def _check_distribution(target: Target, cm, result: CaseResult) -> None:
     limit = _chi2_quantile(1 - FALSE_ALARM, dof)
     result.info.update(chi2=chi2, dof=dof, limit=limit, draft_tokens=engine.stats.num_draft_tokens,
                        accepted_tokens=engine.stats.num_accepted_tokens)
-    if outside or chi2 > limit or not engine.stats.num_draft_tokens:
+    if not engine.stats.num_draft_tokens:
+        result.status, result.detail = FAIL, f"proposer '{proposer}' proposed no draft: the rejection rule never ran"
+        return
+    if outside or chi2 > limit:
         result.status = FAIL
         result.detail = (f"sampled pairs do not follow the target distribution: chi2 {chi2:.1f} > {limit:.1f} "
                          f"(dof {dof}) or {outside} pair(s) it cannot produce")

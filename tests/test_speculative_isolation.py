@@ -10,6 +10,11 @@ import torch
 from helpers import make_plugin
 
 from kvcore import Engine, EngineConfig, SamplingParams
+from kvcore.conformance import speculative_tier as tier
+from kvcore.conformance.models import get_model
+from kvcore.conformance.results import FAIL, PASS, CaseResult
+from kvcore.conformance.settings import SuiteConfig
+from kvcore.conformance.target import resolve_target
 from kvcore.errors import PluginError
 from kvcore.interfaces.proposer import Proposal, Proposer, ProposerCapabilities
 from kvcore.plugins.registry import PluginRegistry
@@ -182,3 +187,44 @@ def test_accepted_drafts_count_only_the_tokens_emitted(random_model):
     out = eng.generate(PROMPTS[:1], SamplingParams(max_new_tokens=12, ignore_eos=True, stop_token_ids=(stop,)))[0]
     assert out.token_ids == ref[:3]
     assert out.metrics.num_accepted_tokens == eng.stats.num_accepted_tokens == 2  # the tokens after the first
+
+
+def test_the_distribution_case_certifies_a_sampling_proposer_and_fails_a_wrong_q():
+    """A proposer that samples its drafts gets a chi-square case of its own; one that proposes the target's
+    likeliest token while it reports a uniform q (so the rule keeps it every time) fails it."""
+    cm = get_model(tier.MODEL, torch.float32, "cpu")
+    prompt, base = list(cm.prompts[1]), {"temperature": 1.0, "top_k": 3, "max_new_tokens": 3, "ignore_eos": True}
+    likeliest = {}
+    plain = Engine(cm.model, None, EngineConfig(backend="sdpa", dtype="float32", max_model_len=len(prompt) + 8))
+    for first in tier._top(plain, prompt, base):
+        second = tier._top(plain, prompt + [first], base)
+        likeliest[(*prompt, first)] = max(second, key=second.get)
+
+    class Biased(Proposer):
+        name = "biased-q"
+        capabilities = ProposerCapabilities(deterministic=False)
+
+        def bind(self, target):
+            self.vocab = target.vocab_size
+            return []
+
+        def propose(self, rows, num_tokens):
+            out = []
+            for row, k in zip(rows, num_tokens):
+                token = likeliest.get((*row.prompt_ids, *row.output_ids))
+                ids = [token] if token is not None and k else []
+                out.append(Proposal(ids, torch.full((len(ids), self.vocab), 1.0 / self.vocab) if ids else None))
+            return out
+
+    reg = PluginRegistry()
+    name = reg.register_plugin(make_plugin(proposers=[Biased]), "biased")
+    try:
+        target = resolve_target("sdpa", registry=reg, proposer="biased-q")
+        cfg = SuiteConfig(dtype="float32", models=("tiny",), tiers=("speculative",))
+        ids = [c.id for c in tier.cases(target, cfg)]
+        assert "biased-q-distribution" in ids and "random-distribution" in ids
+        result = CaseResult(tier="speculative", case="biased-q-distribution", status=PASS)
+        tier.check(target, tier.SpecCase("biased-q", "distribution"), cfg, result)
+        assert result.status == FAIL and "do not follow the target distribution" in result.detail, result.detail
+    finally:
+        reg.unregister_plugin(name)
