@@ -437,3 +437,23 @@ def test_a_request_failing_mid_stream_ends_with_an_error_event_and_the_server_go
         out = client(srv).completions.create(model=NAME, prompt="fine", max_tokens=3, extra_body={"ignore_eos": True})
         assert out.usage.completion_tokens == 3
         wait_idle(front)
+
+
+def test_an_unexpected_error_adding_one_request_is_its_500_and_the_server_goes_on():
+    engine = tiny_engine(max_num_seqs=2)
+    real_add, calls = engine.add_request, []
+
+    def add_failing_once(prompt, params=None, request_id=None):
+        calls.append(request_id)
+        if len(calls) == 1:
+            raise RuntimeError("a plugin bug")
+        return real_add(prompt, params, request_id)
+
+    engine.add_request = add_failing_once
+    front = AsyncEngine(engine)
+    with ServerThread(build_app(front, model_name=NAME)) as srv:
+        with pytest.raises(openai.InternalServerError):
+            client(srv).completions.create(model=NAME, prompt="doomed", max_tokens=3)
+        out = client(srv).completions.create(model=NAME, prompt="fine", max_tokens=3, extra_body={"ignore_eos": True})
+        assert out.usage.completion_tokens == 3 and front.error is None
+        wait_idle(front)

@@ -158,6 +158,27 @@ def test_malformed_structured_requests_are_400_naming_the_problem(server):
         assert "\n" not in payload["error"]["message"]
 
 
+def test_constraints_llguidance_cannot_read_are_400_and_the_server_serves_on(server):
+    """Python's json reads Infinity and lone surrogate escapes, llguidance refuses them: the request's error,
+    not the engine loop's (which once stopped serving every later request)."""
+    infinite = {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "integer",
+                                                                              "maximum": float("inf")}}}
+    for body, needle in [({"response_format": infinite}, "json schema"),
+                         ({"guided_json": '{"type": "string", "const": "\\ud800"}'}, "json schema"),
+                         ({"guided_regex": "\ud800"}, "regex")]:
+        status, _, payload = raw(server, "POST", "/v1/chat/completions", {"messages": USER, "max_tokens": 4, **body})
+        assert status == 400 and f"{needle}: " in payload["error"]["message"], (body, payload)
+        status, _, payload = raw(server, "POST", "/v1/chat/completions", {"messages": USER, "max_tokens": 2})
+        assert status == 200, payload
+
+
+def test_text_no_header_or_utf_8_can_carry_is_escaped_not_a_500(server):
+    status, headers, _ = raw(server, "POST", "/v1/completions", {"prompt": "hi", "max_tokens": 1, "\u6e29": 1})
+    assert status == 200 and headers["kvcore-ignored-fields"] == "\\u6e29"
+    status, _, payload = raw(server, "POST", "/v1/completions", {"model": "\ud800", "prompt": "hi", "max_tokens": 1})
+    assert status == 404 and payload["error"]["code"] == "model_not_found" and "\\ud800" in payload["error"]["message"]
+
+
 def test_unknown_fields_are_logged_and_reported_or_refused_when_strict(server, caplog):
     body = {"prompt": "hi", "max_tokens": 2, "frobnicate": 1, "zeta": True}
     with caplog.at_level("WARNING", logger="kvcore.serving.openai_api"):

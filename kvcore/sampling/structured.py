@@ -35,7 +35,18 @@ JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separ
 
 
 def grammar_text(structured: StructuredOutput) -> str:
-    """The llguidance grammar ``structured`` compiles to (the compile cache's key)."""
+    """The llguidance grammar ``structured`` compiles to (the compile cache's key).
+
+    :raises GrammarError: llguidance cannot read it (JSON it does not accept, such as NaN, 1e999 or a lone
+        surrogate escape, which Python's json module lets through; text that is not valid UTF-8).
+    """
+    try:
+        return _grammar_text(structured)
+    except (ValueError, UnicodeError) as exc:  # llguidance's own parsers, stricter than the checks before
+        raise GrammarError(f"{_what(structured)}: {_one_line(str(exc))}") from None
+
+
+def _grammar_text(structured: StructuredOutput) -> str:
     ll = _llguidance()
     matcher = ll.LLMatcher
     if structured.json is not None:

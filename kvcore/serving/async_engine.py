@@ -76,6 +76,7 @@ class AsyncEngine:
         self.error: BaseException | None = None  # why the loop died, when it did
         self._cv = threading.Condition()
         self._commands: deque[tuple] = deque()
+        self._unhandled: list[tuple] = []  # the commands taken from the queue and not yet handled (loop thread)
         self._num_in_flight = 0  # submitted and not yet ended; guarded by _cv
         self._stopping = False
         self._entries: dict[str, StreamEntry] = {}  # loop thread only
@@ -173,8 +174,10 @@ class AsyncEngine:
                     commands = list(self._commands)
                     self._commands.clear()
                     stopping = self._stopping
-                for cmd in commands:
-                    self._handle(cmd)
+                self._unhandled = commands  # what the finally below answers if a command kills the loop
+                while self._unhandled:
+                    self._handle(self._unhandled[0])
+                    self._unhandled.pop(0)
                 if stopping:
                     break
                 if self.engine.has_unfinished():
@@ -186,11 +189,13 @@ class AsyncEngine:
         finally:
             with self._cv:
                 self._stopping = True
-                leftover = list(self._commands)
+                leftover = self._unhandled + list(self._commands)
+                self._unhandled = []
                 self._commands.clear()
             dead = EngineDeadError(self._dead_reason())
+            registered = {id(entry.stream) for entry in self._entries.values()}
             for cmd in leftover:
-                if cmd[0] == "add":
+                if cmd[0] == "add" and id(cmd[1]) not in registered:
                     self._reject(cmd[1], dead)
             for entry in list(self._entries.values()):
                 self._end(entry, "abort", notify=dead)
@@ -204,7 +209,9 @@ class AsyncEngine:
                 return
             try:
                 rid = self.engine.add_request(prompt, params, request_id=stream.request_id)
-            except KVCoreError as exc:
+            except Exception as exc:  # noqa: BLE001 - one request's failure is its own, the loop serves on
+                if not isinstance(exc, KVCoreError):
+                    logger.exception("internal error while adding request %s", stream.request_id)
                 self._reject(stream, exc)
                 return
             sample_ids = list(self.engine.sample_ids(rid)) if hasattr(self.engine, "sample_ids") else [rid]
