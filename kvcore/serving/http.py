@@ -68,6 +68,8 @@ def error_response(exc: BaseException) -> JSONResponse:
         logger.exception("internal error while serving a request", exc_info=exc)
         status, err_type, code = 500, "server_error", "internal_error"
     message = str(exc) if isinstance(exc, KVCoreError | HTTPError) else f"internal error: {type(exc).__name__}"
+    # a message may echo the request's text, lone surrogates included, which UTF-8 cannot carry
+    message = message.encode("utf-8", "backslashreplace").decode("utf-8")
     return JSONResponse(error_body(message, err_type, code, param), status_code=status, headers=headers)
 
 

@@ -155,7 +155,9 @@ def build_app(
         headers = {}
         if job.ignored_fields:
             logger.warning("the request's fields %s are not known and were ignored", ", ".join(job.ignored_fields))
-            headers["kvcore-ignored-fields"] = ", ".join(job.ignored_fields)
+            # a header is Latin-1: other characters of a field's name go as Python escapes
+            headers["kvcore-ignored-fields"] = ", ".join(job.ignored_fields).encode("latin-1", "backslashreplace"
+                                                                                    ).decode("latin-1")
         streams: list[RequestStream] = []
         try:
             for p, prompt in enumerate(job.prompts):
