@@ -120,10 +120,8 @@ class AsyncEngine:
             if self._stopping or not self._thread.is_alive():
                 raise EngineDeadError(self._dead_reason())
             if self._num_in_flight >= self.max_in_flight:
-                raise QueueFullError(
-                    f"the server is full ({self._num_in_flight} requests in flight, limit {self.max_in_flight}); "
-                    "retry later"
-                )
+                raise QueueFullError(f"the server is full ({self._num_in_flight} requests in flight, "
+                                     f"limit {self.max_in_flight}); retry later")
             self._num_in_flight += 1
             self._commands.append(("add", stream, prompt, params, time.perf_counter()))
             self._cv.notify()
@@ -291,9 +289,8 @@ class AsyncEngine:
             m.time_per_output_token.observe((entry.last_token_time - entry.first_token_time) / (per_sample - 1))
         with self._cv:
             self._num_in_flight -= 1
-            queued = sum(1 for c in self._commands if c[0] == "add")
         # Last, so that whoever reads the end of the stream sees the blocks back and the request counted.
-        self.stats = serving_stats(self.engine, queued)
+        self.stats = self._stats()
         entry.stream._put(notify if notify is not None else END)
 
     def _stats(self) -> ServingStats:
