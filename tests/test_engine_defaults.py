@@ -81,10 +81,31 @@ def test_given_settings_are_kept(kernels_build):
     assert choice.apply(EngineConfig(backend="sdpa")).backend == "sdpa"
     paged = choose_defaults(EngineConfig(kv_cache="paged"), Q4_FILE)  # cpu_decode cannot read a paged cache
     assert paged.backend is None and any("layout 'paged'" in r for r in paged.reasons)
-    assert choose_defaults(EngineConfig(tensor_parallel_size=2), Q4_FILE).lm_head == "dense"
     odd_head = choose_defaults(EngineConfig(), ModelFacts(native_int4=True, head_shape=(300, 64)))
     assert odd_head.lm_head == "dense" and "lm_head dense: the int4 kernel cannot take a [300, 64] head" in \
         odd_head.reasons
+
+
+def test_tensor_parallelism_gets_the_dense_weights_it_can_shard(kernels_build):
+    split = choose_defaults(EngineConfig(tensor_parallel_size=2), Q4_FILE)
+    assert (split.dtype, split.weights, split.lm_head, split.backend) == ("float32", "float", "dense", None)
+    assert "tensor parallelism (tensor_parallel_size > 1) shards dense weights" in split.reasons[0]
+    bf16 = choose_defaults(EngineConfig(tensor_parallel_size=2, dtype="bfloat16"), Q4_FILE)
+    assert (bf16.weights, bf16.lm_head) == ("float", "dense")
+    assert any(r.startswith("weights float: tensor parallelism") for r in bf16.reasons)
+    given = choose_defaults(EngineConfig(tensor_parallel_size=2, weights="int4a8"), Q4_FILE)
+    assert given.weights == "int4a8"  # kept as given: the sharding check then refuses it with its reason
+
+
+def test_every_decided_setting_says_why(kernels_build):
+    reference = choose_defaults(EngineConfig(dtype="float32"), Q4_FILE)
+    assert reference.reasons == ("weights float: dtype float32 is the exact reference, on dense weights",)
+    assert "every setting was given" not in reference.describe()
+    half = choose_defaults(EngineConfig(dtype="float16"), Q4_FILE)  # the Q4 blocks need bfloat16 activations
+    assert half.weights == "float" and half.reasons == (
+        "weights float: the file's blocks run as stored with bfloat16 activations only, not float16",)
+    given = EngineConfig(dtype="float32", weights="float", lm_head="dense", backend="sdpa")
+    assert choose_defaults(given, Q4_FILE).describe().endswith("because every setting was given")
 
 
 def test_file_facts_read_the_gguf_header():

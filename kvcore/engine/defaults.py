@@ -9,8 +9,9 @@ fastest configuration whose accuracy is measured and stated (docs/performance.md
   head (exact top 64) and the ``cpu_decode`` backend where kvcore's C++ kernels can be built;
 * a GGUF whose layer matmul weights are all of the block types kvcore decodes exactly (the K-quant mixes:
   Q4_K, Q5_0, Q5_K, Q6_K, Q8_0, ...) runs them the same way with ``gguf`` weights, where its VNNI kernels run;
-* anything else (float checkpoints, other GGUF types, non-CPU devices) runs float32 dense weights, the exact
-  reference: a float checkpoint is never quantized or rounded silently.
+* anything else (float checkpoints, other GGUF types, non-CPU devices, ``tensor_parallel_size > 1``, which
+  shards dense weights only) runs float32 dense weights, the exact reference: a float checkpoint is never
+  quantized or rounded silently.
 
 A setting given explicitly is kept as given, and the rest follows from it (``dtype="float32"`` alone gives
 the whole reference configuration). ``--dtype float32`` is the exact path, one flag away.
@@ -99,6 +100,7 @@ def choose_defaults(config: EngineConfig, facts: ModelFacts, registry: PluginReg
     device = torch.device(config.device)
     reasons: list[str] = []
     on_cpu = device.type == "cpu"
+    sharded = config.tensor_parallel_size > 1  # tensor parallelism splits dense weights only
 
     dtype = config.dtype
     if dtype == AUTO:
@@ -109,6 +111,10 @@ def choose_defaults(config: EngineConfig, facts: ModelFacts, registry: PluginReg
             dtype = "bfloat16"
             given = f"{config.weights} weights" if config.weights in QUANTIZED_FORMATS else "the int4 LM head"
             reasons.append(f"dtype bfloat16: {given} run with bfloat16 activations")
+        elif sharded and config.weights == AUTO:
+            dtype = "float32"
+            reasons.append("dtype float32, the exact reference: tensor parallelism (tensor_parallel_size > 1) "
+                           "shards dense weights")
         elif facts.native_int4 and config.weights == AUTO and not quantized_reasons("int4", torch.bfloat16, device):
             dtype = "bfloat16"
             reasons.append("dtype bfloat16: the file's layer weights are Q4_0/Q4_1 blocks, which run as stored with "
@@ -129,6 +135,10 @@ def choose_defaults(config: EngineConfig, facts: ModelFacts, registry: PluginReg
     if weights == AUTO:
         if facts.weights is not None:
             weights = facts.weights
+        elif sharded:
+            weights = "float"
+            if torch_dtype != torch.float32:
+                reasons.append("weights float: tensor parallelism (tensor_parallel_size > 1) shards dense weights")
         elif facts.native_int4 and torch_dtype == torch.bfloat16 and not quantized_reasons("int4", torch_dtype, device):
             a8 = int4a8_reasons()
             weights = "int4" if a8 else "int4a8"
@@ -141,8 +151,13 @@ def choose_defaults(config: EngineConfig, facts: ModelFacts, registry: PluginReg
                            f"({_DOT_ISA[int8_dot_isa()]})")
         else:
             weights = "float"
-            if torch_dtype != torch.float32:
+            if (facts.native_int4 or facts.native_codes) and on_cpu and torch_dtype != torch.float32:
+                reasons.append(f"weights float: the file's blocks run as stored with bfloat16 activations only, "
+                               f"not {dtype_name(torch_dtype)}")
+            elif torch_dtype != torch.float32:
                 reasons.append("weights float: only a file's own quantized blocks are run quantized unasked")
+            elif config.dtype != AUTO:
+                reasons.append("weights float: dtype float32 is the exact reference, on dense weights")
 
     lm_head = config.lm_head
     if lm_head == AUTO:
