@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import inspect
 import re
+from dataclasses import fields
 from pathlib import Path
 
 from test_readme_examples import PAGES, README, ROOT
+
+from kvcore.cli.parser import build_parser
+from kvcore.engine.file_config import OPTION_TABLES, FileConfig
 
 README_MAX_LINES = 300
 LINK = re.compile(r"\[[^\]]*\]\((?P<target>[^)\s]+)\)")
@@ -72,3 +76,37 @@ def test_plugin_page_documents_every_hook():
     signatures = [f"{name}({', '.join(inspect.signature(fn).parameters)})" for name, fn in sorted(specs.items())]
     missing = [sig for sig in signatures if f"`{sig}`" not in page]
     assert not missing, f"hooks not in docs/plugins.md's table (as `name(args)`): {', '.join(missing)}"
+
+
+#: where each command's flags are documented (a flag may also appear on any page of its list)
+FLAG_PAGES = {
+    "generate": ["docs/cli.md"],
+    "chat": ["docs/cli.md"],
+    "serve": ["docs/cli.md", "docs/serving.md"],
+    "conformance": ["docs/conformance.md"],
+    "bench": ["benchmarks/README.md"],
+}
+
+
+def test_every_cli_flag_is_documented(monkeypatch):
+    monkeypatch.setenv("KVCORE_LOAD_PLUGINS", "bench")  # the kvcore-bench entry point (conftest loads none)
+    [sub] = [a for a in build_parser()._actions if a.__class__.__name__ == "_SubParsersAction"]
+    assert set(FLAG_PAGES) <= set(sub.choices)  # kvcore-bench: installed by make setup
+    missing = {}
+    for command, pages in FLAG_PAGES.items():
+        text = "".join((ROOT / page).read_text(encoding="utf-8") for page in pages)
+        flags = {o for a in sub.choices[command]._actions if a.help != "==SUPPRESS==" for o in a.option_strings}
+        undocumented = sorted(f for f in flags if f.startswith("--") and f != "--help"
+                              and not re.search(rf"(?<![\w-]){re.escape(f)}(?![\w-])", text))
+        if undocumented:
+            missing[command] = undocumented
+    assert missing == {}
+
+
+def test_cli_page_lists_every_config_key():
+    text = (ROOT / "docs/cli.md").read_text(encoding="utf-8")
+    listed = re.search(r"^Scalar keys: (.*?)\(one\s+dataclass", text, re.S | re.M)
+    assert listed is not None
+    scalar = {f.name for f in fields(FileConfig)} - set(OPTION_TABLES) - {"plugins"}
+    assert set(re.findall(r"`(\w+)`", listed.group(1))) == scalar
+    assert all(f"[{table}.<name>]" in text for table in (*OPTION_TABLES, "plugins"))
