@@ -19,6 +19,7 @@ from helpers import make_random_model
 
 from kvcore import LlamaModel
 from kvcore.conformance.pytest_plugin import TARGET_OPTIONS
+from kvcore.plugins.registry import reset_registry
 
 DATA = Path(__file__).parent / "data"
 
@@ -56,6 +57,17 @@ def pytest_configure(config: pytest.Config) -> None:
     # Tests never write prepared models under the user's cache folder (tests/test_model_cache.py turns the
     # cache on in a temporary one).
     os.environ.setdefault("KVCORE_MODEL_CACHE", "0")
+
+
+@pytest.fixture
+def bench_plugin(monkeypatch):
+    """Allow the kvcore-bench entry point (this file loads no third-party plugin by default)."""
+    monkeypatch.setenv("KVCORE_LOAD_PLUGINS", "bench")
+    reset_registry()
+    try:
+        yield
+    finally:
+        reset_registry()  # the next test's registry is built without it again
 
 
 @pytest.fixture(scope="session")

@@ -19,17 +19,6 @@ from kvcore_bench.bench import CASES, Bench, BenchSettings, render_markdown, wri
 TINY = str(Path(__file__).parent / "data" / "tiny-llama")
 
 
-@pytest.fixture
-def bench_plugin(monkeypatch):
-    """Allow the kvcore-bench entry point (tests/conftest.py loads no third-party plugin by default)."""
-    monkeypatch.setenv("KVCORE_LOAD_PLUGINS", "bench")
-    reset_registry()
-    try:
-        yield
-    finally:
-        reset_registry()  # the next test's registry is built without it again
-
-
 def tiny_settings(tmp_path, **kw) -> BenchSettings:
     base = dict(quick=True, model=TINY, out=str(tmp_path), reps=1, new_tokens=4, long_context=96,
                 contexts=(16, 64), progress=False, transformers=False)

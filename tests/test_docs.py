@@ -88,8 +88,7 @@ FLAG_PAGES = {
 }
 
 
-def test_every_cli_flag_is_documented(monkeypatch):
-    monkeypatch.setenv("KVCORE_LOAD_PLUGINS", "bench")  # the kvcore-bench entry point (conftest loads none)
+def test_every_cli_flag_is_documented(bench_plugin):
     [sub] = [a for a in build_parser()._actions if a.__class__.__name__ == "_SubParsersAction"]
     assert set(FLAG_PAGES) <= set(sub.choices)  # kvcore-bench: installed by make setup
     missing = {}
