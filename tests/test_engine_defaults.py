@@ -8,6 +8,7 @@ import pytest
 from helpers import last_json, run_cli
 
 import kvcore.engine.defaults as defaults
+import kvcore.kernels.cpu_kernels as cpu_kernels
 from kvcore import Engine, EngineConfig
 from kvcore.engine.defaults import ModelFacts, choose_defaults, file_facts
 from kvcore.errors import ConfigError
@@ -97,13 +98,18 @@ def test_tensor_parallelism_gets_the_dense_weights_it_can_shard(kernels_build):
     assert given.weights == "int4a8"  # kept as given: the sharding check then refuses it with its reason
 
 
-def test_every_decided_setting_says_why(kernels_build):
+def test_every_decided_setting_says_why(kernels_build, monkeypatch):
     reference = choose_defaults(EngineConfig(dtype="float32"), Q4_FILE)
     assert reference.reasons == ("weights float: dtype float32 is the exact reference, on dense weights",)
     assert "every setting was given" not in reference.describe()
     half = choose_defaults(EngineConfig(dtype="float16"), Q4_FILE)  # the Q4 blocks need bfloat16 activations
     assert half.weights == "float" and half.reasons == (
         "weights float: the file's blocks run as stored with bfloat16 activations only, not float16",)
+    kquant = ModelFacts(native_codes=True, head_shape=(49152, 576))
+    monkeypatch.setattr(cpu_kernels, "int4a8_reasons", lambda fmt="int4a8": ["no AVX2 on this CPU"])
+    stuck = choose_defaults(EngineConfig(dtype="bfloat16"), kquant)  # the blocks' kernels cannot run here
+    assert stuck.weights == "float" and stuck.reasons == (
+        "weights float: the file's blocks cannot run as stored here: no AVX2 on this CPU",)
     given = EngineConfig(dtype="float32", weights="float", lm_head="dense", backend="sdpa")
     assert choose_defaults(given, Q4_FILE).describe().endswith("because every setting was given")
 

@@ -41,6 +41,7 @@ __all__ = ["ModelFacts", "DefaultChoice", "choose_defaults", "file_facts", "mode
 _INT4_GGML_TYPES = (2, 3)  # ggml's Q4_0, Q4_1: exactly kvcore's int4 groups of 32
 _CODE_GGML_TYPES = tuple(int(t) for t in CODE_TYPES)  # what the gguf weight format runs as stored
 _FAST_BACKEND = "cpu_decode"
+_SHARDS_DENSE = "tensor parallelism (tensor_parallel_size > 1) shards dense weights"
 #: what the int8-activation kernels' dot products run on (cpu_kernels.int8_dot_isa), for the reasons
 _DOT_ISA = {"avx512_vnni": "AVX512-VNNI", "avx2_dot": "AVX2", None: "portable loops"}
 
@@ -113,8 +114,7 @@ def choose_defaults(config: EngineConfig, facts: ModelFacts, registry: PluginReg
             reasons.append(f"dtype bfloat16: {given} run with bfloat16 activations")
         elif sharded and config.weights == AUTO:
             dtype = "float32"
-            reasons.append("dtype float32, the exact reference: tensor parallelism (tensor_parallel_size > 1) "
-                           "shards dense weights")
+            reasons.append(f"dtype float32, the exact reference: {_SHARDS_DENSE}")
         elif facts.native_int4 and config.weights == AUTO and not quantized_reasons("int4", torch.bfloat16, device):
             dtype = "bfloat16"
             reasons.append("dtype bfloat16: the file's layer weights are Q4_0/Q4_1 blocks, which run as stored with "
@@ -138,7 +138,7 @@ def choose_defaults(config: EngineConfig, facts: ModelFacts, registry: PluginReg
         elif sharded:
             weights = "float"
             if torch_dtype != torch.float32:
-                reasons.append("weights float: tensor parallelism (tensor_parallel_size > 1) shards dense weights")
+                reasons.append(f"weights float: {_SHARDS_DENSE}")
         elif facts.native_int4 and torch_dtype == torch.bfloat16 and not quantized_reasons("int4", torch_dtype, device):
             a8 = int4a8_reasons()
             weights = "int4" if a8 else "int4a8"
@@ -151,7 +151,11 @@ def choose_defaults(config: EngineConfig, facts: ModelFacts, registry: PluginReg
                            f"({_DOT_ISA[int8_dot_isa()]})")
         else:
             weights = "float"
-            if (facts.native_int4 or facts.native_codes) and on_cpu and torch_dtype != torch.float32:
+            native = facts.native_int4 or facts.native_codes
+            if native and torch_dtype == torch.bfloat16:  # the branches above found why the blocks cannot run
+                why = quantized_reasons("int4" if facts.native_int4 else "gguf", torch_dtype, device)
+                reasons.append(f"weights float: the file's blocks cannot run as stored here: {'; '.join(why)}")
+            elif native and torch_dtype != torch.float32:
                 reasons.append(f"weights float: the file's blocks run as stored with bfloat16 activations only, "
                                f"not {dtype_name(torch_dtype)}")
             elif torch_dtype != torch.float32:
