@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from kvcore import LlamaModel, ModelConfig, SamplingParams, hookimpl
+from kvcore.cli.parser import build_parser
 from kvcore.plugins.registry import PluginRegistry
 
 
@@ -114,6 +115,12 @@ def registered(registry: PluginRegistry, plugin: object, name: str) -> Iterator[
         yield registry
     finally:
         registry.unregister_plugin(name)
+
+
+def subcommands() -> dict:
+    """The ``kvcore`` command line's subcommand parsers by name (plugin commands included)."""
+    [sub] = [a for a in build_parser()._actions if a.__class__.__name__ == "_SubParsersAction"]
+    return sub.choices
 
 
 def run_cli(capsys, *argv):

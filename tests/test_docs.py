@@ -8,9 +8,9 @@ import re
 from dataclasses import fields
 from pathlib import Path
 
+from helpers import subcommands
 from test_readme_examples import PAGES, README, ROOT
 
-from kvcore.cli.parser import build_parser
 from kvcore.engine.file_config import OPTION_TABLES, FileConfig
 
 README_MAX_LINES = 300
@@ -89,12 +89,12 @@ FLAG_PAGES = {
 
 
 def test_every_cli_flag_is_documented(bench_plugin):
-    [sub] = [a for a in build_parser()._actions if a.__class__.__name__ == "_SubParsersAction"]
-    assert set(FLAG_PAGES) <= set(sub.choices)  # kvcore-bench: installed by make setup
+    parsers = subcommands()
+    assert set(FLAG_PAGES) <= set(parsers)  # kvcore-bench: installed by make setup
     missing = {}
     for command, pages in FLAG_PAGES.items():
         text = "".join((ROOT / page).read_text(encoding="utf-8") for page in pages)
-        flags = {o for a in sub.choices[command]._actions if a.help != "==SUPPRESS==" for o in a.option_strings}
+        flags = {o for a in parsers[command]._actions if a.help != "==SUPPRESS==" for o in a.option_strings}
         undocumented = sorted(f for f in flags if f.startswith("--") and f != "--help"
                               and not re.search(rf"(?<![\w-]){re.escape(f)}(?![\w-])", text))
         if undocumented:

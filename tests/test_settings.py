@@ -9,9 +9,9 @@ import inspect
 from dataclasses import fields
 
 import pytest
+from helpers import subcommands
 
 from kvcore import EngineConfig, SamplingParams, Settings, load_settings
-from kvcore.cli.parser import build_parser
 from kvcore.engine.file_config import OPTION_TABLES, FileConfig
 from kvcore.engine.settings import RUN_KEYS, settings_from
 from kvcore.errors import ConfigError
@@ -40,12 +40,6 @@ COMMAND_ONLY = {
 }
 
 
-def _subcommands():
-    parser = build_parser()
-    [sub] = [a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction"]
-    return sub.choices
-
-
 def test_every_file_key_is_a_dataclass_field_or_a_run_key():
     tables = set(OPTION_TABLES)
     assert FILE - tables - ENGINE - SAMPLING == set(RUN_KEYS)
@@ -59,7 +53,7 @@ def test_every_dataclass_field_is_a_file_key_or_documented_api_only():
 
 @pytest.mark.parametrize("command", sorted(COMMAND_ONLY))
 def test_cli_flags_are_settings(command):
-    parser = _subcommands()[command]
+    parser = subcommands()[command]
     dests = {a.dest for a in parser._actions if a.dest != "help"}
     assert dests - FILE == COMMAND_ONLY[command]
     # a setting's flag defaults to None, so the environment, the config file and the dataclass default apply
