@@ -117,6 +117,12 @@ class Int8GroupLinear:
     def nbytes(self) -> int:
         return self.packed.nbytes + self.dm.nbytes
 
+    def relocate(self, take) -> None:
+        """Hold the codes and scales where ``take`` copies them (:func:`~kvcore.kernels.huge_pages.move_into_huge_pages`
+        calls it)."""
+        self.packed = take(self.packed)
+        self.dm = take(self.dm)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """``x [T, K]`` in ``self.dtype`` -> ``[T, N]``."""
         return torch.ops.kvcore.int8_group_linear(x.contiguous(), self.packed, self.dm)

@@ -217,6 +217,12 @@ class Int4A8Linear:
     def nbytes(self) -> int:
         return self.codes.nbytes + self.dm.nbytes
 
+    def relocate(self, take) -> None:
+        """Hold the codes and scales where ``take`` copies them (:func:`~kvcore.kernels.huge_pages.move_into_huge_pages`
+        calls it)."""
+        self.codes = take(self.codes)
+        self.dm = take(self.dm)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """``x [T, K]`` in ``self.dtype`` -> ``[T, N]``."""
         return torch.ops.kvcore.int4_linear(x.contiguous(), self.codes, self.dm)

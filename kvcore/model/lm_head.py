@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from kvcore.errors import ConfigError
+from kvcore.kernels.huge_pages import HugePageArena
 from kvcore.kernels.quant import Int4A8Linear, Int4Groups, Int4Linear, quantized_reasons
 from kvcore.model.embedding import BlockTable
 
@@ -106,8 +107,9 @@ def int4a8_in_chunks(w: torch.Tensor | BlockTable, rows: int = 1024) -> Int4A8Li
     out = Int4A8Linear(Int4Groups.from_float(w[:rows], 32, w.dtype), w.dtype)
     if n > rows:
         codes, dm = out.codes, out.dm
-        out.codes = torch.empty((n // 16, *codes.shape[1:]), dtype=codes.dtype)
-        out.dm = torch.empty((n // 16, *dm.shape[1:]), dtype=dm.dtype)
+        shapes = [((n // 16, *codes.shape[1:]), codes.dtype), ((n // 16, *dm.shape[1:]), dm.dtype)]
+        arena = HugePageArena(HugePageArena.bytes_for(shapes))  # each decode step streams the whole head
+        out.codes, out.dm = (arena.empty(*s) for s in shapes)
         out.codes[: rows // 16], out.dm[: rows // 16], out.shape = codes, dm, (n, k)
         for a in range(rows, n, rows):
             part = Int4A8Linear(Int4Groups.from_float(w[a : a + rows], 32, w.dtype), w.dtype)

@@ -1,0 +1,126 @@
+"""Weights held in transparent huge pages (Linux), so that streaming them costs no page walks.
+
+At batch 1 a decode step reads every matmul weight once. In 4 KiB pages a small model's weights span tens of
+thousands of pages, more than the TLB holds, so every step walks the page tables again for each of them. A
+:class:`HugePageArena` is one anonymous region advised ``MADV_HUGEPAGE``, so the kernel backs it with 2 MiB pages
+where transparent huge pages are on (``always`` or ``madvise`` in ``/sys/kernel/mm/transparent_hugepage/enabled``):
+a few dozen TLB entries cover the weights. The weight formats move their tensors into one
+(:meth:`kvcore.kernels.quant.Int4A8Linear.relocate`); elsewhere, or where the advice is refused, the arena is plain
+memory and nothing else changes. ``benchmarks/huge_pages.py`` measures what it saves.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+import sys
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+__all__ = ["HUGE_PAGE", "HugePageArena", "huge_page_reason", "move_into_huge_pages"]
+
+HUGE_PAGE = 2 << 20  # bytes of an x86-64 / arm64 transparent huge page
+_ALIGN = 64  # each tensor's first byte: a cache line, as the kernels' vector loads want
+_MADV_HUGEPAGE = 14  # linux/mman.h
+_THP_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+@functools.cache
+def huge_page_reason() -> str | None:
+    """Why weights cannot be held in transparent huge pages here, or None when they can."""
+    if not sys.platform.startswith("linux"):
+        return "transparent huge pages are a Linux feature"
+    try:
+        mode = _THP_ENABLED.read_text()
+    except OSError:
+        return f"this kernel has no transparent huge pages ({_THP_ENABLED} is missing)"
+    if "[never]" in mode:
+        return f"transparent huge pages are off ({_THP_ENABLED}: never)"
+    return None
+
+
+def _padded(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
+
+
+@functools.cache
+def _madvise() -> Callable[..., int] | None:
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    except OSError:
+        return None
+    fn = libc.madvise
+    fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+    return fn
+
+
+class HugePageArena:
+    """``nbytes`` bytes of one region, advised into huge pages before anything is written to it (a page is only
+    made huge when it is first touched). :meth:`take` copies tensors in, one after the other; a caller replaces its
+    tensors by what it returns and lets the originals go, so moving weights in costs no second copy of them all.
+
+    ``huge``: whether the kernel took the advice (False where :func:`huge_page_reason` says why not)."""
+
+    def __init__(self, nbytes: int) -> None:
+        # whole huge pages from a huge-page boundary: no other allocation shares them
+        size = -(-max(nbytes, 1) // HUGE_PAGE) * HUGE_PAGE
+        self._buffer = torch.empty(size + HUGE_PAGE, dtype=torch.uint8)  # untouched: not resident yet
+        address = self._buffer.data_ptr()
+        self._start = -address % HUGE_PAGE
+        self._end = self._start + nbytes
+        self._used = self._start
+        madvise = _madvise() if huge_page_reason() is None else None
+        self.huge = madvise is not None and madvise(address + self._start, size, _MADV_HUGEPAGE) == 0
+
+    @property
+    def free_bytes(self) -> int:
+        return self._end - self._used
+
+    @staticmethod
+    def bytes_for(specs: Iterable[tuple[tuple[int, ...], torch.dtype]]) -> int:
+        """The ``nbytes`` an arena needs to hold tensors of these ``(shape, dtype)`` (each starts on a cache line)."""
+        return sum(_padded(torch.Size(shape).numel() * dtype.itemsize) for shape, dtype in specs)
+
+    def take(self, t: torch.Tensor) -> torch.Tensor:
+        """A copy of the CPU tensor ``t`` in the arena (same dtype, shape and values; contiguous)."""
+        if t.device.type != "cpu":
+            raise ValueError(f"the arena holds CPU tensors, not one on {t.device}")
+        return self.empty(tuple(t.shape), t.dtype).copy_(t)
+
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialised contiguous ``shape`` tensor of ``dtype`` in the arena (a weight made in place)."""
+        nbytes = torch.Size(shape).numel() * dtype.itemsize
+        size = _padded(nbytes)
+        if size > self.free_bytes:
+            raise ValueError(f"the arena cannot take a {tuple(shape)} {dtype} tensor ({self.free_bytes} bytes free)")
+        out = self._buffer[self._used : self._used + nbytes].view(dtype).view(shape)
+        self._used += size
+        return out
+
+
+class Relocatable(Protocol):
+    def relocate(self, take: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Replace each of the object's weight tensors ``t`` by ``take(t)`` (a copy elsewhere), one at a time."""
+
+
+def move_into_huge_pages(objects: Sequence[Relocatable]) -> HugePageArena | None:
+    """Move the weights of ``objects`` into one :class:`HugePageArena` (their tensors' bytes, in order); returns it,
+    or None where :func:`huge_page_reason` says it would be plain memory (the weights then stay where they are)."""
+    if huge_page_reason() is not None or not objects:
+        return None
+    specs: list[tuple[tuple[int, ...], torch.dtype]] = []
+
+    def measure(t: torch.Tensor) -> torch.Tensor:
+        specs.append((tuple(t.shape), t.dtype))
+        return t
+
+    for obj in objects:
+        obj.relocate(measure)
+    arena = HugePageArena(HugePageArena.bytes_for(specs))
+    for obj in objects:
+        obj.relocate(arena.take)
+    return arena
