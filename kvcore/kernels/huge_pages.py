@@ -23,7 +23,7 @@ import torch
 
 __all__ = ["HUGE_PAGE", "HugePageArena", "huge_page_reason", "move_into_huge_pages"]
 
-HUGE_PAGE = 2 << 20  # bytes of an x86-64 / arm64 transparent huge page
+HUGE_PAGE = 2 << 20  # bytes of a transparent huge page over 4 KiB pages (x86-64, most arm64 kernels)
 _ALIGN = 64  # each tensor's first byte: a cache line, as the kernels' vector loads want
 _MADV_HUGEPAGE = 14  # linux/mman.h
 _THP_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")
