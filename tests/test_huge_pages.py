@@ -4,6 +4,8 @@ unchanged results."""
 
 from __future__ import annotations
 
+import mmap
+
 import pytest
 import torch
 from helpers import full_attention, make_random_model, weights_of
@@ -19,17 +21,27 @@ needs_thp = pytest.mark.skipif(huge_page_reason() is not None, reason=huge_page_
 needs_kernel = pytest.mark.skipif(bool(int4a8_reasons()), reason="; ".join(int4a8_reasons()))
 
 
+def _mapping(address: int) -> dict[str, str]:
+    """The /proc/self/smaps entry of the mapping holding ``address``: its fields, and ``path`` ('' if anonymous)."""
+    found: dict[str, str] | None = None
+    for line in open("/proc/self/smaps"):
+        head, *rest = line.split(maxsplit=5)
+        if "-" in head and ":" not in head:
+            if found is not None:
+                break
+            start, end = (int(x, 16) for x in head.split("-"))
+            if start <= address < end:
+                found = {"path": rest[4].strip() if len(rest) > 4 else ""}
+        elif found is not None:
+            key, _, value = line.partition(":")
+            found[key] = value.strip()
+    assert found is not None, f"no mapping holds {address:#x}"
+    return found
+
+
 def _vm_flags(address: int) -> list[str]:
     """The VmFlags of the mapping holding ``address`` (``hg``: advised MADV_HUGEPAGE)."""
-    inside = False
-    for line in open("/proc/self/smaps"):
-        head = line.split()[0]
-        if "-" in head and ":" not in head:
-            start, end = (int(x, 16) for x in head.split("-"))
-            inside = start <= address < end
-        elif inside and line.startswith("VmFlags:"):
-            return line.split()[1:]
-    raise AssertionError(f"no mapping holds {address:#x}")
+    return _mapping(address)["VmFlags"].split()
 
 
 def test_the_arena_holds_exact_copies_each_on_a_cache_line():
@@ -61,7 +73,11 @@ def test_the_arena_is_advised_into_huge_pages():
     arena = HugePageArena(3 * HUGE_PAGE)
     t = arena.empty((3 * HUGE_PAGE,), torch.uint8)
     assert arena.huge and "hg" in _vm_flags(t.data_ptr())
-    assert "hg" not in _vm_flags(torch.empty(3 * HUGE_PAGE, dtype=torch.uint8).data_ptr())  # the default: no advice
+    t.fill_(1)  # pages become resident when first written: huge ones (private anonymous memory, not shared memory)
+    mapping = _mapping(t.data_ptr())
+    assert mapping["path"] == "" and int(mapping["AnonHugePages"].split()[0]) >= HUGE_PAGE // 1024
+    plain = mmap.mmap(-1, 3 * HUGE_PAGE)  # a mapping of the same kind, not advised
+    assert "hg" not in _vm_flags(torch.frombuffer(plain, dtype=torch.uint8).data_ptr())
 
 
 @needs_thp

@@ -11,9 +11,8 @@ memory and nothing else changes. ``benchmarks/huge_pages.py`` measures what it s
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import functools
+import mmap
 import sys
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -25,15 +24,14 @@ __all__ = ["HUGE_PAGE", "HugePageArena", "huge_page_reason", "move_into_huge_pag
 
 HUGE_PAGE = 2 << 20  # bytes of a transparent huge page over 4 KiB pages (x86-64, most arm64 kernels)
 _ALIGN = 64  # each tensor's first byte: a cache line, as the kernels' vector loads want
-_MADV_HUGEPAGE = 14  # linux/mman.h
 _THP_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
 @functools.cache
 def huge_page_reason() -> str | None:
     """Why weights cannot be held in transparent huge pages here, or None when they can."""
-    if not sys.platform.startswith("linux"):
-        return "transparent huge pages are a Linux feature"
+    if not sys.platform.startswith("linux") or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return "transparent huge pages are a Linux feature (this Python has no mmap.MADV_HUGEPAGE)"
     try:
         mode = _THP_ENABLED.read_text()
     except OSError:
@@ -47,17 +45,6 @@ def _padded(nbytes: int) -> int:
     return -(-nbytes // _ALIGN) * _ALIGN
 
 
-@functools.cache
-def _madvise() -> Callable[..., int] | None:
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    except OSError:
-        return None
-    fn = libc.madvise
-    fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
-    return fn
-
-
 class HugePageArena:
     """``nbytes`` bytes of one region, advised into huge pages before anything is written to it (a page is only
     made huge when it is first touched). :meth:`take` copies tensors in, one after the other; a caller replaces its
@@ -66,15 +53,20 @@ class HugePageArena:
     ``huge``: whether the kernel took the advice (False where :func:`huge_page_reason` says why not)."""
 
     def __init__(self, nbytes: int) -> None:
-        # whole huge pages from a huge-page boundary: no other allocation shares them
+        # a mapping of its own (not the allocator's heap, whose pages other allocations reuse once freed), in whole
+        # huge pages from a huge-page boundary; untouched, none of it is resident yet
         size = -(-max(nbytes, 1) // HUGE_PAGE) * HUGE_PAGE
-        self._buffer = torch.empty(size + HUGE_PAGE, dtype=torch.uint8)  # untouched: not resident yet
-        address = self._buffer.data_ptr()
-        self._start = -address % HUGE_PAGE
+        self._map = mmap.mmap(-1, size + HUGE_PAGE, flags=mmap.MAP_PRIVATE)  # anonymous memory, not shared memory
+        self._buffer = torch.frombuffer(self._map, dtype=torch.uint8)  # holds the mapping while a tensor uses it
+        self._start = -self._buffer.data_ptr() % HUGE_PAGE
         self._end = self._start + nbytes
         self._used = self._start
-        madvise = _madvise() if huge_page_reason() is None else None
-        self.huge = madvise is not None and madvise(address + self._start, size, _MADV_HUGEPAGE) == 0
+        self.huge = huge_page_reason() is None
+        if self.huge:
+            try:
+                self._map.madvise(mmap.MADV_HUGEPAGE, self._start, size)
+            except OSError:  # the kernel refused the advice: plain pages
+                self.huge = False
 
     @property
     def free_bytes(self) -> int:
