@@ -1,9 +1,9 @@
 """How many drafts a request gets next, and when it stops drafting: the policy the ``ngram`` and ``draft``
 proposers share.
 
-Adaptive length (at most the engine's ``K``): a verification that keeps every draft doubles the next
-proposal; one that rejects a draft makes the next one more than were kept (the length that would have been
-right, plus one to find out more).
+Adaptive length (at most the engine's ``K``): a request's first proposal has at most :data:`FIRST_DRAFTS`; a
+verification that keeps every draft doubles the next proposal; one that rejects a draft makes the next one more
+than were kept (the length that would have been right, plus one to find out more).
 
 Back-off: ``misses`` verifications in a row that keep nothing make the request propose nothing for
 ``cooldown`` steps, doubling with each back-off that follows without a kept draft in between (up to
@@ -18,10 +18,14 @@ from dataclasses import dataclass
 
 from kvcore.errors import ConfigError
 
-__all__ = ["MAX_COOLDOWN", "Backoff", "DraftLength", "check_positive"]
+__all__ = ["FIRST_DRAFTS", "MAX_COOLDOWN", "Backoff", "DraftLength", "check_positive"]
 
 #: the longest cooldown a request backs off for, in steps
 MAX_COOLDOWN = 1024
+#: drafts of a request's first proposal (then doubled while all are kept): replayed on recorded streams, starting
+#: at 4 rather than the engine's K loses no grounded speed-up and costs a free-form stream less
+#: (benchmarks/results/speculative.md)
+FIRST_DRAFTS = 4
 
 
 def check_positive(proposer: str, **values: object) -> None:
@@ -35,7 +39,7 @@ def check_positive(proposer: str, **values: object) -> None:
 class DraftLength:
     """One request's place in the policy."""
 
-    num_drafts: int | None = None  # drafts to propose next (None: the engine's K)
+    num_drafts: int | None = None  # drafts to propose next (None: FIRST_DRAFTS)
     num_misses: int = 0  # verifications in a row that kept nothing
     num_backoffs: int = 0  # back-offs since the last kept draft
     cooldown: int = 0  # steps left without proposing
@@ -54,7 +58,7 @@ class Backoff:
         if state.cooldown > 0:
             state.cooldown -= 1
             return 0
-        return 1 if state.probing else min(k, state.num_drafts or k)
+        return 1 if state.probing else min(k, state.num_drafts or FIRST_DRAFTS)
 
     def advance(self, state: DraftLength, num_proposed: int, num_accepted: int) -> None:
         if num_proposed == 0:

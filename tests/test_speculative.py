@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from kvcore import Engine, EngineConfig, SamplingParams
+from kvcore.backends.backoff import FIRST_DRAFTS
 from kvcore.backends.draft import truncated
 from kvcore.backends.ngram import NgramProposer
 from kvcore.backends.sdpa import SDPABackend
@@ -167,7 +168,7 @@ def test_ngram_proposes_the_latest_continuation_of_the_longest_match():
     assert proposer.propose([_Row(longest, "s")], [2])[0].token_ids == [7, 9]
     assert proposer.propose([_Row([7, 8, 9], "t")], [3])[0].token_ids == []  # nothing repeats: nothing proposed
     periodic = _Row([4, 1, 2, 3, 1, 2], "u")  # "1 2" last came 3 tokens back: the copy repeats its drafts
-    assert proposer.propose([periodic], [5])[0].token_ids == [3, 1, 2, 3, 1]
+    assert proposer.propose([periodic], [4])[0].token_ids == [3, 1, 2, 3]
     with pytest.raises(ConfigError, match="min_n"):
         NgramProposer(max_n=2, min_n=3)
 
@@ -200,9 +201,10 @@ def test_ngram_index_follows_the_stream_incrementally():
 def test_ngram_adapts_the_number_of_drafts_within_the_budget():
     proposer = NgramProposer(max_n=2, min_n=2)
     row = _Row([1, 2] * 20)
-    assert len(proposer.propose([row], [4])[0].token_ids) == 4  # starts at the engine's K
-    proposer.advance("r", 4, 4)  # all kept: twice as many next, never more than asked for
-    assert len(proposer.propose([row], [16])[0].token_ids) == 8
+    assert len(proposer.propose([row], [16])[0].token_ids) == FIRST_DRAFTS  # a request starts at FIRST_DRAFTS
+    assert len(NgramProposer(max_n=2, min_n=2).propose([row], [2])[0].token_ids) == 2  # within the engine's K
+    proposer.advance("r", FIRST_DRAFTS, FIRST_DRAFTS)  # all kept: twice as many next, never more than asked for
+    assert len(proposer.propose([row], [16])[0].token_ids) == 2 * FIRST_DRAFTS
     assert len(proposer.propose([row], [5])[0].token_ids) == 5
     proposer.advance("r", 5, 2)  # a rejection: one more than were kept
     assert len(proposer.propose([row], [16])[0].token_ids) == 3
