@@ -3,12 +3,14 @@
 in milliseconds, with no machine load in the figures.
 
     .venv/bin/python benchmarks/speculative_replay.py [--set main|held-out|both] [--new 64,128] \\
-        [--draft-cost 0.12,0.16,0.22] [--setting max_n=3,misses=3,cooldown=2 ...] [--streams FILE.json]
+        [--draft-cost 0.12,0.16,0.22] [--setting max_n=3,misses=3,cooldown=2 ...] [--first-drafts 8,4] \\
+        [--streams FILE.json]
 
 Greedy streams are the same with speculation on and off (docs/speculative.md), so the tokens a proposer sees and
 the drafts the model keeps are fixed by the stream: the replay asks the proposer for drafts at each position
 (the engine's budget: at most ``K``, never past the stream's end), keeps the longest prefix that matches the
-stream, reports the verification to the proposer, and moves on by kept + 1 tokens. The modelled speed-up is
+stream, reports the verification to the proposer, and moves on by kept + 1 tokens (``--first-drafts``: with
+that many drafts in a request's first proposal, ``kvcore.backends.backoff.FIRST_DRAFTS``). The modelled speed-up is
 tokens / cost, a verification of ``k`` drafts costing ``1 + draft_cost * k`` plain steps and every other token
 one (speculative_trace.py uses the same model on the engine's own run; benchmarks/verify_cost.py measures
 ``draft_cost``). ``--set held-out`` replays prompts no setting was chosen on (speculative_prompts.HELD_OUT).
@@ -25,6 +27,7 @@ from types import SimpleNamespace
 from speculative_prompts import GROUNDED, HELD_OUT, HELD_OUT_GROUNDED, PROMPTS
 
 from kvcore import Engine, SamplingParams
+from kvcore.backends import backoff
 from kvcore.backends.ngram import NgramProposer
 from kvcore.sampling.speculative import num_matching
 
@@ -67,6 +70,8 @@ def main() -> None:
     ap.add_argument("--draft-cost", default="0.16", help="comma-separated costs of a draft row, in plain steps")
     ap.add_argument("--setting", action="append", default=None, metavar="KEY=VALUE,...",
                     help="[proposers.ngram] options to compare (repeatable; '' = the defaults)")
+    ap.add_argument("--first-drafts", default=str(backoff.FIRST_DRAFTS),
+                    help="comma-separated drafts of a request's first proposal (backoff.FIRST_DRAFTS)")
     ap.add_argument("--streams", default=None, help="JSON file of recorded streams: read if present, else written")
     args = ap.parse_args()
     lengths = [int(n) for n in args.new.split(",")]
@@ -82,13 +87,17 @@ def main() -> None:
     free = [n for n in streams if n not in grounded]
     for setting in args.setting or SETTINGS:
         options = {k: json.loads(v) for k, v in (kv.split("=", 1) for kv in setting.split(",") if kv)}
-        for cost in (float(c) for c in args.draft_cost.split(",")):
-            for new in lengths:
-                got = {n: replay(p, o[:new], NgramProposer(**options), args.k, cost) for n, (p, o) in streams.items()}
-                mean = math.exp(sum(math.log(got[n]) for n in grounded) / len(grounded))
-                cells = " ".join(f"{n}={got[n]:.2f}" for n in streams)
-                print(f"{setting or 'defaults':32s} cost {cost:.2f} new {new:3d}: grounded geomean {mean:.3f}, "
-                      f"free-form min {min(got[n] for n in free):.2f} | {cells}", flush=True)
+        for first in (int(f) for f in args.first_drafts.split(",")):
+            backoff.FIRST_DRAFTS = first
+            for cost in (float(c) for c in args.draft_cost.split(",")):
+                for new in lengths:
+                    got = {n: replay(p, o[:new], NgramProposer(**options), args.k, cost)
+                           for n, (p, o) in streams.items()}
+                    mean = math.exp(sum(math.log(got[n]) for n in grounded) / len(grounded))
+                    cells = " ".join(f"{n}={got[n]:.2f}" for n in streams)
+                    print(f"{setting or 'defaults':24s} first {first} cost {cost:.2f} new {new:3d}: grounded geomean "
+                          f"{mean:.3f} (min {min(got[n] for n in grounded):.2f}), free-form min "
+                          f"{min(got[n] for n in free):.2f} | {cells}", flush=True)
 
 
 if __name__ == "__main__":
