@@ -168,7 +168,9 @@ def test_ngram_proposes_the_latest_continuation_of_the_longest_match():
     assert proposer.propose([_Row(longest, "s")], [2])[0].token_ids == [7, 9]
     assert proposer.propose([_Row([7, 8, 9], "t")], [3])[0].token_ids == []  # nothing repeats: nothing proposed
     periodic = _Row([4, 1, 2, 3, 1, 2], "u")  # "1 2" last came 3 tokens back: the copy repeats its drafts
-    assert proposer.propose([periodic], [4])[0].token_ids == [3, 1, 2, 3]
+    proposer.start("u", [])
+    proposer.advance("u", FIRST_DRAFTS, FIRST_DRAFTS)  # past a request's first proposal: as many drafts as asked
+    assert proposer.propose([periodic], [5])[0].token_ids == [3, 1, 2, 3, 1]
     with pytest.raises(ConfigError, match="min_n"):
         NgramProposer(max_n=2, min_n=3)
 
