@@ -19,7 +19,7 @@ import torch
 
 from kvcore import Engine, EngineConfig
 from kvcore.kernels.cpu import cpu_features
-from kvcore.kernels.huge_pages import huge_page_reason
+from kvcore.kernels.huge_pages import Relocatable, huge_page_reason
 
 
 def _anon_huge_mib() -> float:
@@ -31,7 +31,7 @@ def _anon_huge_mib() -> float:
 
 def _to_plain_pages(engine: Engine) -> None:
     """Every weight the engine holds in huge pages copied into an allocation of its own."""
-    matmuls = [f for fns in engine.model._quantized.values() for f in fns if hasattr(f, "relocate")]
+    matmuls = [f for fns in engine.model._quantized.values() for f in fns if isinstance(f, Relocatable)]
     for f in [*matmuls, engine.runner.head.int4]:
         f.relocate(lambda t: t.clone())
     engine.model.__dict__.pop("_fused_weights", None)  # the decode stack's lists of the old tensors

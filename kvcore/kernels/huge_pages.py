@@ -16,11 +16,11 @@ import mmap
 import sys
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["HUGE_PAGE", "HugePageArena", "huge_page_reason", "move_into_huge_pages"]
+__all__ = ["HUGE_PAGE", "HugePageArena", "Relocatable", "huge_page_reason", "move_into_huge_pages"]
 
 HUGE_PAGE = 2 << 20  # bytes of a transparent huge page over 4 KiB pages (x86-64, most arm64 kernels)
 _ALIGN = 64  # each tensor's first byte: a cache line, as the kernels' vector loads want
@@ -94,7 +94,10 @@ class HugePageArena:
         return out
 
 
+@runtime_checkable
 class Relocatable(Protocol):
+    """A weight format whose tensors can move (``isinstance(f, Relocatable)``: it has ``relocate``)."""
+
     def relocate(self, take: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Replace each of the object's weight tensors ``t`` by ``take(t)`` (a copy elsewhere), one at a time."""
 

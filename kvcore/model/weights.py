@@ -14,7 +14,7 @@ import torch
 from kvcore.errors import ModelLoadError
 from kvcore.kernels.cpu import cpu_features
 from kvcore.kernels.group_quant import GroupCodes, Int8GroupLinear
-from kvcore.kernels.huge_pages import move_into_huge_pages
+from kvcore.kernels.huge_pages import Relocatable, move_into_huge_pages
 from kvcore.kernels.int8 import Int8Linear
 from kvcore.kernels.linear import DenseLinear, prepack
 from kvcore.kernels.quant import (
@@ -99,7 +99,7 @@ def quantized_linears(
             values = [weights[f"model.layers.{i}.{part}"] for part in parts]
             out[name].append(_quantize(values, fmt, dtype, group_size))
     # one region in huge pages for every kvcore-kernel weight: a decode step streams them all (kernels/huge_pages.py)
-    move_into_huge_pages([f for fns in out.values() for f in fns if isinstance(f, (Int4A8Linear, Int8GroupLinear))])
+    move_into_huge_pages([f for fns in out.values() for f in fns if isinstance(f, Relocatable)])
     return out
 
 
