@@ -123,8 +123,9 @@ def test_the_int4_head_scores_with_the_a8_kernel_for_int4a8_models():
 def test_the_kernel_was_built_with_a_vector_path():
     """Where int4a8 is offered, the library must hold the AVX512-VNNI code or the AVX2 code this CPU was chosen
     for, not the portable loops (correct but many times slower)."""
-    from kvcore.kernels.cpu_kernels import int8_dot_isa
+    from kvcore.kernels.cpu_kernels import int8_dot_isa, load_kernels
 
+    load_kernels()  # (run alone, nothing before this test has loaded the library)
     assert torch.ops.kvcore.built_with(int8_dot_isa())
     assert torch.ops.kvcore.built_with("avx512_vnni") != torch.ops.kvcore.built_with("avx2_dot")
 
