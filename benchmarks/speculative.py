@@ -1,9 +1,11 @@
 """Batch-1 decode speed with n-gram (or draft-model) speculation vs the same engine without, side by side.
 
-    .venv/bin/python benchmarks/speculative.py [--proposer ngram] [--k 8] [--reps 2] [--new 128] [--show]
+    .venv/bin/python benchmarks/speculative.py [--proposer ngram] [--k 8] [--reps 2] [--new 128] [--show] \
+        [--engine-option weights='"float"'] [--option model='"smollm2"' ...]
 
-The engine without speculation is kvcore's default (best) configuration for the embedded SmolLM2 GGUF; the
-speculative one is that configuration plus ``proposer``. Runs alternate (base, speculative, base, ...) so
+The engine without speculation is kvcore's default (best) configuration for the embedded SmolLM2 GGUF (or that
+with ``--engine-option`` EngineConfig fields, JSON values); the speculative one is that configuration plus
+``proposer`` (its options from ``--option``, JSON values). Runs alternate (base, speculative, base, ...) so
 a shared machine's load hits both alike. Decode speed is tokens after the first / time after the first;
 CPU ms/token is this process's CPU time over the same tokens, which other processes' load disturbs far less
 than wall time (with ``--threads 1`` it is the work done; with more threads it also counts threads waiting).
@@ -25,7 +27,7 @@ from pathlib import Path
 
 from speculative_prompts import HELD_OUT, PROMPTS
 
-from kvcore import Engine, SamplingParams
+from kvcore import Engine, EngineConfig, SamplingParams
 
 
 def run(engine: Engine, prompt: str, new: int) -> dict:
@@ -51,6 +53,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--proposer", default="ngram")
     ap.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", help="[proposers.NAME] option")
+    ap.add_argument("--engine-option", action="append", default=[], metavar="KEY=VALUE",
+                    help="EngineConfig field of both engines (JSON value), e.g. weights='\"float\"'")
     ap.add_argument("--k", type=int, default=8)
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--new", type=int, default=128)
@@ -63,7 +67,8 @@ def main() -> None:
         import torch
 
         torch.set_num_threads(args.threads)
-    base = Engine.from_pretrained("smollm2")
+    base = Engine.from_pretrained("smollm2", EngineConfig(**{k: json.loads(v) for k, v in
+                                                             (o.split("=", 1) for o in args.engine_option)}))
     options = {k: json.loads(v) for k, v in (o.split("=", 1) for o in args.option)}
     config = dataclasses.replace(base.config, proposer=args.proposer, num_speculative_tokens=args.k,
                                  proposer_options={args.proposer: options})

@@ -154,6 +154,30 @@ def test_draft_truncated_to_its_first_layers(random_model):
     assert got.token_ids == ref.token_ids and got.metrics.num_draft_tokens > 0
 
 
+def test_a_draft_model_is_loaded_in_the_weight_format_it_names(random_model):
+    """``weights`` reaches the loader with the draft's ``model``; a draft model of float weights gets the dense head
+    (None), not the target's; ``weights`` without ``model`` (the draft shares the target's weights) is refused."""
+    from kvcore.backends.draft import DraftModelProposer
+    from kvcore.interfaces.proposer import ProposerTarget
+
+    loads = []
+
+    def load_model(spec, weights=None):
+        loads.append((spec, weights))
+        return random_model, None
+
+    target = ProposerTarget(vocab_size=random_model.config.vocab_size, dtype=torch.float32,
+                            device=torch.device("cpu"), max_model_len=64, max_num_seqs=2, model=random_model,
+                            load_model=load_model, lm_head=object())
+    proposer = DraftModelProposer(model="other.gguf", weights="int4a8")
+    assert proposer.bind(target) == [] and loads == [("other.gguf", "int4a8")] and proposer.head is None
+    shared = DraftModelProposer()
+    assert shared.bind(target) == [] and shared.head is target.lm_head and shared.model is random_model
+    with pytest.raises(ConfigError, match="weights sets the format of a draft model loaded with model"):
+        Engine(random_model, None, EngineConfig(backend="sdpa", dtype="float32", proposer="draft",
+                                                proposer_options={"draft": {"weights": "int4a8"}}))
+
+
 class _Row:
     def __init__(self, tokens, request_id="r"):
         self.request_id, self.prompt_ids, self.output_ids = request_id, tokens, []

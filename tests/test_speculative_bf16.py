@@ -139,3 +139,23 @@ def test_smollm2_default_engine_streams_identical_with_and_without_speculation()
         assert sum(r.metrics.num_accepted_tokens for r in b) > 0
         for x, y in zip(a, b):
             assert (x.token_ids, x.logprobs) == (y.token_ids, y.logprobs)
+
+
+@pytest.mark.parametrize("options", [{}, {"num_layers": 1}], ids=["the target itself", "its first layer"])
+def test_the_draft_model_runs_as_the_engine_runs_the_target(model, options):
+    """The ``draft`` proposer's forward is the engine's: ``cpu_decode``, the fused layers' native stack (over a
+    truncated draft's own layers only) and the target's int4 head, the prompt fed as the target's prefill ran it
+    and the output as rows after the cache. So the target drafting for itself proposes its own greedy tokens, every
+    one kept; with either draft the streams are those without speculation."""
+    prompts = _prompts(2, 280)
+    base = _generate(model, prompts)
+    config = EngineConfig(backend="cpu_decode", dtype="bfloat16", max_model_len=512, max_num_seqs=len(prompts),
+                          proposer="draft", num_speculative_tokens=4, proposer_options={"draft": options})
+    engine = Engine(model, None, config)
+    proposer = engine.speculator.proposer
+    assert isinstance(proposer.backend, cpu_decode.CPUDecodeBackend) and proposer.head is engine.runner.head
+    spec = engine.generate(prompts, SamplingParams(max_new_tokens=NEW, ignore_eos=True, logprobs=2))
+    assert [(r.token_ids, r.logprobs) for r in spec] == [(r.token_ids, r.logprobs) for r in base]
+    assert sum(r.metrics.num_draft_tokens for r in spec) > 0
+    if not options:
+        assert [r.metrics.acceptance_rate for r in spec] == [1.0, 1.0]

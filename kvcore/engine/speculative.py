@@ -61,8 +61,9 @@ def speculator_for(engine: Any, registry: Any) -> Speculator | None:
         target = ProposerTarget(
             vocab_size=engine.model.config.vocab_size, dtype=engine.dtype, device=engine.device,
             max_model_len=engine.max_model_len, max_num_seqs=config.max_num_seqs, model=engine.model,
-            tokenizer=engine.tokenizer, load_model=lambda spec: load_pretrained(
-                spec, engine.dtype, engine.device, engine.max_model_len, None, config.weights),
+            tokenizer=engine.tokenizer, load_model=lambda spec, weights=None: load_pretrained(
+                spec, engine.dtype, engine.device, engine.max_model_len, None, weights or config.weights),
+            lm_head=engine.lm_head,
         )
         try:
             reasons = list(proposer.bind(target))

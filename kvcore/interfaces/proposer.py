@@ -67,8 +67,12 @@ class ProposerTarget:
     """The engine a proposer is bound to (:meth:`Proposer.bind`).
 
     :param model: the target decoder (a draft may share its weights).
-    :param load_model: ``load_model(spec) -> (decoder, tokenizer)``: loads another model as kvcore loads
-        any (``smollm2``, a .gguf file, a Hugging Face directory) in the target's dtype, device and weights.
+    :param load_model: ``load_model(spec, weights=None) -> (decoder, tokenizer)``: loads another model as kvcore
+        loads any (``smollm2``, a .gguf file, a Hugging Face directory) in the target's dtype and device, with the
+        target's weight format or ``weights`` (an ``EngineConfig.weights`` value).
+    :param lm_head: the target's LM head as its runner calls it (``head(hidden [N, d]) -> logits [N, V]``, e.g. the
+        int4 head with its top candidates rescored), None for the dense head: a draft that shares the target's
+        weights computes its logits as the target does.
     """
 
     vocab_size: int
@@ -78,7 +82,8 @@ class ProposerTarget:
     max_num_seqs: int
     model: Any = None
     tokenizer: Any = None
-    load_model: Callable[[str], tuple[Any, Any]] | None = None
+    load_model: Callable[..., tuple[Any, Any]] | None = None
+    lm_head: Any = None
 
 
 class Proposer(abc.ABC):

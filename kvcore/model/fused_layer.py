@@ -79,11 +79,12 @@ def fused_forward(model, h: torch.Tensor, tables: list, attention, matmuls: dict
 
 def _layer_weights(model, matmuls: dict) -> tuple[list[torch.Tensor], ...]:
     """``(input_norms, post_norms, qkv codes, qkv dm, o codes, o dm, gate_up codes, gate_up dm, down codes,
-    down dm)``: each a list over the layers, in decode_stack's argument order; made once per set of matmuls."""
-    cached = model.__dict__.get("_fused_weights")
-    if cached is None or cached[0] is not matmuls or torch.compiler.is_compiling():
-        parts = [matmuls[name] for name in ("qkv", "o", "gate_up", "down")]
-        lists = (_tensors(model.input_norm), _tensors(model.post_norm),
+    down dm)``: each a list over the layers the config runs (a layer-truncated copy's first ones), in decode_stack's
+    argument order; made once per set of matmuls and layer count."""
+    cached, n = model.__dict__.get("_fused_weights"), model.config.num_hidden_layers
+    if cached is None or cached[0] is not matmuls or len(cached[1][0]) != n or torch.compiler.is_compiling():
+        parts = [matmuls[name][:n] for name in ("qkv", "o", "gate_up", "down")]
+        lists = (_tensors(model.input_norm)[:n], _tensors(model.post_norm)[:n],
                  *([attr(w) for w in fns] for fns in parts for attr in (lambda w: w.codes, lambda w: w.dm)))
         if torch.compiler.is_compiling():
             return lists
