@@ -7,7 +7,10 @@ a traceback is shown only with ``--debug``.
 
 from __future__ import annotations
 
-__all__ = [
+import difflib
+from collections.abc import Iterable
+
+__all__ = [  # the exception classes (README's exit-code table lists each); did_you_mean is imported by name
     "KVCoreError",
     "ConfigError",
     "InvalidRequestError",
@@ -30,6 +33,13 @@ __all__ = [
     "CacheTrustError",
     "KernelBuildError",
 ]
+
+
+def did_you_mean(name: str, choices: Iterable[str]) -> str:
+    """``"; did you mean 'x'?"`` naming the choices closest to ``name`` (a typed flag, key or plugin name), or ``""``
+    when none is close: the one suggestion every user error that names a wrong name ends with."""
+    close = difflib.get_close_matches(name, list(choices), n=3, cutoff=0.6)
+    return f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
 
 
 class KVCoreError(Exception):

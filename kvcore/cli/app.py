@@ -33,9 +33,9 @@ def _one_line_warning(message, category, filename, lineno, file=None, line=None)
 
 
 def _dispatch(argv: list[str], state: RunState) -> int:
-    from kvcore.cli.parser import build_parser
+    from kvcore.cli.parser import parse_args
 
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     if args.command in _WRITES_STDOUT and sys.stdout is None:  # started with stdout closed (`>&-`)
         return EXIT_OUTPUT_CLOSED
     if args.command == "generate":
@@ -92,8 +92,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str], sigint: _Sigint) -> int:
-    # Known before parsing: building the parser loads plugins, whose load warnings are one line each; an
-    # interruption while it loads must still print JSON.
+    # Known before parsing: parsing may load plugins, whose load warnings are one line each; an interruption
+    # while they load must still print JSON.
     debug = "--debug" in argv or os.environ.get("KVCORE_DEBUG") == "1"
     command = next((a for a in argv if not a.startswith("-")), None)
     state = RunState(json="--json" in argv and command in _WRITES_STDOUT)

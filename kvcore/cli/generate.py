@@ -82,10 +82,11 @@ def load_engine(args: argparse.Namespace, request_ids: Callable[[Any], list[int]
     given the tokenizer, for an engine whose KV cache is sized to that request (one-shot generate / chat)."""
     from dataclasses import fields
 
+    s = resolve_settings(args)  # before torch loads: a config file's error answers at once
+
     from kvcore.engine.core import Engine, EngineConfig
     from kvcore.plugins.registry import get_registry
 
-    s = resolve_settings(args)
     threads = apply_threads(s.get("threads"))
     before_load = peak_rss_bytes()  # python, torch and kvcore imported: what the model adds comes on top
     params = sampling_params(s)

@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-__all__ = ["build_parser", "version_string"]
+from kvcore.errors import did_you_mean
+
+__all__ = ["build_parser", "parse_args", "version_string"]
 
 
 def version_string() -> str:
@@ -95,7 +97,9 @@ def _hidden_debug(p: argparse.ArgumentParser) -> None:
     p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(plugin_commands: bool = True) -> argparse.ArgumentParser:
+    """Every command's parser; ``plugin_commands=False`` leaves out the commands plugins add, whose loading
+    imports torch and every plugin (see :func:`parse_args`)."""
     parser = argparse.ArgumentParser(prog="kvcore", description="Plugin-style LLM inference core.")
     parser.add_argument("--version", action="version", version=version_string())
     parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
@@ -156,8 +160,36 @@ def build_parser() -> argparse.ArgumentParser:
         add_conformance = None
     if add_conformance is not None:
         add_conformance(sub)
-    _plugin_commands(sub)
+    if plugin_commands:
+        _plugin_commands(sub)
     return parser
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """``argv`` parsed as :func:`main` runs it. A built-in command, ``--version`` and their errors are parsed
+    without loading plugins, so they answer before torch is imported; a bare ``kvcore``, ``kvcore --help`` and
+    any other command load the plugins, whose commands belong in the list. An unknown flag is an error naming
+    the closest flags of its command."""
+    command = next((a for a in argv if not a.startswith("-")), None)
+    parser = build_parser(plugin_commands=False)
+    builtin = command in _commands(parser).choices
+    light = builtin or (command is None and "--version" in argv and not {"-h", "--help"} & set(argv))
+    if not light:
+        parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    flags = [a for a in unknown if a.startswith("-") and a != "-"]
+    if flags:
+        sub = _commands(parser).choices.get(args.command, parser)
+        options = [o for action in sub._actions for o in action.option_strings if o.startswith("--")]
+        given = flags[0].split("=", 1)[0]
+        sub.error(f"unknown flag {given}{did_you_mean(given.replace('_', '-'), options)}")
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    return args
+
+
+def _commands(parser: argparse.ArgumentParser) -> argparse._SubParsersAction:
+    return next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
 
 
 def _generation_args(p: argparse.ArgumentParser) -> None:

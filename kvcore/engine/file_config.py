@@ -32,7 +32,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from kvcore.errors import ConfigError
+from kvcore.errors import ConfigError, did_you_mean
 
 __all__ = ["FileConfig", "load_config", "OPTION_TABLES"]
 
@@ -120,7 +120,8 @@ def load_config(path: str | Path) -> FileConfig:
     values: dict[str, Any] = {}
     for key, value in data.items():
         if key not in known:
-            raise ConfigError(f"config file '{path}': unknown key '{key}' (known: {', '.join(sorted(known))})")
+            raise ConfigError(f"config file '{path}': unknown key '{key}' (known: {', '.join(sorted(known))})"
+                              f"{did_you_mean(key, known)}")
         if key in _TYPES:
             types_ = _TYPES[key]
             is_strings = not isinstance(value, list) or all(isinstance(v, str) for v in value)

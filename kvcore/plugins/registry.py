@@ -10,7 +10,6 @@ set to an empty string to load none. Built-ins always load.
 
 from __future__ import annotations
 
-import difflib
 import importlib
 import importlib.metadata
 import os
@@ -21,7 +20,7 @@ from typing import Any
 import pluggy
 
 from kvcore import hookspecs
-from kvcore.errors import BackendUnavailableError, ConfigError, PluginError, UnknownBackendError
+from kvcore.errors import BackendUnavailableError, ConfigError, PluginError, UnknownBackendError, did_you_mean
 from kvcore.interfaces.attention import AttentionBackend
 from kvcore.interfaces.kv_cache import CacheSpec, KVCache
 from kvcore.interfaces.sampler import Sampler
@@ -214,11 +213,9 @@ class PluginRegistry:
         try:
             return entries[name]
         except KeyError:
-            close = difflib.get_close_matches(name, list(entries), n=3, cutoff=0.5)
-            hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
             known = ", ".join(sorted(entries))
             error = UnknownBackendError if kind is BACKEND else ConfigError
-            raise error(f"unknown {label(kind)} '{name}' (registered: {known}){hint}") from None
+            raise error(f"unknown {label(kind)} '{name}' (registered: {known}){did_you_mean(name, entries)}") from None
 
     def _available(self, name: str, kind: Kind) -> PluginEntry:
         entry = self.get(name, kind)
