@@ -9,9 +9,11 @@ Rules, as ssh and pip apply them to their own files:
   :class:`~kvcore.errors.CacheTrustError` names the folder and how to fix it. The root itself may be
   a link (``~/.cache`` often is), its target is checked the same way;
 * an *entry* is a folder kvcore wrote whole and renamed into place; it holds :data:`MARKER`, a JSON file
-  with the SHA-256 of every other file in it. Only folders with a marker are ever deleted (eviction,
-  clearing, damage), so a user's own folder inside the cache survives, and a file whose checksum does
-  not match makes the entry damaged: it is deleted and rebuilt.
+  with the SHA-256 of every other file in it, and the identity (inode, size, modification time) each file had
+  when it was checked. Only folders with a marker are ever deleted (eviction, clearing, damage), so a user's own
+  folder inside the cache survives. A file still of the identity it was checked with is not read again (a
+  model's weights are not hashed on every start); any other is hashed, and a checksum that does not match
+  makes the entry damaged: it is deleted and rebuilt.
 
 A folder that cannot be created or written (read-only, full disk) is an ``OSError`` for the caller, who
 then runs without the cache and says so in one warning line.
@@ -96,6 +98,21 @@ def _digest(path: Path) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
+def _identity(path: Path) -> list[int]:
+    st = os.lstat(path)
+    return [st.st_ino, st.st_size, st.st_mtime_ns]
+
+
+def _whole(path: Path, record) -> bool:
+    """Whether the file ``path`` is what ``record`` (its marker line) says: its checksum, read again only when
+    the file is no longer the one it was computed on."""
+    if not stat.S_ISREG(check_trusted(path).st_mode):
+        return False
+    if isinstance(record, dict):
+        return record.get("identity") == _identity(path) or _digest(path) == record.get("sha256")
+    return isinstance(record, str) and _digest(path) == record  # an entry written before identities were kept
+
+
 def write_entry(parent: Path, name: str, fill: Callable[[Path], None]) -> Path:
     """Entry ``parent / name``: ``fill(folder)`` writes its files into a private temporary folder, which
     gets the marker and is renamed into place (atomically). When another process put the entry there
@@ -107,7 +124,7 @@ def write_entry(parent: Path, name: str, fill: Callable[[Path], None]) -> Path:
         files = [p for p in sorted(tmp.iterdir()) if p.name != MARKER]
         for p in files:
             p.chmod(0o600)  # whatever the umask: check_trusted refuses files others can write
-        sums = {p.name: _digest(p) for p in files}
+        sums = {p.name: {"sha256": _digest(p), "identity": _identity(p)} for p in files}
         (tmp / MARKER).write_text(json.dumps(sums))
         try:
             os.rename(tmp, parent / name)
@@ -147,11 +164,7 @@ def verify_entry(path: Path) -> bool:
     check_trusted(path)
     try:
         sums = json.loads((path / MARKER).read_text())
-        whole = isinstance(sums, dict) and bool(sums) and all(
-            isinstance(digest, str) and stat.S_ISREG(check_trusted(path / name).st_mode)
-            and _digest(path / name) == digest
-            for name, digest in sums.items()
-        )
+        whole = isinstance(sums, dict) and bool(sums) and all(_whole(path / name, r) for name, r in sums.items())
     except (OSError, ValueError):
         whole = False
     if not whole:
