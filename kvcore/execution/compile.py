@@ -31,6 +31,7 @@ from kvcore.errors import ConfigError, KVCoreError
 from kvcore.interfaces.attention import AttentionBackend
 from kvcore.kernels.cpu_kernels import cxx_compiler
 from kvcore.kernels.quant import Int4Linear, int4_dense, pack_rows
+from kvcore.model.embedding import eager_under_compile
 
 __all__ = ["CompiledDecode", "compile_reasons"]
 
@@ -112,6 +113,7 @@ class CompiledDecode:
         reasons = compile_reasons(backend, device)
         if reasons:
             raise ConfigError(f"cannot compile decode steps: {'; '.join(reasons)}")
+        eager_under_compile()
         options = {"guard_filter_fn": _guard_filter, **_INDUCTOR_OPTIONS}
         self._fn = torch.compile(_decode_forward, dynamic=None, options=options)
         self.dequantize = torch.compile(int4_dense, dynamic=False, options=_INDUCTOR_OPTIONS)

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["BlockTable", "hold_blocks", "dense_embedding", "head_rows"]
+__all__ = ["BlockTable", "hold_blocks", "dense_embedding", "eager_under_compile", "head_rows"]
 
 #: the canonical name of the token table
 EMBEDDING = "model.embed_tokens.weight"
@@ -43,11 +43,9 @@ class BlockTable:
             return self._dense[index]
         return self.blocks.rows(index, self.dtype)
 
-    # eager under torch.compile (a compiled decode step breaks its graph here): Inductor warns about, and may
-    # fuse differently, the float16 scales decoded next to bfloat16 rows
-    @torch.compiler.disable
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
-        """The embedding lookup: ``ids`` ``[T]`` int64 -> ``[T, d]``."""
+        """The embedding lookup: ``ids`` ``[T]`` int64 -> ``[T, d]`` (eager under torch.compile once
+        :func:`eager_under_compile` ran)."""
         return self[ids]
 
     def dense(self) -> torch.Tensor:
@@ -57,6 +55,16 @@ class BlockTable:
             self.blocks.dequantize_into(out)
             self._dense, self.blocks = out, None
         return self._dense
+
+
+def eager_under_compile() -> None:
+    """Make :class:`BlockTable` lookups run eagerly inside ``torch.compile``'d code (a compiled decode step breaks
+    its graph there): Inductor warns about, and may fuse differently, the float16 scales decoded next to bfloat16
+    rows. The compiled decode path calls it before it compiles; marking the method at import instead would import
+    torch's compiler, a second of every start, for runs that never compile."""
+    if not getattr(BlockTable.__call__, "_kvcore_eager", False):
+        BlockTable.__call__ = torch.compiler.disable(BlockTable.__call__)
+        BlockTable.__call__._kvcore_eager = True
 
 
 def hold_blocks(model: Any, weights: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:
