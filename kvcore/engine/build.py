@@ -101,7 +101,10 @@ def local_execution(
     if config.lm_head == "int4":
         from kvcore.model.lm_head import RescoredInt4Head
 
-        head = RescoredInt4Head(head_rows(model), a8=getattr(model, "weight_format", "") in ("int4a8", "gguf"))
+        a8 = getattr(model, "weight_format", "") in ("int4a8", "gguf")
+        head = RescoredInt4Head(head_rows(model), a8=a8, int4=getattr(model, "head_int4", None) if a8 else None)
+        if a8:
+            model.head_int4 = head.int4  # made once per model, however many engines run it
     return guards, compiled, head
 
 

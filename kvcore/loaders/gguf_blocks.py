@@ -110,6 +110,11 @@ class GGUFBlocks:
         return table
 
     @property
+    def file_range(self) -> FileRange | None:
+        """The range of the model file these blocks are as stored, or None (blocks held or rearranged)."""
+        return self._file
+
+    @property
     def in_file(self) -> bool:
         """Whether the rows a lookup decodes are read from the file (:meth:`lookup_table`), not held in memory."""
         return isinstance(self._table, FileRows)

@@ -1,11 +1,14 @@
-"""An on-disk cache of prepared models: a GGUF model's second start skips parsing, dequantising and relayout.
+"""An on-disk cache of prepared models: a GGUF model's second start skips parsing, checking, packing and relayout.
 
 A cold start of a GGUF model spends most of its time turning the file into the decoder kvcore runs:
-reading ~100k metadata values, dequantising every tensor to float32, building the decoder and laying its
-weights out for the CPU kernels. :func:`load_pretrained` saves the result once, every parameter and buffer
-of the built :class:`~kvcore.model.decoder.DecoderModel` (with its memory layout) plus the config and tokenizer, and
-later loads it with ``torch.load(mmap=True)``: the weights are then pages of the cache file, read on first
-use, and nothing is copied or converted.
+reading ~100k metadata values, checking every weight is finite, packing each quantized matmul for kvcore's
+kernels (or dequantising it), building the decoder and laying its weights out for the CPU kernels; all of it
+grows with the file. :func:`load_pretrained` saves the result once, every parameter and buffer of the built
+:class:`~kvcore.model.decoder.DecoderModel` (with its memory layout), its packed matmul weights and int4 head
+(:mod:`kvcore.loaders.prepared`), plus the config and tokenizer, and later loads it with ``torch.load(mmap=True)``:
+the weights are then pages of the cache file, read on first use and shared by every process that maps them
+(the page cache holds one copy), and nothing is copied or converted. A token table kept as the file's blocks
+is read from the model file itself, as on a cold start.
 
 Where: ``$KVCORE_CACHE_DIR/models``, else ``$XDG_CACHE_HOME/kvcore/models``, else
 ``~/.cache/kvcore/models``; one folder per entry (``model.pt`` + ``meta.json`` + the checksums of both, see
@@ -18,7 +21,8 @@ makes a new entry and the stale ones of that file are deleted. At most :data:`MA
 
 Off: ``KVCORE_MODEL_CACHE=0`` in the environment, ``Engine.from_pretrained(..., model_cache=False)``, or
 ``kvcore generate --no-model-cache``. Clear: :func:`clear` (or delete the folder). Only GGUF files on the
-CPU are cached (a Hugging Face directory's safetensors already load without conversion).
+CPU are cached (a Hugging Face directory's safetensors already load without conversion), and only models whose
+every weight has a saved form (:data:`~kvcore.loaders.prepared.SAVED_FORMATS`).
 """
 
 from __future__ import annotations
@@ -34,9 +38,9 @@ import torch
 from torch import nn
 
 from kvcore.loaders.load import build_model, load_model
+from kvcore.loaders.prepared import prepare_head, restore_runtime, runtime_state
 from kvcore.model.config import ModelConfig, check_max_model_len
 from kvcore.model.rope import RopeScaling
-from kvcore.model.weights import uses_quantized_blocks
 from kvcore.paths import cache_root, is_entry, private_dir, remove_entry, verify_entry, warn_no_cache, write_entry
 from kvcore.text.tokenizer import Tokenizer
 from kvcore.version import __version__
@@ -45,8 +49,8 @@ __all__ = ["CACHE_FORMAT", "MAX_ENTRIES", "cache_dir", "cache_root", "cache_enab
            "load_pretrained"]
 
 #: bumped whenever what an entry holds or how the decoder stores its weights changes
-CACHE_FORMAT = 1
-#: entries kept (each holds a whole model's weights in float32)
+CACHE_FORMAT = 2
+#: entries kept (each holds a whole model's weights as it runs them)
 MAX_ENTRIES = 4
 _HEADER_BYTES = 1 << 20
 
@@ -79,22 +83,20 @@ def load_pretrained(
 ) -> tuple[nn.Module, Tokenizer]:
     """``(decoder, tokenizer)`` of model ``spec`` (as :func:`kvcore.loaders.load_model` reads it), built as
     :func:`kvcore.loaders.build_model` builds it with matmul weights in the ``weights`` format, through the
-    cache when ``spec`` is a GGUF file on the CPU and the weights stay float (the quantized formats' packed
-    weights are no parameters or buffers: they are rebuilt from the file on every start)."""
-    keep_blocks = uses_quantized_blocks(weights, dtype, device)  # a GGUF's Q4 blocks may run as int4
+    cache when ``spec`` is a GGUF file on the CPU."""
 
     def load():
         loaded = load_model(spec, keep_quantized=True)  # blocks are dequantized as the model is built
         check_max_model_len(max_model_len, loaded.config.max_position_embeddings)  # before building anything
         return loaded, build_model(loaded, dtype, device, max_model_len, weights=weights)
 
-    cacheable = weights in ("auto", "float") and not keep_blocks  # then the weights resolve to float
     on_cpu = torch.device(device).type == "cpu"
-    source = gguf_source(spec) if cacheable and on_cpu and cache_enabled(use_cache) else None
+    source = gguf_source(spec) if on_cpu and cache_enabled(use_cache) else None
     if source is None:
         loaded, model = load()
         return model, loaded.tokenizer
-    options = {"dtype": str(dtype), "device": str(torch.device(device)), "max_model_len": max_model_len}
+    options = {"dtype": str(dtype), "device": str(torch.device(device)), "max_model_len": max_model_len,
+               "weights": weights}
     key, stamp = _key(source, options)
     try:
         entry = private_dir(cache_dir(), cache_root()) / key
@@ -153,6 +155,7 @@ def _read(entry: Path) -> tuple[nn.Module, Tokenizer] | None:
         meta = json.loads((entry / "meta.json").read_text())
         tensors = torch.load(entry / "model.pt", mmap=True, weights_only=True)
         model = _assemble(_config_from_json(meta["config"]), meta["dtype"], meta["max_positions"], tensors)
+        restore_runtime(model, tensors, meta["runtime"])
         tokenizer = _tokenizer_from_json(meta["tokenizer"])
     except Exception:  # noqa: BLE001 - whole but unusable (another format): rebuild from the source
         remove_entry(entry)
@@ -171,17 +174,18 @@ def _assemble(config: ModelConfig, dtype: str, max_positions: int, tensors: dict
     with torch.device("meta"):
         model = DecoderModel(config, getattr(torch, dtype.removeprefix("torch.")), max_positions)
     expected = {n for n, _ in model.named_parameters(remove_duplicate=False)} | {n for n, _ in model.named_buffers()}
-    if set(tensors) != expected:
+    if not expected <= set(tensors):
         raise ValueError("cache entry does not match the decoder's parameters")
-    shared: dict[tuple, nn.Parameter] = {}
-    for name, tensor in tensors.items():
+    shared: dict[int, nn.Parameter] = {}
+    for name in expected:
+        tensor = tensors[name]
         owner_name, _, attr = name.rpartition(".")
         owner = model.get_submodule(owner_name)
         if attr in owner._buffers:
             owner._buffers[attr] = tensor
             continue
-        ident = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape), tensor.stride())
-        param = shared.setdefault(ident, nn.Parameter(tensor, requires_grad=False))
+        # tied in the skeleton (the tied token table and LM head): one parameter again
+        param = shared.setdefault(id(owner._parameters[attr]), nn.Parameter(tensor, requires_grad=False))
         owner._parameters[attr] = param
     if any(t.is_meta for t in (*model.parameters(), *model.buffers())):
         raise ValueError("cache entry left a tensor unset")
@@ -191,15 +195,22 @@ def _assemble(config: ModelConfig, dtype: str, max_positions: int, tensors: dict
 # -- writing --------------------------------------------------------------------------------------------
 def _write(entry: Path, model: nn.Module, tokenizer: Tokenizer, info: dict[str, Any]) -> None:
     """Save ``model`` and ``tokenizer`` as ``entry`` (atomically: a folder renamed into place). A cache that
-    cannot be written (read-only or full disk) is skipped with a warning: it only ever saves time."""
+    cannot be written (read-only or full disk) is skipped with a warning: it only ever saves time; nor is a
+    model holding a weight with no saved form (:func:`~kvcore.loaders.prepared.runtime_state`)."""
+    prepare_head(model)  # made now, where a later start would make it again
+    runtime = runtime_state(model)
+    if runtime is None:
+        return
     tensors = dict(model.named_parameters(remove_duplicate=False))
     tensors.update({n: t for n, t in model.named_buffers()})
+    tensors.update(runtime[0])
     meta = {
         "format": CACHE_FORMAT,
         "config": _config_to_json(model.config),
         "dtype": str(model.dtype),
         "max_positions": model.config.max_position_embeddings,
         "tokenizer": _tokenizer_to_json(tokenizer),
+        "runtime": runtime[1],
         **info,
     }
 

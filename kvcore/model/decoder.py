@@ -92,6 +92,9 @@ class DecoderModel(nn.Module):
         #: "float", or "int4"/"int4a8"/"int8" when the layer matmuls run on quantized weights (kernels.quant)
         self.weight_format = "float"
         self._quantized: dict[str, list] | None = None  # {"qkv"|"o"|"gate_up"|"down": [per layer]}
+        #: the int4a8 copy of the LM head its int4 head scores with (kvcore.model.lm_head), once made: kept with the
+        #: model, so that a prepared model (kvcore.loaders.prepared) holds it too
+        self.head_int4 = None
         self._dense = DenseMatmuls()
         self._set_weight_layout()
 

@@ -60,10 +60,12 @@ class RescoredInt4Head:
     :param weight: the dense head ``[V, d]`` (the model's own tensor: read at call time, not copied), or the model's
         :class:`~kvcore.model.embedding.BlockTable` (a tied table held as GGUF blocks): the int4 copy is made from
         its rows and the candidates' rows are decoded per call, the same values as the dense table's.
+    :param int4: with ``a8``, the int4a8 copy made before (``int4a8_in_chunks(weight)``, e.g. a prepared model's).
     """
 
     def __init__(
-        self, weight: torch.Tensor | BlockTable, top_k: int = 64, group_size: int = 32, a8: bool = False
+        self, weight: torch.Tensor | BlockTable, top_k: int = 64, group_size: int = 32, a8: bool = False,
+        int4: Int4A8Linear | None = None,
     ) -> None:
         vocab, width = weight.shape
         if not Int4Linear.fits(vocab, width, group_size):
@@ -77,7 +79,7 @@ class RescoredInt4Head:
         # a8 (the model's weights are int4a8): scores from kvcore's int8-activation kernel, up to its row limit
         linear, self.max_rows = (Int4A8Linear, A8_MAX_ROWS) if a8 else (Int4Linear, INT4_MAX_ROWS)
         if a8 and group_size == 32:  # in row chunks: the head's unpacked codes never exist whole
-            self.int4 = int4a8_in_chunks(weight)
+            self.int4 = int4 if int4 is not None else int4a8_in_chunks(weight)
         else:
             self.int4 = linear(Int4Groups.from_float(weight[:], group_size, weight.dtype), weight.dtype)
 

@@ -1,0 +1,121 @@
+"""A decoder's run-time weights that are no parameters or buffers, as named tensors and a JSON description.
+
+A quantized decoder runs its layer matmuls on weights packed for kvcore's kernels (``model._quantized``), scores
+its LM head with an int4a8 copy of the head (``model.head_int4``), and may hold its token table as the GGUF file's
+blocks (``model.embedding``). Packing is a pass over every weight of the file; :mod:`kvcore.loaders.model_cache`
+saves what it made with :func:`runtime_state` and gives it back to a later start with :func:`restore_runtime`, the
+tensors then being pages of the cache file, mapped and read on first use.
+
+Only formats named in :data:`SAVED_FORMATS` are saved, each rebuilt from its tensors and its shape, group size and
+dtype (nothing else of an entry is turned into an object); a model holding any other kind of matmul is not saved.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from gguf import GGMLQuantizationType as QType
+
+from kvcore.kernels.cpu_kernels import kernel_reasons, load_kernels
+from kvcore.kernels.group_quant import Int8GroupLinear
+from kvcore.kernels.quant import Int4A8Linear, Int4Linear
+from kvcore.loaders.gguf_blocks import GGUFBlocks, file_blocks
+from kvcore.model.embedding import BlockTable, head_rows
+from kvcore.model.fused_layer import fused_layer_reasons
+from kvcore.model.lm_head import int4a8_in_chunks
+from kvcore.model.weights import LINEAR_PARTS
+
+__all__ = ["SAVED_FORMATS", "prepare_head", "runtime_state", "restore_runtime"]
+
+#: the matmul weight classes an entry may hold, by name, with the attributes holding their tensors
+SAVED_FORMATS: dict[str, tuple[type, tuple[str, ...]]] = {
+    "int4a8": (Int4A8Linear, ("codes", "dm")),
+    "int8_group": (Int8GroupLinear, ("packed", "dm")),
+}
+_NAMES = {cls: name for name, (cls, _) in SAVED_FORMATS.items()}
+
+
+def prepare_head(model: torch.nn.Module) -> None:
+    """Give a model whose weights run on kvcore's int8-activation kernels the int4a8 copy of its LM head that the
+    ``int4`` head scores with (:class:`~kvcore.model.lm_head.RescoredInt4Head`), so that it is saved with them.
+    Nothing where that head cannot run here."""
+    if getattr(model, "weight_format", "float") not in ("int4a8", "gguf") or model.head_int4 is not None:
+        return
+    rows = head_rows(model)
+    if kernel_reasons() or not Int4Linear.fits(*rows.shape, 32):
+        return
+    model.head_int4 = int4a8_in_chunks(rows)
+
+
+def _linear_state(obj: Any, prefix: str, tensors: dict[str, torch.Tensor]) -> dict[str, Any] | None:
+    name = _NAMES.get(type(obj))
+    if name is None:
+        return None
+    layouts = {}
+    for attr in SAVED_FORMATS[name][1]:
+        t = getattr(obj, attr)
+        # as bytes: the packed weights are views of one huge-page arena in several dtypes, and a saved storage
+        # has one dtype; saved so, the arena is written once and mapped back whole
+        tensors[f"{prefix}.{attr}"] = t.view(torch.uint8)
+        layouts[attr] = [str(t.dtype).removeprefix("torch."), list(t.shape)]
+    return {"format": name, "shape": list(obj.shape), "group_size": obj.group_size, "dtype": str(obj.dtype),
+            "tensors": layouts}
+
+
+def _linear(info: dict[str, Any], prefix: str, tensors: dict[str, torch.Tensor]) -> Any:
+    cls, attrs = SAVED_FORMATS[info["format"]]
+    obj = cls.__new__(cls)  # its tensors are the saved ones: nothing to pack again
+    obj.shape, obj.group_size = tuple(info["shape"]), int(info["group_size"])
+    obj.dtype = getattr(torch, info["dtype"].removeprefix("torch."))
+    for attr in attrs:
+        dtype, shape = info["tensors"][attr]
+        setattr(obj, attr, tensors[f"{prefix}.{attr}"].view(getattr(torch, dtype)).view(shape))
+    return obj
+
+
+def runtime_state(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, Any]] | None:
+    """``(tensors, description)`` of the model's weights that are no parameters or buffers, or None when one of
+    them has no saved form (the model is then not saved). A float model has none: ``({}, {})``."""
+    tensors: dict[str, torch.Tensor] = {}
+    info: dict[str, Any] = {}
+    if model._quantized is not None:
+        info["quantized"] = {}
+        for name, layers in model._quantized.items():
+            states = [_linear_state(obj, f"quantized.{name}.{i}", tensors) for i, obj in enumerate(layers)]
+            if None in states:
+                return None
+            info["quantized"][name] = states
+        info["weight_format"] = model.weight_format
+    if model.head_int4 is not None:
+        info["head_int4"] = _linear_state(model.head_int4, "head_int4", tensors)
+    if model.embedding is not None:
+        blocks = model.embedding.blocks
+        source = None if blocks is None else blocks.file_range
+        if source is None or not blocks.in_file:  # only a table read from the model file as stored is described
+            return None
+        info["embedding"] = {"qtype": int(blocks.qtype), "shape": list(blocks.shape), "path": source.path,
+                             "offset": source.offset, "nbytes": source.nbytes}
+    return tensors, info
+
+
+def restore_runtime(model: torch.nn.Module, tensors: dict[str, torch.Tensor], info: dict[str, Any]) -> None:
+    """Give ``model`` (assembled from an entry's parameters and buffers) the weights :func:`runtime_state`
+    described. KeyError or ValueError when the entry does not hold what its description names."""
+    if any(i["format"] == "int4a8" for layers in info.get("quantized", {}).values() for i in layers):
+        load_kernels()
+    if "quantized" in info:
+        if set(info["quantized"]) != set(LINEAR_PARTS):
+            raise ValueError("entry holds another set of matmuls")
+        model._quantized = {name: [_linear(state, f"quantized.{name}.{i}", tensors) for i, state in enumerate(states)]
+                            for name, states in info["quantized"].items()}
+        model.weight_format = info["weight_format"]
+        model.fused_norm = model.weight_format == "int4a8"
+    if "head_int4" in info:
+        model.head_int4 = _linear(info["head_int4"], "head_int4", tensors)
+    if "embedding" in info:
+        e = info["embedding"]
+        blocks = GGUFBlocks(QType(e["qtype"]), file_blocks(e["path"], e["offset"], e["nbytes"]), tuple(e["shape"]))
+        model.embedding = BlockTable(blocks.lookup_table(), model.dtype)
+    if "quantized" in info:
+        model.fused_layers = not fused_layer_reasons(model)

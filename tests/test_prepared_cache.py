@@ -1,0 +1,91 @@
+"""A quantized model's second start (kvcore/loaders/prepared.py through the model cache): its packed matmul weights and
+int4 head come back as pages of the cache file, nothing is read from the loader or packed again, and it generates the
+very tokens of a fresh build."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+import kvcore.engine.build
+import kvcore.loaders.model_cache as mc
+import kvcore.model.lm_head
+from kvcore import Engine, EngineConfig, SamplingParams
+from kvcore.kernels.cpu_kernels import kernel_reasons
+from kvcore.kernels.quant import Int4A8Linear
+
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(bool(kernel_reasons()), reason="kvcore's CPU kernels cannot run")]
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):"]
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVCORE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("KVCORE_MODEL_CACHE", "1")
+    return tmp_path / "cache" / "models"
+
+
+def _greedy(engine: Engine) -> list[list[int]]:
+    prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
+    return [r.token_ids for r in engine.generate(prompts, SamplingParams(max_new_tokens=8, ignore_eos=True))]
+
+
+def _mapped_ranges(suffix: str) -> list[tuple[int, int]]:
+    ranges = []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) >= 6 and parts[5].endswith(suffix):
+                lo, hi = (int(x, 16) for x in parts[0].split("-"))
+                ranges.append((lo, hi))
+    return ranges
+
+
+def test_quantized_start_maps_its_prepared_weights(cache, monkeypatch):
+    fresh = Engine.from_pretrained("smollm2", EngineConfig(), model_cache=False)
+    assert fresh.model.weight_format == "int4a8" and fresh.config.lm_head == "int4"  # the default, on this CPU
+    expected = _greedy(fresh)
+    del fresh
+
+    Engine.from_pretrained("smollm2", EngineConfig())  # builds the model and writes its entry
+    (entry,) = [p for p in cache.iterdir() if p.is_dir()]
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a cached start read the GGUF loader or packed a weight again")
+
+    monkeypatch.setattr(mc, "load_model", refuse)
+    monkeypatch.setattr(kvcore.model.lm_head, "int4a8_in_chunks", refuse)
+    monkeypatch.setattr(Int4A8Linear, "__init__", refuse)
+    engine = Engine.from_pretrained("smollm2", EngineConfig())
+    model = engine.model
+    assert model.weight_format == "int4a8" and model.fused_layers and model.fused_norm
+    assert model.embedding is not None and model.embedding.blocks.in_file  # the token table read from the file
+    assert engine.lm_head is not None and engine.lm_head.int4 is model.head_int4
+    assert _greedy(engine) == expected
+    if sys.platform.startswith("linux"):  # the packed weights are the cache file's pages, not a copy
+        ranges = _mapped_ranges(str(entry / "model.pt"))
+        weights = [model.head_int4.codes, *(f.codes for fns in model._quantized.values() for f in fns)]
+        assert ranges and all(any(lo <= w.data_ptr() < hi for lo, hi in ranges) for w in weights)
+
+
+def test_a_format_without_a_saved_form_is_not_written(cache):
+    """int4 weights run on torch's packed layout, which has no saved form here: built on every start, as before."""
+    engine = Engine.from_pretrained("smollm2", EngineConfig(weights="int4", dtype="bfloat16"))
+    assert engine.model.weight_format == "int4"
+    assert not cache.exists() or not [p for p in cache.iterdir() if p.is_dir()]
+    assert len(_greedy(engine)[0]) == 8
+
+
+def test_entry_without_its_runtime_weights_is_rebuilt(cache, monkeypatch):
+    """An entry whose description names weights its file lacks is damaged: rebuilt from the source file."""
+    Engine.from_pretrained("smollm2", EngineConfig())
+    (entry,) = [p for p in cache.iterdir() if p.is_dir()]
+    tensors = torch.load(entry / "model.pt", weights_only=True)
+    del tensors["quantized.qkv.0.codes"]
+    torch.save(tensors, entry / "model.pt")  # a new file: its identity no longer matches, so it is hashed again
+    with pytest.warns(RuntimeWarning, match="damaged"):
+        engine = Engine.from_pretrained("smollm2", EngineConfig())
+    assert engine.model.weight_format == "int4a8"
