@@ -114,6 +114,33 @@ def test_a_prompt_just_past_the_character_bound_is_never_tokenised(server, monke
     assert status == 400 and body["error"]["code"] == "context_length_exceeded"
 
 
+def test_tokenize_and_detokenize_keep_the_completions_input_budget(server, monkeypatch):
+    tokenizer, max_len = server.front.engine.tokenizer, server.front.engine.max_model_len
+    limit = max_len * tokenizer.max_token_chars * 4  # what completions refuse past (protocol.max_prompt_chars)
+    calls = []
+    real_encode, real_template = type(tokenizer).encode, type(tokenizer).apply_chat_template
+    monkeypatch.setattr(type(tokenizer), "encode", lambda self, text, add_bos=None: calls.append(len(text))
+                        or real_encode(self, text, add_bos))
+    monkeypatch.setattr(type(tokenizer), "apply_chat_template", lambda self, messages, **kw: calls.append(messages)
+                        or real_template(self, messages, **kw))
+    for body in ({"prompt": "a" * (limit + 1)}, {"messages": [{"role": "user", "content": "a" * limit}]}):
+        status, payload = call(server, "POST", "/tokenize", body)
+        assert status == 400 and payload["error"]["code"] == "context_length_exceeded", payload
+        assert str(limit) in payload["error"]["message"] and "\n" not in payload["error"]["message"]
+        assert set(payload["error"]) == {"message", "type", "param", "code"}
+    assert calls == []  # refused before any tokenizer work
+    status, payload = call(server, "POST", "/tokenize", {"prompt": "hello world"})
+    assert status == 200 and payload["count"] == len(payload["tokens"]) > 0
+    status, payload = call(server, "POST", "/detokenize", {"tokens": [5] * (max_len + 1)})
+    assert status == 400 and payload["error"]["code"] == "context_length_exceeded", payload
+    assert str(max_len) in payload["error"]["message"]
+    status, payload = call(server, "POST", "/detokenize", {"tokens": [5] * max_len})
+    assert status == 200 and payload["prompt"]
+    # a body no request of this model can need is refused unparsed here too (read_body's bound)
+    status, payload = call(server, "POST", "/tokenize", json.dumps({"prompt": "hi " * 5_000_000}).encode())
+    assert status == 400 and "bytes" in payload["error"]["message"], payload
+
+
 @pytest.mark.parametrize("body, needle", [
     ({"prompt": "hi", "stop_token_ids": 5}, "stop_token_ids"),
     ({"prompt": "hi", "stop_token_ids": ["5"]}, "stop_token_ids"),

@@ -237,7 +237,7 @@ def build_app(
             raise EngineDeadError("this server's model has no tokenizer")
         data = await read_body(request)
         async with parsing:  # tokenising is unbounded work: off the event loop, as for generation
-            ids = await asyncio.to_thread(lambda: parse_tokenize(decode_json_body(data), tokenizer))
+            ids = await asyncio.to_thread(lambda: parse_tokenize(decode_json_body(data), tokenizer, prompt_chars))
         return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": limits["max_model_len"]})
 
     async def detokenize(request: Request) -> Response:
@@ -247,7 +247,7 @@ def build_app(
         data = await read_body(request)
 
         def detokenized() -> str:  # JSON decoding and detokenising: off the event loop
-            ids = parse_detokenize(decode_json_body(data), limits["vocab_size"])
+            ids = parse_detokenize(decode_json_body(data), limits["vocab_size"], limits["max_model_len"])
             return tokenizer.decode(ids, skip_special_tokens=False)
 
         async with parsing:

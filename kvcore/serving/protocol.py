@@ -139,6 +139,12 @@ def _check_chars(num_chars: int, limit: int, what: str) -> None:
         )
 
 
+def _check_conversation(messages: list[Mapping], limit: int) -> None:
+    """Chat messages (as :func:`message_text` returns them) refused from their length, before templating."""
+    size = sum(len(str(m.get("role") or "")) + len(str(m.get("content") or "")) for m in messages)
+    _check_chars(size, limit, "the conversation")
+
+
 def _max_tokens(requested: int | None, prompt_lens: list[int], max_model_len: int) -> int:
     longest = max(prompt_lens)
     if longest >= max_model_len:
@@ -224,8 +230,7 @@ def parse_chat(
     if tools is not None and structured is not None:
         raise with_param(InvalidRequestError("'tools' cannot be combined with a structured-output field"), "tools")
     texts = [message_text(m, i) for i, m in enumerate(messages)]
-    size = sum(len(str(m.get("role") or "")) + len(str(m.get("content") or "")) for m in texts)
-    _check_chars(size, max_prompt_chars, "the conversation")
+    _check_conversation(texts, max_prompt_chars)
     text = tokenizer.apply_chat_template(texts, add_generation_prompt=True, tools=list(tools.tools) if tools else None)
     prompt_ids = tokenizer.encode(text, add_bos=False)  # the template writes its own BOS
     stream = bool_field(body, "stream", False)
@@ -256,25 +261,35 @@ def parse_chat(
     )
 
 
-def parse_tokenize(body: Mapping, tokenizer: Any) -> list[int]:
+def parse_tokenize(body: Mapping, tokenizer: Any, max_prompt_chars: int) -> list[int]:
     """``POST /tokenize`` (vLLM's): ``prompt`` (text; ``add_special_tokens`` adds the BOS the model wants) or
-    chat ``messages`` (rendered with the chat template; ``add_generation_prompt``, default true)."""
+    chat ``messages`` (rendered with the chat template; ``add_generation_prompt``, default true). Text that
+    cannot fit the model's context is refused from its length before any tokenizer work, as for completions."""
     if body.get("messages") is not None:
         messages = body["messages"]
         if not isinstance(messages, list) or not all(isinstance(m, Mapping) for m in messages):
             raise bad_field("messages", "a list of message objects", messages)
-        text = tokenizer.apply_chat_template([message_text(m, i) for i, m in enumerate(messages)],
-                                             add_generation_prompt=bool_field(body, "add_generation_prompt", True))
+        texts = [message_text(m, i) for i, m in enumerate(messages)]
+        _check_conversation(texts, max_prompt_chars)
+        generation_prompt = bool_field(body, "add_generation_prompt", True)
+        text = tokenizer.apply_chat_template(texts, add_generation_prompt=generation_prompt)
         return tokenizer.encode(text, add_bos=False)
     prompt = body.get("prompt")
     if not isinstance(prompt, str):
         raise bad_field("prompt", "a string (or give 'messages')", prompt)
+    _check_chars(len(prompt), max_prompt_chars, "the prompt")
     return tokenizer.encode(prompt, add_bos=None if bool_field(body, "add_special_tokens", True) else False)
 
 
-def parse_detokenize(body: Mapping, vocab_size: int) -> list[int]:
-    """``POST /detokenize`` (vLLM's): ``tokens``, a list of token ids."""
+def parse_detokenize(body: Mapping, vocab_size: int, max_model_len: int) -> list[int]:
+    """``POST /detokenize`` (vLLM's): ``tokens``, a list of at most ``max_model_len`` token ids (no sequence of
+    this model is longer), refused from its length before its ids are checked or decoded."""
     tokens = body.get("tokens")
+    if isinstance(tokens, list) and len(tokens) > max_model_len:
+        raise ContextLengthError(
+            f"'tokens' has {len(tokens)} token ids; no sequence of this model is longer than its maximum context "
+            f"length of {max_model_len} tokens; send fewer"
+        )
     if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
         raise bad_field("tokens", "a list of token ids", tokens)
     bad = [t for t in tokens if not 0 <= t < vocab_size]
