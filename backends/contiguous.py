@@ -4,6 +4,11 @@ Layout "contiguous": ``k`` and ``v`` are ``[L, max_num_seqs, H_kv, max_seq_len, 
 each sequence one block, which here is a whole slot, for its life. Token ``p`` of the sequence in slot
 ``s`` is written at ``k[layer, s, :, p]`` (gpt-fast's ``k_out[:, :, input_pos] = k_val``), so a backend
 reads a sequence's keys as the view ``k[layer, s, :, :seq_len]`` without copying.
+
+Rows past a sequence's length hold zeros or that sequence's own K/V, never an earlier occupant's: a decode
+batch may read every slot up to its longest sequence (``sdpa``), where a stale NaN would turn the masked
+product NaN (softmax weight 0 × NaN). So when a sequence starts in a slot, :meth:`ContiguousKVCache.before_forward`
+zeroes the rows the slot's earlier sequences wrote (as many as they wrote, not the whole slot).
 """
 
 from __future__ import annotations
@@ -40,6 +45,8 @@ class ContiguousKVCache(KVCache):
         #: writes and reads only through these stays traceable by torch.compile: in-place writes into a view
         #: of a compiled function's input would make it copy the whole cache back on every call.
         self.k_rows, self.v_rows = self.k.view(-1, spec.head_dim), self.v.view(-1, spec.head_dim)
+        #: per slot, the rows ``[0, n)`` written since it was last zeroed (past them it is all zeros)
+        self._rows_written = [0] * self.num_blocks
 
     def storage_shape(self) -> tuple[int, ...]:
         """Shape of ``k`` (and ``v``): layers first, slots second."""
@@ -52,8 +59,19 @@ class ContiguousKVCache(KVCache):
         self.k[layer_idx, slots, :, meta.positions] = k
         self.v[layer_idx, slots, :, meta.positions] = v
 
+    def before_forward(self, meta: AttentionMetadata) -> None:
+        written = self._rows_written
+        for slot, ctx, q_len in zip(meta.slots, meta.context_lens, meta.query_lens):
+            if ctx == 0 and written[slot]:  # a sequence starts here: clear what earlier ones left
+                self.k[:, slot, :, : written[slot]].zero_()
+                self.v[:, slot, :, : written[slot]].zero_()
+                written[slot] = 0
+            written[slot] = max(written[slot], ctx + q_len)
+
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         copy_block_rows((self.k, self.v), pairs)
+        for src, dst in pairs:  # the whole slot is copied, its zeros past the written rows too
+            self._rows_written[dst] = self._rows_written[src]
 
     def read(self, layer_idx: int, block_table: list[int], length: int) -> tuple[torch.Tensor, torch.Tensor]:
         slot = block_table[0] if block_table else 0  # an empty sequence holds no block yet: length is 0

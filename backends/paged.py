@@ -132,6 +132,9 @@ class PagedPlan:
     fresh_from_input: bool = False
     #: sliding window -> ``key_mask`` narrowed to each row's last ``window`` keys (decode)
     window_masks: dict[int, torch.Tensor] | None = None
+    #: sliding window (None: none) -> ``[n]`` int64 rows ``b * keys + j`` of the gathered keys its mask hides, None
+    #: when it hides none (decode)
+    hidden_rows: dict[int | None, torch.Tensor | None] | None = None
 
 
 class PagedBackend(AttentionBackend[PagedPlan]):
@@ -156,10 +159,22 @@ class PagedBackend(AttentionBackend[PagedPlan]):
             valid = key_pos < lens  # [B, keys]
             windows = {layer.sliding_window for layer in meta.layers} - {None}
             window_masks = {w: (valid & (key_pos >= lens - w))[:, None, None, :] for w in windows}
-            return PagedPlan(meta, bt.flatten(), valid[:, None, None, :], [], window_masks=window_masks)
+            hidden = {w: self._hidden_rows(meta.seq_lens, keys, w, device) for w in windows | {None}}
+            return PagedPlan(meta, bt.flatten(), valid[:, None, None, :], [], window_masks=window_masks,
+                             hidden_rows=hidden)
         tables = host_to_device([torch.tensor(t, dtype=torch.long) for t in meta.block_tables], device)
         lossless = cache.capabilities.unit_roundoff is None
         return PagedPlan(meta, torch.empty(0, dtype=torch.long), None, tables, fresh_from_input=lossless)
+
+    @staticmethod
+    def _hidden_rows(seq_lens: list[int], keys: int, window: int | None, device: torch.device) -> torch.Tensor | None:
+        """Rows ``b * keys + j`` of a decode batch's gathered keys that row ``b`` does not see: past its length (the
+        rest of its last block, the padding blocks) and, with a window, before it. Made on the host from the host
+        lengths (no device sync); None when there are none."""
+        pos, lens = torch.arange(keys)[None, :], torch.tensor(seq_lens)[:, None]
+        hidden = (pos >= lens) | (pos < lens - window) if window is not None else pos >= lens
+        rows = hidden.flatten().nonzero().squeeze(1)
+        return host_to_device([rows], device)[0] if rows.numel() else None
 
     def forward(
         self,
@@ -183,6 +198,10 @@ class PagedBackend(AttentionBackend[PagedPlan]):
         num_seqs, num_heads, d = q.shape
         k, v = cache.gather_blocks(layer_idx, plan.flat_tables)  # [B * MB, block_size, H_kv, D]
         h_kv = k.shape[2]
+        hidden = plan.hidden_rows[layer.sliding_window]
+        if hidden is not None:  # rows the mask hides hold other requests' K/V (padding: block 0) or stale ones, maybe
+            k.view(-1, h_kv, d).index_fill_(0, hidden, 0)  # NaN, which a softmax weight of 0 does not cancel: zeros
+            v.view(-1, h_kv, d).index_fill_(0, hidden, 0)  # (the gathered blocks are copies)
         k = k.view(num_seqs, -1, h_kv, d).transpose(1, 2)  # [B, H_kv, keys, D]
         v = v.view(num_seqs, -1, h_kv, d).transpose(1, 2)
         mask = plan.key_mask if layer.sliding_window is None else plan.window_masks[layer.sliding_window]

@@ -157,3 +157,32 @@ def test_the_reference_check_interval_is_configurable(random_model):
     assert {g.verify_every for g in engine.runner.guards.values()} == {7}
     with pytest.raises(ConfigError, match="backend_check_interval"):
         EngineConfig(backend_check_interval=0)
+
+
+# -- stale K/V rows -------------------------------------------------------------------------------------
+
+SHORT, LONG = [5, 9, 4, 7, 3], [11 + i % 17 for i in range(20)]  # a ragged decode batch: 5 and 20 tokens
+POISON = [3 + i % 23 for i in range(40)]  # longer than both: its rows reach past what either writes
+
+
+@pytest.mark.parametrize("backend, kv_cache", [("naive", None), ("sdpa", None), ("cpu_decode", None),
+                                               ("paged", None), ("paged", "int8")])
+def test_nan_rows_a_failed_request_left_behind_reach_no_later_request(random_model, monkeypatch, backend, kv_cache):
+    config = EngineConfig(backend=backend, kv_cache=kv_cache, max_model_len=64, max_num_seqs=2)
+    alone = Engine(random_model, None, config)
+    expected = [alone.generate([p], GREEDY)[0].token_ids for p in (SHORT, LONG)]
+    engine = Engine(random_model, None, config)
+    prefill, real_forward = engine.prefill_backend, engine.prefill_backend.forward
+
+    def nan_kv(layer_idx, q, k, v, cache, plan):  # a request whose keys and values went bad
+        return real_forward(layer_idx, q, torch.full_like(k, float("nan")), torch.full_like(v, float("nan")),
+                            cache, plan)
+
+    monkeypatch.setattr(prefill, "forward", nan_kv)
+    (failed,) = engine.generate([POISON], GREEDY)
+    assert failed.finish_reason is FinishReason.ERROR and engine.kv.blocks.num_tokens_in_use == 0
+    monkeypatch.setattr(prefill, "forward", real_forward)
+    # SHORT takes the failed request's slot (contiguous) or reads its blocks as padding (paged)
+    results = engine.generate([SHORT, LONG], GREEDY)
+    assert [r.error for r in results] == [None, None]
+    assert [r.token_ids for r in results] == expected

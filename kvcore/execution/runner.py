@@ -38,6 +38,7 @@ def run_model(
     :meth:`BackendGuard.begin` result) sees every layer's attention output (layer 0's only when a decode
     batch runs ``compiled``: the traced code has no Python between layers).
     """
+    cache.before_forward(meta)
     plans = tuple(backend.plan(m, cache) for m in meta.group_metas)
     ids = torch.as_tensor(input_ids, dtype=torch.long).to(meta.positions.device)
     matmuls = None

@@ -190,6 +190,12 @@ class KVCache(abc.ABC):
         """K and V of the first ``length`` tokens held by ``block_table``, each ``[length, H_kv, D]`` in the
         model dtype (a copy: tests, debugging, the conformance suite)."""
 
+    def before_forward(self, meta: AttentionMetadata) -> None:
+        """Called once per forward call (on every rank), before any layer writes or reads: where a layout whose
+        readers may read rows past a sequence's length makes sure no such row holds another request's K/V (a
+        NaN left there would poison the product even at softmax weight 0). Default: nothing."""
+        return None  # a layout whose readers stay within each sequence's length needs nothing here
+
     @classmethod
     def token_bytes(cls, spec: CacheSpec) -> int:
         """Bytes one token's K and V occupy in one block id (across its storage layers: every layer unless
