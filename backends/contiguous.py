@@ -13,7 +13,7 @@ zeroes the rows the slot's earlier sequences wrote (as many as they wrote, not t
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -48,6 +48,9 @@ class ContiguousKVCache(KVCache):
         #: per slot, the rows ``[0, n)`` written since it was last zeroed (past them it is all zeros)
         self._rows_written = [0] * self.num_blocks
 
+    #: the axis of ``k`` and ``v`` that is the token's position in its slot (a subclass's layout may move it)
+    position_dim: ClassVar[int] = 3
+
     def storage_shape(self) -> tuple[int, ...]:
         """Shape of ``k`` (and ``v``): layers first, slots second."""
         s = self.spec
@@ -63,8 +66,8 @@ class ContiguousKVCache(KVCache):
         written = self._rows_written
         for slot, ctx, q_len in zip(meta.slots, meta.context_lens, meta.query_lens):
             if ctx == 0 and written[slot]:  # a sequence starts here: clear what earlier ones left
-                self.k[:, slot, :, : written[slot]].zero_()
-                self.v[:, slot, :, : written[slot]].zero_()
+                for t in (self.k, self.v):
+                    t[:, slot].narrow(self.position_dim - 1, 0, written[slot]).zero_()
                 written[slot] = 0
             written[slot] = max(written[slot], ctx + q_len)
 

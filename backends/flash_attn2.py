@@ -71,6 +71,7 @@ class FlashKVCache(ContiguousKVCache):
     name = "flash_contiguous"
     layout = "flash_contiguous"
     description = "one slot of max_seq_len tokens per sequence in flash-attn's [L, slots, S, H_kv, D]"
+    position_dim = 2
 
     def storage_shape(self) -> tuple[int, ...]:
         s = self.spec
