@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import shutil
@@ -111,15 +112,15 @@ def _random_tensor(rng: np.random.Generator, qtype: QType, dims: tuple[int, ...]
     return blocks.reshape(rows, cols // block * size)
 
 
-def _tokenizer_fields(writer: gguf.GGUFWriter) -> None:
-    """Copy every ``tokenizer.*`` key (vocabulary, merges, special ids, chat template) of the embedded SmolLM2."""
+@functools.cache
+def _tokenizer_fields() -> tuple[tuple[str, object, gguf.GGUFValueType, gguf.GGUFValueType | None], ...]:
+    """Every ``tokenizer.*`` key (vocabulary, merges, special ids, chat template) of the embedded SmolLM2, with
+    its value types; read once per process (the reader takes seconds on a 49k-token vocabulary)."""
     from kvcore.loaders.resolve import smollm2_path  # here: importing kvcore is slow, and `startup` needs none
 
     reader = gguf.GGUFReader(smollm2_path())
-    for key, field in reader.fields.items():
-        if key.startswith("tokenizer."):
-            sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
-            writer.add_key_value(key, field.contents(), field.types[0], sub_type=sub)
+    return tuple((key, field.contents(), field.types[0], field.types[-1] if len(field.types) > 1 else None)
+                 for key, field in reader.fields.items() if key.startswith("tokenizer."))
 
 
 def write_gguf(path: str | os.PathLike[str], shape: Shape, qtype: str = "q4_1", seed: int = 0) -> Path:
@@ -142,7 +143,8 @@ def write_gguf(path: str | os.PathLike[str], shape: Shape, qtype: str = "q4_1", 
     writer.add_rope_dimension_count(shape.head_dim)
     writer.add_rope_freq_base(shape.rope_theta)
     writer.add_layer_norm_rms_eps(1e-5)
-    _tokenizer_fields(writer)
+    for key, value, vtype, sub in _tokenizer_fields():
+        writer.add_key_value(key, value, vtype, sub_type=sub)
     tensors = _tensors(shape, qt)
     # tensor infos first, then the data one tensor at a time: the writer never holds the model
     for name, tt, dims in tensors:
