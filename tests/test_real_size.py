@@ -74,5 +74,5 @@ def test_startup_prints_a_row_per_shape(tiny_cache, tmp_path, capsys):
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("| shape |") and lines[2].startswith("| tiny q4_1 |") and len(lines) == 3
     (row,) = json.loads(out.read_text())
-    assert row["shape"] == "tiny" and len(row["reps_s"]) == 1 and row["median_s"] > 0
+    assert row["shape"] == "tiny" and len(row["reps_s"]) == len(row["cpu_s"]) == 1 and row["median_s"] > 0
     assert np.isclose(row["file_mib"], (tiny_cache / "llama-tiny-q4_1.gguf").stat().st_size / 2**20, atol=0.1)

@@ -19,7 +19,8 @@ Run (from a venv with kvcore and ``pip install -e ./benchmarks``)::
     python -m kvcore_bench.real_size startup 360m 1.7b --reps 3 [--type q4_1] [--json OUT]
 
 ``startup`` times ``kvcore generate --max-new-tokens 1 --model FILE "Hello"`` from process start to exit (the one
-token printed), with the file read once first so the page cache is warm, and prints a Markdown table row per shape.
+token printed; wall and CPU seconds), with the file read before each run so the page cache is warm, and prints a
+Markdown table row per shape with the CPU's name and the instruction sets kvcore's kernels use.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import dataclasses
 import functools
 import json
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -213,35 +215,40 @@ def _kvcore() -> str:
     return str(beside) if beside.exists() else (shutil.which("kvcore") or "kvcore")
 
 
-def measure_startup(path: Path, reps: int = 3, prompt: str = "Hello") -> list[float]:
-    """Wall seconds of ``kvcore generate --max-new-tokens 1`` on ``path``, process start to exit, per rep."""
+def measure_startup(path: Path, reps: int = 3, prompt: str = "Hello") -> tuple[list[float], list[float]]:
+    """Wall and CPU (user + system) seconds of ``kvcore generate --max-new-tokens 1`` on ``path``, process start
+    to exit, per rep. CPU seconds say more than wall ones on a machine others are using."""
     command = [_kvcore(), "generate", "--max-new-tokens", "1", "--model", str(path), prompt]
-    times = []
+    walls, cpus = [], []
     for _ in range(reps):
         _warm(path)
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
         start = time.perf_counter()
         done = subprocess.run(command, capture_output=True, text=True)
-        times.append(time.perf_counter() - start)
+        walls.append(time.perf_counter() - start)
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpus.append(after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime)
         if done.returncode:
             raise RuntimeError(f"{' '.join(command)} exited with {done.returncode}:\n{done.stderr[-2000:]}")
-    return times
+    return walls, cpus
 
 
 def _startup(shapes: list[str], qtype: str, reps: int, json_out: str | None) -> None:
     cpu, flags = cpu_summary()
-    print("| shape | file MiB | start → first token, s (median) | reps, s | CPU | flags |")
-    print("|---|---|---|---|---|---|")
+    print("| shape | file MiB | start → first token, s (median) | reps, s | CPU s (median) | load 1m | CPU | flags |")
+    print("|---|---|---|---|---|---|---|---|")
     rows = []
     for shape in shapes:
         path = ensure_file(shape, qtype)
         load = os.getloadavg()[0]
-        times = measure_startup(path, reps)
+        times, cpu_s = measure_startup(path, reps)
         mib = path.stat().st_size / 2**20
         median = statistics.median(times)
         reps_s = ", ".join(f"{t:.2f}" for t in times)
-        print(f"| {shape} {qtype} | {mib:,.0f} | {median:.2f} | {reps_s} | {cpu} | {flags} |", flush=True)
+        print(f"| {shape} {qtype} | {mib:,.0f} | {median:.2f} | {reps_s} | {statistics.median(cpu_s):.2f} | {load:.2f} "
+              f"| {cpu} | {flags} |", flush=True)
         rows.append(dict(shape=shape, qtype=qtype, file=str(path), file_mib=round(mib, 1), median_s=median,
-                         reps_s=times, cpu=cpu, flags=flags, loadavg_1m_before=load,
+                         reps_s=times, cpu_s=cpu_s, cpu=cpu, flags=flags, loadavg_1m_before=load,
                          command=f"kvcore generate --max-new-tokens 1 --model {path} Hello"))
     if json_out:
         Path(json_out).write_text(json.dumps(rows, indent=2) + "\n")
