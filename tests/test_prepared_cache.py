@@ -89,3 +89,29 @@ def test_entry_without_its_runtime_weights_is_rebuilt(cache, monkeypatch):
     with pytest.warns(RuntimeWarning, match="damaged"):
         engine = Engine.from_pretrained("smollm2", EngineConfig())
     assert engine.model.weight_format == "int4a8"
+
+
+@pytest.mark.full
+def test_a_real_size_model_loads_and_starts_from_its_entry(cache, monkeypatch):
+    """The 1.7B shape (kvcore_bench.real_size: SmolLM2-1.7B's dimensions, random Q4_1 weights), so that nothing is
+    proven on 135M only: built from the file, then from its entry, the same greedy tokens."""
+    import shutil
+
+    from kvcore_bench.real_size import SHAPES, cache_dir, ensure_file
+
+    folder = cache_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    if shutil.disk_usage(folder).free < 4 << 30:
+        pytest.skip(f"under 4 GiB free in {folder} for the 1.7B file and its cache entry")
+    path = str(ensure_file("1.7b"))
+    shape = SHAPES["1.7b"]
+    built = Engine.from_pretrained(path, EngineConfig(), model_cache=False)
+    c = built.model.config
+    assert (c.hidden_size, c.num_hidden_layers, c.intermediate_size) == (shape.hidden, shape.layers, shape.ffn)
+    prompt = [built.tokenizer.encode("Hello")]
+    params = SamplingParams(max_new_tokens=2, ignore_eos=True)
+    expected = built.generate(prompt, params)[0].token_ids
+    del built
+    Engine.from_pretrained(path, EngineConfig())  # writes the entry
+    monkeypatch.setattr(mc, "load_model", lambda *a, **k: pytest.fail("the loader ran for a cached model"))
+    assert Engine.from_pretrained(path, EngineConfig()).generate(prompt, params)[0].token_ids == expected
