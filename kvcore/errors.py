@@ -8,6 +8,8 @@ a traceback is shown only with ``--debug``.
 from __future__ import annotations
 
 import difflib
+import functools
+import inspect
 from collections.abc import Iterable
 
 __all__ = [  # the exception classes (README's exit-code table lists each); did_you_mean is imported by name
@@ -40,6 +42,25 @@ def did_you_mean(name: str, choices: Iterable[str]) -> str:
     when none is close: the one suggestion every user error that names a wrong name ends with."""
     close = difflib.get_close_matches(name, list(choices), n=3, cutoff=0.6)
     return f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+
+
+def reject_unknown_keywords(cls: type) -> type:
+    """Class decorator for a config dataclass: an unknown keyword argument is a :class:`ConfigError` naming
+    it with :func:`did_you_mean`, where the generated ``__init__`` raises a bare TypeError. Apply it above
+    ``@dataclass``; the signature (``inspect.signature``) and everything else stay the dataclass's."""
+    init = cls.__init__
+    accepted = [p for p in inspect.signature(init).parameters if p != "self"]
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        for key in kwargs:
+            if key not in accepted:
+                hint = did_you_mean(key, accepted) or f" (its fields: {', '.join(accepted)})"
+                raise ConfigError(f"{cls.__name__} got an unknown field '{key}'{hint}")
+        init(self, *args, **kwargs)
+
+    cls.__init__ = __init__
+    return cls
 
 
 class KVCoreError(Exception):

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from kvcore.errors import BackendUnavailableError, ConfigError, PluginError
+from kvcore.errors import BackendUnavailableError, ConfigError, PluginError, reject_unknown_keywords
 from kvcore.interfaces.attention import AttentionBackend
 from kvcore.interfaces.layer_attention import VARIANTS
 from kvcore.kernels.quant import check_runnable, check_weight_format
@@ -36,6 +36,7 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
     return DTYPES[key]
 
 
+@reject_unknown_keywords
 @dataclass
 class EngineConfig:
     """How the engine runs. Names left ``None`` mean "pick the best available"."""

@@ -10,7 +10,7 @@ from typing import Any, ClassVar, Protocol
 
 import torch
 
-from kvcore.errors import ConfigError, InvalidRequestError
+from kvcore.errors import ConfigError, InvalidRequestError, reject_unknown_keywords
 from kvcore.interfaces.structured import StructuredOutput
 
 __all__ = ["MAX_LOGPROBS", "MAX_LOGIT_BIAS", "SAMPLING_FEATURES", "SamplingParams", "SamplingRow", "Sampler"]
@@ -32,6 +32,7 @@ def _is_number(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
+@reject_unknown_keywords
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens and when to stop, for one request (OpenAI / vLLM semantics).
