@@ -4,6 +4,7 @@ takes, the setting to raise), in the API as in the CLI."""
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 
@@ -31,3 +32,19 @@ def test_strict_keywords_keep_the_dataclass_behaviour():
     assert SamplingParams(temperature=0.5) == SamplingParams(temperature=0.5)
     with pytest.raises(TypeError):  # too many positional arguments: still the dataclass's own TypeError
         SamplingParams(*range(30))
+
+
+@pytest.mark.parametrize(("toml", "expected"), [
+    ('backend = "sdpa"\n\n[kv_cache.paged]\nblock_size = 32\n',
+     r"'CFG', line 3: unknown section \[kv_cache.paged\]; did you mean 'kv_caches'\?$"),
+    ('backend = "sdpa"\n[sdpa]\nx = 1\n', r"'CFG', line 2: unknown section \[sdpa\] \(sections: \[backends.<name>\], "),
+    ('backend = "sdpa"\nmax_num_seqs = "x"\n', r"'CFG', line 2: key 'max_num_seqs' must be int, got 'x'$"),
+    ('max_num_seqs = \n', r"'CFG' is not valid TOML: .*line 1"),
+])
+def test_config_file_errors_name_the_file_line_and_fix(tmp_path, toml, expected):
+    from kvcore.engine.file_config import load_config
+
+    path = tmp_path / "kvcore.toml"
+    path.write_text(toml)
+    with pytest.raises(ConfigError, match=expected.replace("CFG", re.escape(str(path)))):
+        load_config(path)

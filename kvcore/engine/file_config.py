@@ -25,6 +25,7 @@ Every scalar key is a field of :class:`FileConfig`; its annotation is the type t
 
 from __future__ import annotations
 
+import re
 import tomllib
 import types
 import typing
@@ -119,16 +120,32 @@ def load_config(path: str | Path) -> FileConfig:
     known = {f.name for f in fields(FileConfig)}
     values: dict[str, Any] = {}
     for key, value in data.items():
+        where = f"config file '{path}'{_line_of(text, key)}"
+        if isinstance(value, dict) and key not in _TABLES:  # a [section] whose name is no table's
+            sub = next((k for k, v in value.items() if isinstance(v, dict)), None)
+            section = f"[{key}.{sub}]" if sub else f"[{key}]"
+            hint = did_you_mean(key, _TABLES) or f" (sections: {', '.join(f'[{t}.<name>]' for t in _TABLES)})"
+            raise ConfigError(f"{where}: unknown section {section}{hint}")
         if key not in known:
-            raise ConfigError(f"config file '{path}': unknown key '{key}' (known: {', '.join(sorted(known))})"
+            raise ConfigError(f"{where}: unknown key '{key}' (known: {', '.join(sorted(known))})"
                               f"{did_you_mean(key, known)}")
         if key in _TYPES:
             types_ = _TYPES[key]
             is_strings = not isinstance(value, list) or all(isinstance(v, str) for v in value)
             if isinstance(value, bool) and bool not in types_ or not isinstance(value, types_) or not is_strings:
                 expected = " or ".join(t.__name__ for t in types_)
-                raise ConfigError(f"config file '{path}': key '{key}' must be {expected}, got {value!r}")
+                raise ConfigError(f"{where}: key '{key}' must be {expected}, got {value!r}")
         elif not isinstance(value, dict) or not all(isinstance(v, dict) for v in value.values()):
-            raise ConfigError(f"config file '{path}': '{key}' must hold tables like [{key}.<name>]")
+            raise ConfigError(f"{where}: '{key}' must hold tables like [{key}.<name>]")
         values[key] = value
     return FileConfig(**values)
+
+
+def _line_of(text: str, key: str) -> str:
+    """``", line N"`` of the first line that sets top-level ``key`` or opens a ``[key...]`` table, or ``""``:
+    tomllib reports lines for syntax errors only, and a long file's wrong key is easier found by line."""
+    pattern = re.compile(rf"^\s*(\[\[?\s*{re.escape(key)}\s*[.\]]|{re.escape(key)}\s*=)")
+    for number, line in enumerate(text.splitlines(), 1):
+        if pattern.match(line):
+            return f", line {number}"
+    return ""
