@@ -48,3 +48,31 @@ def test_config_file_errors_name_the_file_line_and_fix(tmp_path, toml, expected)
     path.write_text(toml)
     with pytest.raises(ConfigError, match=expected.replace("CFG", re.escape(str(path)))):
         load_config(path)
+
+
+def test_unknown_plugin_option_lists_what_it_takes_and_suggests():
+    from kvcore.interfaces.attention import AttentionBackend
+
+    class Windowed(AttentionBackend):  # options reach the base class through **options
+        name = "windowed"
+
+        def __init__(self, window: int = 4, **options):
+            super().__init__(**options)
+
+        def forward(self, *args, **kwargs):
+            raise NotImplementedError
+
+    with pytest.raises(ConfigError, match=r"^backend 'windowed' got unknown options: windw in "
+                                          r"\[backends.windowed\] \(it takes: window\); did you mean 'window'\?$"):
+        Windowed(windw=3)
+
+
+def test_unknown_option_of_a_named_parameter_constructor_suggests():
+    from kvcore.plugins.registry import get_registry
+
+    with pytest.raises(ConfigError, match=r"^proposer 'ngram' got unknown options: max_m in \[proposers.ngram\] "
+                                          r"\(it takes: max_n, min_n, misses, cooldown\); did you mean 'max_n'\?$"):
+        get_registry().create_proposer("ngram", {"max_m": 2})
+    with pytest.raises(ConfigError, match=r"^backend 'sdpa' got unknown options: blok_size in \[backends.sdpa\] "
+                                          r"\(it takes none\)$"):
+        get_registry().create("sdpa", {"blok_size": 2})

@@ -18,11 +18,11 @@ from typing import Any, ClassVar, Generic, TypeVar
 
 import torch
 
-from kvcore.errors import ConfigError
 from kvcore.interfaces.decode_stack import DecodeStack
 from kvcore.interfaces.kv_cache import KVCache, placement_reasons
 from kvcore.interfaces.layer_attention import VARIANTS, LayerAttention
 from kvcore.interfaces.metadata import AttentionMetadata
+from kvcore.interfaces.options import unknown_options_error
 
 from .dtypes import dtype_name
 
@@ -180,7 +180,7 @@ class AttentionBackend(abc.ABC, Generic[PlanT]):
     def __init__(self, **options: Any) -> None:
         """``options`` come from the ``[backends.<name>]`` table of the config file."""
         if options:
-            raise ConfigError(f"backend '{self.name}' got unknown options: {', '.join(sorted(options))}")
+            raise unknown_options_error("backend", self.name, "backends", type(self), options)
 
     @classmethod
     def availability(cls) -> str | None:

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from kvcore.errors import ConfigError
+from kvcore.interfaces.options import unknown_options_error
 
 from .dtypes import dtype_name
 
@@ -156,7 +157,7 @@ class KVCache(abc.ABC):
     def __init__(self, spec: CacheSpec, **options: Any) -> None:
         """``options`` come from the ``[kv_caches.<name>]`` table of the config file."""
         if options:
-            raise ConfigError(f"KV cache '{self.name}' got unknown options: {', '.join(sorted(options))}")
+            raise unknown_options_error("KV cache", self.name, "kv_caches", type(self), options)
         if spec.layer_storage is not None and self.capabilities.no_window_pool is not None:
             raise ConfigError(f"KV cache '{self.name}' cannot share storage between layers: "
                               f"{self.capabilities.no_window_pool}")

@@ -22,7 +22,7 @@ from typing import Any, ClassVar, Protocol
 
 import torch
 
-from kvcore.errors import ConfigError
+from kvcore.interfaces.options import unknown_options_error
 from kvcore.interfaces.sampler import SamplingParams
 
 __all__ = ["DraftRow", "Proposal", "ProposerCapabilities", "ProposerTarget", "Proposer"]
@@ -97,7 +97,7 @@ class Proposer(abc.ABC):
 
     def __init__(self, **options: Any) -> None:
         if options:
-            raise ConfigError(f"proposer '{self.name}' got unknown options: {', '.join(sorted(options))}")
+            raise unknown_options_error("proposer", self.name, "proposers", type(self), options)
 
     @classmethod
     def availability(cls) -> str | None:

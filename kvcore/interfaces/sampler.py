@@ -10,7 +10,8 @@ from typing import Any, ClassVar, Protocol
 
 import torch
 
-from kvcore.errors import ConfigError, InvalidRequestError, reject_unknown_keywords
+from kvcore.errors import InvalidRequestError, reject_unknown_keywords
+from kvcore.interfaces.options import unknown_options_error
 from kvcore.interfaces.structured import StructuredOutput
 
 __all__ = ["MAX_LOGPROBS", "MAX_LOGIT_BIAS", "SAMPLING_FEATURES", "SamplingParams", "SamplingRow", "Sampler"]
@@ -184,7 +185,7 @@ class Sampler(abc.ABC):
 
     def __init__(self, **options: Any) -> None:
         if options:
-            raise ConfigError(f"sampler '{self.name}' got unknown options: {', '.join(sorted(options))}")
+            raise unknown_options_error("sampler", self.name, "samplers", type(self), options)
 
     @classmethod
     def availability(cls) -> str | None:

@@ -12,6 +12,7 @@ from typing import Any
 from kvcore.errors import ConfigError, PluginError
 from kvcore.interfaces.attention import AttentionBackend, BackendCapabilities
 from kvcore.interfaces.kv_cache import CacheCapabilities, KVCache
+from kvcore.interfaces.options import accepted_options, unknown_options_error
 from kvcore.interfaces.proposer import Proposer, ProposerCapabilities
 from kvcore.interfaces.sampler import Sampler
 from kvcore.model.architectures import Architecture
@@ -90,6 +91,10 @@ def construct(entry: PluginEntry, args: tuple, options: dict[str, Any] | None) -
     except TypeError as exc:
         if not options or "argument" not in str(exc):
             raise
+        accepted = accepted_options(entry.cls)
+        unknown = [k for k in options if k not in accepted]
+        if unknown:  # a constructor with named parameters only: Python's TypeError names no alternative
+            raise unknown_options_error(label(entry.kind), entry.name, entry.kind.table, entry.cls, unknown) from None
         table = f"[{entry.kind.table}.{entry.name}]"
         raise ConfigError(f"{label(entry.kind)} '{entry.name}' rejected its options {table}: {exc}") from None
 
