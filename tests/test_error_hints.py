@@ -76,3 +76,37 @@ def test_unknown_option_of_a_named_parameter_constructor_suggests():
     with pytest.raises(ConfigError, match=r"^backend 'sdpa' got unknown options: blok_size in \[backends.sdpa\] "
                                           r"\(it takes none\)$"):
         get_registry().create("sdpa", {"blok_size": 2})
+
+
+def test_context_limit_error_names_the_prompt_and_the_setting_to_raise():
+    from helpers import make_random_model
+
+    from kvcore.engine.core import Engine
+    from kvcore.errors import ContextLengthError
+
+    engine = Engine(make_random_model(max_positions=64), None, EngineConfig(backend="sdpa", max_model_len=32))
+    params = SamplingParams(max_new_tokens=5)
+    with pytest.raises(ContextLengthError, match=r"^prompts\[1\] \(of 3\): prompt \(40 tokens\) \+ max_new_tokens "
+                                                 r"\(5\) = 45 exceeds the context limit of 32 tokens; .* raise "
+                                                 r"max_model_len \(--max-model-len\) up to the model's context "
+                                                 r"window of 64 tokens$"):
+        engine.generate([[1, 2], list(range(1, 41)), [3]], params)
+    assert not engine.has_unfinished()  # the batch's first request was dropped with it
+    with pytest.raises(ContextLengthError, match=r"^prompt \(40 tokens\)"):  # one prompt: no index
+        engine.generate([list(range(1, 41))], params)
+    at_window = Engine(make_random_model(max_positions=32), None, EngineConfig(backend="sdpa"))
+    with pytest.raises(ContextLengthError, match=r"32 tokens is the model's whole context window\)$"):
+        at_window.generate(list(range(1, 41)), params)
+
+
+def test_default_cap_is_not_mistaken_for_the_model_window():
+    from helpers import make_random_model
+
+    from kvcore.engine.core import Engine
+    from kvcore.errors import ContextLengthError
+
+    engine = Engine(make_random_model(max_positions=8192), None, EngineConfig(backend="sdpa", max_num_seqs=1))
+    assert engine.max_model_len == 4096
+    with pytest.raises(ContextLengthError, match=r"up to the model's context window of 8192 tokens \(4096 is "
+                                                 r"kvcore's default cap, not the model's\)$"):
+        engine.add_request([1] * 4096, SamplingParams(max_new_tokens=1))

@@ -8,6 +8,7 @@ from typing import Any
 
 from kvcore.errors import ContextLengthError, InvalidRequestError
 from kvcore.interfaces.sampler import SamplingParams
+from kvcore.model.config import DEFAULT_MAX_MODEL_LEN, ModelConfig
 from kvcore.scheduling.request import GenerationResult, Request, TokenEvent
 from kvcore.text.outputs import TextOutput
 
@@ -15,12 +16,13 @@ __all__ = ["prompt_batch", "prompt_token_ids", "request_result", "run_batch", "r
 
 
 def prompt_token_ids(
-    prompt: str | Sequence[int], params: SamplingParams, tokenizer: Any, vocab_size: int, max_num_seqs: int,
+    prompt: str | Sequence[int], params: SamplingParams, tokenizer: Any, model_config: ModelConfig, max_num_seqs: int,
     max_model_len: int,
 ) -> list[int]:
     """``prompt``'s token ids, after checking what a request can be refused for before it runs: an empty
     prompt, ids outside the vocabulary (prompt or ``logit_bias``), stop strings without a tokenizer, more
     samples than run together, a prompt plus ``max_new_tokens`` past ``max_model_len``."""
+    vocab_size = model_config.vocab_size
     if isinstance(prompt, str):
         if tokenizer is None:
             raise InvalidRequestError("this engine has no tokenizer: pass prompt token ids")
@@ -44,9 +46,21 @@ def prompt_token_ids(
     if total > max_model_len:
         raise ContextLengthError(
             f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({params.max_new_tokens}) = {total} exceeds "
-            f"the context limit of {max_model_len} tokens; shorten the prompt or lower max_new_tokens"
+            f"the context limit of {max_model_len} tokens; {_context_fix(max_model_len, model_config)}"
         )
     return prompt_ids
+
+
+def _context_fix(max_model_len: int, model_config: ModelConfig) -> str:
+    """How to make a request fit: past kvcore's cap (which reads like the model's window) name the setting
+    that raises it and how far; at the model's own window, say there is no more."""
+    window = model_config.max_position_embeddings
+    if max_model_len >= window:
+        return f"shorten the prompt or lower max_new_tokens ({window} tokens is the model's whole context window)"
+    cap = (f" ({DEFAULT_MAX_MODEL_LEN} is kvcore's default cap, not the model's)"
+           if max_model_len == DEFAULT_MAX_MODEL_LEN else "")
+    return (f"shorten the prompt, lower max_new_tokens or raise max_model_len (--max-model-len) up to the model's "
+            f"context window of {window} tokens{cap}")
 
 
 def request_result(req: Request, out: TextOutput, tokenizer: Any) -> GenerationResult:
@@ -102,8 +116,13 @@ def run_batch(engine: Any, batch: list[tuple[str | Sequence[int], SamplingParams
     Interrupted, it aborts and forgets its requests, leaving the engine as it found it."""
     ids: list[str] = []
     try:
-        for prompt, p in batch:
-            ids += engine.sample_ids(engine.add_request(prompt, p))
+        for i, (prompt, p) in enumerate(batch):
+            try:
+                ids += engine.sample_ids(engine.add_request(prompt, p))
+            except InvalidRequestError as exc:
+                if len(batch) == 1:
+                    raise
+                raise type(exc)(f"prompts[{i}] (of {len(batch)}): {exc}") from None  # which one of a long list
         while not all(engine.is_finished(r) for r in ids):
             engine.step()
     except BaseException:
