@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 from helpers import last_json, run_cli
 
-from kvcore.cli import main, settings
-from kvcore.cli.settings import busy_cpus, default_threads
+from kvcore.cli import main
+from kvcore.engine import threads as settings
+from kvcore.engine.threads import busy_cpus, default_threads
 
 TINY = str(Path(__file__).parent / "data" / "tiny-llama")
 FAST = ["--model", TINY, "--backend", "sdpa", "--max-new-tokens", "4", "--ignore-eos"]

@@ -110,3 +110,33 @@ def test_default_cap_is_not_mistaken_for_the_model_window():
     with pytest.raises(ContextLengthError, match=r"up to the model's context window of 8192 tokens \(4096 is "
                                                  r"kvcore's default cap, not the model's\)$"):
         engine.add_request([1] * 4096, SamplingParams(max_new_tokens=1))
+
+
+@pytest.fixture
+def torch_threads():
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        yield torch
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_from_settings_applies_threads_as_the_cli_does(tmp_path, torch_threads):
+    from pathlib import Path
+
+    from kvcore.engine.core import Engine
+    from kvcore.engine.settings import load_settings
+
+    tiny = Path(__file__).parent / "data" / "tiny-llama"
+    config = tmp_path / "kvcore.toml"
+    config.write_text(f'model = "{tiny}"\nbackend = "sdpa"\nmax_model_len = 64\n')
+    # unset, a library leaves torch's process-wide count alone (the CLI picks one from the load instead)
+    Engine.from_settings(load_settings(config), model_cache=False)
+    assert torch_threads.get_num_threads() == 2
+    Engine.from_settings(load_settings(config, threads=1), model_cache=False)
+    assert torch_threads.get_num_threads() == 1
+    with pytest.raises(ConfigError, match="threads must be an integer from 1 to"):
+        Engine.from_settings(load_settings(config, threads=0), model_cache=False)

@@ -14,7 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvcore.cli.settings import apply_threads, read_prompt, resolve_settings, with_piped_stdin
+from kvcore.cli.settings import read_prompt, resolve_settings, with_piped_stdin
+from kvcore.engine.threads import apply_threads
 from kvcore.errors import ConfigError, InvalidRequestError, OutputError
 
 __all__ = ["RunState", "Loaded", "load_engine", "peak_rss_bytes", "sampling_params", "stream_reply", "result_payload",

@@ -6,7 +6,8 @@ import argparse
 import os
 import sys
 
-from kvcore.cli.settings import apply_threads, resolve_settings
+from kvcore.cli.settings import resolve_settings
+from kvcore.engine.threads import apply_threads
 
 __all__ = ["run_serve"]
 

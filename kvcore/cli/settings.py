@@ -1,5 +1,5 @@
-"""Where a command's settings come from: flag > environment > config file > defaults; the thread count;
-the prompt (argument, ``-`` for standard input, or ``--prompt-file``)."""
+"""Where a command's settings come from: flag > environment > config file > defaults; the prompt (argument,
+``-`` for standard input, or ``--prompt-file``). The thread count is kvcore.engine.threads's, shared with the API."""
 
 from __future__ import annotations
 
@@ -7,13 +7,11 @@ import argparse
 import os
 import stat
 import sys
-import time
 from typing import Any
 
 from kvcore.errors import ConfigError, InvalidRequestError
 
-__all__ = ["ENVIRONMENT", "DEFAULTS", "resolve_settings", "default_threads", "busy_cpus", "apply_threads",
-           "read_prompt", "with_piped_stdin"]
+__all__ = ["ENVIRONMENT", "DEFAULTS", "resolve_settings", "read_prompt", "with_piped_stdin"]
 
 #: settings an environment variable may give (between flag and config file)
 ENVIRONMENT = {"backend": "KVCORE_BACKEND", "model": "KVCORE_MODEL"}
@@ -42,61 +40,6 @@ def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
         settings[option] = settings.pop(table)
     settings["plugin_options"] = settings.pop("plugins")
     return settings
-
-
-def default_threads() -> int:
-    """The cores this process may run on (its CPU affinity) minus those other work keeps busy right now, at
-    least 1. On a shared machine, more compute threads than free cores make each step wait for the slowest,
-    descheduled thread. "Right now" is the kernel's run queue (:func:`busy_cpus`), not the load average: that
-    decays over minutes and would still count a job that has just ended."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # not Linux
-        cores = os.cpu_count() or 1
-    return max(1, cores - busy_cpus())
-
-
-#: run-queue samples :func:`busy_cpus` takes, and the pause between them (seconds)
-_SAMPLES, _SAMPLE_PAUSE = 5, 0.01
-
-
-def busy_cpus() -> int:
-    """How many CPUs other processes' threads are running on: the median of a few readings of the running
-    task count in ``/proc/loadavg`` (this process's own thread excluded). Where there is no such file, the
-    1-minute load average, rounded; 0 where neither exists."""
-    counts = []
-    for i in range(_SAMPLES):
-        try:
-            with open("/proc/loadavg", encoding="ascii") as f:
-                counts.append(int(f.read().split()[3].split("/")[0]) - 1)  # "1.2 0.9 0.7 3/412 1234"
-        except (OSError, IndexError, ValueError):
-            break
-        if i + 1 < _SAMPLES:
-            time.sleep(_SAMPLE_PAUSE)
-    if counts:
-        return max(0, sorted(counts)[len(counts) // 2])
-    try:
-        return int(os.getloadavg()[0] + 0.5)
-    except (AttributeError, OSError):
-        return 0
-
-
-def apply_threads(threads: int | None) -> int:
-    """Set torch's intra-op threads: ``threads`` when given, else OMP_NUM_THREADS when set (torch reads it),
-    else :func:`default_threads`. Returns the count in use."""
-    import torch
-
-    if threads is not None:
-        # far more threads than cores only slows every step, and OpenMP allocates per thread up front (a
-        # billion threads aborts the process in libgomp before Python can report anything)
-        limit = max(64, 4 * (os.cpu_count() or 1))
-        if isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= limit:
-            raise ConfigError(
-                f"threads must be an integer from 1 to {limit} (4 × the CPU count, or 64), got {threads!r}")
-        torch.set_num_threads(threads)
-    elif not os.environ.get("OMP_NUM_THREADS"):
-        torch.set_num_threads(default_threads())
-    return torch.get_num_threads()
 
 
 def with_piped_stdin(prompt: str | None, stdin=None) -> str | None:

@@ -48,7 +48,7 @@ from kvcore.engine.build import (
 from kvcore.engine.config import EngineConfig, parse_dtype, select_components
 from kvcore.engine.defaults import DefaultChoice, choose_defaults, file_facts, model_facts
 from kvcore.engine.requests import prompt_batch, prompt_token_ids, request_result, run_batch, run_chat, stream_events
-from kvcore.engine.settings import Settings
+from kvcore.engine.settings import Settings, prepare_run
 from kvcore.engine.speculative import speculator_for
 from kvcore.engine.step import EngineStep
 from kvcore.errors import InvalidRequestError, RequestAbortedError
@@ -188,11 +188,10 @@ class Engine(EngineStep):
     @classmethod
     def from_settings(cls, settings: Settings, *, registry: PluginRegistry | None = None, **kwargs: Any) -> Engine:
         """The engine a :class:`~kvcore.engine.settings.Settings` describes (e.g. from
-        :func:`~kvcore.engine.settings.load_settings`): its plugin option tables handed to the plugins first,
-        then :meth:`from_pretrained` with its model and engine config. Requests take ``settings.sampling``."""
-        registry = registry or get_registry()
-        if settings.plugin_options:
-            registry.configure(settings.plugin_options)
+        :func:`~kvcore.engine.settings.load_settings`): :func:`~kvcore.engine.settings.prepare_run` (threads, plugin
+        option tables), then :meth:`from_pretrained` with its model and engine config. Requests take
+        ``settings.sampling``."""
+        registry = prepare_run(settings, registry)
         return cls.from_pretrained(settings.model, settings.engine, registry=registry, **kwargs)
 
     # -- request API ---------------------------------------------------------------------------------

@@ -15,15 +15,17 @@ from typing import Any
 
 from kvcore.engine.config import EngineConfig
 from kvcore.engine.file_config import OPTION_TABLES, FileConfig, load_config
+from kvcore.engine.threads import apply_threads
 from kvcore.errors import ConfigError
 from kvcore.interfaces.sampler import SamplingParams
 from kvcore.loaders import DEFAULT_MODEL
+from kvcore.plugins.registry import PluginRegistry, get_registry
 
-__all__ = ["Settings", "RUN_KEYS", "load_settings", "settings_from"]
+__all__ = ["Settings", "RUN_KEYS", "load_settings", "settings_from", "prepare_run"]
 
 #: settings that belong to the run, not to the engine or a request
 RUN_KEYS = {"model": "the model spec (smollm2, a .gguf file or a Hugging Face directory)",
-            "threads": "torch CPU threads (default: the cores not busy with other work)",
+            "threads": "torch CPU threads (CLI default: the cores not busy with other work; API: torch's own)",
             "plugins": "[plugins.<name>] tables handed to each plugin's kvcore_configure hook"}
 
 _ENGINE = {f.name for f in fields(EngineConfig)}
@@ -72,3 +74,14 @@ def load_settings(path: str | Path, **overrides: Any) -> Settings:
     values = {f.name: getattr(file_cfg, f.name) for f in fields(FileConfig)}
     values.update({k: v for k, v in overrides.items() if v is not None or k not in values})
     return settings_from(values)
+
+
+def prepare_run(settings: Settings, registry: PluginRegistry | None = None) -> PluginRegistry:
+    """What ``Engine.from_settings`` does before the model loads: torch's thread count set to ``threads`` through
+    the CLI's code path (:func:`~kvcore.engine.threads.apply_threads`; unset, torch is left alone: see there why),
+    then the ``[plugins.<name>]`` tables handed to the plugins. Returns the registry (``get_registry()`` if none)."""
+    apply_threads(settings.threads, choose=False)  # before loading: conversion and packing run on these threads
+    registry = registry or get_registry()
+    if settings.plugin_options:
+        registry.configure(settings.plugin_options)
+    return registry
