@@ -140,3 +140,19 @@ def test_from_settings_applies_threads_as_the_cli_does(tmp_path, torch_threads):
     assert torch_threads.get_num_threads() == 1
     with pytest.raises(ConfigError, match="threads must be an integer from 1 to"):
         Engine.from_settings(load_settings(config, threads=0), model_cache=False)
+
+
+def test_greedy_warns_only_for_sampling_flags_given_now(capsys, tmp_path):
+    from pathlib import Path
+
+    from helpers import run_cli
+
+    tiny = Path(__file__).parent / "data" / "tiny-llama"
+    config = tmp_path / "kvcore.toml"
+    config.write_text("seed = 0\ntop_p = 0.9\n")  # a shipped config's standing defaults: no warning
+    base = ["generate", "--config", str(config), "--model", str(tiny), "--backend", "sdpa", "--max-new-tokens", "2"]
+    rc, _, err = run_cli(capsys, *base, "hello")
+    assert rc == 0 and err == ""
+    rc, _, err = run_cli(capsys, *base, "--seed", "5", "hello")
+    assert rc == 0 and err.strip().splitlines() == [
+        "kvcore: warning: --seed has no effect at temperature 0 (greedy); set --temperature"]

@@ -10,7 +10,7 @@ import argparse
 import dataclasses
 import json
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,9 +40,9 @@ class Loaded:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def sampling_params(s: dict[str, Any]):
-    """The request's SamplingParams from the resolved settings; one stderr line names sampling flags that have
-    no effect because decoding is greedy."""
+def sampling_params(s: dict[str, Any], flags: Collection[str] = ()):
+    """The request's SamplingParams from the resolved settings; one stderr line names the sampling options among
+    ``flags`` (given on the command line) that have no effect because decoding is greedy."""
     from dataclasses import fields
 
     from kvcore.interfaces.sampler import SamplingParams
@@ -51,10 +51,15 @@ def sampling_params(s: dict[str, Any]):
     params = SamplingParams(**{k: v for k, v in s.items() if k in keys and v is not None})
     # Only a draw reads these; penalties and stop strings still apply to greedy decoding.
     defaults = SamplingParams()
-    unused = [k for k in ("top_k", "top_p", "min_p", "seed") if getattr(params, k) != getattr(defaults, k)]
+    # A config file's values are standing defaults for every run (a shipped one sets seed = 0), not this
+    # run's intent: only a flag given now is worth a warning.
+    unused = [k for k in ("top_k", "top_p", "min_p", "seed")
+              if k in flags and getattr(params, k) != getattr(defaults, k)]
     if params.is_greedy and unused:
         names = ", ".join("--" + k.replace("_", "-") for k in unused)
-        print(f"kvcore: warning: {names} have no effect at temperature 0 (greedy); set --temperature", file=sys.stderr)
+        verb = "has" if len(unused) == 1 else "have"
+        print(f"kvcore: warning: {names} {verb} no effect at temperature 0 (greedy); set --temperature",
+              file=sys.stderr)
     return params
 
 
@@ -90,7 +95,7 @@ def load_engine(args: argparse.Namespace, request_ids: Callable[[Any], list[int]
 
     threads = apply_threads(s.get("threads"))
     before_load = peak_rss_bytes()  # python, torch and kvcore imported: what the model adds comes on top
-    params = sampling_params(s)
+    params = sampling_params(s, {k for k in vars(args) if getattr(args, k) is not None})
     structured = structured_output(args)
     if structured is not None:
         params = dataclasses.replace(params, structured_output=structured)
