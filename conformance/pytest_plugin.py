@@ -54,8 +54,15 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="torch CPU threads while conformance tests run (default 1; 0 = leave torch's setting)")
 
 
+#: the one third-party warning the plugin hides (pytest's filterwarnings syntax: message regex, category, module)
+TORCH_MKLDNN_WARNING = r"ignore:`torch\.jit\.script_method` is deprecated:DeprecationWarning:torch\.jit\._script"
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "kvcore_conformance: a kvcore backend conformance test")
+    # torch.compile (compiled decode cases) imports torch/utils/mkldnn.py, whose class bodies call torch's own
+    # deprecated torch.jit.script_method: once per process, nothing kvcore or a backend author can change
+    config.addinivalue_line("filterwarnings", TORCH_MKLDNN_WARNING)
     named = [option for option, _, _ in TARGET_OPTIONS if config.getoption(option)]
     if not named:
         return

@@ -156,3 +156,16 @@ def test_greedy_warns_only_for_sampling_flags_given_now(capsys, tmp_path):
     rc, _, err = run_cli(capsys, *base, "--seed", "5", "hello")
     assert rc == 0 and err.strip().splitlines() == [
         "kvcore: warning: --seed has no effect at temperature 0 (greedy); set --temperature"]
+
+
+def test_pytest_plugin_hides_only_torchs_script_method_deprecation():
+    import warnings
+
+    message = "`torch.jit.script_method` is deprecated. Please switch to `torch.compile` or `torch.export`."
+    with warnings.catch_warnings(record=True) as caught:  # keeps the filters pytest and its plugins set
+        warnings.warn_explicit(message, DeprecationWarning, "torch/jit/_script.py", 365, module="torch.jit._script")
+        warnings.warn_explicit("another deprecation", DeprecationWarning, "torch/jit/_script.py", 1,
+                               module="torch.jit._script")
+        warnings.warn_explicit(message, DeprecationWarning, "kvcore/x.py", 1, module="kvcore.x")
+    assert [(str(w.message), w.filename) for w in caught] == [
+        ("another deprecation", "torch/jit/_script.py"), (message, "kvcore/x.py")]
