@@ -208,6 +208,17 @@ class Int4A8Linear:
         self.shape, self.group_size, self.dtype = (n, k), groups.group_size, dtype
         self.codes, self.dm = pack_int4a8(groups)
 
+    @classmethod
+    def from_layout(cls, codes: torch.Tensor, dm: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> Int4A8Linear:
+        """The weight whose :func:`pack_int4a8` output is ``(codes, dm)`` (already in the kernel's layout)."""
+        from kvcore.kernels.cpu_kernels import load_kernels
+
+        load_kernels()
+        out = cls.__new__(cls)
+        out.shape, out.group_size, out.dtype = (codes.shape[0] * 16, codes.shape[1] * A8_GROUP), A8_GROUP, dtype
+        out.codes, out.dm = codes, dm
+        return out
+
     @staticmethod
     def fits(n: int, k: int, group_size: int) -> bool:
         """The kernel's shape rules: output rows in multiples of 16, groups of 32 columns."""

@@ -23,7 +23,7 @@ from kvcore.kernels.cpu_kernels import kernels_loaded
 from kvcore.kernels.group_quant import GroupCodes
 from kvcore.kernels.quant import Int4Groups
 from kvcore.loaders.file_rows import FileRange, FileRows
-from kvcore.loaders.gguf_codes import CODE_BITS, CODE_TYPES, SCALE_OFFSETS, group_codes
+from kvcore.loaders.gguf_codes import CODE_BITS, CODE_TYPES, SCALE_OFFSETS, group_codes, int4a8_layout
 
 __all__ = ["GGUFBlocks", "INT4_TYPES", "CODE_TYPES", "file_blocks"]
 
@@ -176,6 +176,11 @@ class GGUFBlocks:
         if not self.has_codes:
             raise ValueError(f"{self.qtype.name} blocks have no exact code form")
         return group_codes(self.qtype, self.data, self.shape, gguf.GGML_QUANT_SIZES[self.qtype][1])
+
+    def int4a8_layout(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """These rows in the int4a8 kernel's layout without decoding them (Q4_0 / Q4_1;
+        :func:`~kvcore.loaders.gguf_codes.int4a8_layout`), else None."""
+        return int4a8_layout(self.qtype, self.data, self.shape)
 
     def int4_groups(self) -> Int4Groups:
         """4-bit rows (Q4_0, Q4_1, Q4_K) as int4 codes, scales and offsets in groups of 32."""

@@ -29,7 +29,7 @@ from gguf import GGMLQuantizationType as QType
 
 from kvcore.kernels.group_quant import GroupCodes
 
-__all__ = ["CODE_BITS", "CODE_TYPES", "SCALE_OFFSETS", "group_codes"]
+__all__ = ["CODE_BITS", "CODE_TYPES", "SCALE_OFFSETS", "group_codes", "int4a8_layout"]
 
 _QK = 256  # a K-quant superblock
 
@@ -132,3 +132,34 @@ def group_codes(qtype: QType, data: np.ndarray, shape: tuple[int, int], type_siz
     return GroupCodes(torch.from_numpy(np.ascontiguousarray(codes).reshape(rows, cols)),
                       torch.from_numpy(np.ascontiguousarray(d, dtype=np.float32).reshape(rows, groups)),
                       torch.from_numpy(np.ascontiguousarray(m, dtype=np.float32).reshape(rows, groups)), bits)
+
+
+def int4a8_layout(qtype: QType, data: np.ndarray, shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Q4_0 / Q4_1 blocks ``data`` ``[rows, bytes per row]`` straight in the int4a8 kernel's layout, the
+    ``(codes, dm)`` :func:`kvcore.kernels.quant.pack_int4a8` makes of their :func:`group_codes`, bit for bit; None
+    for other types, shapes the kernel cannot take, or a Q4_0 offset ``-8 d`` float16 cannot hold.
+
+    No code is decoded: a block's byte ``i`` holds codes ``i`` (low nibble) and ``16 + i`` (high), which is the pair
+    the kernel's byte ``64 j + 4 row + i'`` holds for ``i = 4 j + i'``; so the codes are the blocks' bytes reordered
+    by 16 rows at a time, and ``d`` and ``m`` are their float16 scales."""
+    if qtype not in (QType.Q4_0, QType.Q4_1):
+        return None
+    rows, cols = shape
+    if rows % 16 or cols % 32:
+        return None
+    scale_bytes = 2 if qtype == QType.Q4_0 else 4
+    b = np.ascontiguousarray(data).reshape(rows // 16, 16, cols // 32, scale_bytes + 16)
+    # the 4 bytes of codes (4 j .. 4 j + 3) that stay together move as one uint32: one strided copy of words
+    words = b[..., scale_bytes:].view(np.uint32).transpose(0, 2, 3, 1)  # [rows / 16, groups, j, row]
+    scales = b[..., :scale_bytes].view(np.float16).transpose(0, 2, 3, 1)  # [rows / 16, groups, d | m, row]
+    codes = np.ascontiguousarray(words).view(np.uint8).reshape(rows // 16, cols // 32, 256)
+    d = scales[:, :, 0]
+    if qtype == QType.Q4_1:
+        m = scales[:, :, 1]
+    else:
+        with np.errstate(over="ignore"):  # an overflow is caught just below
+            m = (-8 * d.astype(np.float32)).astype(np.float16)
+        if not np.array_equal(m.astype(np.float32), -8 * d.astype(np.float32)):
+            return None  # pack_int4a8 keeps such scales in float32
+    dm = np.stack([d, m], axis=2)  # [rows / 16, groups, 2, 16]
+    return torch.from_numpy(codes), torch.from_numpy(dm)

@@ -105,6 +105,11 @@ def quantized_linears(
 
 def _quantize(values: list[Any], fmt: str, dtype: torch.dtype, group_size: int):
     rows, cols = sum(v.shape[0] for v in values), values[0].shape[1]
+    if fmt in ("int4a8", "gguf") and all(hasattr(v, "int4a8_layout") for v in values):
+        # Q4_0 / Q4_1 blocks: already the kernel's codes, reordered (nothing decoded, the same bits)
+        layouts = [v.int4a8_layout() for v in values]
+        if None not in layouts and Int4A8Linear.fits(rows, cols, A8_GROUP):
+            return Int4A8Linear.from_layout(*(torch.cat(parts) for parts in zip(*layouts)), dtype)
     bits = [getattr(v, "code_bits", None) for v in values]  # None: a float tensor or a type without codes
     codes = GroupCodes.cat([v.codes() for v in values]) if None not in bits and fmt != "int8" else None
     four_bit = codes is not None and codes.bits == 4 and codes.group_size == A8_GROUP
