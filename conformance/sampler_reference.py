@@ -79,16 +79,19 @@ def features_used(params: SamplingParams) -> set[str]:
 
 def processed_logits(logits: torch.Tensor, prompt_ids: Sequence[int], output_ids: Sequence[int],
                      params: SamplingParams) -> torch.Tensor:
-    """``logit_bias`` added; ``repetition_penalty`` on every distinct token of prompt + output (``x / p`` when
-    ``x > 0`` else ``x * p``); then ``frequency_penalty × count + presence_penalty`` subtracted for every token
-    the output holds ``count > 0`` times. ``[V]`` float64."""
+    """``logit_bias`` added; ``repetition_penalty`` on every distinct token of prompt + output, or of their last
+    ``repetition_window`` tokens (``x / p`` when ``x > 0`` else ``x * p``); then ``frequency_penalty × count +
+    presence_penalty`` subtracted for every token the output holds ``count > 0`` times. ``[V]`` float64."""
     x = logits.detach().double().cpu().clone()
     vocab = x.numel()
     for token, bias in params.logit_bias:
         if token < vocab:
             x[token] += bias
     if params.repetition_penalty != 1.0:
-        for token in set(prompt_ids) | set(output_ids):
+        seen = list(prompt_ids) + list(output_ids)
+        if params.repetition_window is not None:
+            seen = seen[-params.repetition_window:]
+        for token in set(seen):
             value = float(x[token])
             x[token] = value / params.repetition_penalty if value > 0 else value * params.repetition_penalty
     for token, count in Counter(output_ids).items():

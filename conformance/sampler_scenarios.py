@@ -118,6 +118,8 @@ def scenarios() -> list[Scenario]:
                  P(temperature=0.0, repetition_penalty=2.0), **hist),
         Scenario("repetition_penalty", "repetition_penalty over prompt + output tokens", pen,
                  P(temperature=1.0, repetition_penalty=1.5), **hist),
+        Scenario("repetition_penalty-window", "repetition_penalty over the last 4 tokens (prompt token 10 is older)",
+                 pen, P(temperature=0.0, repetition_penalty=100.0, repetition_window=4), **hist),
         Scenario("frequency_penalty-greedy", "frequency_penalty and presence_penalty over output tokens (greedy)",
                  pen, P(temperature=0.0, frequency_penalty=2.0, presence_penalty=0.5), **hist),
         Scenario("presence_penalty", "presence_penalty over output tokens", pen,

@@ -46,6 +46,9 @@ def random_ids(n: int, seed: int, high: int = 40) -> list[int]:
         (dict(min_p=float("nan")), "min_p"),
         (dict(repetition_penalty=0.0), "repetition_penalty"),
         (dict(repetition_penalty=float("inf")), "repetition_penalty"),
+        (dict(repetition_window=0), "repetition_window"),
+        (dict(repetition_window=True), "repetition_window"),
+        (dict(repetition_window=2.5), "repetition_window"),
         (dict(presence_penalty=2.5), "presence_penalty"),
         (dict(frequency_penalty=-2.1), "frequency_penalty"),
         (dict(logit_bias={-1: 1.0}), "token id"),
@@ -84,6 +87,20 @@ def test_repetition_penalty_matches_transformers():
         ids = torch.tensor([row.prompt_ids + row.output_ids])
         want = RepetitionPenaltyLogitsProcessor(p)(ids, logits[i : i + 1].clone())[0]
         torch.testing.assert_close(got[i], want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("window", [1, 5, 7, 12, 19, 40])
+def test_repetition_window_penalises_the_last_tokens_only(window):
+    """The window covers output first, then reaches back into the prompt (Ollama's ``repeat_last_n``): the same as
+    transformers' processor over the last ``window`` ids of prompt + output."""
+    logits = random_logits(1, seed=3)
+    row = Row(SamplingParams(repetition_penalty=1.7, repetition_window=window), prompt_ids=random_ids(12, 4),
+              output_ids=random_ids(7, 54))
+    got = logits.clone()
+    apply_penalties(got, [row])
+    ids = torch.tensor([(row.prompt_ids + row.output_ids)[-window:]])
+    want = RepetitionPenaltyLogitsProcessor(1.7)(ids, logits.clone())[0]
+    torch.testing.assert_close(got[0], want, rtol=0, atol=0)
 
 
 def test_presence_frequency_and_bias_follow_the_openai_formulas():

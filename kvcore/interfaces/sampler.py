@@ -39,10 +39,10 @@ class SamplingParams:
     """How to pick tokens and when to stop, for one request (OpenAI / vLLM semantics).
 
     Order of the logits processing (vLLM's): ``logit_bias`` (added) → ``repetition_penalty`` (prompt and
-    output tokens) → ``frequency_penalty`` / ``presence_penalty`` (output tokens) → greedy argmax, or
-    temperature → top-k → top-p → min-p → a draw. Penalties and bias also apply to greedy requests;
-    top-k/top-p/min-p/seed only matter when sampling. Frozen and hashable: ``stop`` and ``logit_bias``
-    are stored as tuples.
+    output tokens, or the last ``repetition_window`` of them) → ``frequency_penalty`` / ``presence_penalty``
+    (output tokens) → greedy argmax, or temperature → top-k → top-p → min-p → a draw. Penalties and bias also
+    apply to greedy requests; top-k/top-p/min-p/seed only matter when sampling. Frozen and hashable: ``stop``
+    and ``logit_bias`` are stored as tuples.
     """
 
     max_new_tokens: int = 128
@@ -60,6 +60,9 @@ class SamplingParams:
     #: CTRL / transformers: the logit of every token already in prompt or output is divided by it when
     #: positive, multiplied when negative. 1 = off; must be > 0
     repetition_penalty: float = 1.0
+    #: the last this many tokens of prompt + output are the ones ``repetition_penalty`` counts as seen
+    #: (Ollama's ``repeat_last_n``, llama.cpp's ``penalty_last_n``); None = all of them (vLLM, transformers)
+    repetition_window: int | None = None
     presence_penalty: float = 0.0  # OpenAI: minus this once for every token already generated; in [-2, 2]
     frequency_penalty: float = 0.0  # OpenAI: minus this × how often the token was generated; in [-2, 2]
     #: added to the logits of these token ids before anything else: a dict ``{token_id: bias}`` or pairs,
@@ -107,6 +110,10 @@ class SamplingParams:
             raise InvalidRequestError(f"min_p must be in [0, 1] (0 = off), got {self.min_p!r}")
         if not (_is_number(self.repetition_penalty) and self.repetition_penalty > 0):
             raise InvalidRequestError(f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty!r}")
+        w = self.repetition_window
+        if w is not None and (not isinstance(w, int) or isinstance(w, bool) or w < 1):
+            raise InvalidRequestError(
+                f"repetition_window must be None (the whole context) or an integer >= 1, got {w!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not (_is_number(value) and -2.0 <= value <= 2.0):

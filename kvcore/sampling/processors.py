@@ -28,7 +28,8 @@ def _padded(seqs: list[list[int]], pad: int, device: torch.device) -> torch.Tens
 
 
 def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
-    """Apply ``logit_bias``, then ``repetition_penalty`` (prompt + output tokens), then ``frequency_penalty``
+    """Apply ``logit_bias``, then ``repetition_penalty`` (prompt + output tokens, the last ``repetition_window``
+    of them when it is set), then ``frequency_penalty``
     and ``presence_penalty`` (output tokens) to ``logits`` ``[B, V]`` in place (vLLM's order and formulas).
 
     Repetition (CTRL, transformers' ``RepetitionPenaltyLogitsProcessor``): a seen token's logit ``x``
@@ -49,7 +50,7 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
         x.index_put_(ij, torch.tensor(b, dtype=x.dtype, device=device), accumulate=True)
     rep = [r.params.repetition_penalty for r in sub]
     if any(p != 1.0 for p in rep):
-        ids = _padded([list(r.prompt_ids) + list(r.output_ids) for r in sub], vocab, device)  # [P, L]
+        ids = _padded([_recent(r) for r in sub], vocab, device)  # [P, L]
         seen = torch.zeros(len(sub), vocab + 1, dtype=torch.bool, device=device).scatter_(1, ids, True)[:, :vocab]
         p = torch.tensor(rep, dtype=x.dtype, device=device)[:, None]
         x = torch.where(seen, torch.where(x > 0, x / p, x * p), x)
@@ -63,6 +64,17 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
         q = torch.tensor(pres, dtype=x.dtype, device=device)[:, None]
         x = x - f * counts - q * (counts > 0).to(x.dtype)
     logits[index] = x.to(logits.dtype)
+
+
+def _recent(row: SamplingRow) -> list[int]:
+    """The tokens ``repetition_penalty`` counts as seen: prompt + output, or the last ``repetition_window``."""
+    window = row.params.repetition_window
+    if window is None:
+        return list(row.prompt_ids) + list(row.output_ids)
+    recent = list(row.output_ids[-window:])
+    if len(recent) < window:  # the window reaches back into the prompt
+        recent = list(row.prompt_ids[len(recent) - window:]) + recent
+    return recent
 
 
 #: logits per block of :func:`argmax_rows`
