@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from kvcore.errors import ModelLoadError
+from kvcore.loaders.recommended import from_gguf
 from kvcore.text.tokenizer import Tokenizer
 from kvcore.text.vocab import byte_level_bpe, sentencepiece_bpe
 
@@ -14,7 +15,8 @@ __all__ = ["gguf_tokenizer"]
 
 def gguf_tokenizer(metadata: dict[str, Any], path: Path) -> Tokenizer:
     """The tokenizer of ``tokenizer.ggml.*``: byte-level BPE (``gpt2``) or SentencePiece (``llama``), with
-    the file's chat template; its end-of-turn tokens (``eot``/``eom``) end generation like EOS."""
+    the file's chat template and recommended sampling settings (``general.sampling.*``); its end-of-turn tokens
+    (``eot``/``eom``) end generation like EOS."""
     kind = metadata.get("tokenizer.ggml.model")
     if kind not in ("gpt2", "llama"):
         raise ModelLoadError(
@@ -46,6 +48,7 @@ def gguf_tokenizer(metadata: dict[str, Any], path: Path) -> Tokenizer:
         eos_token_ids=eos,
         pad_token_id=token_id("padding"),
         chat_template=metadata.get("tokenizer.chat_template"),
+        recommended_sampling=from_gguf(metadata, str(path)),
     )
     if kind == "llama":
         backend = sentencepiece_bpe(

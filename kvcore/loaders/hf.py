@@ -8,7 +8,8 @@ Expected files::
     tokenizer.json                 the fast tokenizer
     tokenizer_config.json          optional: bos/eos/pad tokens, add_bos_token, chat_template
     chat_template.jinja            optional: the chat template (newer transformers write it here)
-    generation_config.json         optional: eos_token_id (the ids generation stops on)
+    generation_config.json         optional: eos_token_id (the ids generation stops on); temperature, top_k,
+                                   top_p, min_p, repetition_penalty (chat's defaults: kvcore.loaders.recommended)
 
 Tensors are read with ``safetensors.safe_open`` (no pickle) and converted to float32.
 """
@@ -25,6 +26,7 @@ from safetensors import SafetensorError, safe_open
 
 from kvcore.errors import ModelLoadError, ModelNotFoundError
 from kvcore.loaders.loaded import LoadedModel, check_layer_count, expected_shapes, split_rows, stored_tensors
+from kvcore.loaders.recommended import from_generation_config
 from kvcore.model.architectures import Architecture
 from kvcore.model.config import ModelConfig
 from kvcore.plugins.architectures import for_hf_config
@@ -178,7 +180,8 @@ def _tokenizer(path: Path, generation: dict[str, Any] | None, config: ModelConfi
     chat_template = _read_text(template_file) if template_file.is_file() else None
     eos = _eos_ids(generation.get("eos_token_id") if generation else None) or config.eos_token_ids
     return Tokenizer.from_file(
-        tokenizer_file, tokenizer_config=tokenizer_config, chat_template=chat_template, eos_token_ids=eos
+        tokenizer_file, tokenizer_config=tokenizer_config, chat_template=chat_template, eos_token_ids=eos,
+        recommended_sampling=from_generation_config(generation, str(path)),
     )
 
 

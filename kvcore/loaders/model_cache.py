@@ -49,7 +49,7 @@ __all__ = ["CACHE_FORMAT", "MAX_ENTRIES", "cache_dir", "cache_root", "cache_enab
            "load_pretrained"]
 
 #: bumped whenever what an entry holds or how the decoder stores its weights changes
-CACHE_FORMAT = 2
+CACHE_FORMAT = 3
 #: entries kept (each holds a whole model's weights as it runs them)
 MAX_ENTRIES = 4
 _HEADER_BYTES = 1 << 20
@@ -273,6 +273,7 @@ def _tokenizer_to_json(tok: Tokenizer) -> dict[str, Any]:
         "pad_token_id": tok.pad_token_id,
         "add_bos": tok.add_bos,
         "chat_template": tok.chat_template,
+        "recommended_sampling": tok.recommended_sampling,
     }
 
 

@@ -64,8 +64,12 @@ class Tokenizer:
         pad_token_id: int | None = None,
         add_bos: bool = False,
         chat_template: str | None = None,
+        recommended_sampling: Mapping[str, Any] | None = None,
     ) -> None:
         self._backend = backend
+        #: the sampling settings the model's files recommend for chat, as SamplingParams fields (empty when they
+        #: give none; kvcore.loaders.recommended): like the chat template, what a chat front-end reads from a model
+        self.recommended_sampling = dict(recommended_sampling or {})
         self._bos_token_id = bos_token_id
         self._pad_token_id = pad_token_id
         self._add_bos = bool(add_bos)
@@ -87,6 +91,7 @@ class Tokenizer:
         tokenizer_config: Mapping[str, Any] | None = None,
         chat_template: str | None = None,
         eos_token_ids: Sequence[int] = (),
+        recommended_sampling: Mapping[str, Any] | None = None,
     ) -> Tokenizer:
         """Load a ``tokenizer.json``.
 
@@ -97,6 +102,7 @@ class Tokenizer:
             chat_template: a template that overrides the config's (e.g. from ``chat_template.jinja``).
             eos_token_ids: extra EOS ids, e.g. from ``generation_config.json``; the config's
                 ``eos_token`` is added to them.
+            recommended_sampling: the model's recommended sampling settings (:attr:`recommended_sampling`).
         """
         try:
             backend = tokenizers.Tokenizer.from_file(os.fspath(path))
@@ -128,6 +134,7 @@ class Tokenizer:
             pad_token_id=token_id("pad_token"),
             add_bos=bool(add_bos),
             chat_template=template if isinstance(template, str) else None,
+            recommended_sampling=recommended_sampling,
         )
 
     # ------------------------------------------------------------------ properties
