@@ -108,7 +108,7 @@ def test_prompt_errors(capsys, tmp_path, argv, message):
 def test_chat_repl_keeps_history_and_resets(capsys, monkeypatch):
     turns = "hello\nhow are you\n/reset\nhow are you\n/exit\nnever read\n"
     monkeypatch.setattr(sys, "stdin", io.StringIO(turns))
-    rc, out, err = run_cli(capsys, "chat", *FAST, "--json")
+    rc, out, err = run_cli(capsys, "chat", *FAST, "--seed", "7", "--json")  # chat samples: a seed repeats a reply
     assert rc == 0 and "conversation cleared" in err
     results = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     assert len(results) == 3
@@ -122,7 +122,7 @@ def test_chat_repl_keeps_history_and_resets(capsys, monkeypatch):
     want = tok.encode(tok.apply_chat_template(history, add_generation_prompt=True), add_bos=False)
     assert second["prompt_token_ids"] == want
     # after /reset, the same message is a fresh conversation: exactly the one-shot `chat`
-    rc, out, _ = run_cli(capsys, "chat", *FAST, "--json", "how are you")
+    rc, out, _ = run_cli(capsys, "chat", *FAST, "--seed", "7", "--json", "how are you")
     assert last_json(out)["prompt_token_ids"] == after_reset["prompt_token_ids"]
     assert last_json(out)["token_ids"] == after_reset["token_ids"]
 

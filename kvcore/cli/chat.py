@@ -52,7 +52,7 @@ def run_chat(args: argparse.Namespace, state: RunState, stdin=None) -> int:
     if stdin is None:
         raise InvalidRequestError("no message: give it as an argument, or chat on standard input (closed here)")
     tty = stdin.isatty()
-    loaded = load_engine(args)
+    loaded = load_engine(args, chat=True)
     history = _start_history() if tty and stdin is sys.stdin else None
     system = [{"role": "system", "content": args.system}] if args.system else []
     if tty:

@@ -18,8 +18,8 @@ from kvcore.cli.settings import read_prompt, resolve_settings, with_piped_stdin
 from kvcore.engine.threads import apply_threads
 from kvcore.errors import ConfigError, InvalidRequestError, OutputError
 
-__all__ = ["RunState", "Loaded", "load_engine", "peak_rss_bytes", "sampling_params", "stream_reply", "result_payload",
-           "run_generate", "write_out"]
+__all__ = ["RunState", "Loaded", "chat_params", "load_engine", "peak_rss_bytes", "sampling_params", "stream_reply",
+           "result_payload", "run_generate", "write_out"]
 
 
 @dataclass
@@ -63,6 +63,21 @@ def sampling_params(s: dict[str, Any], flags: Collection[str] = ()):
     return params
 
 
+def chat_params(params, s: dict[str, Any], tokenizer, verbose: bool = False):
+    """``params`` with each sampling setting the flags and config file leave unset taken from the chat defaults
+    (the model's recommended settings, else kvcore's: :mod:`kvcore.sampling.chat_defaults`); ``--temperature
+    0`` keeps plain greedy decoding."""
+    from kvcore.sampling.chat_defaults import chat_defaults
+
+    defaults = chat_defaults(tokenizer, s["model"])
+    given = {k: s.get(k) for k in defaults.settings()}
+    filled = {k: v for k, v in defaults.fill(given).items() if given[k] is None and v is not None}
+    if verbose and filled:
+        shown = ", ".join(f"{k} {v}" for k, v in filled.items())
+        print(f"kvcore: chat sampling: {shown} ({defaults.source}; flags override them)", file=sys.stderr)
+    return dataclasses.replace(params, **filled)
+
+
 def structured_output(args: argparse.Namespace):
     """The StructuredOutput of ``--json-schema FILE``, ``--regex`` or ``--grammar FILE``, or None."""
     from kvcore.interfaces.structured import StructuredOutput
@@ -82,10 +97,12 @@ def structured_output(args: argparse.Namespace):
     return None
 
 
-def load_engine(args: argparse.Namespace, request_ids: Callable[[Any], list[int]] | None = None) -> Loaded:
+def load_engine(args: argparse.Namespace, request_ids: Callable[[Any], list[int]] | None = None,
+                chat: bool = False) -> Loaded:
     """Settings, threads, sampling parameters (checked first: a typo fails before the model loads), the
     backend choice (likewise), then the model and the engine. ``request_ids``: the one request's prompt ids
-    given the tokenizer, for an engine whose KV cache is sized to that request (one-shot generate / chat)."""
+    given the tokenizer, for an engine whose KV cache is sized to that request (one-shot generate / chat).
+    ``chat``: the sampling settings left unset are chat's defaults (:mod:`kvcore.sampling.chat_defaults`)."""
     from dataclasses import fields
 
     s = resolve_settings(args)  # before torch loads: a config file's error answers at once
@@ -110,6 +127,8 @@ def load_engine(args: argparse.Namespace, request_ids: Callable[[Any], list[int]
                                     model_cache=False if getattr(args, "no_model_cache", False) else None)
     if structured is not None and engine.grammars is not None:
         engine.grammars.matcher(structured)  # a malformed schema or grammar fails here, before any prompt
+    if chat:
+        params = chat_params(params, s, engine.tokenizer, getattr(args, "verbose", False))
     if getattr(args, "verbose", False):
         print(f"kvcore: {engine.choice.describe()}", file=sys.stderr)
     return Loaded(engine, engine.config, s, params, {"threads": threads, "rss_before_load_bytes": before_load})
@@ -232,7 +251,7 @@ def run_generate(args: argparse.Namespace, state: RunState, chat: bool = False, 
             return chat_prompt_ids(tokenizer, [*messages, {"role": "user", "content": prompt}])
         return tokenizer.encode(prompt)
 
-    loaded = load_engine(args, request_ids)
+    loaded = load_engine(args, request_ids, chat=chat)
     result = stream_reply(loaded, request_ids(loaded.engine.tokenizer), state)
     if args.json:
         write_out(json.dumps(result_payload(loaded, result)) + "\n")

@@ -21,7 +21,8 @@ def version_string() -> str:
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=None, help="tokens to generate (default 128)")
-    p.add_argument("--temperature", type=float, default=None, help="0 = greedy (default)")
+    p.add_argument("--temperature", type=float, default=None,
+                   help="0 = greedy (generate's default; chat samples at 0.8, see docs/cli.md)")
     p.add_argument("--top-k", type=int, default=None, help="sample from the k most likely tokens (0 = off)")
     p.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass in (0, 1] (1 = off)")
     p.add_argument("--seed", type=int, default=None, help="RNG seed for sampling (any integer; taken mod 2^64)")
@@ -31,6 +32,8 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-p", type=float, default=None, help="drop tokens below min_p × the top probability (0 = off)")
     p.add_argument("--repetition-penalty", type=float, default=None,
                    help="divide seen tokens' positive logits by it, multiply negative ones (1 = off)")
+    p.add_argument("--repetition-window", type=int, default=None, metavar="N",
+                   help="the repetition penalty counts only the last N tokens (default: all; chat: 64)")
     p.add_argument("--presence-penalty", type=float, default=None, help="OpenAI presence penalty in [-2, 2]")
     p.add_argument("--frequency-penalty", type=float, default=None, help="OpenAI frequency penalty in [-2, 2]")
     p.add_argument("--logprobs", type=int, default=None, metavar="K",

@@ -63,6 +63,7 @@ class FileConfig:
     stop: list[str] | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
+    repetition_window: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logprobs: int | None = None

@@ -143,6 +143,7 @@ COMMON_FIELDS = frozenset(
         "presence_penalty",
         "frequency_penalty",
         "repetition_penalty",
+        "repetition_window",
         "logit_bias",
         "ignore_eos",
         "stream",

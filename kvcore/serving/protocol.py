@@ -18,6 +18,7 @@ from typing import Any
 from kvcore.errors import ContextLengthError, InvalidRequestError
 from kvcore.interfaces.sampler import MAX_LOGPROBS, SamplingParams
 from kvcore.interfaces.structured import StructuredOutput
+from kvcore.sampling.chat_defaults import OPENAI_DEFAULTS, chat_defaults
 from kvcore.serving.fields import (
     CHAT_FIELDS,
     COMPLETION_FIELDS,
@@ -102,27 +103,28 @@ def usage(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens:
 
 # -- field readers: each raises InvalidRequestError naming the field ------------------------------------
 def _params(body: Mapping, *, max_tokens: int, logprobs: int | None, vocab_size: int,
-            structured: StructuredOutput | None) -> SamplingParams:
-    """The sampling fields shared by both endpoints (OpenAI's defaults: temperature 1, top_p 1)."""
+            structured: StructuredOutput | None, unset: Mapping[str, Any] = OPENAI_DEFAULTS) -> SamplingParams:
+    """The sampling fields shared by both endpoints; ``unset``: the values of those a request leaves unset."""
     n = int_field(body, "n", 1, 1, MAX_N)
     best_of = int_field(body, "best_of", None, 1, MAX_N)
     if best_of is not None and best_of != n:
         raise bad_field("best_of", f"equal to n ({n}); ranking extra samples is not supported", best_of)
     refuse_field(body, "min_tokens", "kvcore has no minimum length; use ignore_eos", allowed=0)
-    top_k = int_field(body, "top_k", 0, -1)
+    top_k = int_field(body, "top_k", unset["top_k"], -1)
     return SamplingParams(
         max_new_tokens=max_tokens,
-        temperature=number_field(body, "temperature", 1.0, 0.0, 2.0),
-        top_p=number_field(body, "top_p", 1.0, 0.0, 1.0) or 1e-9,  # top_p 0 keeps only the top token (greedy)
+        temperature=number_field(body, "temperature", unset["temperature"], 0.0, 2.0),
+        top_p=number_field(body, "top_p", unset["top_p"], 0.0, 1.0) or 1e-9,  # top_p 0 keeps only the top token
         top_k=0 if top_k == -1 else top_k,  # vLLM spells "off" as -1
-        min_p=number_field(body, "min_p", 0.0, 0.0, 1.0),
+        min_p=number_field(body, "min_p", unset["min_p"], 0.0, 1.0),
         seed=int_field(body, "seed", None, -(2**63), 2**64 - 1),
         n=n,
         stop=stop_field(body),
         stop_token_ids=token_ids_field(body, "stop_token_ids", vocab_size),
         presence_penalty=number_field(body, "presence_penalty", 0.0, -2.0, 2.0),
         frequency_penalty=number_field(body, "frequency_penalty", 0.0, -2.0, 2.0),
-        repetition_penalty=number_field(body, "repetition_penalty", 1.0, 1e-6, math.inf),
+        repetition_penalty=number_field(body, "repetition_penalty", unset["repetition_penalty"], 1e-6, math.inf),
+        repetition_window=int_field(body, "repetition_window", unset["repetition_window"], 1),
         logit_bias=logit_bias_field(body, vocab_size),
         logprobs=logprobs,
         ignore_eos=bool_field(body, "ignore_eos", False),
@@ -133,10 +135,8 @@ def _params(body: Mapping, *, max_tokens: int, logprobs: int | None, vocab_size:
 
 def _check_chars(num_chars: int, limit: int, what: str) -> None:
     if num_chars > limit:
-        raise ContextLengthError(
-            f"{what} has {num_chars} characters; no text longer than {limit} characters fits this model's "
-            "context window; shorten it"
-        )
+        raise ContextLengthError(f"{what} has {num_chars} characters; no text longer than {limit} characters fits "
+                                 "this model's context window; shorten it")
 
 
 def _check_conversation(messages: list[Mapping], limit: int) -> None:
@@ -247,6 +247,7 @@ def parse_chat(
         logprobs=(top or 0) if want_logprobs else None,
         vocab_size=vocab_size,
         structured=tools.constraint() if tools is not None else structured,
+        unset=chat_defaults(tokenizer).unset_fields(body.get("temperature")),  # chat's, not OpenAI's
     )
     return GenerationJob(
         model=body.get("model"),
