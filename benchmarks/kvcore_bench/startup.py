@@ -11,12 +11,14 @@ For each real-shape file (:mod:`kvcore_bench.real_size`), in one run, alternatin
   read the file from disk (its pages dropped with ``posix_fadvise``) for scale;
 * **memory**: peak RSS above import (the ``--json`` result's), and the PSS a second process of the same model
   adds while the first one runs (``/proc/PID/smaps_rollup``);
-* **decode**: batch-1 tokens per second of the model started from its entry (weights mapped from the cache file)
-  against the one built from the file (weights packed into huge pages), both in one process, alternating.
+* **decode**: batch-1 tokens per second (64 tokens after a 1-token prompt) of the model started from its entry
+  (weights mapped from the cache file) against the one built from the file (weights packed into huge pages), both
+  in one process, alternating; with ``--llamacpp``, native ``llama-bench`` tg128 on the same file between them
+  (:mod:`kvcore_bench.native_llamacpp` builds it on first use), all at ``--threads``.
 
 Run (a venv with kvcore and ``pip install -e ./benchmarks``)::
 
-    python -m kvcore_bench.startup 360m 1.7b --reps 3 [--baseline-kvcore OTHER/bin/kvcore] [--json OUT]
+    python -m kvcore_bench.startup 360m 1.7b --reps 3 [--llamacpp] [--baseline-kvcore OTHER/bin/kvcore] [--json OUT]
 
 The prepared-model cache used is ``$KVCORE_CACHE_DIR`` (else kvcore's default): the runs add its entries there.
 """
@@ -33,6 +35,7 @@ import sys
 import time
 from pathlib import Path
 
+from kvcore_bench.native_llamacpp import build_tools, llama_bench
 from kvcore_bench.real_size import cpu_summary, ensure_file
 
 __all__ = ["main"]
@@ -49,8 +52,10 @@ sys.stdin.read()
 # the model from its entry and built from the file, in one process: b1 decode of 64 tokens, alternating
 _DECODE = """
 import json, statistics, sys, time
+import torch
 from kvcore import Engine, SamplingParams
 path, reps = sys.argv[1], int(sys.argv[2])
+torch.set_num_threads(int(sys.argv[3]))
 engines = {"mapped": Engine.from_pretrained(path), "built": Engine.from_pretrained(path, model_cache=False)}
 ids, params = engines["built"].tokenizer.encode("Hello"), SamplingParams(max_new_tokens=64, ignore_eos=True)
 speeds = {name: [] for name in engines}
@@ -121,11 +126,19 @@ def _holders(path: Path) -> dict:
     return {"pss_first_mib": alone / 2**20, "pss_second_adds_mib": (both - alone) / 2**20}
 
 
-def _decode(path: Path, reps: int) -> dict[str, list[float]]:
-    done = subprocess.run([sys.executable, "-c", _DECODE, str(path), str(reps)], capture_output=True, text=True)
-    if done.returncode:
-        raise RuntimeError(f"the decode run on {path} failed:\n{done.stderr[-2000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+def _decode(path: Path, reps: int, threads: int, llamacpp: Path | None) -> dict[str, list[float]]:
+    """b1 decode tok/s: kvcore's mapped and built models, and llama-bench tg128 between repetitions."""
+    speeds: dict[str, list[float]] = {"mapped": [], "built": [], **({"llama.cpp tg128": []} if llamacpp else {})}
+    for _ in range(reps):
+        command = [sys.executable, "-c", _DECODE, str(path), "1", str(threads)]
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode:
+            raise RuntimeError(f"the decode run on {path} failed:\n{done.stderr[-2000:]}")
+        for name, values in json.loads(done.stdout.strip().splitlines()[-1]).items():
+            speeds[name] += values
+        if llamacpp:
+            speeds["llama.cpp tg128"].append(float(llama_bench(llamacpp, path, threads)["avg_ts"]))
+    return speeds
 
 
 def _forget(path: Path) -> None:
@@ -140,7 +153,8 @@ def _forget(path: Path) -> None:
             shutil.rmtree(entry)
 
 
-def measure(shape: str, qtype: str, reps: int, baseline: str | None) -> dict:
+def measure(shape: str, qtype: str, reps: int, baseline: str | None, threads: int = 2,
+            llamacpp: Path | None = None) -> dict:
     path = ensure_file(shape, qtype)
     mib = path.stat().st_size / 2**20
     base = [_kvcore(), "generate", "--max-new-tokens", "1", "--json", "--model", str(path), "Hello"]
@@ -162,7 +176,7 @@ def measure(shape: str, qtype: str, reps: int, baseline: str | None) -> dict:
             if memory.get("peak_rss_bytes") and memory.get("rss_before_load_bytes"):
                 above[name].append((memory["peak_rss_bytes"] - memory["rss_before_load_bytes"]) / 2**20)
     held = _holders(path)
-    decode = _decode(path, reps)
+    decode = _decode(path, reps, threads, llamacpp)
     return {"shape": shape, "qtype": qtype, "file_mib": round(mib, 1), "read_from_disk_s": read_s,
             "first_start_s": firsts, "warm_start_s": walls,
             "warm_start_median_s": {n: statistics.median(w) for n, w in walls.items()},
@@ -175,18 +189,21 @@ def _table(rows: list[dict]) -> str:
     cpu, flags = cpu_summary()
     lines = [f"CPU: {cpu} ({flags}); `python -m kvcore_bench.startup {' '.join(r['shape'] for r in rows)}`", "",
              "| shape | file MiB | read from disk s | first start s | warm start s, default | no model cache | "
-             "baseline | RSS above import / file | 2nd process PSS / file | b1 decode tok/s, mapped / built |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "baseline | RSS above import / file | 2nd process PSS / file | b1 decode tok/s, mapped / built | "
+             "llama.cpp tg128 | mapped / llama.cpp |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         med = r["warm_start_median_s"]
         rss = statistics.median(r["rss_above_import_mib"]["default"]) if r["rss_above_import_mib"]["default"] else 0
+        dec = r["decode_median_tok_s"]
+        lc = dec.get("llama.cpp tg128", float("nan"))
         lines.append(
             f"| {r['shape']} {r['qtype']} | {r['file_mib']:,.0f} | {r['read_from_disk_s']:.2f} | "
             f"{' / '.join(f'{s:.1f}' for s in r['first_start_s'])} | "
             f"{med['default']:.2f} ({', '.join(f'{s:.2f}' for s in r['warm_start_s']['default'])}) | "
             f"{med['no model cache']:.2f} | {med.get('baseline', float('nan')):.2f} | {rss / r['file_mib']:.2f} | "
-            f"{r['pss_second_adds_mib'] / r['file_mib']:.2f} | {r['decode_median_tok_s']['mapped']:.1f} / "
-            f"{r['decode_median_tok_s']['built']:.1f} |")
+            f"{r['pss_second_adds_mib'] / r['file_mib']:.2f} | {dec['mapped']:.1f} / {dec['built']:.1f} | "
+            f"{lc:.1f} | {dec['mapped'] / lc:.2f}x |")
     return "\n".join(lines)
 
 
@@ -196,11 +213,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--type", default="q4_1", help="the layer matrices' GGUF type")
     parser.add_argument("--reps", type=int, default=3, help="warm starts per side, alternating")
     parser.add_argument("--baseline-kvcore", default=None, metavar="PATH", help="another installation's kvcore")
+    parser.add_argument("--threads", type=int, default=2, help="threads of both sides' decode")
+    parser.add_argument("--llamacpp", action="store_true", help="native llama-bench tg128 beside kvcore's decode")
     parser.add_argument("--json", default=None, metavar="OUT", help="write every measurement as JSON")
     args = parser.parse_args(argv)
+    llamacpp = build_tools() if args.llamacpp else None
     rows = []
     for shape in args.shapes:
-        rows.append(measure(shape, args.type, args.reps, args.baseline_kvcore))
+        rows.append(measure(shape, args.type, args.reps, args.baseline_kvcore, args.threads, llamacpp))
         print(_table(rows[-1:]).splitlines()[-1], flush=True)
     print(_table(rows))
     if args.json:
