@@ -19,7 +19,7 @@ the engine's ``K``; ``misses`` verifications in a row that keep nothing back the
 ``cooldown`` steps, doubling; a backed-off request probes with one draft, and only on a ``max_n``-token
 match). So a free-form stream, whose n-grams rarely repeat, decodes as without speculation: a step without
 drafts is a plain one-token decode step. The defaults are the best of a grid replayed on recorded greedy streams
-(benchmarks/speculative_replay.py): a short first back-off that doubles keeps the short copies of a paraphrasing
+(benchmarks/studies/speculative_replay.py): a short first back-off that doubles keeps the short copies of a paraphrasing
 answer, and costs a free-form stream no more than a long one.
 """
 

@@ -12,7 +12,7 @@ return the reference's log-probabilities too.
 
 False alarms: the chi-square tests of one run share ``FAMILY_ALPHA`` (Bonferroni), so a correct sampler fails a
 run with probability at most 1e-3. Draws are seeded from ``SuiteConfig.seed``: a run is reproducible, and
-another seed is another independent trial (``benchmarks/sampler_false_alarms.py`` counts failures over many).
+another seed is another independent trial (``benchmarks/studies/sampler_false_alarms.py`` counts failures over many).
 
 ``independence``: rows of different requests batched together, each row alone, the batch permuted and run
 again must give every seeded row the same token (and, off CPU, the same tokens on CPU).

@@ -95,7 +95,7 @@ def test_report_tables_and_plot(tmp_path):
 def _break_even_module():
     import importlib.util
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "compile_break_even.py"
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "studies" / "compile_break_even.py"
     spec = importlib.util.spec_from_file_location("compile_break_even", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -85,7 +85,7 @@ class EngineConfig:
     #: speculative decoding: the proposer (``kvcore plugins``) guessing up to num_speculative_tokens tokens per
     #: step for each decoding request, verified in one forward (docs/speculative.md); None = off
     proposer: str | None = None
-    num_speculative_tokens: int = 8  # K: benchmarks/verify_cost.py prices each draft row (docs/speculative.md)
+    num_speculative_tokens: int = 8  # K: benchmarks/studies/verify_cost.py prices each draft row (docs/speculative.md)
     backend_options: dict[str, dict[str, Any]] = field(default_factory=dict)  # [backends.<name>] tables
     kv_cache_options: dict[str, dict[str, Any]] = field(default_factory=dict)  # [kv_caches.<name>] tables
     sampler_options: dict[str, dict[str, Any]] = field(default_factory=dict)  # [samplers.<name>] tables

@@ -6,7 +6,7 @@ thousands of pages, more than the TLB holds, so every step walks the page tables
 where transparent huge pages are on (``always`` or ``madvise`` in ``/sys/kernel/mm/transparent_hugepage/enabled``):
 a few dozen TLB entries cover the weights. The weight formats move their tensors into one
 (:meth:`kvcore.kernels.quant.Int4A8Linear.relocate`); elsewhere, or where the advice is refused, the arena is plain
-memory and nothing else changes. ``benchmarks/huge_pages.py`` measures what it saves.
+memory and nothing else changes. ``benchmarks/ab/huge_pages.py`` measures what it saves.
 """
 
 from __future__ import annotations

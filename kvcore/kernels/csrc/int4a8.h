@@ -27,7 +27,7 @@ using kvcore_gm::kMaxM;
 using kvcore_gm::kRows;
 constexpr int64_t kAhead = kvcore_gm::kPrefetchBytes / 256;  // groups of codes (256 bytes) prefetched ahead
 #ifdef KVCORE_AVX2_DOT
-constexpr int64_t kAvx2Tile = 4;  // rows per pass over a block's codes (benchmarks/group_matmul_kernel.py)
+constexpr int64_t kAvx2Tile = 4;  // rows per pass over a block's codes (benchmarks/micro/group_matmul_kernel.py)
 #endif
 
 #ifdef KVCORE_VNNI

@@ -35,7 +35,7 @@ namespace {
 using kvcore_gm::kMaxM;
 using kvcore_gm::kRows;
 #ifdef KVCORE_AVX2_DOT
-constexpr int64_t kAvx2Tile = 4;  // rows per pass over a block's codes (benchmarks/group_matmul_kernel.py)
+constexpr int64_t kAvx2Tile = 4;  // rows per pass over a block's codes (benchmarks/micro/group_matmul_kernel.py)
 #endif
 
 // Output block (16 rows) for all M rows into out_f[M][16]; M a template parameter as in int4a8.h.
