@@ -14,7 +14,10 @@ import pytest
 
 from kvcore.cli import main
 from kvcore.plugins.registry import reset_registry
-from kvcore_bench.bench import CASES, Bench, BenchSettings, render_markdown, write_outputs
+from kvcore_bench.bench import Bench
+from kvcore_bench.cli import CASES
+from kvcore_bench.report import render_markdown, write_outputs
+from kvcore_bench.settings import BenchSettings
 
 TINY = str(Path(__file__).parent / "data" / "tiny-llama")
 

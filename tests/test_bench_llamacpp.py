@@ -9,7 +9,8 @@ import pytest
 
 from kvcore.errors import ConfigError
 from kvcore_bench import vs_llamacpp
-from kvcore_bench.vs_llamacpp import WORKLOADS, _engine_options, alternate, cpu_features, render
+from kvcore_bench.common import cpu_features, engine_options
+from kvcore_bench.vs_llamacpp import WORKLOADS, alternate, render
 
 
 def fake_side(name, order, tok_s, ttft):
@@ -32,10 +33,10 @@ def test_alternate_alternates_sides_and_takes_medians():
 
 
 def test_engine_options_are_json_or_strings():
-    assert _engine_options(["max_num_seqs=4", "weights=int4", "enable_prefix_caching=true"]) == {
+    assert engine_options(["max_num_seqs=4", "weights=int4", "enable_prefix_caching=true"]) == {
         "max_num_seqs": 4, "weights": "int4", "enable_prefix_caching": True}
     with pytest.raises(ConfigError, match="KEY=VALUE"):
-        _engine_options(["oops"])
+        engine_options(["oops"])
 
 
 def test_report_states_the_machine_and_kernels():

@@ -204,3 +204,66 @@ def test_a_sideways_import_is_caught(tmp_path):
     (tmp_path / "scheduling" / "scheduler.py").write_text("from kvcore.model import decoder\n")
     planted = import_graph({"kvcore": tmp_path})
     assert layer_violations(planted) == ["kvcore.scheduling.scheduler imports kvcore.model.decoder"]
+
+
+# -- benchmarks/: the kvcore-bench package and the scripts beside it ------------------------------------
+BENCH = ROOT / "benchmarks"
+BENCH_PACKAGE = {"kvcore_bench": BENCH / "kvcore_bench"}
+SCRIPT_FOLDERS = ("micro", "ab", "studies")  # run as `python benchmarks/<folder>/<script>.py`
+
+
+def script_graph(bench: Path = BENCH) -> dict[str, set[str]]:
+    """``folder.script`` -> the scripts it imports by bare name (python puts the script's own folder first
+    on sys.path, so only a sibling resolves) and the kvcore_bench modules it imports."""
+    package = set(import_graph({"kvcore_bench": bench / "kvcore_bench"}))
+    paths = [p for folder in SCRIPT_FOLDERS for p in sorted((bench / folder).glob("*.py"))]
+    scripts = {f"{p.parent.name}.{p.stem}": p for p in paths}
+    graph = {}
+    for name, path in scripts.items():
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                targets = [node.module or ""] + [f"{node.module}.{a.name}" for a in node.names]
+            else:
+                continue
+            for target in targets:
+                head = target.partition(".")[0]
+                if target in package:
+                    found.add(target)
+                elif head in {s.partition(".")[2] for s in scripts}:
+                    found.add(f"{path.parent.name}.{head}")
+        graph[name] = found
+    return graph
+
+
+def test_benchmarks_have_no_import_cycle():
+    package = import_graph(BENCH_PACKAGE)
+    assert set(package) >= {"kvcore_bench.bench", "kvcore_bench.common", "kvcore_bench.cli"}
+    assert cycles({**package, **script_graph()}) == []
+
+
+def test_benchmark_scripts_import_only_their_own_folder():
+    graph = script_graph()
+    missing = sorted(f"{script} imports {target} (no such script in its folder)" for script, targets in graph.items()
+                     for target in targets if not target.startswith("kvcore_bench") and target not in graph)
+    assert graph and missing == []
+
+
+def test_kvcore_bench_modules_stay_small():
+    long = {str(p.relative_to(ROOT)): n for p in sorted(BENCH_PACKAGE["kvcore_bench"].glob("*.py"))
+            if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert long == {}
+
+
+def test_a_benchmark_cycle_is_caught(tmp_path):
+    (tmp_path / "kvcore_bench").mkdir()
+    (tmp_path / "micro").mkdir()
+    (tmp_path / "kvcore_bench" / "bench.py").write_text("def f():\n    from kvcore_bench.scale import g\n")
+    (tmp_path / "kvcore_bench" / "scale.py").write_text("from kvcore_bench.bench import f\n")
+    (tmp_path / "micro" / "a.py").write_text("from b import x\n")
+    (tmp_path / "micro" / "b.py").write_text("import a\nfrom kvcore_bench.bench import f\n")
+    planted = {**import_graph({"kvcore_bench": tmp_path / "kvcore_bench"}), **script_graph(tmp_path)}
+    assert planted["micro.b"] == {"micro.a", "kvcore_bench.bench"}
+    assert cycles(planted) == [["kvcore_bench.bench", "kvcore_bench.scale"], ["micro.a", "micro.b"]]

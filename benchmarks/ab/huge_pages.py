@@ -38,8 +38,8 @@ def _to_plain_pages(engine: Engine) -> None:
 
 
 def main() -> None:
-    from kvcore_bench.bench import kv_run
-    from kvcore_bench.vs_native import _TEXT
+    from kvcore_bench.common import TEXT
+    from kvcore_bench.runs import kv_run
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--reps", type=int, default=8)
@@ -54,7 +54,7 @@ def main() -> None:
     plain = Engine.from_pretrained("smollm2", EngineConfig(max_model_len=256))
     _to_plain_pages(plain)
     sides = {"huge pages": huge, "4 KiB pages": plain}
-    text = huge.tokenizer.encode(_TEXT, add_bos=False)
+    text = huge.tokenizer.encode(TEXT, add_bos=False)
     prompt = [(text * 4)[:64]]
     streams = {name: kv_run(e, prompt, 8).token_ids for name, e in sides.items()}  # warm-up
     tok_s: dict[str, list[float]] = {name: [] for name in sides}

@@ -26,7 +26,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from kvcore_bench.bench import _load_average, environment, kv_run
+from kvcore_bench.common import cpu_features, describe_kernels, engine_options, environment, load_average
+from kvcore_bench.runs import kv_run
 
 __all__ = ["Plan", "FULL", "QUICK", "KvcoreSide", "llamacpp_point", "run_scale", "point_medians"]
 
@@ -114,12 +115,10 @@ class KvcoreSide:
         return self.engine("default", False).decode_backend.name != "paged"
 
     def describe(self) -> dict[str, Any]:
-        from kvcore_bench.vs_llamacpp import _kernels
-
         out = {}
         for (config, long), engine in self._engines.items():
             if not long:
-                out[config] = {"kernels": _kernels(engine), "choice": engine.choice.as_dict(),
+                out[config] = {"kernels": describe_kernels(engine), "choice": engine.choice.as_dict(),
                                "prefix_caching": engine.config.enable_prefix_caching}
         return out
 
@@ -168,7 +167,7 @@ def run_points(kv: KvcoreSide, lc: Callable[..., dict[str, float]] | None, plan:
         for rep in range(reps):
             salt = 7919 * (i + 1) + rep
             order = ["kvcore", "llama.cpp"] if lc is not None else ["kvcore"]
-            run: dict[str, Any] = {"rep": rep, "load_average": _load_average()}
+            run: dict[str, Any] = {"rep": rep, "load_average": load_average()}
             for side in order if rep % 2 == 0 else order[::-1]:
                 if side == "kvcore":
                     run.update(_kvcore_side(kv, configs, kind, seqs, new, salt))
@@ -195,7 +194,6 @@ def run_scale(args: argparse.Namespace) -> int:
     from kvcore.loaders.resolve import smollm2_path
     from kvcore_bench.native_llamacpp import batched_bench, build_tools, llama_bench
     from kvcore_bench.scale_report import render_scale, write_scale
-    from kvcore_bench.vs_llamacpp import _engine_options, cpu_features
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -221,11 +219,11 @@ def run_scale(args: argparse.Namespace) -> int:
             print(line, file=sys.stderr, flush=True)
 
     kv = KvcoreSide(lambda config: Engine.from_pretrained(str(path), config), plan,
-                    _engine_options(args.engine_option or []))
+                    engine_options(args.engine_option or []))
     start = time.perf_counter()
     points = run_points(kv, lc, plan, reps, log)
     report = {
-        "environment": {**environment(), **cpu_features(), "threads": threads, "load_average_end": _load_average()},
+        "environment": {**environment(), **cpu_features(), "threads": threads, "load_average_end": load_average()},
         "gguf": str(path), "plan": asdict(plan), "reps": reps, "seconds": time.perf_counter() - start,
         "kvcore": kv.describe(), "kvcore_options": kv.options,
         "llama_cpp": {"tools": str(bin_dir), "flags": "-b 2048 -ub 512 --no-repack; long: -pps -kvu",

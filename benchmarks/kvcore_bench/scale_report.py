@@ -7,7 +7,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from kvcore_bench.bench import machine_line, pyplot
+from kvcore_bench.common import machine_line, pyplot
 
 __all__ = ["render_scale", "plot_scale", "write_scale"]
 

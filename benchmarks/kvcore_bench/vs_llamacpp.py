@@ -22,91 +22,22 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvcore_bench.bench import _TEXT, _load_average, environment, kv_run, machine_line
+from kvcore_bench.common import (
+    TEXT,
+    cpu_features,
+    describe_kernels,
+    engine_options,
+    environment,
+    load_average,
+    machine_line,
+)
+from kvcore_bench.runs import kv_run
 
-__all__ = ["run_llamacpp", "WORKLOADS", "cpu_features"]
+__all__ = ["run_llamacpp", "WORKLOADS"]
 
 WORKLOADS = ("decode", "decode_2k", "ttft_2k", "batch8")
 LONG = 2048
 BATCH_PROMPTS = (12, 28, 44, 60, 76, 92, 108, 120)
-
-
-def cpu_features() -> dict[str, Any]:
-    """CPU model, the ISA extensions that matter for these kernels, and torch's dispatch level."""
-    import torch
-
-    name, flags = "?", []
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name") and name == "?":
-                    name = line.split(":", 1)[1].strip()
-                elif line.startswith("flags") and not flags:
-                    flags = line.split(":", 1)[1].split()
-    except OSError:
-        pass
-    isa = {f: f in flags for f in ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8")}
-    return {"cpu": name, "isa": isa, "torch_cpu_capability": torch.backends.cpu.get_cpu_capability()}
-
-
-def _engine_options(pairs: list[str]) -> dict[str, Any]:
-    from kvcore.errors import ConfigError
-
-    options = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            raise ConfigError(f"--engine-option wants KEY=VALUE, got {pair!r}")
-        try:
-            options[key] = json.loads(value)
-        except ValueError:
-            options[key] = value  # a bare string
-    return options
-
-
-def _kernels(engine) -> str:
-    """What kvcore ran: the attention backends and the matmul path of the model."""
-    import torch
-
-    from kvcore.kernels.cpu import cpu_features
-
-    model = engine.model
-    describe = getattr(model, "describe_kernels", None)  # a model that knows its kernels says so
-    fmt = getattr(model, "weight_format", "float")
-    if callable(describe):
-        matmul = describe()
-    elif fmt == "int4":
-        matmul = "int4 group-wise weight-only (_weight_int4pack_mm_for_cpu, bfloat16 activations)"
-    elif fmt == "int4a8":
-        from kvcore.kernels.cpu_kernels import int8_dot_isa
-
-        matmul = f"int4 group-wise, kvcore int4_linear (int8 activations per group of 32, {int8_dot_isa()})"
-    elif fmt == "int8":
-        matmul = "int8 per-channel weight-only (_weight_int8pack_mm, bfloat16 activations)"
-    elif model.dtype == torch.bfloat16 and model.device.type == "cpu" and cpu_features().bf16_matmul:
-        matmul = "bfloat16 oneDNN-prepacked GEMM"
-    elif model.dtype == torch.float32 and model.device.type == "cpu":
-        packed = getattr(model, "packed_weights", False)
-        multi_row = "oneDNN-prepacked GEMM" if packed else "MKL GEMM"
-        matmul = f"float32 split GEMV (1 row), {multi_row} (2+ rows)"
-    else:
-        matmul = f"{str(model.dtype).removeprefix('torch.')} F.linear"
-    head = getattr(engine, "lm_head", None)
-    if head is not None:
-        scores = "kvcore int4_linear" if getattr(head.int4, "format", "") == "int4a8" else "_weight_int4pack_mm_for_cpu"
-        matmul += f"; LM head int4 ({scores}), top 64 rescored dense"
-    compiled = getattr(engine, "compiled_decode", None) is not None
-    compiled = "; decode steps torch.compile'd (inductor, C++ wrapper)" if compiled else ""
-    decode = engine.decode_backend.name
-    prefill = engine.prefill_backend.name
-    if decode == "cpu_decode":
-        from kvcore.kernels.cpu_kernels import vector_isa
-
-        decode += f" (kvcore C++ kernel, {vector_isa()})"
-    if prefill == "cpu_decode" and model.dtype == torch.bfloat16 and torch.ops.kvcore.built_with("avx512_bf16"):
-        prefill += " (kvcore C++ kernel, AVX512_BF16)"
-    return (f"attention prefill={prefill} decode={decode}, "
-            f"KV cache {engine.cache.name}; matmuls {matmul}{compiled}")
 
 
 def _tok_s(times: list[list[float]]) -> float:
@@ -167,7 +98,7 @@ def run_llamacpp(args: argparse.Namespace) -> int:
     if llama_cpp_version() is None:
         raise ConfigError("llama-cpp-python is not installed: pip install 'kvcore-bench[llamacpp]' "
                           "(builds llama.cpp from source; CMAKE_ARGS=\"-DGGML_NATIVE=ON\" for this CPU)")
-    load_start = _load_average()
+    load_start = load_average()
     if args.threads:
         torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()
@@ -175,12 +106,12 @@ def run_llamacpp(args: argparse.Namespace) -> int:
     reps = args.reps or (2 if args.quick else 5)
     new_tokens = 32 if args.quick else 128
     long_new = 16 if args.quick else 32
-    options = _engine_options(args.engine_option or [])
+    options = engine_options(args.engine_option or [])
     config = EngineConfig(backend=args.backend, dtype=args.dtype, max_num_seqs=len(BATCH_PROMPTS),
                           max_model_len=LONG + max(new_tokens, long_new) + 16, **options)
     engine = Engine.from_pretrained(str(path), config)
     tok = engine.tokenizer
-    text = tok.encode(_TEXT, add_bos=False)
+    text = tok.encode(TEXT, add_bos=False)
 
     def prompt(length: int, salt: int = 0) -> list[int]:
         return (text * (length // len(text) + 2))[salt : salt + length]
@@ -210,10 +141,10 @@ def run_llamacpp(args: argparse.Namespace) -> int:
     report = {
         "environment": {**environment(), **cpu_features(), "threads": threads, "llama_cpp_python": llama_cpp_version(),
                         "llama_cpp_system_info": runner_b1.system_info, "load_average": load_start,
-                        "load_average_end": _load_average()},
+                        "load_average_end": load_average()},
         "gguf": str(path),
         "kvcore_config": {"backend": engine.prefill_backend.name, "dtype": config.dtype, **options},
-        "kvcore_kernels": _kernels(engine),
+        "kvcore_kernels": describe_kernels(engine),
         "llama_cpp_batching": "batched: one llama_decode per step over all sequences (seq_id per request)",
         "reps": reps, "new_tokens": new_tokens, "long_new_tokens": long_new, "seconds": time.perf_counter() - start,
         "greedy_token_agreement": agree,

@@ -30,9 +30,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvcore_bench.bench import _TEXT, _load_average, environment, kv_run, machine_line
+from kvcore_bench.common import (
+    TEXT,
+    cpu_features,
+    describe_kernels,
+    engine_options,
+    environment,
+    load_average,
+    machine_line,
+)
 from kvcore_bench.native_llamacpp import batched_bench, build_tools, llama_bench
-from kvcore_bench.vs_llamacpp import _engine_options, _kernels, cpu_features
+from kvcore_bench.runs import kv_run
 
 __all__ = ["run_native", "render_native"]
 
@@ -64,10 +72,10 @@ def run_native(args: argparse.Namespace) -> int:
     path = smollm2_path() if args.model == "smollm2" else Path(args.model)
     reps = args.reps or (2 if args.quick else 5)
     bin_dir = build_tools(progress=args.progress)
-    options = _engine_options(args.engine_option or [])
+    options = engine_options(args.engine_option or [])
     engine = Engine.from_pretrained(str(path), EngineConfig(max_num_seqs=BATCH,
                                                            max_model_len=PROMPT_TOKENS + NEW_TOKENS + 16, **options))
-    text = engine.tokenizer.encode(_TEXT, add_bos=False)
+    text = engine.tokenizer.encode(TEXT, add_bos=False)
     prompts = [(text * 4)[i : i + PROMPT_TOKENS] for i in range(BATCH)]
     prompt_text = engine.tokenizer.decode(prompts[0])
     kv_run(engine, prompts[:1], 8)  # warm-up: kernels built, weights paged in
@@ -92,7 +100,7 @@ def run_native(args: argparse.Namespace) -> int:
     runs = []
     start = time.perf_counter()
     for rep in range(reps):
-        load = _load_average()
+        load = load_average()
         sides = [("kvcore", kvcore_side), ("llama.cpp", llamacpp_side)]
         got = {}
         for side, fn in sides if rep % 2 == 0 else sides[::-1]:
@@ -108,9 +116,9 @@ def run_native(args: argparse.Namespace) -> int:
             print(f"rep {rep + 1}/{reps} (load {load}): {ratios}", file=sys.stderr, flush=True)
     info = lc["info"]
     report = {
-        "environment": {**environment(), **cpu_features(), "threads": threads, "load_average_end": _load_average()},
+        "environment": {**environment(), **cpu_features(), "threads": threads, "load_average_end": load_average()},
         "gguf": str(path), "gguf_bytes": path.stat().st_size,
-        "kvcore_default": kv["cli_config"], "kvcore_options": options, "kvcore_kernels": _kernels(engine),
+        "kvcore_default": kv["cli_config"], "kvcore_options": options, "kvcore_kernels": describe_kernels(engine),
         "llama_cpp": {"tools": str(bin_dir), **{k: info.get(k) for k in ("build_commit", "cpu_info", "backends",
                                                                        "type_k", "n_threads")}},
         "reps": reps, "seconds": time.perf_counter() - start, "runs": runs,

@@ -6,7 +6,7 @@
 groups of 32); ``int8-g32`` / ``int8-g16``: ``int8_group_linear.cpp`` (one byte per code: GGUF Q5 / Q6_K / Q8_0
 weights, groups of 32 or 16). Both versions of the file and the headers it includes (group_matmul.h,
 quantize_rows.h, ...), the ones at git revision ``--base`` and the working tree's, are built here as standalone
-libraries (benchmarks/micro/kernel_ab.py) and run on the projections of SmolLM2-135M's 30 layers (qkv 960x576, o 576x576,
+libraries (kernel_ab.py) and run on the projections of SmolLM2-135M's 30 layers (qkv 960x576, o 576x576,
 gate_up 3072x576, down 576x1536), distinct random weights per layer (a decode step's memory traffic), bfloat16
 activations of R rows (1: a decode step, 4-9: a verification of drafts, 8-16: concurrent requests). With one thread
 the time is the calling thread's CPU time (``time.thread_time``: robust on a shared machine); with more, wall time.

@@ -25,8 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from kvcore_bench.bench import _TEXT, _load_average, environment
-from kvcore_bench.vs_llamacpp import cpu_features
+from kvcore_bench.common import TEXT, cpu_features, environment, load_average
 
 MODES = ("eager", "compile_cold", "compile_warm")
 
@@ -34,7 +33,7 @@ MODES = ("eager", "compile_cold", "compile_warm")
 def generate(threads: int, tokens: int, compile_: bool, cache_dir: str) -> dict:
     """One ``kvcore generate`` process: its wall time and its ``--json`` metrics."""
     command = [sys.executable, "-m", "kvcore.cli", "generate", "--threads", str(threads), "--max-new-tokens",
-               str(tokens), "--ignore-eos", "--json", *(["--compile"] if compile_ else []), _TEXT[:200]]
+               str(tokens), "--ignore-eos", "--json", *(["--compile"] if compile_ else []), TEXT[:200]]
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache_dir}
     start = time.perf_counter()
     done = subprocess.run(command, capture_output=True, text=True, env=env)
@@ -43,7 +42,7 @@ def generate(threads: int, tokens: int, compile_: bool, cache_dir: str) -> dict:
         raise SystemExit(f"kvcore generate failed ({done.returncode}): {done.stderr.strip()[-400:]}")
     out = json.loads(done.stdout.strip().splitlines()[-1])
     return {"wall_s": wall, "ttft_s": out["metrics"]["ttft_s"], "tpot_s": out["metrics"]["tpot_s"],
-            "generated": len(out["token_ids"]), "compile": out["compile"], "load_average": _load_average()}
+            "generated": len(out["token_ids"]), "compile": out["compile"], "load_average": load_average()}
 
 
 def fit(points: list[tuple[int, float]]) -> tuple[float, float]:
@@ -89,7 +88,7 @@ def main() -> None:
         lines["compile_cold"] = (lines["compile_warm"][0] + c["wall_s"] - runs["compile_warm"][n0]["wall_s"],
                                  lines["compile_warm"][1])
     report = {
-        "environment": {**environment(), **cpu_features(), "threads": args.threads, "load_average_end": _load_average(),
+        "environment": {**environment(), **cpu_features(), "threads": args.threads, "load_average_end": load_average(),
                         "command": "python benchmarks/studies/compile_break_even.py " + " ".join(sys.argv[1:])},
         "seconds": time.perf_counter() - start, "runs": runs,
         "fit": {m: {"a_s": a, "b_s_per_token": b} for m, (a, b) in lines.items()},

@@ -268,7 +268,8 @@ def main(argv: list[str] | None = None) -> int:
             server.kill()
         print(f"load_test: server log: {log.name}", file=sys.stderr)
     summary, ok = report(args, result)
-    summary["command"] = " ".join(["python", "benchmarks/studies/load_test.py", *(argv if argv is not None else sys.argv[1:])])
+    args_given = argv if argv is not None else sys.argv[1:]
+    summary["command"] = " ".join(["python", "benchmarks/studies/load_test.py", *args_given])
     text = json.dumps(summary, indent=2)
     print(text)
     if args.json:

@@ -3,8 +3,8 @@
     python benchmarks/studies/profile_step.py                          # sdpa, fp32, batch 1, 64-token context
     python benchmarks/studies/profile_step.py --context 2048 --prefill # the 2048-token prefill (TTFT)
     python benchmarks/studies/profile_step.py --dtype bfloat16 --batch 8 --backend paged
-    python benchmarks/studies/profile_step.py --dtype bfloat16 --weights int4   # the GGUF's Q4_1 blocks on the int4 kernel
-    python benchmarks/studies/profile_step.py --default --threads 2 --steps 100  # what `kvcore generate` runs (all auto)
+    python benchmarks/studies/profile_step.py --dtype bfloat16 --weights int4  # Q4_1 blocks on the int4 kernel
+    python benchmarks/studies/profile_step.py --default --threads 2 --steps 100  # what `kvcore generate` runs
     python benchmarks/studies/profile_step.py --default --python 30    # and cProfile's top 30 Python functions
 
 With ``--threads 1`` every op runs on the calling thread, so its CPU time (reported beside the wall time, and

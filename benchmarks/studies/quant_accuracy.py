@@ -11,7 +11,7 @@ Per format (bfloat16 activations for all but the reference):
   first two paragraphs of Dickens's *A Tale of Two Cities*; 544 tokens): perplexity, mean KL divergence from
   the float32 next-token distribution, top-1 agreement, and that logit error (max and median per position).
 
-    python benchmarks/studies/quant_accuracy.py                        # writes benchmarks/results/quant_accuracy.{md,json}
+    python benchmarks/studies/quant_accuracy.py                 # writes benchmarks/results/quant_accuracy.{md,json}
     python benchmarks/studies/quant_accuracy.py --formats int4 --out /tmp/acc
     python benchmarks/studies/quant_accuracy.py --model /work/models/gemma3/gemma-3-270m-q4_k_m.gguf \
         --formats bf16,gguf,gguf+head --out benchmarks/results/quant_accuracy-gemma3

@@ -12,7 +12,7 @@ slows them alike:
     python benchmarks/studies/step_overhead.py                  # kvcore's default configuration, 1 thread
     python benchmarks/studies/step_overhead.py --threads 2 --reps 40
     python benchmarks/studies/step_overhead.py --ops             # also list the recorded ops (name, count)
-    python benchmarks/studies/step_overhead.py --stack --context 1024   # also the step with and without the native stack
+    python benchmarks/studies/step_overhead.py --stack --context 1024  # also the step with and without the native stack
 
 With ``--threads 1`` (the default) the figures are this thread's CPU time, which stays meaningful on a busy
 machine; with more threads they are wall times.

@@ -133,7 +133,8 @@ def main() -> None:
     lines = [
         "# KV memory with sliding windows: the window pool on and off",
         "",
-        f"Command: `python benchmarks/studies/window_kv.py --prompt {args.prompt} --new {args.new} --chunk {args.chunk} "
+        f"Command: `python benchmarks/studies/window_kv.py --prompt {args.prompt} --new {args.new} "
+        f"--chunk {args.chunk} "
         f"--real-prompt {args.real_prompt} --real-new {args.real_new}` ({report['machine']}, other jobs running; "
         "float32, `paged` backend, greedy; pool on first for the random model, off first for the GGUF).",
         "",
