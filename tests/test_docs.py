@@ -3,9 +3,10 @@ page cites (the examples themselves run in test_readme_examples.py)."""
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 import re
-from dataclasses import fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 from helpers import subcommands
@@ -109,3 +110,37 @@ def test_cli_page_lists_every_config_key():
     scalar = {f.name for f in fields(FileConfig)} - set(OPTION_TABLES) - {"plugins"}
     assert set(re.findall(r"`(\w+)`", listed.group(1))) == scalar
     assert all(f"[{table}.<name>]" in text for table in (*OPTION_TABLES, "plugins"))
+
+
+def _gen_reference():
+    """scripts/gen_reference.py, imported from its path (a script, not part of the package)."""
+    spec = importlib.util.spec_from_file_location("gen_reference", ROOT / "scripts" / "gen_reference.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_reference_page_is_generated_and_complete():
+    gen = _gen_reference()
+    text, problems = gen.render()
+    assert not problems, ("interface fields without documentation (write a `#:` comment or docstring, then run "
+                          f"`{gen.COMMAND}`):\n" + "\n".join(problems))
+    assert gen.PAGE.read_text(encoding="utf-8") == text, f"docs/reference.md is stale: run `{gen.COMMAND}`"
+
+
+def test_reference_check_sees_an_undocumented_field():
+    import torch
+
+    @dataclass(frozen=True)
+    class Plan:
+        rows: torch.Tensor  # [T] int64 rows of the call
+        mask: torch.Tensor  # a mask, shape not given
+        #: the window
+        window: int = 0
+        scale: float = 1.0
+
+    text, problems = _gen_reference().section("Plan", Plan, "A plan.")
+    assert "| `rows` | `torch.Tensor` | required | [T] int64 rows of the call |" in text
+    assert "| `window` | `int` | `0` | the window |" in text
+    assert problems == ["Plan.mask: a tensor whose comment gives no shape ([T, H, D])",
+                        "Plan.scale: no comment (a `#:` line above it or a trailing `# ...`)"]

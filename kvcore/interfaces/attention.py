@@ -79,14 +79,14 @@ class BackendCapabilities:
     """What a backend can do. ``kvcore backends`` renders its table from these declarations."""
 
     devices: frozenset[str]  # torch device types, e.g. {"cpu", "cuda"}
-    dtypes: frozenset[torch.dtype]
+    dtypes: frozenset[torch.dtype]  # model dtypes it computes in (q, k, v and its output)
     kv_layouts: tuple[str, ...]  # KV-cache layouts it reads, preferred first ("contiguous", "paged")
     head_dims: frozenset[int] | None = None  # None: any head size
-    max_head_dim: int | None = None
+    max_head_dim: int | None = None  # largest head size D it serves (None: no limit)
     head_dim_multiple: int | None = None  # e.g. 8: kernels that vectorise over head_dim
     supports_gqa: bool = True  # H_kv < H (grouped-query / multi-query attention)
-    supports_prefill: bool = True
-    supports_decode: bool = True
+    supports_prefill: bool = True  # it serves calls with prompt rows (query_len > 1 or context 0)
+    supports_decode: bool = True  # it serves decode steps (one query row per sequence after its cache)
     min_compute_capability: tuple[int, int] | None = None  # CUDA only, e.g. (8, 0) for sm80
     #: CUDA only: dtypes served on part of the compute-capability range alone, as ``(dtype, lowest,
     #: highest)`` (both inclusive; ``None``: no upper limit), e.g. a dtype only one kernel family has
@@ -95,9 +95,10 @@ class BackendCapabilities:
     #: no host syncs, reads only the plan's tensors and ints, writes the cache only through whole cache
     #: tensors, never views of them (see kvcore/execution/compile.py)
     compilable: bool = False
-    #: the :data:`VARIANTS` (``"sliding_window"``, ``"softcap"``, ``"sinks"``) its prefill / its decode
-    #: implements; a layer using another is refused with :meth:`reasons_variants`, never run wrong
+    #: the :data:`VARIANTS` (``"sliding_window"``, ``"softcap"``, ``"sinks"``) its prefill calls
+    #: implement; a layer using another is refused with :meth:`reasons_variants`, never run wrong
     prefill_variants: frozenset[str] = frozenset()
+    #: the same for its decode steps
     decode_variants: frozenset[str] = frozenset()
     #: its forward takes rows of several query tokens after a cached context in a step of running requests
     #: (speculative verification: a decode step whose rows score the draft tokens too, causal among them)
@@ -171,9 +172,9 @@ class AttentionBackend(abc.ABC, Generic[PlanT]):
     :class:`~kvcore.interfaces.kv_cache.KVCache` it is handed, all per-call state in the plan.
     """
 
-    name: ClassVar[str]
-    capabilities: ClassVar[BackendCapabilities]
-    description: ClassVar[str] = ""
+    name: ClassVar[str]  # what --backend / backend = "..." select it by; unique among registered backends
+    capabilities: ClassVar[BackendCapabilities]  # its declarations (above)
+    description: ClassVar[str] = ""  # one line for `kvcore backends`
     #: higher wins when kvcore picks a backend automatically among the available ones
     priority: ClassVar[int] = 0
 

@@ -27,7 +27,7 @@ class DecodeStack:
     """
 
     k_cache: torch.Tensor  #: [L, S, H_kv, S_max, D] contiguous bfloat16, written in place
-    v_cache: torch.Tensor  #: the same shape
+    v_cache: torch.Tensor  #: [L, S, H_kv, S_max, D], like ``k_cache``
     rows: tuple[torch.Tensor, ...]  #: per group: [L, T_g * H_kv] int64 cache row of each (layer, token, KV head)
     seq_lens: tuple[torch.Tensor, ...]  #: per group: [B_g] int32 keys of each sequence's last token
     first_slots: tuple[int, ...]  #: per group: the slot of its first sequence

@@ -80,11 +80,11 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str
 class CacheSpec:
     """Sizes of a KV cache, from the model and the engine config."""
 
-    num_layers: int
+    num_layers: int  # L, decoder layers of the model
     num_kv_heads: int  # H_kv
     head_dim: int  # D
     dtype: torch.dtype  # the model's compute dtype (a quantized cache stores less, returns this)
-    device: torch.device
+    device: torch.device  # where the storage lives
     max_num_seqs: int  # sequences resident at the same time
     max_seq_len: int  # tokens per sequence (prompt + generated)
     block_size: int = 16  # paged layouts: tokens per block
@@ -112,6 +112,7 @@ class CacheSpec:
 
     @property
     def element_size(self) -> int:
+        """Bytes of one element of ``dtype`` (the model dtype, not necessarily what a lossy cache stores)."""
         return torch.empty((), dtype=self.dtype).element_size()
 
 
@@ -146,10 +147,12 @@ class KVCache(abc.ABC):
     "paged" (:meth:`gather_blocks`).
     """
 
-    name: ClassVar[str]
+    name: ClassVar[str]  # what --kv-cache / kv_cache = "..." select it by
+    #: the contract with the backends that read it: "contiguous" (``k``/``v`` ``[L, slots, H_kv, S, D]``) or
+    #: "paged" (:meth:`gather_blocks`), or a layout of its own
     layout: ClassVar[str]
-    capabilities: ClassVar[CacheCapabilities]
-    description: ClassVar[str] = ""
+    capabilities: ClassVar[CacheCapabilities]  # its declarations (below)
+    description: ClassVar[str] = ""  # one line for `kvcore plugins`
     #: True: blocks of ``spec.block_size`` tokens taken as sequences grow; False: one block of
     #: ``spec.max_seq_len`` tokens per sequence (a slot)
     paged: ClassVar[bool] = True

@@ -32,7 +32,7 @@ class LayerAttention:
     5. ``o_i = Σ_j P_ij v_j``.
     """
 
-    scale: float
+    scale: float  # softmax scale on q · k (1 / sqrt(head_dim) unless the model sets its own)
     sliding_window: int | None = None  # tokens a query sees, itself included (None: the whole sequence)
     softcap: float | None = None  # c of c · tanh(s / c) on the scaled scores
     sinks: torch.Tensor | None = None  # [H] float32, one logit per query head

@@ -88,10 +88,12 @@ class AttentionMetadata:
 
     @property
     def num_seqs(self) -> int:
+        """``B``: sequences in this call."""
         return len(self.query_lens)
 
     @property
     def num_tokens(self) -> int:
+        """``T``: packed query rows in this call."""
         return int(self.positions.shape[0])
 
     @property
@@ -101,10 +103,12 @@ class AttentionMetadata:
 
     @property
     def max_query_len(self) -> int:
+        """The longest ``query_lens`` entry (1 in a decode step)."""
         return max(self.query_lens)
 
     @property
     def max_seq_len(self) -> int:
+        """The longest ``seq_lens`` entry: keys the longest sequence attends to after this call's writes."""
         return max(self.seq_lens)
 
     @functools.cached_property
