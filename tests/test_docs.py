@@ -144,3 +144,33 @@ def test_reference_check_sees_an_undocumented_field():
     assert "| `window` | `int` | `0` | the window |" in text
     assert problems == ["Plan.mask: a tensor whose comment gives no shape ([T, H, D])",
                         "Plan.scale: no comment (a `#:` line above it or a trailing `# ...`)"]
+
+
+def test_plugin_page_skeleton_is_a_working_plugin():
+    """docs/plugins.md's "one of each" block, registered as a plugin: `mine` generates what `sdpa` does, and
+    `my_cache` (with `my_sampler`) what `paged` does, on the tiny checkpoint."""
+    import types
+
+    from test_readme_examples import TINY
+
+    from kvcore import Engine, EngineConfig, SamplingParams
+    from kvcore.plugins.registry import get_registry
+
+    page = (ROOT / "docs" / "plugins.md").read_text(encoding="utf-8")
+    (body,) = re.findall(r"^```python\n(# my_plugin/plugin\.py\n.*?)^```$", page, re.S | re.M)
+    plugin = types.ModuleType("my_plugin.plugin")
+    exec(compile(body, "docs/plugins.md", "exec"), plugin.__dict__)
+    registry = get_registry()
+    name = registry.register_plugin(plugin, name="docs-skeleton")
+    prompts = ["The capital of France is", "def fib(n):"]
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+
+    def tokens(**config):
+        engine = Engine.from_pretrained(str(TINY), EngineConfig(**config))
+        return [r.token_ids for r in engine.generate(prompts, params)]
+
+    try:
+        assert tokens(backend="mine") == tokens(backend="sdpa")
+        assert tokens(backend="paged", kv_cache="my_cache", sampler="my_sampler") == tokens(backend="paged")
+    finally:
+        registry.unregister_plugin(name)
