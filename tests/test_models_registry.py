@@ -143,3 +143,58 @@ def test_readme_models_table_is_generated():
     readme = (Path(__file__).parents[1] / "README.md").read_text()
     table = markdown_rows(architecture_rows(PluginRegistry(load_entrypoints=False)))
     assert table in readme, "README's models table is stale: paste `KVCORE_LOAD_PLUGINS= kvcore models --markdown`"
+
+
+def test_models_name_the_variant_each_left_out_backend_lacks(capsys):
+    """A backend missing from a family's row is named with what it lacks, in --json and in the text table."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from kvcore.cli import main
+    from kvcore.hookspecs import hookimpl
+    from kvcore.interfaces.attention import AttentionBackend, BackendCapabilities
+    from kvcore.model.families import Gemma2, Llama, Mistral
+    from kvcore.plugins.model_support import unserved_reasons
+    from kvcore.plugins.registry import get_registry
+
+    def backend(prefill, decode):
+        caps = BackendCapabilities(devices=frozenset({"cpu"}), dtypes=frozenset({torch.float32}),
+                                   kv_layouts=("contiguous",), prefill_variants=frozenset(prefill),
+                                   decode_variants=frozenset(decode))
+        return SimpleNamespace(cls=SimpleNamespace(capabilities=caps))
+
+    window = {"sliding_window"}
+    registry = SimpleNamespace(backends={"plain": backend((), ()), "win": backend(window, window),
+                                         "half": backend(window | {"softcap"}, window)})
+    assert unserved_reasons(registry, Llama) == {}
+    assert unserved_reasons(registry, Mistral) == {"plain": "no sliding windows"}
+    assert unserved_reasons(registry, Gemma2) == {"plain": "no sliding windows, no soft-capping",
+                                                  "win": "no soft-capping", "half": "decode: no soft-capping"}
+
+    class NoVariants(AttentionBackend):
+        name = "no_variants_backend"
+        capabilities = BackendCapabilities(devices=frozenset({"cpu"}), dtypes=frozenset({torch.float32}),
+                                           kv_layouts=("contiguous",))
+
+        def forward(self, layer_idx, q, k, v, cache, plan):
+            raise NotImplementedError
+
+    class Plugin:
+        @hookimpl
+        def kvcore_register_backends(self, register):
+            register(NoVariants)
+
+    name = get_registry().register_plugin(Plugin(), name="no-variants-plugin")
+    try:
+        rows = {r["architecture"]: r for r in _models_json()}
+        assert rows["qwen2"]["unserved_by"]["no_variants_backend"] == "no sliding windows"
+        assert "no_variants_backend" not in rows["llama"]["unserved_by"]
+        assert "no_variants_backend" in rows["llama"]["backends"].split(",")
+        assert main(["models"]) == 0
+        lines = capsys.readouterr().out.splitlines()
+        qwen2 = next(i for i, line in enumerate(lines) if line.startswith("qwen2 "))
+        assert lines[qwen2 + 1].strip().startswith("not served by: ")
+        assert "no_variants_backend (no sliding windows)" in lines[qwen2 + 1]
+    finally:
+        get_registry().unregister_plugin(name)

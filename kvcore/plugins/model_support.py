@@ -10,7 +10,7 @@ from kvcore.interfaces.layer_attention import VARIANTS
 from kvcore.plugins.registry import ARCHITECTURE, PluginRegistry, get_registry
 from kvcore.plugins.support import format_table
 
-__all__ = ["architecture_rows", "serving_backends", "markdown_rows"]
+__all__ = ["architecture_rows", "serving_backends", "unserved_reasons", "markdown_rows"]
 
 
 def serving_backends(registry: PluginRegistry, arch: type) -> tuple[list[str], list[str]]:
@@ -21,6 +21,20 @@ def serving_backends(registry: PluginRegistry, arch: type) -> tuple[list[str], l
     missing = [VARIANTS[f] for f in arch.attention_features
                if all(e.cls.capabilities.reasons_variants([f]) for _, e in backends)]
     return served, missing
+
+
+def unserved_reasons(registry: PluginRegistry, arch: type) -> dict[str, str]:
+    """``{backend: why it does not serve arch}`` for each registered backend missing a variant ``arch`` may use
+    ("no sliding windows", or per phase: "decode: no soft-capping"): why a backend is left out of its row."""
+    reasons = {}
+    for name, entry in sorted(registry.backends.items()):
+        missing = entry.cls.capabilities.reasons_variants(arch.attention_features)
+        tails = {reason.split(": ", 1)[1] for reason in missing}
+        if len(missing) == 2 and len(tails) == 1:  # the same in both phases: say it once
+            reasons[name] = tails.pop()
+        elif missing:
+            reasons[name] = "; ".join(missing)
+    return reasons
 
 
 def architecture_rows(registry: PluginRegistry) -> list[dict[str, Any]]:
@@ -40,6 +54,8 @@ def architecture_rows(registry: PluginRegistry) -> list[dict[str, Any]]:
             "backends": ",".join(served) if served else f"none (needs: {', '.join(missing)})",
             "available": "yes",  # a declaration needs nothing installed
             "description": arch.description,
+            # the backends left out of "backends", each with the variant it lacks (text: a line under the row)
+            "unserved_by": unserved_reasons(registry, arch),
         })
     return rows
 
@@ -66,5 +82,10 @@ def _run_models(args) -> int:
     if args.json:
         print(json.dumps(rows, indent=2))
     else:
-        print(markdown_rows(rows) if args.markdown else format_table(rows))
+        print(markdown_rows(rows) if args.markdown else format_table(rows, notes=_unserved_note))
     return 0
+
+
+def _unserved_note(row: dict[str, Any]) -> list[str]:
+    unserved = row["unserved_by"]
+    return [f"not served by: {', '.join(f'{b} ({why})' for b, why in unserved.items())}"] if unserved else []

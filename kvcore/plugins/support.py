@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from kvcore.interfaces.dtypes import dtype_name
@@ -99,11 +100,12 @@ def plugin_rows(registry: PluginRegistry) -> dict[str, list[dict[str, Any]]]:
     return {"backends": backend_rows(registry), "kv_caches": caches, "samplers": samplers, "proposers": proposers}
 
 
-def format_table(rows: list[dict[str, Any]]) -> str:
-    """Fixed-width text table; the availability reason goes on its own line under its row."""
+def format_table(rows: list[dict[str, Any]], notes: Callable[[dict[str, Any]], list[str]] | None = None) -> str:
+    """Fixed-width text table; the availability reason, and each of ``notes(row)``, go on a line of their own
+    under the row. A column holding a dict (details for ``notes``) is not shown."""
     if not rows:
         return "(none registered)"
-    keys = [c for c in rows[0] if c != "description"]
+    keys = [c for c in rows[0] if c != "description" and not isinstance(rows[0][c], dict)]
     cols = [c for c in keys if c != "available"] + ["available"]
     shown = [{c: (r[c] if c != "available" else r[c].split(":")[0]) for c in cols} for r in rows]
     widths = {c: max(len(c), *(len(str(r[c])) for r in shown)) for c in cols}
@@ -112,6 +114,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         lines.append("  ".join(str(row[c]).ljust(widths[c]) for c in cols).rstrip())
         if full["available"] != "yes":
             lines.append(f"    why unavailable: {full['available'].removeprefix('no: ')}")
+        lines += [f"    {note}" for note in (notes(full) if notes else [])]
     return "\n".join(lines)
 
 
