@@ -174,3 +174,26 @@ def test_plugin_page_skeleton_is_a_working_plugin():
         assert tokens(backend="paged", kv_cache="my_cache", sampler="my_sampler") == tokens(backend="paged")
     finally:
         registry.unregister_plugin(name)
+
+
+def test_conformance_page_transcript_matches_the_suite():
+    """docs/conformance.md's sample run (`kvcore conformance --backend sdpa --quick`) has the tiers and case
+    counts the suite has now: a tier or case added to the code makes this fail until the transcript is redone."""
+    from kvcore.conformance.runner import tier_cases
+    from kvcore.conformance.settings import TIERS, SuiteConfig
+    from kvcore.conformance.target import resolve_target
+
+    page = (ROOT / "docs" / "conformance.md").read_text(encoding="utf-8")
+    transcript = re.search(r"^```\n(kvcore conformance: backend 'sdpa'.*?)^```$", page, re.S | re.M)
+    assert transcript is not None
+    text = transcript.group(1)
+    covers = dict(re.findall(r"^  (\w+): (\d+) cases;", text, re.M))
+    table = dict(re.findall(r"^(\w+) +PASS +(\d+) +0 +0 ", text, re.M))
+    total = re.search(r"^RESULT: PASS \(exit 0\): (\d+) passed", text, re.M)
+    cfg = SuiteConfig(quick=True)
+    target = resolve_target("sdpa")
+    want = {tier: str(len(tier_cases(target, tier, cfg))) for tier in TIERS}
+    redo = ("docs/conformance.md's sample output is stale: paste the output of "
+            "`kvcore conformance --backend sdpa --quick --no-progress`")
+    assert covers == want and table == want, redo
+    assert total is not None and int(total.group(1)) == sum(map(int, want.values())), redo
