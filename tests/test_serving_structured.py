@@ -216,7 +216,18 @@ def test_tokenize_detokenize_unknown_routes_and_models_card(server):
     assert {"kv_cache", "sampler", "dtype", "weights"} <= set(serving) and serving["dtype"] == "float32"
     line = banner(serving)
     assert "backend paged" in line and f"kv_cache {serving['kv_cache']}" in line and "sampler default" in line
+    assert serving["proposer"] is None and "speculative" not in line
     assert tok_ids.choices[0].text.startswith("hello")
+
+
+def test_models_card_and_start_up_line_name_the_proposer():
+    """With speculative decoding on, /v1/models and the start-up line say which proposer drafts, and how many."""
+    engine = Engine.from_pretrained(str(TINY), EngineConfig(backend="sdpa", proposer="ngram", num_speculative_tokens=3))
+    with ServerThread(build_app(AsyncEngine(engine), model_name=NAME)) as srv:
+        status, _, card = raw(srv, "GET", f"/v1/models/{NAME}")
+    assert status == 200
+    assert card["serving"]["proposer"] == "ngram" and card["serving"]["num_speculative_tokens"] == 3
+    assert banner(card["serving"]).endswith(", speculative ngram (3 drafts per step)")
 
 
 TOOL_TEMPLATE = (

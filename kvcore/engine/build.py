@@ -133,7 +133,9 @@ def tensor_parallel_runner(model: Any, config: EngineConfig) -> Any:
 
 
 def serving_config(engine: Any) -> dict[str, Any]:
-    """What serves ``engine``'s requests: backends, KV cache, sampler, dtype, weights, device and limits."""
+    """What serves ``engine``'s requests: backends, KV cache, sampler, dtype, weights, device, limits, and the
+    speculative-decoding proposer with its drafts per step (``None`` when speculation is off)."""
+    speculator = getattr(engine, "speculator", None)
     return {
         "prefill_backend": engine.prefill_backend.name,
         "decode_backend": engine.decode_backend.name,
@@ -145,4 +147,6 @@ def serving_config(engine: Any) -> dict[str, Any]:
         "max_num_seqs": engine.config.max_num_seqs,
         "max_model_len": engine.max_model_len,
         "window_pool": engine.kv.window_pool,
+        "proposer": speculator.proposer.name if speculator else None,
+        "num_speculative_tokens": speculator.num_tokens if speculator else None,
     }

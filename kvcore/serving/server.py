@@ -152,13 +152,16 @@ def run_server(
 
 
 def banner(serving: dict[str, Any]) -> str:
-    """The serving configuration in one line: ``backend paged (prefill) / paged (decode), kv_cache ..., ...``."""
+    """The serving configuration in one line: ``backend paged (prefill) / paged (decode), kv_cache ..., ...``, and
+    ``speculative ngram (4 drafts per step)`` when a proposer is on."""
     backends = serving["prefill_backend"]
     if serving["decode_backend"] != backends:
         backends = f"{backends} (prefill) / {serving['decode_backend']} (decode)"
     rest = ", ".join(f"{k} {serving[k]}" for k in ("kv_cache", "sampler", "dtype", "weights", "device",
                                                     "max_num_seqs", "max_model_len"))
-    return f"backend {backends}, {rest}"
+    proposer = serving.get("proposer")
+    speculative = f", speculative {proposer} ({serving['num_speculative_tokens']} drafts per step)" if proposer else ""
+    return f"backend {backends}, {rest}{speculative}"
 
 
 class ServerThread:
