@@ -79,6 +79,22 @@ def pytest_configure(config: pytest.Config) -> None:
         config.args = [f"{SUITE_PATH}{test}" for test in tests]
 
 
+#: the bundled suite's node id when it lies outside the rootdir (installed, or run from another project)
+SUITE_NODEID = "kvcore/conformance/suite.py"
+
+
+def pytest_pycollect_makemodule(module_path: Path, parent: pytest.Collector) -> pytest.Module | None:
+    """The bundled suite under a readable node id. Given as a path outside the rootdir, pytest names a file
+    relative to the path it was given, i.e. itself: every test id then began with an empty path
+    (``::TestConformance::test_op[...]``)."""
+    if module_path.resolve() != SUITE_PATH.resolve():
+        return None
+    module = pytest.Module.from_parent(parent, path=module_path)
+    if module.nodeid and not module.nodeid.startswith(("/", "::")):
+        return module
+    return pytest.Module.from_parent(parent, path=module_path, nodeid=SUITE_NODEID)
+
+
 def pytest_report_header(config: pytest.Config) -> str | None:
     named = [f"{what} {config.getoption(option)}" for option, what, _ in TARGET_OPTIONS if config.getoption(option)]
     if not named:

@@ -124,6 +124,15 @@ def test_plugin_runs_the_bundled_suite(pytester):
     assert 'name="test_op[paged-mha8x8-d32-ragged]"' in junit  # two certified plugins never share an id
 
 
+def test_bundled_suite_ids_name_its_file(pytester):
+    """Run from another project (the suite outside the rootdir), ids used to begin with an empty path
+    (``::TestConformance::test_op[...]``)."""
+    for target in (["--kvcore-backend", "paged"], ["--kvcore-proposer", "ngram"]):
+        result = pytester.runpytest(*target, *PLUGIN_ARGS, "--collect-only", "-q")
+        ids = [line for line in result.outlines if "::" in line]
+        assert ids and all(i.startswith("kvcore/conformance/suite.py::TestConformance::test_") for i in ids), ids[:3]
+
+
 def test_plugin_adds_nothing_without_the_option(pytester):
     pytester.makepyfile("def test_plain():\n    pass\n")
     result = pytester.runpytest("-p", "no:cacheprovider")
