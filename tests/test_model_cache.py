@@ -97,7 +97,8 @@ def test_damaged_entry_is_rebuilt(ggufs, cache):
     load_pretrained(str(ggufs["llama"]))
     (entry,) = _entries(cache)
     (entry / "model.pt").write_bytes(b"not a torch file")
-    model, _ = load_pretrained(str(ggufs["llama"]))  # falls back to the loader, then rewrites the entry
+    with pytest.warns(RuntimeWarning, match="is damaged; rebuilding it"):
+        model, _ = load_pretrained(str(ggufs["llama"]))  # falls back to the loader, then rewrites the entry
     assert model.embed_tokens.shape[0] == 320
     load_pretrained(str(ggufs["llama"]))
     assert (entry / "model.pt").stat().st_size > 1000
@@ -119,5 +120,6 @@ def test_unwritable_cache_only_costs_the_cache(ggufs, tmp_path, monkeypatch):
     blocker.write_text("")
     monkeypatch.setenv("KVCORE_CACHE_DIR", str(blocker))  # a file: no folder can be made under it
     monkeypatch.setenv("KVCORE_MODEL_CACHE", "1")
-    model, tok = load_pretrained(str(ggufs["llama"]))
+    with pytest.warns(RuntimeWarning, match="cannot use the model cache .* running without it"):
+        model, tok = load_pretrained(str(ggufs["llama"]))
     assert tok.encode("fox") and model.config.num_hidden_layers == 2
