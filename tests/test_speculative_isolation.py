@@ -15,7 +15,7 @@ from kvcore.conformance.models import get_model
 from kvcore.conformance.results import FAIL, PASS, CaseResult
 from kvcore.conformance.settings import SuiteConfig
 from kvcore.conformance.target import resolve_target
-from kvcore.errors import PluginError
+from kvcore.errors import ContextLengthError, PluginError
 from kvcore.interfaces.proposer import Proposal, Proposer, ProposerCapabilities
 from kvcore.plugins.registry import PluginRegistry
 from kvcore.scheduling.scheduler import Scheduler
@@ -140,7 +140,15 @@ BAD = {
     "probs-nan": lambda k: Proposal([1], torch.full((1, V), float("nan"))),
     "probs-negative": lambda k: Proposal([1], torch.full((1, V), -1.0)),
     "probs-logprobs": lambda k: Proposal([1], torch.full((1, V), math.log(1 / V))),
+    "huge": lambda k: Proposal([1] * 100_000),
+    "ids-tensor": lambda k: Proposal(torch.ones(1, dtype=torch.long)),
+    "ids-float": lambda k: Proposal([1.0]),
 }
+#: what each refusal says, beyond the proposer's name
+REASON = {"out-of-vocabulary": "not a token id of the vocabulary [0, 300)", "negative": "draft 0 = -1, not a token id",
+          "too-many": "where at most", "huge": "proposed 100000 drafts", "ids-none": "returned token_ids of NoneType",
+          "ids-int": "returned token_ids of int", "ids-tensor": "returned token_ids of Tensor",
+          "ids-float": "draft 0 = 1.0, not a token id", "ids-bool": "draft 0 = True, not a token id"}
 
 
 @pytest.mark.parametrize("kind", sorted(BAD))
@@ -156,6 +164,7 @@ def test_a_malformed_proposal_fails_only_its_request(random_model, kind):
     out = engine(random_model, "bad", registry_with(Bad)).generate(PROMPTS, params)
     assert random_model.config.vocab_size == V
     assert isinstance(out[1].error, PluginError) and "proposer 'bad'" in str(out[1].error)
+    assert REASON.get(kind, "") in str(out[1].error)
     ref = reference(random_model, PROMPTS, params)
     assert [out[0].token_ids, out[2].token_ids] == [ref[0], ref[2]] and out[0].error is out[2].error is None
 
@@ -228,3 +237,108 @@ def test_the_distribution_case_certifies_a_sampling_proposer_and_fails_a_wrong_q
         assert result.status == FAIL and "do not follow the target distribution" in result.detail, result.detail
     finally:
         reg.unregister_plugin(name)
+
+
+def run_bounded(eng: Engine, prompts, params, max_steps: int = 200) -> list:
+    """``eng.generate`` that gives up after ``max_steps`` steps (a hang fails the test instead of CI)."""
+    ids = [eng.add_request(p, params) for p in prompts]
+    steps = 0
+    while eng.has_unfinished() and steps < max_steps:
+        eng.step()
+        steps += 1
+    assert not eng.has_unfinished(), f"the engine still runs after {steps} steps: it loops"
+    return [eng.result(r) for r in ids]
+
+
+def test_a_proposer_that_ignores_the_budget_fails_its_requests_with_the_reason(random_model):
+    """K drafts whatever the request may still take: the last steps of every stream refuse them (the contract
+    is at most ``num_tokens``; a proposer that overruns it has a bug for the suite to show, not to hide)."""
+
+    class AlwaysK(Proposer):
+        name = "always-k"
+
+        def propose(self, rows, num_tokens):
+            return [Proposal([1] * 3) for _ in rows]
+
+    out = run_bounded(engine(random_model, "always-k", registry_with(AlwaysK)), PROMPTS,
+                      SamplingParams(max_new_tokens=6, ignore_eos=True))
+    for r in out:
+        assert isinstance(r.error, PluginError), r.error
+        assert "proposer 'always-k' proposed 3 drafts [1, 1, 1] where at most 2 were asked for" in str(r.error)
+        assert len(r.token_ids) < 6
+
+
+@pytest.mark.parametrize("grown", ["output_ids", "prompt_ids", "replaced"])
+def test_a_proposer_that_writes_into_its_rows_fails_its_request_and_never_hangs(random_model, grown):
+    """Drafts appended to the requests themselves grew them past max_new_tokens and the context: the scheduler
+    then preempted and recomputed the two of them in turn, forever. Now their tokens are put back and they fail;
+    the other request runs on."""
+
+    class Writer(Proposer):
+        name = "writer"
+
+        def propose(self, rows, num_tokens):
+            for r in rows:
+                if r.request_id != "req-0":
+                    if grown == "replaced":
+                        r.output_ids = r.output_ids + [1] * 100
+                    else:
+                        getattr(r, grown).extend([1] * 100)
+            return [Proposal() for _ in rows]
+
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    out = run_bounded(engine(random_model, "writer", registry_with(Writer)), PROMPTS, params)
+    ref = reference(random_model, PROMPTS, params)
+    for i in (1, 2):
+        error = out[i].error
+        assert isinstance(error, PluginError) and f"proposer 'writer' changed request 'req-{i}'" in str(error), error
+        assert "read only" in str(error)
+        assert out[i].prompt_token_ids == PROMPTS[i] and out[i].token_ids == ref[i][: len(out[i].token_ids)]
+    assert out[0].token_ids == ref[0] and out[0].error is None
+
+
+def test_a_request_grown_past_the_context_later_fails_instead_of_looping(random_model):
+    """A proposer that keeps its rows and writes into one outside ``propose`` (here in ``advance``): the
+    scheduler refuses to run a sequence past the context limit again."""
+
+    class Late(Proposer):
+        name = "late-writer"
+
+        def __init__(self):
+            super().__init__()
+            self.rows = {}
+
+        def propose(self, rows, num_tokens):
+            self.rows.update((r.request_id, r) for r in rows)
+            return [Proposal([1][:k]) for k in num_tokens]
+
+        def advance(self, request_id, num_proposed, num_accepted):
+            if request_id != "req-0":
+                self.rows[request_id].output_ids.extend([1] * 100)
+
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    out = run_bounded(engine(random_model, "late-writer", registry_with(Late)), PROMPTS, params)
+    for i in (1, 2):
+        assert isinstance(out[i].error, ContextLengthError), out[i].error
+        assert f"request 'req-{i}' holds" in str(out[i].error) and "past the context limit of 64" in str(out[i].error)
+    ref = reference(random_model, PROMPTS, params)
+    assert out[0].token_ids == ref[0] and out[0].error is None
+
+
+@pytest.mark.parametrize("returned", ["lists", "too-few", "dict", "raises"])
+def test_a_malformed_return_fails_the_rows_of_that_call_naming_the_proposer(random_model, returned):
+    class Broken(Proposer):
+        name = "broken"
+
+        def propose(self, rows, num_tokens):
+            if returned == "raises":
+                raise RuntimeError("lost")
+            got = {"lists": [[1] for _ in rows], "too-few": [Proposal()] * (len(rows) - 1),
+                   "dict": {r.request_id: Proposal() for r in rows}}
+            return got[returned]
+
+    out = run_bounded(engine(random_model, "broken", registry_with(Broken)), PROMPTS,
+                      SamplingParams(max_new_tokens=8, ignore_eos=True))
+    expected = "failed: RuntimeError: lost" if returned == "raises" else "must return one Proposal per row (3), got "
+    for r in out:
+        assert isinstance(r.error, PluginError) and f"proposer 'broken' {expected}" in str(r.error), r.error

@@ -101,8 +101,13 @@ class Speculator:
     def propose(self, reqs: list[Request], budgets: list[int], vocab_size: int
                 ) -> tuple[list[Proposal], dict[int, PluginError]]:
         """One checked proposal per request (empty where its budget is 0), and the rows whose proposal was
-        refused, with the reason (their proposals are empty). A proposer that raises fails the whole call."""
+        refused, with the reason (their proposals are empty). A proposer that raises fails the whole call.
+
+        The proposer reads the engine's own requests: one that changed a request's tokens (wrote its drafts
+        into ``output_ids``, say) has them put back to their lengths and fails that request. Left alone, a
+        sequence grown past its limits is one the scheduler can never run again: the engine would loop."""
         name = self.proposer.name
+        marks = [_mark(req) for req in reqs]
         try:
             for req in reqs:
                 if self._started.get(req.request_id, req.metrics.num_preemptions) != req.metrics.num_preemptions:
@@ -114,8 +119,11 @@ class Speculator:
             got = self.proposer.propose([reqs[i] for i in asked], [budgets[i] for i in asked]) if asked else []
         except Exception as exc:
             raise PluginError(f"proposer '{name}' failed: {type(exc).__name__}: {exc}") from exc
+        finally:
+            changed = {i: reason for i, (req, mark) in enumerate(zip(reqs, marks)) if (reason := _restore(req, mark))}
         if not isinstance(got, list) or len(got) != len(asked) or not all(isinstance(p, Proposal) for p in got):
-            raise PluginError(f"proposer '{name}' must return one Proposal per row ({len(asked)})")
+            raise PluginError(f"proposer '{name}' must return one Proposal per row ({len(asked)}), "
+                              f"got {_shown(got)}")
         out, refused = [Proposal()] * len(reqs), {}
         for i, proposal in zip(asked, got):
             reason = _refusal(proposal, budgets[i], vocab_size)
@@ -123,6 +131,8 @@ class Speculator:
                 refused[i] = PluginError(f"proposer '{name}' {reason}")
             else:
                 out[i] = Proposal(list(proposal.token_ids), proposal.probs if proposal.token_ids else None)
+        for i, reason in changed.items():
+            out[i], refused[i] = Proposal(), PluginError(f"proposer '{name}' {reason}")
         return out, refused
 
     def advance(self, req: Request, num_proposed: int, num_accepted: int) -> None:
@@ -158,14 +168,51 @@ class Speculator:
 _PROBS_SUM_TOL = 1e-3
 
 
+_Mark = tuple[list[int], int, list[int], int, list[int]]
+
+
+def _mark(req: Request) -> _Mark:
+    """What :func:`_restore` checks a request's tokens against: its two lists, their lengths, the last token."""
+    return req.prompt_ids, len(req.prompt_ids), req.output_ids, len(req.output_ids), req.output_ids[-1:]
+
+
+def _restore(req: Request, mark: _Mark) -> str:
+    """Why ``req``'s tokens are not as ``mark`` found them ('' = they are), after putting back its lists at
+    their lengths (a proposer's appended drafts go; tokens it overwrote or removed cannot come back)."""
+    prompt, num_prompt, output, num_output, last = mark
+    now = (len(req.prompt_ids), len(req.output_ids))
+    if req.prompt_ids is prompt and req.output_ids is output and now == (num_prompt, num_output) and output[-1:] == last:
+        return ""
+    what = [f"{part} {was} -> {n} tokens" for part, was, n in (("prompt", num_prompt, now[0]),
+                                                               ("output", num_output, now[1])) if was != n]
+    if req.prompt_ids is not prompt or req.output_ids is not output:
+        what.append("its token lists replaced")
+    req.prompt_ids, req.output_ids = prompt, output
+    del prompt[num_prompt:], output[num_output:]
+    return (f"changed request '{req.request_id}' ({', '.join(what) or 'its last token overwritten'}): the rows "
+            "a proposer gets are read only, its drafts go in the Proposal it returns")
+
+
+def _shown(value: object) -> str:
+    """A short description of what a plugin returned, for an error message."""
+    text = repr(value)
+    return f"{type(value).__name__} {text[:60]}{'...' if len(text) > 60 else ''}"
+
+
 def _refusal(proposal: Proposal, budget: int, vocab_size: int) -> str:
     """Why a row's proposal cannot be verified ('' = it can): drafts must be at most ``budget`` token ids of the
     vocabulary, and ``probs`` (when given) one probability distribution per draft, finite, >= 0, summing to 1."""
     ids = proposal.token_ids
-    if not isinstance(ids, (list, tuple)) or len(ids) > budget or not all(
-            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in ids):
-        shown = list(ids[:8]) if isinstance(ids, (list, tuple)) else repr(ids)
-        return f"proposed {shown} for at most {budget} tokens in a vocabulary of {vocab_size}"
+    if not isinstance(ids, (list, tuple)):
+        return f"returned token_ids of {_shown(ids)}, expected a list of token ids"
+    if len(ids) > budget:
+        return (f"proposed {len(ids)} drafts {list(ids[:8])}{' ...' if len(ids) > 8 else ''} where at most "
+                f"{budget} were asked for (num_tokens: what the request may still take this step, within "
+                "num_speculative_tokens, max_new_tokens and the context limit)")
+    bad = next((j for j, t in enumerate(ids) if not (isinstance(t, int) and not isinstance(t, bool)
+                                                      and 0 <= t < vocab_size)), None)
+    if bad is not None:
+        return f"proposed draft {bad} = {ids[bad]!r}, not a token id of the vocabulary [0, {vocab_size})"
     probs = proposal.probs
     if probs is None or not ids:
         return ""

@@ -29,7 +29,8 @@ __all__ = ["DraftRow", "Proposal", "ProposerCapabilities", "ProposerTarget", "Pr
 
 
 class DraftRow(Protocol):
-    """What a proposer sees of each request (the engine's request state; read only)."""
+    """What a proposer sees of each request: the engine's request state, read only (a proposer that changes a
+    row's tokens, e.g. appends its drafts to ``output_ids``, fails that request with a PluginError)."""
 
     request_id: str
     prompt_ids: list[int]
@@ -116,7 +117,14 @@ class Proposer(abc.ABC):
     @abc.abstractmethod
     def propose(self, rows: Sequence[DraftRow], num_tokens: Sequence[int]) -> list[Proposal]:
         """One :class:`Proposal` per row, of at most ``num_tokens[i]`` tokens continuing
-        ``rows[i].prompt_ids + rows[i].output_ids``. Ids must lie in the target's vocabulary."""
+        ``rows[i].prompt_ids + rows[i].output_ids``. Ids must lie in the target's vocabulary.
+
+        ``num_tokens[i]`` (>= 1) is the request's budget this step: ``num_speculative_tokens``, fewer where its
+        drafts and the target's own token would pass ``max_new_tokens`` or the context limit, or not fit the
+        step. It is a limit, not a hint: the engine does not cut a longer proposal, it fails that request with a
+        :class:`~kvcore.errors.PluginError` naming the proposer and the reason, as it does for ids outside the
+        vocabulary, ``token_ids`` that are not a list of ints, bad ``probs``, or a row whose tokens were changed.
+        Returning anything but one Proposal per row, or raising, fails every row of the call."""
 
     def advance(self, request_id: str, num_proposed: int, num_accepted: int) -> None:
         """The target kept ``num_accepted`` of the ``num_proposed`` drafts of the last proposal (and added one

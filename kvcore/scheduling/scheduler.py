@@ -29,7 +29,7 @@ import itertools
 from collections import deque
 from collections.abc import Iterable
 
-from kvcore.errors import OutOfBlocksError
+from kvcore.errors import ContextLengthError, OutOfBlocksError
 from kvcore.scheduling.batch import ScheduledBatch, SchedulerOutput
 from kvcore.scheduling.kv_manager import KVCacheManager
 from kvcore.scheduling.prefix import shares_inflight_prefix
@@ -213,10 +213,22 @@ class Scheduler:
         rows[1].append(n)
         return n
 
-    def _too_big(self, req: Request) -> OutOfBlocksError:
+    def _too_big(self, req: Request) -> OutOfBlocksError | ContextLengthError:
+        if req.num_tokens > self.kv.blocks.max_seq_len:
+            return self._too_long(req)
         return OutOfBlocksError(
             f"request '{req.request_id}' needs {req.num_tokens} tokens of KV cache, more than the whole "
             "cache holds; raise num_blocks or shorten the prompt"
+        )
+
+    def _too_long(self, req: Request) -> ContextLengthError:
+        # The engine never lets a sequence past the limit (admission checks prompt + max_new_tokens, a
+        # stream ends at it): a plugin changed the request's tokens. Recomputed, it would be preempted
+        # at the limit and admitted again, forever.
+        return ContextLengthError(
+            f"request '{req.request_id}' holds {req.num_tokens} tokens, past the context limit of "
+            f"{self.kv.blocks.max_seq_len}: its tokens were changed outside the engine (by a plugin that "
+            "wrote into the request it was shown?)"
         )
 
     def _admit(
@@ -235,8 +247,9 @@ class Scheduler:
                 break
             if not self.kv.can_add_sequence():
                 break
-            if blocks.min_blocks_for(req.num_tokens) > blocks.num_blocks:
-                self.waiting.popleft()  # even alone it never fits
+            # even alone it never fits (or its tokens grew past the context limit outside the engine)
+            if req.num_tokens > blocks.max_seq_len or blocks.min_blocks_for(req.num_tokens) > blocks.num_blocks:
+                self.waiting.popleft()
                 out.failed.append((req, self._too_big(req)))
                 continue
             seq_id = self.new_seq_id()
