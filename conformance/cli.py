@@ -15,6 +15,7 @@ import sys
 import warnings
 from pathlib import Path
 
+from kvcore.conformance.limits import DEFAULT_CASE_TIMEOUT
 from kvcore.errors import KVCoreError
 
 __all__ = ["add_parser", "run"]
@@ -67,6 +68,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0,
                    help="base of the seeds the sampler oracle draws with (default 0): runs are reproducible; "
                    "another seed is another independent trial of the statistical checks")
+    p.add_argument("--case-timeout", type=float, default=DEFAULT_CASE_TIMEOUT, metavar="SECONDS",
+                   help=f"fail a case still running after SECONDS (checked between engine steps; default "
+                   f"{DEFAULT_CASE_TIMEOUT:g}, 0 = no limit) and go on with the next; an engine run also fails past 4 steps per token it "
+                   "asks for, so a plugin that makes the engine loop fails its case instead of hanging")
     p.add_argument("--threads", type=int, default=1,
                    help="torch CPU threads (default 1: fastest on a shared 2-core machine; 0 = torch's default)")
     p.add_argument("--verbose", "-v", action="store_true", help="list every case and failure tracebacks")
@@ -121,6 +126,7 @@ def run(args: argparse.Namespace) -> int:
             tiers=_split(args.tier) or default_tiers,
             tensor_parallel_size=args.tensor_parallel_size,
             seed=args.seed,
+            case_timeout=args.case_timeout or None,
         )
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")

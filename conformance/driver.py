@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvcore.conformance.limits import generate, steps
 from kvcore.conformance.models import ConformanceModel
 from kvcore.conformance.settings import SuiteConfig
 from kvcore.conformance.target import Target
@@ -82,7 +83,7 @@ def run_engine(
     recorder = RecordingSampler(sampler or target.make_sampler())
     engine = Engine(cm.model, None, config, registry=target.registry, sampler=recorder)
     try:
-        results = engine.generate([list(p) for p in prompts], list(params))
+        results = generate(engine, prompts, params)
     finally:
         engine.close()  # stops tensor-parallel workers now, not when the engine is collected
     streams = []
@@ -125,8 +126,9 @@ def run_churn(
     recorder = RecordingSampler(target.make_sampler())
     engine = Engine(cm.model, None, config, registry=target.registry, sampler=recorder)
     ids: list[str | None] = [None] * len(requests)
-    step = 0
-    while step < 10_000 and (None in ids or engine.has_unfinished()):
+    step, run = 0, steps(sum(len(r.prompt) + r.max_new_tokens for r in requests))
+    while None in ids or engine.has_unfinished():
+        next(run)
         for i, r in enumerate(requests):
             if ids[i] is None and r.join_step <= step:
                 params = SamplingParams(max_new_tokens=r.max_new_tokens, ignore_eos=True)

@@ -14,6 +14,7 @@ import torch
 
 from kvcore.conformance import cache_tier, op_tier, sampling_tier, speculative_tier, stream_tier
 from kvcore.conformance.coverage import case_dimensions, tier_coverage
+from kvcore.conformance.limits import CaseTimeout, case_limits
 from kvcore.conformance.results import FAIL, PASS, SKIP, CaseResult, SuiteReport
 from kvcore.conformance.settings import SuiteConfig
 from kvcore.conformance.target import BrokenTargetError, Target, resolve_target
@@ -47,7 +48,8 @@ def run_case(target: Target, tier: str, case, cfg: SuiteConfig) -> CaseResult:
     ``tolerance(target, case, cfg) -> str``, ``skip_reasons(target, case, cfg) -> list[str]`` (a case
     outside the declared capabilities is skipped with the reasons) and ``check(target, case, cfg, result)``,
     which sets ``result`` (``info["where"]`` says what it was doing). An exception is a failure with its
-    location and traceback, never a suite crash."""
+    location and traceback, never a suite crash; so is a case past its step or time limit
+    (:mod:`kvcore.conformance.limits`: ``timed out after N s / N steps``), after which the next case runs."""
     module = TIER_MODULES[tier]
     cfg = cfg.for_dtype(getattr(case, "dtype", None))
     start = time.perf_counter()
@@ -58,7 +60,12 @@ def run_case(target: Target, tier: str, case, cfg: SuiteConfig) -> CaseResult:
         if reasons:
             result.status, result.detail = SKIP, "; ".join(reasons)
         else:
-            module.check(target, case, cfg, result)
+            with case_limits(cfg.case_timeout, cfg.max_steps):
+                module.check(target, case, cfg, result)
+    except CaseTimeout as exc:  # the next case runs; a traceback would only show the engine loop
+        result.status = FAIL
+        result.detail = f"case '{case.id}' {exc} ({result.info.get('where', 'setup')})"
+        result.info["timed_out"] = True
     except Exception as exc:
         result.status = FAIL
         tb = traceback.format_exception(type(exc), exc, exc.__traceback__)

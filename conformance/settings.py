@@ -6,6 +6,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from kvcore.conformance.limits import DEFAULT_CASE_TIMEOUT
 from kvcore.engine.core import parse_dtype
 from kvcore.errors import ConfigError
 from kvcore.interfaces.dtypes import dtype_name
@@ -43,6 +44,10 @@ class SuiteConfig:
     tensor_parallel_size: int = 1  # ranks the engine-level tiers (stream, sampling) run the model on
     #: base of the seeds the sampler oracle draws with: a run is reproducible, another seed another trial
     seed: int = 0
+    #: seconds a case may run before it fails as timed out, checked between engine steps (None: no limit)
+    case_timeout: float | None = DEFAULT_CASE_TIMEOUT
+    #: engine steps each engine run of a case may take (None: 4 per token it asks for, plus 64; see limits.py)
+    max_steps: int | None = None
     dtypes: tuple[torch.dtype, ...] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -64,6 +69,12 @@ class SuiteConfig:
             raise ConfigError(f"tensor_parallel_size must be a positive integer, got {tp!r}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed < 1 << 32:
             raise ConfigError(f"seed must be an integer in [0, 2^32), got {self.seed!r}")
+        t = self.case_timeout
+        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0):
+            raise ConfigError(f"case_timeout must be a positive number of seconds or None, got {t!r}")
+        m = self.max_steps
+        if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
+            raise ConfigError(f"max_steps must be a positive integer or None, got {m!r}")
 
     def for_dtype(self, dtype: torch.dtype | None) -> SuiteConfig:
         """This configuration narrowed to one dtype (a case's own); ``None`` keeps it."""
@@ -89,4 +100,6 @@ class SuiteConfig:
             "tiers": list(self.tiers),
             "tensor_parallel_size": self.tensor_parallel_size,
             "seed": self.seed,
+            "case_timeout": self.case_timeout,
+            "max_steps": self.max_steps,
         }

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvcore.conformance.limits import generate
 from kvcore.conformance.models import get_model
 from kvcore.conformance.results import FAIL, CaseResult
 from kvcore.conformance.settings import SuiteConfig
@@ -135,7 +136,7 @@ def _fields(p: SamplingParams) -> dict:
 
 
 def _run(engine: Engine, prompts, params) -> list:
-    return engine.generate(prompts, params)
+    return generate(engine, prompts, params)
 
 
 def _options(proposer: str, continuations: dict) -> dict:
@@ -237,7 +238,7 @@ def _check_distribution(target: Target, cm, proposer: str, result: CaseResult) -
     support = sorted({t for pair in joint for t in pair} | set(range(len(joint))))
     options = {"seed": 7, "sampled": True, "support": support} if proposer == RANDOM else {}
     engine = _engine(target, cm, proposer, options, len(prompt) + 8, seqs=64, budget=4096)
-    outs = engine.generate([prompt] * NUM_DRAWS, [SamplingParams(seed=1000 + i, **base) for i in range(NUM_DRAWS)])
+    outs = generate(engine, [prompt] * NUM_DRAWS, [SamplingParams(seed=1000 + i, **base) for i in range(NUM_DRAWS)])
     counts: dict[tuple[int, int], int] = {}
     for o in outs:
         pair = tuple(o.token_ids[:2])
@@ -262,7 +263,7 @@ def _check_distribution(target: Target, cm, proposer: str, result: CaseResult) -
 
 def _top(engine: Engine, prompt: list[int], base: dict) -> dict[int, float]:
     """The processed next-token distribution after ``prompt`` (top-k 3 at temperature 1)."""
-    out = engine.generate([prompt], [SamplingParams(seed=0, logprobs=3, **{**base, "max_new_tokens": 1})])[0]
+    out = generate(engine, [prompt], [SamplingParams(seed=0, logprobs=3, **{**base, "max_new_tokens": 1})])[0]
     return {t: math.exp(lp) for t, lp in out.top_logprobs[0]}
 
 
