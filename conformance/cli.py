@@ -70,8 +70,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    "another seed is another independent trial of the statistical checks")
     p.add_argument("--case-timeout", type=float, default=DEFAULT_CASE_TIMEOUT, metavar="SECONDS",
                    help=f"fail a case still running after SECONDS (checked between engine steps; default "
-                   f"{DEFAULT_CASE_TIMEOUT:g}, 0 = no limit) and go on with the next; an engine run also fails past 4 steps per token it "
-                   "asks for, so a plugin that makes the engine loop fails its case instead of hanging")
+                   f"{DEFAULT_CASE_TIMEOUT:g}, 0 = no limit) and go on with the next; an engine run also fails "
+                   "past 4 steps per token it asks for: a plugin that makes the engine loop fails its case")
     p.add_argument("--threads", type=int, default=1,
                    help="torch CPU threads (default 1: fastest on a shared 2-core machine; 0 = torch's default)")
     p.add_argument("--verbose", "-v", action="store_true", help="list every case and failure tracebacks")

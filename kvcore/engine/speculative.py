@@ -181,7 +181,8 @@ def _restore(req: Request, mark: _Mark) -> str:
     their lengths (a proposer's appended drafts go; tokens it overwrote or removed cannot come back)."""
     prompt, num_prompt, output, num_output, last = mark
     now = (len(req.prompt_ids), len(req.output_ids))
-    if req.prompt_ids is prompt and req.output_ids is output and now == (num_prompt, num_output) and output[-1:] == last:
+    same_lists = req.prompt_ids is prompt and req.output_ids is output
+    if same_lists and now == (num_prompt, num_output) and output[-1:] == last:
         return ""
     what = [f"{part} {was} -> {n} tokens" for part, was, n in (("prompt", num_prompt, now[0]),
                                                                ("output", num_output, now[1])) if was != n]
