@@ -13,7 +13,13 @@ from helpers import full_attention, make_random_model, weights_of
 from kvcore import LlamaModel
 from kvcore.kernels.cpu_kernels import int4a8_reasons
 from kvcore.kernels.group_quant import GroupCodes, Int8GroupLinear
-from kvcore.kernels.huge_pages import HUGE_PAGE, HugePageArena, huge_page_reason, move_into_huge_pages
+from kvcore.kernels.huge_pages import (
+    HUGE_PAGE,
+    HugePageArena,
+    advise_huge_pages,
+    huge_page_reason,
+    move_into_huge_pages,
+)
 from kvcore.kernels.quant import Int4A8Linear
 from kvcore.model.lm_head import int4a8_in_chunks
 
@@ -124,3 +130,16 @@ def test_the_8_bit_group_kernel_reads_the_same_weights_from_huge_pages():
     assert "hg" in _vm_flags(lin.packed.data_ptr())
     assert lin.packed.untyped_storage().data_ptr() == lin.dm.untyped_storage().data_ptr()
     assert torch.equal(lin(x), before)
+
+
+@needs_thp
+def test_a_mapped_file_is_advised_into_huge_pages(tmp_path):
+    """A prepared model's weights are views of a file mapping (torch.load(mmap=True)): advised MADV_HUGEPAGE, the
+    mapping's other pages and the values untouched."""
+    torch.save({"a": torch.arange(3 * HUGE_PAGE // 4, dtype=torch.int32), "b": torch.ones(5)}, tmp_path / "w.pt")
+    tensors = torch.load(tmp_path / "w.pt", mmap=True, weights_only=True)
+    assert "hg" not in _vm_flags(tensors["a"].data_ptr()) and _mapping(tensors["a"].data_ptr())["path"].endswith("w.pt")
+    assert advise_huge_pages(tensors.values())
+    assert "hg" in _vm_flags(tensors["a"].data_ptr()) and "hg" in _vm_flags(tensors["b"].data_ptr())
+    assert torch.equal(tensors["a"], torch.arange(3 * HUGE_PAGE // 4, dtype=torch.int32))
+    assert not advise_huge_pages([])

@@ -11,6 +11,7 @@ memory and nothing else changes. ``benchmarks/ab/huge_pages.py`` measures what i
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import mmap
 import sys
@@ -20,7 +21,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["HUGE_PAGE", "HugePageArena", "Relocatable", "huge_page_reason", "move_into_huge_pages"]
+__all__ = ["HUGE_PAGE", "HugePageArena", "Relocatable", "advise_huge_pages", "huge_page_reason", "move_into_huge_pages"]
 
 HUGE_PAGE = 2 << 20  # bytes of a transparent huge page over 4 KiB pages (x86-64, most arm64 kernels)
 _ALIGN = 64  # each tensor's first byte: a cache line, as the kernels' vector loads want
@@ -119,3 +120,20 @@ def move_into_huge_pages(objects: Sequence[Relocatable]) -> HugePageArena | None
     for obj in objects:
         obj.relocate(arena.take)
     return arena
+
+
+def advise_huge_pages(tensors: Iterable[torch.Tensor]) -> bool:
+    """Ask the kernel to back the memory of ``tensors`` (views of one file mapping, such as a prepared model's
+    weights: :mod:`kvcore.loaders.model_cache`) with huge pages (``madvise(MADV_HUGEPAGE)`` over the whole 2 MiB
+    pages they span). A file mapping cannot be moved into a :class:`HugePageArena` without losing what it shares
+    with other processes; where the file system keeps its page cache in large folios (ext4 on Linux 6.16 and
+    later, for one), pages read after the advice come in 2 MiB folios mapped as huge pages. Whether the kernel
+    took the advice; elsewhere nothing changes. The span is rounded to whole 4 KiB pages, which the mapping holds
+    (not to 2 MiB ones, which may reach past it)."""
+    spans = [(t.data_ptr(), t.data_ptr() + t.nbytes) for t in tensors if t.device.type == "cpu" and t.nbytes]
+    if huge_page_reason() is not None or not spans:
+        return False
+    start = min(a for a, _ in spans) // mmap.PAGESIZE * mmap.PAGESIZE
+    end = -(-max(b for _, b in spans) // mmap.PAGESIZE) * mmap.PAGESIZE
+    libc = ctypes.CDLL(None, use_errno=True)
+    return libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), mmap.MADV_HUGEPAGE) == 0

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from kvcore.kernels.huge_pages import advise_huge_pages
 from kvcore.loaders.load import build_model, load_model
 from kvcore.loaders.prepared import prepare_head, restore_runtime, runtime_state
 from kvcore.model.config import ModelConfig, check_max_model_len
@@ -154,6 +155,7 @@ def _read(entry: Path) -> tuple[nn.Module, Tokenizer] | None:
     try:
         meta = json.loads((entry / "meta.json").read_text())
         tensors = torch.load(entry / "model.pt", mmap=True, weights_only=True)
+        advise_huge_pages(tensors.values())  # streamed every decode step: huge pages where the kernel can
         model = _assemble(_config_from_json(meta["config"]), meta["dtype"], meta["max_positions"], tensors)
         restore_runtime(model, tensors, meta["runtime"])
         tokenizer = _tokenizer_from_json(meta["tokenizer"])
