@@ -381,7 +381,7 @@ def test_smollm2_greedy_through_the_server_equals_kvcore_generate(capsys, smollm
 
 
 def test_load_test_script_small_run(tmp_path):
-    """benchmarks/studies/load_test.py itself, bounded small: concurrent streams, hang-ups, the alone oracle, no leaks."""
+    """benchmarks/studies/load_test.py, bounded small: concurrent streams, hang-ups, the alone oracle, no leaks."""
     script = Path(__file__).parents[1] / "benchmarks" / "studies" / "load_test.py"
     out = tmp_path / "summary.json"
     argv = ["--model", str(TINY), "--requests", "24", "--concurrency", "8", "--max-tokens", "12",

@@ -215,20 +215,15 @@ class Scheduler:
 
     def _too_big(self, req: Request) -> OutOfBlocksError | ContextLengthError:
         if req.num_tokens > self.kv.blocks.max_seq_len:
-            return self._too_long(req)
+            # The engine never lets a sequence past the limit: a plugin changed the request's tokens.
+            # Recomputed, it would be preempted at the limit and admitted again, forever.
+            return ContextLengthError(
+                f"request '{req.request_id}' holds {req.num_tokens} tokens, past the context limit of "
+                f"{self.kv.blocks.max_seq_len}: its tokens were changed outside the engine (by a plugin that "
+                "wrote into the request it was shown?)")
         return OutOfBlocksError(
             f"request '{req.request_id}' needs {req.num_tokens} tokens of KV cache, more than the whole "
             "cache holds; raise num_blocks or shorten the prompt"
-        )
-
-    def _too_long(self, req: Request) -> ContextLengthError:
-        # The engine never lets a sequence past the limit (admission checks prompt + max_new_tokens, a
-        # stream ends at it): a plugin changed the request's tokens. Recomputed, it would be preempted
-        # at the limit and admitted again, forever.
-        return ContextLengthError(
-            f"request '{req.request_id}' holds {req.num_tokens} tokens, past the context limit of "
-            f"{self.kv.blocks.max_seq_len}: its tokens were changed outside the engine (by a plugin that "
-            "wrote into the request it was shown?)"
         )
 
     def _admit(
