@@ -80,5 +80,7 @@ def test_chat_says_paris(capsys):
     # pinned to the exact reference like the other goldens: its first token is a near-tie ("The" 0.08 logits
     # ahead of "L" in float32), which the default's int8 activations can flip into a French reply
     # (benchmarks/results/fast-default.md)
-    rc = main(["chat", "--dtype", "float32", "--max-new-tokens", "24", "What is the capital of France?"])
+    # greedy: chat samples unless told otherwise
+    rc = main(["chat", "--dtype", "float32", "--temperature", "0", "--max-new-tokens", "24",
+               "What is the capital of France?"])
     assert rc == 0 and "Paris" in capsys.readouterr().out
