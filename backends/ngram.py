@@ -33,6 +33,11 @@ from kvcore.interfaces.proposer import Proposal, Proposer
 
 from .backoff import Backoff, DraftLength, check_positive
 
+#: the longest n-gram ``max_n`` may ask for: the index keeps ``max_n - min_n + 1`` tuples of up to ``max_n`` tokens
+#: per token of context, and a step costs O(``max_n``) lookups, so memory and time grow with it; copies are found
+#: by 2- to 4-grams (llama.cpp's lookup stops at 4), and a larger bound only lets a config file hang a request
+MAX_NGRAM = 16
+
 
 @dataclass
 class _State:
@@ -51,6 +56,8 @@ class NgramProposer(Proposer):
     def __init__(self, max_n: int = 3, min_n: int = 2, misses: int = 3, cooldown: int = 2) -> None:
         super().__init__()
         check_positive("ngram", max_n=max_n, min_n=min_n, misses=misses, cooldown=cooldown)
+        if max_n > MAX_NGRAM:
+            raise ConfigError(f"proposer 'ngram': max_n must be in [1, {MAX_NGRAM}], got {max_n} (min_n <= max_n)")
         if min_n > max_n:
             raise ConfigError(f"proposer 'ngram': min_n ({min_n}) is larger than max_n ({max_n})")
         self.max_n, self.min_n = max_n, min_n

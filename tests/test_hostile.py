@@ -222,3 +222,29 @@ def test_validator_places_tensors_where_the_gguf_reader_does(tmp_path: Path, ali
     assert [(t.name, t.offset, t.nbytes, t.ggml_type) for t in layout.tensors] == [
         (t.name, int(t.data_offset), int(t.n_bytes), int(t.tensor_type)) for t in reader.tensors
     ]
+
+
+@pytest.mark.parametrize(("options", "says"), [
+    ({"max_n": 10**9}, "max_n must be in [1, 16], got 1000000000"),  # indexed 10^9 n-gram sizes per token
+    ({"max_n": 17}, "max_n must be in [1, 16]"),
+    ({"max_n": 1e9}, "max_n must be a positive integer, got 1000000000.0"),
+    ({"min_n": 0}, "min_n must be a positive integer"),
+    ({"max_n": 4, "min_n": 5}, "min_n (5) is larger than max_n (4)"),
+    ({"misses": True}, "misses must be a positive integer"),
+])
+def test_ngram_options_out_of_range_are_config_errors(tmp_path: Path, options: dict, says: str) -> None:
+    """A [proposers.ngram] table with a huge max_n hung its first request and grew memory by ~200 MB/s; each option
+    out of range is a ConfigError naming it and its range, when the proposer is made."""
+    from kvcore.engine.file_config import load_config
+    from kvcore.errors import ConfigError
+    from kvcore.plugins.registry import get_registry
+
+    path = tmp_path / "kvcore.toml"
+    values = "\n".join(f"{k} = {str(v).lower() if isinstance(v, bool) else v}" for k, v in options.items())
+    path.write_text(f'proposer = "ngram"\n\n[proposers.ngram]\n{values}\n')
+    table = load_config(path).proposers["ngram"]
+    with pytest.raises(ConfigError) as caught:
+        get_registry().create_proposer("ngram", table)
+    assert says in str(caught.value) and "'ngram'" in str(caught.value)
+    assert get_registry().create_proposer("ngram", {"max_n": 16, "min_n": 16}).max_n == 16
+
