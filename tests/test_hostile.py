@@ -248,3 +248,23 @@ def test_ngram_options_out_of_range_are_config_errors(tmp_path: Path, options: d
     assert says in str(caught.value) and "'ngram'" in str(caught.value)
     assert get_registry().create_proposer("ngram", {"max_n": 16, "min_n": 16}).max_n == 16
 
+
+@pytest.mark.parametrize(("flag", "source", "says"), [
+    ("--json-schema", "/dev/zero", "--json-schema '/dev/zero' is not a regular file"),  # read for ever, then exit 70
+    ("--grammar", "/dev/zero", "--grammar '/dev/zero' is not a regular file"),
+    ("--json-schema", "big", "is larger than 1048576 bytes"),
+    ("--grammar", "binary", "is not UTF-8 text"),
+    ("--json-schema", "folder", "cannot read --json-schema file"),
+])
+def test_schema_and_grammar_files_are_read_within_bounds(tmp_path: Path, flag: str, source: str, says: str) -> None:
+    """--json-schema / --grammar read a regular file (or a pipe) of at most 1 MiB, no further: anything else is one
+    line and exit code 2 (ConfigError), before the model loads."""
+    model = CASES["gguf_valid"].build(tmp_path)
+    paths = {"big": tmp_path / "big.json", "binary": tmp_path / "g.lark", "folder": tmp_path}
+    paths["big"].write_text('{"type": "string", "description": "' + "x" * (1 << 20) + '"}')
+    paths["binary"].write_bytes(b"start: \"a\"\xff\xfe\n")
+    path = str(paths.get(source, source))
+    code, _, err, peak = _kvcore("generate", "--model", str(model), flag, path, "a th", peak_file=tmp_path / "peak")
+    assert code == 2, (code, err)
+    assert err.startswith("kvcore: error: ") and says in err and err.count("\n") == 1, err
+    assert peak < CLI_MEMORY_LIMIT, f"peak RSS {peak >> 20} MiB"

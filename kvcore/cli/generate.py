@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
+import stat
 import sys
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
@@ -86,15 +88,33 @@ def structured_output(args: argparse.Namespace):
         return StructuredOutput(regex=args.regex)
     for flag, key in (("json_schema", "json"), ("grammar", "grammar")):
         path = getattr(args, flag, None)
-        if path is None:
-            continue
-        try:
-            with open(path, encoding="utf-8") as f:
-                text = f.read()
-        except (OSError, UnicodeDecodeError) as exc:
-            raise ConfigError(f"cannot read --{flag.replace('_', '-')} file '{path}': {exc}") from None
-        return StructuredOutput(**{key: text})
+        if path is not None:
+            return StructuredOutput(**{key: _read_spec(path, "--" + flag.replace("_", "-"))})
     return None
+
+
+#: the largest --json-schema / --grammar file read (bytes): far above any real schema or grammar; the bound keeps
+#: a device or an endless pipe (``/dev/zero``) from being read into memory
+MAX_SPEC_BYTES = 1 << 20
+
+
+def _read_spec(path: str, flag: str) -> str:
+    """The text of a schema or grammar file: a regular file (or a pipe, ``<(...)``) of at most
+    :data:`MAX_SPEC_BYTES`, read no further than that (``/dev/zero`` never ends), UTF-8; ConfigError otherwise."""
+    try:
+        with open(path, "rb") as f:
+            mode = os.fstat(f.fileno()).st_mode
+            if not (stat.S_ISREG(mode) or stat.S_ISFIFO(mode)):
+                raise ConfigError(f"{flag} '{path}' is not a regular file")
+            raw = f.read(MAX_SPEC_BYTES + 1)
+    except OSError as exc:  # missing, unreadable, a directory
+        raise ConfigError(f"cannot read {flag} file '{path}': {exc.strerror or exc}") from None
+    if len(raw) > MAX_SPEC_BYTES:
+        raise ConfigError(f"{flag} file '{path}' is larger than {MAX_SPEC_BYTES} bytes")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{flag} file '{path}' is not UTF-8 text: {exc.reason} at byte {exc.start}") from None
 
 
 def load_engine(args: argparse.Namespace, request_ids: Callable[[Any], list[int]] | None = None,
