@@ -71,7 +71,10 @@ def gguf_config(metadata: dict[str, Any], path: Path) -> tuple[type[Architecture
         **arch.options,
     )
     fields["rope_scaling"] = gguf_rope_scaling(meta, name, path)
-    fields.update(arch.gguf_options(meta, fields))
+    try:
+        fields.update(arch.gguf_options(meta, fields))
+    except ModelLoadError as exc:  # a family's option out of range: name the file
+        raise ModelLoadError(f"'{path}': {exc}") from None
     return arch, fields, meta
 
 

@@ -9,10 +9,15 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from kvcore.errors import ModelLoadError
 from kvcore.hookspecs import hookimpl
 from kvcore.model.architectures import Architecture, layer_types_window
+from kvcore.model.config import SIZE_LIMITS, checked_number
 
-__all__ = ["Llama", "Mistral", "Qwen2", "Qwen3", "Phi3", "Gemma2", "Gemma3", "BUILTIN_ARCHITECTURES"]
+__all__ = ["Llama", "Mistral", "Qwen2", "Qwen3", "Phi3", "Gemma2", "Gemma3", "BUILTIN_ARCHITECTURES", "MAX_PATTERN"]
+
+#: the largest Gemma 3 ``sliding_window_pattern`` (every n-th layer global): no model has more layers
+MAX_PATTERN = SIZE_LIMITS["num_hidden_layers"]
 
 
 class Llama(Architecture):
@@ -147,6 +152,9 @@ class Gemma3(Architecture):
         rope = cfg.get("rope_parameters")
         if isinstance(rope, dict) and isinstance(rope.get("full_attention"), dict):
             local = rope.get("sliding_attention") or {}
+            if not isinstance(local, dict):
+                raise ModelLoadError(f"'{where}': config.json: rope_parameters.sliding_attention must be an object, "
+                                     f"got {type(local).__name__}")
             cfg = {**cfg, "rope_parameters": rope["full_attention"],
                    "rope_local_base_freq": local.get("rope_theta", cfg.get("rope_local_base_freq"))}
         return super().config_from_hf(cfg, eos, where)
@@ -154,9 +162,12 @@ class Gemma3(Architecture):
     @classmethod
     def hf_options(cls, cfg: dict[str, Any]) -> dict[str, Any]:
         layers = int(cfg["num_hidden_layers"])
-        types = cfg.get("layer_types") or _every_nth_global(int(cfg.get("sliding_window_pattern", 6)), layers)
+        pattern = cfg.get("sliding_window_pattern", 6)
+        types = cfg.get("layer_types") or _every_nth_global(
+            _checked_int("sliding_window_pattern", pattern, "config.json", 1, MAX_PATTERN), layers)
+        local_base = cfg.get("rope_local_base_freq", 10000.0)
         return {**_gemma_hf_options(cfg, types),
-                "rope_local_base_freq": float(cfg.get("rope_local_base_freq", 10000.0))}
+                "rope_local_base_freq": checked_number("rope_local_base_freq", local_base, "config.json")}
 
     @classmethod
     def gguf_options(cls, meta: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
@@ -164,7 +175,8 @@ class Gemma3(Architecture):
         return {
             **_gemma_gguf_options(meta, config, big_layers=62, layer_types=_every_nth_global(6, layers)),  # 27B
             # llama.cpp's default when the file does not say: local layers rotate with base 10000
-            "rope_local_base_freq": float(meta.get("rope.freq_base_swa", 10000.0)),
+            "rope_local_base_freq": checked_number("rope_local_base_freq", meta.get("rope.freq_base_swa", 10000.0),
+                                                   "GGUF metadata 'gemma3.rope.freq_base_swa'"),
         }
 
 
@@ -173,11 +185,18 @@ def _gemma_hf_options(cfg: dict[str, Any], layer_types: list[str] | None) -> dic
     return {
         "hidden_act": cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh",
         "embedding_multiplier": math.sqrt(cfg["hidden_size"]),
-        "query_pre_attn_scalar": float(cfg.get("query_pre_attn_scalar", 256)),
-        "final_logit_softcapping": cfg.get("final_logit_softcapping"),
-        "attn_logit_softcapping": cfg.get("attn_logit_softcapping"),
-        **_alternating(cfg.get("sliding_window"), layer_types, int(cfg["num_hidden_layers"])),
+        "query_pre_attn_scalar": checked_number("query_pre_attn_scalar", cfg.get("query_pre_attn_scalar", 256),
+                                                "config.json"),
+        **_softcaps(cfg, "config.json"),
+        **_alternating(cfg.get("sliding_window"), layer_types, int(cfg["num_hidden_layers"]), "config.json"),
     }
+
+
+def _softcaps(values: dict[str, Any], where: str) -> dict[str, Any]:
+    """The logit soft-caps a Gemma config sets: each absent (or null: off) or a finite number > 0 (a cap of 0
+    divides by zero, a negative one turns the logits upside down)."""
+    keys = ("final_logit_softcapping", "attn_logit_softcapping")
+    return {key: checked_number(key, values[key], where) for key in keys if values.get(key) is not None}
 
 
 def _gemma_gguf_options(meta: dict[str, Any], config: dict[str, Any], big_layers: int,
@@ -190,9 +209,8 @@ def _gemma_gguf_options(meta: dict[str, Any], config: dict[str, Any], big_layers
     return {
         "embedding_multiplier": math.sqrt(hidden),
         "query_pre_attn_scalar": float(scalar),
-        "final_logit_softcapping": meta.get("final_logit_softcapping"),
-        "attn_logit_softcapping": meta.get("attn_logit_softcapping"),
-        **_alternating(meta.get("attention.sliding_window"), layer_types, layers),
+        **_softcaps(meta, "GGUF metadata"),
+        **_alternating(meta.get("attention.sliding_window"), layer_types, layers, "GGUF metadata"),
     }
 
 
@@ -201,15 +219,22 @@ def _every_nth_global(pattern: int, layers: int) -> list[str]:
     return ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)]
 
 
-def _alternating(window: Any, layer_types: list[str] | None, layers: int) -> dict[str, Any]:
+def _checked_int(key: str, value: Any, where: str, lo: int, hi: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise ModelLoadError(f"{where}: {key} must be an integer in [{lo}, {hi}], got {value!r:.60}")
+    return value
+
+
+def _alternating(window: Any, layer_types: list[str] | None, layers: int, where: str) -> dict[str, Any]:
     """Gemma's windows: on the layers ``layer_types`` marks, else every even layer (0, 2, ...; Gemma 2)."""
     if not window:
         return {}
+    window = _checked_int("sliding_window", window, where, 1, SIZE_LIMITS["max_position_embeddings"])
     if layer_types:
         sliding = tuple(i for i, t in enumerate(layer_types) if t == "sliding_attention")
     else:
         sliding = tuple(range(0, layers, 2))
-    return {"sliding_window": int(window), "sliding_window_layers": sliding}
+    return {"sliding_window": window, "sliding_window_layers": sliding}
 
 
 BUILTIN_ARCHITECTURES = (Llama, Mistral, Qwen2, Qwen3, Phi3, Gemma2, Gemma3)

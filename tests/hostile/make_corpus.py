@@ -264,6 +264,14 @@ def _set_item(items: list[int], index: int, value: int) -> None:
     items[index] = value
 
 
+def _gemma3_gguf(key: str, vtype: int, value: Any) -> GGUFSpec:
+    """The tiny model's metadata as a Gemma 3 file (``gemma3.*`` keys) with ``gemma3.<key>`` set."""
+    meta = [(k.replace("llama.", "gemma3.", 1) if isinstance(k, str) else k, t, v) for k, t, v in base_meta()]
+    spec = GGUFSpec(meta, base_tensors())
+    _set_meta(spec, "general.architecture", STR, "gemma3")
+    return _set_meta(spec, f"gemma3.{key}", vtype, value)
+
+
 def gguf_cases() -> list[Case]:
     t = GGUFSpec
     q_name = "blk.0.attn_q.weight"
@@ -371,6 +379,16 @@ def gguf_cases() -> list[Case]:
         Case("gguf_template_explode", _gguf(lambda: GGUFSpec(base_meta(template=EXPLODE_TEMPLATE), base_tensors())),
              error="ChatTemplateError", match="limit", op="chat"),
     ]
+    cases += [  # Gemma 3 options llama.cpp writes (the tiny model's tensors: the metadata is refused first)
+        Case("gguf_gemma3_local_base_string", _gguf(lambda: _gemma3_gguf("rope.freq_base_swa", STR, "fast")),
+             match="rope.freq_base_swa"),
+        Case("gguf_gemma3_local_base_0", _gguf(lambda: _gemma3_gguf("rope.freq_base_swa", F32, 0.0)),
+             match="rope_local_base_freq must be > 0"),
+        Case("gguf_gemma3_softcap_0", _gguf(lambda: _gemma3_gguf("final_logit_softcapping", F32, 0.0)),
+             match="final_logit_softcapping must be > 0"),
+        Case("gguf_gemma3_window_string", _gguf(lambda: _gemma3_gguf("attention.sliding_window", STR, "wide")),
+             match="sliding_window must be an integer in [1, "),
+    ]
     for section, delta in (("kv", -10), ("kv", 3), ("kv", 400), ("tensor_infos", -2), ("tensor_infos", 30),
                            ("data", 0), ("data", 1000), ("end", -1)):
         cases.append(Case(f"gguf_truncated_{section}_{delta:+d}".replace("+", "p").replace("-", "m"),
@@ -387,6 +405,13 @@ def hf_config(**changes: Any) -> dict[str, Any]:
            "eos_token_id": 2}
     cfg.update(changes)
     return cfg
+
+
+def gemma3_config(**changes: Any) -> dict[str, Any]:
+    """The tiny model's config as a Gemma 3 text model (a window on five of every six layers)."""
+    gemma3 = {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "sliding_window": 8,
+              "sliding_window_pattern": 6, "rope_local_base_freq": 10000.0}
+    return hf_config(**{**gemma3, **changes})
 
 
 def hf_weights() -> dict[str, np.ndarray]:
@@ -506,6 +531,22 @@ def hf_cases() -> list[Case]:
             "long_factor": "def"})), match="short_factor"),
         Case("hf_layers_bool", _hf(config=hf_config(num_hidden_layers=True)), match="num_hidden_layers"),
         Case("hf_max_position_1e8", _hf(config=hf_config(max_position_embeddings=10**8)), error=None, op="generate"),
+        # Gemma 3 options out of range: each a ModelLoadError naming the key and its range
+        Case("hf_gemma3_pattern_0", _hf(config=gemma3_config(sliding_window_pattern=0)),
+             match="sliding_window_pattern must be an integer in [1, "),
+        Case("hf_gemma3_pattern_inf", _hf(config=gemma3_config(sliding_window_pattern=float("inf"))),
+             match="sliding_window_pattern must be an integer in [1, "),
+        Case("hf_gemma3_local_rope_not_object", _hf(config=gemma3_config(rope_parameters={
+            "full_attention": {"rope_theta": 1e6}, "sliding_attention": 5})),
+             match="sliding_attention must be an object"),
+        Case("hf_gemma3_local_base_0", _hf(config=gemma3_config(rope_local_base_freq=0)),
+             match="rope_local_base_freq must be > 0"),
+        Case("hf_gemma3_query_scalar_0", _hf(config=gemma3_config(query_pre_attn_scalar=0)),
+             match="query_pre_attn_scalar must be > 0"),
+        Case("hf_gemma3_softcap_0", _hf(config=gemma3_config(final_logit_softcapping=0)),
+             match="final_logit_softcapping must be > 0"),
+        Case("hf_gemma3_window_inf", _hf(config=gemma3_config(sliding_window=float("inf"))),
+             match="sliding_window must be an integer in [1, "),
         Case("hf_template_non_utf8", _hf(template=b"{{ messages }}\xff\xfe"), match="UTF-8"),
         Case("hf_template_explode", _hf(template=EXPLODE_TEMPLATE.encode()), error="ChatTemplateError",
              match="limit", op="chat"),
