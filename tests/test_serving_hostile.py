@@ -240,3 +240,27 @@ def test_a_client_hanging_up_is_an_abort_not_a_server_error(server, caplog, monk
     assert all(after[k] == before.get(k, 0) for k in server_errors)
     assert after.get(abort, 0) - before.get(abort, 0) == 1  # the one that reached the engine
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING and r.exc_info], caplog.text
+
+
+def post(srv, path: str, body: dict) -> tuple[int, dict, dict]:
+    """``call`` with the response headers (lower-case names)."""
+    conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=TIMEOUT)
+    conn.request("POST", path, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    headers = {k.lower(): v for k, v in resp.getheaders()}
+    raw = resp.read()
+    conn.close()
+    return resp.status, headers, json.loads(raw) if raw else {}
+
+
+def test_cache_salt_is_a_known_field(server):
+    """vLLM's cache_salt is read (prefix-cache isolation), so it is neither reported as ignored nor refused
+    by --strict."""
+    from kvcore.serving.protocol import parse_completion
+
+    status, headers, body = post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 1, "cache_salt": "t1"})
+    assert status == 200 and "kvcore-ignored-fields" not in headers, (headers, body)
+    engine = server.front.engine
+    job = parse_completion({"prompt": "hi", "cache_salt": "t1"}, engine.tokenizer, strict=True,
+                           vocab_size=engine.model.config.vocab_size, max_model_len=256, max_prompt_chars=10_000)
+    assert job.params.cache_salt == "t1" and job.ignored_fields == ()

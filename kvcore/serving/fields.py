@@ -146,6 +146,7 @@ COMMON_FIELDS = frozenset(
         "repetition_window",
         "logit_bias",
         "ignore_eos",
+        "cache_salt",
         "stream",
         "stream_options",
         "logprobs",
