@@ -264,3 +264,24 @@ def test_cache_salt_is_a_known_field(server):
     job = parse_completion({"prompt": "hi", "cache_salt": "t1"}, engine.tokenizer, strict=True,
                            vocab_size=engine.model.config.vocab_size, max_model_len=256, max_prompt_chars=10_000)
     assert job.params.cache_salt == "t1" and job.ignored_fields == ()
+
+
+def test_unknown_field_names_cannot_forge_log_lines_or_break_the_answer(server, caplog):
+    """A field name with control characters is escaped in the log line and the header (a raw newline in a
+    header dropped the answer with a traceback; in the log it wrote a line of the client's choosing)."""
+    forged = "x\nkvcore.serving.openai_api WARNING: admin logged in"
+    body = {"prompt": "hi", "max_tokens": 1, forged: 1, "a\r\nSet-Cookie: s=1": 2, "t\tab\x00\x1b[31m": 3}
+    with caplog.at_level(logging.WARNING):
+        status, headers, payload = post(server, "/v1/completions", body)
+    assert status == 200 and payload["choices"], payload
+    shown = headers["kvcore-ignored-fields"]
+    assert "set-cookie" not in headers and shown.isascii() and shown.isprintable(), shown
+    assert "a\\r\\nSet-Cookie: s=1" in shown and "x\\nkvcore.serving" in shown and "t\\tab\\x00\\x1b[31m" in shown
+    lines = [r.getMessage() for r in caplog.records if "not known" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].isprintable() and "\\n" in lines[0], lines
+    assert not [r for r in caplog.records if r.exc_info], caplog.text
+    # a thousand long names: the header and the log line stay short, saying how many were left out
+    many = {f"{'n' * 200}{i}": i for i in range(1000)}
+    status, headers, _ = post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 1, **many})
+    assert status == 200 and len(headers["kvcore-ignored-fields"]) < 2000
+    assert headers["kvcore-ignored-fields"].endswith("and 984 more")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvcore.errors import InvalidRequestError
@@ -16,7 +16,7 @@ __all__ = [
     "CHAT_FIELDS", "COMMON_FIELDS", "COMPLETION_FIELDS", "MAX_STOP", "bad_field", "bool_field",
     "cache_salt_field", "int_field", "logit_bias_field", "number_field", "refuse_field", "stop_field",
     "stream_options_field", "structured_field", "structured_output", "token_ids_field", "unknown_fields",
-    "with_param", "message_text", "call_for_template",
+    "field_names", "with_param", "message_text", "call_for_template",
 ]
 
 #: OpenAI's limit on stop sequences
@@ -172,11 +172,28 @@ CHAT_FIELDS = COMMON_FIELDS | {
 }
 
 
+#: unknown field names a log line, a header or an error message shows: at most this many, each cut to
+#: :data:`MAX_SHOWN_NAME_CHARS` characters (a client chooses them; a body may hold thousands)
+MAX_SHOWN_NAMES, MAX_SHOWN_NAME_CHARS = 16, 64
+
+
+def field_names(names: Sequence[str]) -> str:
+    """Client-chosen field names as one printable ASCII line (``a, b\\n, c``): control characters, backslashes and
+    non-ASCII written as Python escapes, so a name can neither forge a log line nor break a response header;
+    long names and long lists are cut, saying how many there were."""
+    shown = []
+    for name in names[:MAX_SHOWN_NAMES]:
+        text = name.encode("unicode_escape").decode("ascii")
+        shown.append(text if len(text) <= MAX_SHOWN_NAME_CHARS else text[: MAX_SHOWN_NAME_CHARS - 3] + "...")
+    more = len(names) - len(shown)
+    return ", ".join(shown + ([f"and {more} more"] if more > 0 else []))
+
+
 def unknown_fields(body: Mapping, known: frozenset[str], strict: bool) -> tuple[str, ...]:
     unknown = tuple(sorted(k for k in body if k not in known))
     if unknown and strict:
         exc = InvalidRequestError(
-            f"unknown request field{'s' * (len(unknown) > 1)}: {', '.join(unknown)} (the server runs with --strict)"
+            f"unknown request field{'s' * (len(unknown) > 1)}: {field_names(unknown)} (the server runs with --strict)"
         )
         exc.param = unknown[0]  # type: ignore[attr-defined]
         raise exc

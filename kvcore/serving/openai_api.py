@@ -28,6 +28,7 @@ from starlette.routing import Route
 
 from kvcore.errors import ContextLengthError, GrammarError, KVCoreError
 from kvcore.serving.async_engine import AsyncEngine
+from kvcore.serving.fields import field_names
 from kvcore.serving.http import (
     HTTPError,
     SSEResponse,
@@ -153,11 +154,10 @@ def build_app(
         async with parsing:  # the event loop only waits: the work runs in a thread, a bounded number at once
             job, fmt = await asyncio.to_thread(prepare, data, parse, fmt_cls, request_id)
         headers = {}
-        if job.ignored_fields:
-            logger.warning("the request's fields %s are not known and were ignored", ", ".join(job.ignored_fields))
-            # a header is Latin-1: other characters of a field's name go as Python escapes
-            headers["kvcore-ignored-fields"] = ", ".join(job.ignored_fields).encode("latin-1", "backslashreplace"
-                                                                                    ).decode("latin-1")
+        if job.ignored_fields:  # names the client chose: escaped, so they cannot forge a log line or break the header
+            names = field_names(job.ignored_fields)
+            logger.warning("the request's fields %s are not known and were ignored", names)
+            headers["kvcore-ignored-fields"] = names
         streams: list[RequestStream] = []
         try:
             for p, prompt in enumerate(job.prompts):
