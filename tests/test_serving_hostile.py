@@ -285,3 +285,16 @@ def test_unknown_field_names_cannot_forge_log_lines_or_break_the_answer(server, 
     status, headers, _ = post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 1, **many})
     assert status == 200 and len(headers["kvcore-ignored-fields"]) < 2000
     assert headers["kvcore-ignored-fields"].endswith("and 984 more")
+
+
+def test_a_guided_choice_of_ten_thousand_strings_works_as_the_enum_does(server):
+    """The choices are one lexeme, as a JSON enum's values are: one grammar rule per string made the parser's
+    first row 10,001 items (llguidance stops at 2000) and the request failed at its first token."""
+    words = [f"w{i}x" for i in range(10_000)]
+    for field, extra in (("guided_choice", words), ("guided_json", {"enum": words})):
+        status, _, body = post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 16, field: extra})
+        assert status == 200, body
+        text = body["choices"][0]["text"]
+        assert (text if field == "guided_choice" else json.loads(text)) in words and body["choices"][0][
+            "finish_reason"] == "stop", body
+

@@ -56,7 +56,9 @@ def _grammar_text(structured: StructuredOutput) -> str:
     if structured.regex is not None:
         return matcher.grammar_from_regex(structured.regex)
     if structured.choice is not None:
-        return matcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in structured.choice))
+        # one terminal (a single lexeme, as a JSON enum compiles), not one rule alternative per string: the
+        # parser keeps an item per alternative, and past 2000 of them llguidance stops at the first token
+        return matcher.grammar_from_lark("start: CHOICE\nCHOICE: " + " | ".join(map(json.dumps, structured.choice)))
     from llguidance.gbnf_to_lark import any_to_lark
 
     try:
