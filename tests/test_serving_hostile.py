@@ -298,3 +298,27 @@ def test_a_guided_choice_of_ten_thousand_strings_works_as_the_enum_does(server):
         assert (text if field == "guided_choice" else json.loads(text)) in words and body["choices"][0][
             "finish_reason"] == "stop", body
 
+
+@pytest.mark.parametrize(("field", "value", "says"), [
+    ("guided_regex", "[^\\s\\S]", "'guided_regex': regex: no text can match it"),
+    ("guided_grammar", "start: /[^\\s\\S]/", "'guided_grammar': grammar: no text can match it"),
+    ("guided_json", {"type": "integer", "minimum": 5, "maximum": 3}, "minimum (5) is greater than maximum (3)"),
+    ("guided_json", {"type": "string", "minLength": 5, "maxLength": 3}, "minLength (5) is greater than maxLength"),
+])
+def test_a_constraint_nothing_satisfies_is_400_before_any_work(server, field, value, says):
+    """A constraint no text matches was an empty answer with status 200 and finish_reason "stop"."""
+    before = server.front.engine.stats.num_generated_tokens
+    status, _, body = post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 8, field: value})
+    assert status == 400 and says in body["error"]["message"] and body["error"]["param"] == field, body
+    assert "\n" not in body["error"]["message"] and server.front.engine.stats.num_generated_tokens == before
+
+
+def test_a_constraint_that_dead_ends_mid_output_or_outgrows_max_tokens_never_ends_as_stop(server):
+    """A grammar with no way on after its first token is a 400 (it ended as a complete "stop" answer); one that
+    only needs more tokens than max_tokens allows is a 200 cut short with finish_reason "length"."""
+    grammar = 'start: "a" b\nb: /[^\\s\\S]/'
+    status, _, body = post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 8, "guided_grammar": grammar})
+    assert status == 400 and "cannot be completed after 1 token: no text can match it" in body["error"]["message"]
+    status, _, body = post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 2, "guided_regex": "a{5}"})
+    assert status == 200 and body["choices"][0]["finish_reason"] == "length", body
+    assert body["choices"][0]["text"] and "aaaaa".startswith(body["choices"][0]["text"]), body

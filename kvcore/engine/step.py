@@ -25,7 +25,7 @@ from kvcore.interfaces.attention import AttentionBackend
 from kvcore.interfaces.sampler import Sampler
 from kvcore.model.decoder import LlamaModel
 from kvcore.sampling.sampler import sample_checked
-from kvcore.sampling.structured import apply_grammar_masks
+from kvcore.sampling.structured import apply_grammar_masks, dead_end
 from kvcore.scheduling.batch import ScheduledBatch
 from kvcore.scheduling.kv_manager import KVCacheManager
 from kvcore.scheduling.request import EngineStats, FinishReason, Request, TokenEvent
@@ -213,10 +213,17 @@ class EngineStep(SpeculativeStep):
 
     def _accept(self, req: Request, token_id: int) -> bool:
         """Feed a sampled token to the request's grammar; a token it refuses (a sampler that ignored the
-        mask) fails the request."""
-        if req.matcher.consume_token(token_id):
+        mask) fails the request, and so does a grammar with no way on (its mask held only EOS, which llguidance
+        takes and stays in error: the output would end early, as if complete)."""
+        took = req.matcher.consume_token(token_id)
+        if took and not req.matcher.is_error():
             return True
-        error = GrammarError(f"token {token_id} breaks the request's structured output: {req.matcher.get_error()}")
+        if took:
+            n = len(req.output_ids)
+            error = GrammarError(f"the structured output cannot be completed after {n} token{'s' * (n != 1)}: "
+                                 f"{dead_end(req.matcher)}")
+        else:
+            error = GrammarError(f"token {token_id} breaks the request's structured output: {dead_end(req.matcher)}")
         self._finish(req, FinishReason.ERROR, error)
         return False
 

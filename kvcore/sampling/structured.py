@@ -27,7 +27,7 @@ from kvcore.interfaces.structured import StructuredOutput
 if TYPE_CHECKING:
     import llguidance
 
-__all__ = ["GrammarCompiler", "apply_grammar_masks", "grammar_text", "STRUCTURED_INSTALL", "JSON_OPTIONS"]
+__all__ = ["GrammarCompiler", "apply_grammar_masks", "dead_end", "grammar_text", "STRUCTURED_INSTALL", "JSON_OPTIONS"]
 
 STRUCTURED_INSTALL = "pip install 'kvcore[structured]'"
 #: JSON is written compactly (no free whitespace): a model cannot wander off into spaces and newlines
@@ -117,6 +117,12 @@ class GrammarCompiler:
             compiled = ll.LLMatcher(self._ll_tokenizer(), grammar, log_level=0)
             if compiled.is_error():
                 raise GrammarError(f"{_what(structured)}: {_one_line(compiled.get_error())}")
+            # the first mask, once per grammar: a constraint no text satisfies ([^\s\S]) or one too big for the
+            # parser fails here, before any work, instead of ending the output empty or failing mid-generation
+            probe = compiled.deep_copy()
+            self.fill_bitmask([probe])
+            if probe.is_error():
+                raise GrammarError(f"{_what(structured)}: {dead_end(probe)}")
             self.num_compiled += 1
             self._cache[grammar] = compiled
             if len(self._cache) > self.max_cached:
@@ -134,6 +140,15 @@ class GrammarCompiler:
         bitmask = lt.allocate_token_bitmask(len(matchers), self.vocab_size)
         lt.fill_next_token_bitmask_par(self._executor, [(m, i) for i, m in enumerate(matchers)], bitmask)
         return bitmask
+
+
+def dead_end(matcher: Any) -> str:
+    """Why a matcher in error allows no token, in one line (llguidance's error goes on with its state and the
+    whole grammar)."""
+    reason = matcher.get_error().strip().split("\n", 1)[0]
+    if reason == "NoExtensionBias":  # the mask is empty: no text that starts with the output so far matches
+        return "no text can match it"
+    return reason if len(reason) <= 300 else reason[:297] + "..."
 
 
 def _one_line(message: str) -> str:
