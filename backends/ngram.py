@@ -57,7 +57,7 @@ class NgramProposer(Proposer):
         super().__init__()
         check_positive("ngram", max_n=max_n, min_n=min_n, misses=misses, cooldown=cooldown)
         if max_n > MAX_NGRAM:
-            raise ConfigError(f"proposer 'ngram': max_n must be in [1, {MAX_NGRAM}], got {max_n} (min_n <= max_n)")
+            raise ConfigError(f"proposer 'ngram': max_n must be in [1, {MAX_NGRAM}], got {max_n}")
         if min_n > max_n:
             raise ConfigError(f"proposer 'ngram': min_n ({min_n}) is larger than max_n ({max_n})")
         self.max_n, self.min_n = max_n, min_n
