@@ -126,39 +126,12 @@ def stream_options_field(body: Mapping, stream: bool) -> bool:
 
 
 #: fields every generation endpoint reads (OpenAI's ``user`` is accepted and has no effect)
-COMMON_FIELDS = frozenset(
-    {
-        "model",
-        "max_tokens",
-        "n",
-        "best_of",
-        "min_tokens",
-        "top_k",
-        "temperature",
-        "top_p",
-        "min_p",
-        "seed",
-        "stop",
-        "stop_token_ids",
-        "presence_penalty",
-        "frequency_penalty",
-        "repetition_penalty",
-        "repetition_window",
-        "logit_bias",
-        "ignore_eos",
-        "cache_salt",
-        "stream",
-        "stream_options",
-        "logprobs",
-        "user",
-        "response_format",
-        "guided_json",
-        "guided_regex",
-        "guided_choice",
-        "guided_grammar",
-        "structured_outputs",
-    }
-)
+COMMON_FIELDS = frozenset({
+    "model", "max_tokens", "n", "best_of", "min_tokens", "top_k", "temperature", "top_p", "min_p", "seed", "stop",
+    "stop_token_ids", "presence_penalty", "frequency_penalty", "repetition_penalty", "repetition_window",
+    "logit_bias", "ignore_eos", "cache_salt", "stream", "stream_options", "logprobs", "user", "response_format",
+    "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"
+})
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "suffix", "echo"}
 CHAT_FIELDS = COMMON_FIELDS | {
     "messages",
