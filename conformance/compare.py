@@ -19,6 +19,10 @@ class Mismatch:
     worst_index: tuple[int, ...]  # index of the worst out-of-tolerance element
     out_value: float
     ref_value: float
+    #: the first out-of-tolerance element in memory order (the earliest packed row: where a bug starts acting)
+    first_index: tuple[int, ...] = ()
+    first_out: float = 0.0
+    first_ref: float = 0.0
 
     @property
     def ok(self) -> bool:
@@ -38,6 +42,7 @@ def compare(out: torch.Tensor, ref: torch.Tensor, tol: Tolerance) -> Mismatch:
     else:
         flat = diff.flatten().argmax() if diff.numel() else torch.tensor(0)
     index = _unravel(int(flat), tuple(diff.shape)) if diff.numel() else ()
+    first = _unravel(int(bad.flatten().nonzero()[0]), tuple(diff.shape)) if num_bad else ()
     return Mismatch(
         max_err=max_err,
         num_bad=num_bad,
@@ -45,6 +50,9 @@ def compare(out: torch.Tensor, ref: torch.Tensor, tol: Tolerance) -> Mismatch:
         worst_index=index,
         out_value=float(out32[index]) if diff.numel() else 0.0,
         ref_value=float(ref32[index]) if diff.numel() else 0.0,
+        first_index=first,
+        first_out=float(out32[first]) if first else 0.0,
+        first_ref=float(ref32[first]) if first else 0.0,
     )
 
 

@@ -27,7 +27,8 @@ def case_dimensions(case, cfg: SuiteConfig) -> dict[str, str]:
     dtype = dtype_name(getattr(case, "dtype", None) or cfg.dtype)
     if isinstance(case, OpCase):
         return {"dtype": dtype, "kv_cache": case.kv_cache or "", "heads": f"{case.num_heads}/{case.num_kv_heads}",
-                "head_dim": str(case.head_dim), "block_size": str(case.block_size), "scenario": case.scenario}
+                "head_dim": str(case.head_dim), "block_size": str(case.block_size), "scenario": case.scenario,
+                "attention": getattr(case, "pattern", None) or "causal"}
     if isinstance(case, SpecCase):
         return {"kind": "speculative", "dtype": SPECULATIVE_DTYPE, "proposer": case.proposer,
                 "variant": case.variant}

@@ -23,6 +23,7 @@ from kvcore.conformance.settings import SuiteConfig
 from kvcore.conformance.target import Target
 from kvcore.conformance.tolerances import op_tolerance
 from kvcore.interfaces.kv_cache import CacheSpec
+from kvcore.interfaces.layer_attention import LayerAttention
 from kvcore.scheduling.kv_manager import KVCacheManager
 
 __all__ = ["NAME", "cases", "tolerance", "skip_reasons", "check"]
@@ -100,6 +101,31 @@ def _describe_call(call_idx: int, num_calls: int, seq_idx, query_lens, context_l
         f"call {call_idx + 1}/{num_calls} ({kind}; seqs {list(seq_idx)}, query_lens {list(query_lens)}, "
         f"context_lens {list(context_lens)})"
     )
+
+
+def _layer_label(layers: tuple[LayerAttention, ...], layer: int) -> str:
+    """``layer 1``, or on a variant case ``layer 1 (window 61)``: which attention the failing layer had."""
+    if not layers:
+        return f"layer {layer}"
+    spec = layers[layer]
+    return f"layer {layer} ({spec.describe().partition(', ')[2] or 'plain causal'})"
+
+
+def _row_label(layers: tuple[LayerAttention, ...], layer: int, seq: int, row: int, pos: int) -> str:
+    """``seq 0 (query row 0, position 2100, window keys 2040..2100)``: where an element is, and on a windowed
+    layer which keys that query row may see."""
+    window = layers[layer].sliding_window if layers else None
+    keys = f", window keys {max(0, pos - window + 1)}..{pos}" if window is not None else ""
+    return f"seq {seq} (query row {row}, position {pos}{keys})"
+
+
+def _locate(packed_row: int, query_lens: list[int], context_lens: list[int]) -> tuple[int, int, int]:
+    """A row of the call's packed ``[T, H, D]`` output -> (its sequence's index in the call, query row, position)."""
+    b, start = 0, 0
+    while start + query_lens[b] <= packed_row:
+        start += query_lens[b]
+        b += 1
+    return b, packed_row - start, context_lens[b] + packed_row - start
 
 
 def _cache_name(target: Target, case: OpCase) -> str:
@@ -196,7 +222,8 @@ def _run(target: Target, case: OpCase, cfg: SuiteConfig, result: CaseResult) -> 
         ref_meta = ref_cache.prepare(seq_idx, query_lens, scale, layers)
         T = sum(query_lens)
         for layer in range(NUM_LAYERS):
-            result.info["where"] = f"{where} layer {layer}"
+            layer_label = _layer_label(layers, layer)
+            result.info["where"] = f"{where} {layer_label}"
             q = torch.randn((T, H, D), generator=gen).to(dtype)
             k = torch.randn((T, H_kv, D), generator=gen).to(dtype)
             v = (torch.randn((T, H_kv, D), generator=gen) + v_mean).to(dtype)
@@ -206,7 +233,7 @@ def _run(target: Target, case: OpCase, cfg: SuiteConfig, result: CaseResult) -> 
             if tuple(out.shape) != (T, H, D) or out.dtype != dtype:
                 result.status = FAIL
                 result.detail = (
-                    f"{where} layer {layer}: output has shape {tuple(out.shape)} dtype {out.dtype}, "
+                    f"{where} {layer_label}: output has shape {tuple(out.shape)} dtype {out.dtype}, "
                     f"expected {(T, H, D)} {dtype}"
                 )
                 return
@@ -215,18 +242,20 @@ def _run(target: Target, case: OpCase, cfg: SuiteConfig, result: CaseResult) -> 
             result.max_err = worst
             if not m.ok:
                 row, head, dim = m.worst_index
-                cu = [0]
-                for ql in query_lens:
-                    cu.append(cu[-1] + ql)
-                b = max(j for j in range(len(seq_idx)) if cu[j] <= row)
-                pos = context_lens[b] + row - cu[b]
+                b, qrow, pos = _locate(row, query_lens, context_lens)
+                first = ""
+                if m.first_index[0] != row:  # the bug starts acting before its worst row: say where
+                    fb, fq, fpos = _locate(m.first_index[0], query_lens, context_lens)
+                    first = (f"; first off at {_row_label(layers, layer, seq_idx[fb], fq, fpos)} head "
+                             f"{m.first_index[1]} dim {m.first_index[2]}: got {m.first_out:.5g}, expected "
+                             f"{m.first_ref:.5g}")
                 result.status = FAIL
                 result.max_err = m.max_err
                 result.detail = (
-                    f"{where} layer {layer}: attention output diverges from the reference: max |err| "
-                    f"{m.max_err:.3g} ({tol}); {m.num_bad}/{m.numel} elements off; worst at seq {seq_idx[b]} "
-                    f"(query row {row - cu[b]}, position {pos}) head {head} (KV head "
-                    f"{head // (H // H_kv)}) dim {dim}: got {m.out_value:.5g}, expected {m.ref_value:.5g}. "
+                    f"{where} {layer_label}: attention output diverges from the reference: max |err| "
+                    f"{m.max_err:.3g} ({tol}); {m.num_bad}/{m.numel} elements off; worst at "
+                    f"{_row_label(layers, layer, seq_idx[b], qrow, pos)} head {head} (KV head "
+                    f"{head // (H // H_kv)}) dim {dim}: got {m.out_value:.5g}, expected {m.ref_value:.5g}{first}. "
                     f"Shapes: H={H} H_kv={H_kv} D={D} dtype={cfg.dtype_name} cache={cache.cache.name}"
                 )
                 result.info.update(call=call_idx, layer=layer, seq=seq_idx[b], position=pos, head=head,
