@@ -8,18 +8,29 @@ at several offsets), window 1 (the query alone), decode far past the window (``r
 prompt), soft-cap values that bite (1.5) and that barely do (30), per-head sinks in prefill and decode,
 and a layer pattern mixing a windowed soft-capped layer with a global one with sinks. A backend that does
 not declare a pattern's variants for both phases skips the case with the reason.
+
+Long windowed contexts (:data:`LONG_ROWS`, one row per precision the run certifies: float32, bfloat16,
+float16): the ``long2k`` scenario (2,103 keys, past every decode-path switch a backend may make at a few
+hundred or a thousand keys: split-KV, chunked kernels) with windows of 1,000 and 61 keys. Its decode rows
+at positions 2,100-2,102 see windows starting at keys 1,101-1,103 and 2,040-2,042 (inside a block of 12
+or 16 keys and a 64-key chunk), its 1,000- and 1,030-token prefill chunks have window starts sweeping
+from the cache into the chunk, and positions pass 256 and 2,048, where bfloat16 and float16 stop holding
+integers exactly: a backend that forgets the window on its long-context path, or computes window bounds
+from positions in the model dtype, fails there. The reference masks from int64 positions
+(:func:`~kvcore.interfaces.attention.causal_mask`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import torch
 
-from kvcore.conformance.cases import BLOCK_SIZE, OpCase
+from kvcore.conformance.cases import BLOCK_SIZE, OpCase, dtype_suffix
 from kvcore.interfaces.layer_attention import LayerAttention, variants_of
 
-__all__ = ["PATTERNS", "VariantOpCase", "variant_cases", "case_layers"]
+__all__ = ["PATTERNS", "LONG_ROWS", "VariantOpCase", "variant_cases", "case_layers"]
 
 #: pattern -> per layer (sliding window, soft-cap, sinks?) of the two op-tier layers
 PATTERNS: dict[str, tuple[tuple[int | None, float | None, bool], ...]] = {
@@ -31,6 +42,8 @@ PATTERNS: dict[str, tuple[tuple[int | None, float | None, bool], ...]] = {
     "window13-softcap": ((13, 1.5, False), (13, 1.5, False)),
     "sinks": ((None, None, True), (None, None, True)),
     "mixed": ((5, 2.0, False), (None, None, True)),  # a local soft-capped layer, a global one with sinks
+    # long contexts: a wide window and a narrow one, both starting mid-block and mid-chunk (LONG_ROWS)
+    "window1000-window61": ((1000, None, False), (61, None, False)),
 }
 
 #: (layout, head_dim, scenario, block_size, pattern)
@@ -47,6 +60,14 @@ ROWS = (
     ("gqa", 128, "fragmented", 16, "window16"),
 )
 
+#: dtype -> the long windowed row run in that precision (same columns as ROWS); the layouts and block sizes
+#: differ so the three rows cover more between them
+LONG_ROWS = {
+    torch.float32: ("gqa", 64, "long2k", 16, "window1000-window61"),
+    torch.bfloat16: ("mqa6x1", 64, "long2k", 12, "window1000-window61"),
+    torch.float16: ("gqa6x2", 80, "long2k", 16, "window1000-window61"),
+}
+
 
 @dataclass(frozen=True)
 class VariantOpCase(OpCase):
@@ -56,7 +77,8 @@ class VariantOpCase(OpCase):
 
     @property
     def id(self) -> str:
-        return f"{super().id}-{self.pattern}"
+        suffix = dtype_suffix(self.dtype)  # stays last, as in every op case id
+        return f"{super().id.removesuffix(suffix)}-{self.pattern}{suffix}"
 
     def shapes(self) -> dict:
         return {**super().shapes(), "attention": self.pattern}
@@ -80,10 +102,17 @@ def case_variants(case: OpCase) -> frozenset[str]:
     return variants_of(case_layers(case, 1.0))
 
 
-def variant_cases(kv_caches: tuple[str, ...] | None = None) -> list[VariantOpCase]:
-    """The variant rows (the same in quick and full runs: they are short), once per cache under test when
-    there are several."""
+def variant_cases(
+    kv_caches: tuple[str, ...] | None = None, dtypes: Sequence[torch.dtype] = (torch.float32,)
+) -> list[VariantOpCase]:
+    """The variant rows (the same in quick and full runs: few, and all but the long ones short) in the run's
+    first dtype, plus the long windowed row of each of ``dtypes`` (:data:`LONG_ROWS`); once per cache under
+    test when there are several."""
     rows = [VariantOpCase(layout, d, s, block_size=bs, pattern=p) for layout, d, s, bs, p in ROWS]
+    for dtype in dtypes:
+        layout, d, s, bs, p = LONG_ROWS.get(dtype, LONG_ROWS[torch.float32])
+        tag = None if len(dtypes) == 1 else dtype  # one dtype: the run's own, as op_cases tags it
+        rows.append(VariantOpCase(layout, d, s, block_size=bs, dtype=tag, pattern=p))
     if not kv_caches or len(kv_caches) < 2:
         return rows
     return [replace(c, kv_cache=name) for name in kv_caches for c in rows]

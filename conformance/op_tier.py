@@ -37,7 +37,7 @@ _LONG_V_MEAN = 1.0  # magnitude of the K/V the fragmenting sequences leave behin
 
 
 def cases(target: Target, cfg: SuiteConfig) -> list[OpCase]:
-    return op_cases(cfg.quick, target.cache_names(), cfg.dtypes) + variant_cases(target.cache_names())
+    return op_cases(cfg.quick, target.cache_names(), cfg.dtypes) + variant_cases(target.cache_names(), cfg.dtypes)
 
 
 def skip_reasons(target: Target, case: OpCase, cfg: SuiteConfig) -> list[str]:
