@@ -1,26 +1,37 @@
 """The op tier's attention-variant dimension (kvcore/conformance/attention_cases.py): the built-in backends
 pass it, a backend not declaring a variant skips with the reason, and planted bugs in windows, soft-caps
-and sinks are caught."""
+and sinks are caught, among them a long-context decode path without the window and window bounds computed
+from positions in the model dtype (the long windowed rows, attention_cases.LONG_ROWS)."""
 
 from __future__ import annotations
 
 import dataclasses
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from kvcore.backends.contiguous import ALL_DTYPES
 from kvcore.backends.naive import NaiveBackend
-from kvcore.conformance.attention_cases import PATTERNS, variant_cases
-from kvcore.conformance.cases import BLOCK_SIZE
+from kvcore.conformance.attention_cases import LONG_ROWS, PATTERNS, variant_cases
+from kvcore.conformance.cases import BLOCK_SIZE, Fork
 from kvcore.conformance.results import FAIL, PASS, SKIP
 from kvcore.conformance.runner import run_case, tier_cases
 from kvcore.conformance.settings import SuiteConfig
 from kvcore.conformance.target import resolve_target
 from kvcore.interfaces.attention import BackendCapabilities, causal_mask
 from kvcore.interfaces.layer_attention import VARIANTS
+from kvcore.kernels.cpu_kernels import kernel_reasons
+
+try:
+    from kvcore_example_backend.backend import ChunkedAttentionBackend
+except ImportError:  # the example package is not installed: use it from the source tree
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "kvcore-example-backend" / "src"))
+    from kvcore_example_backend.backend import ChunkedAttentionBackend
 
 CFG = SuiteConfig(quick=True, dtype="float32")
+ALL_PRECISIONS = SuiteConfig(quick=True)  # what a run certifies by default: float32, bfloat16, float16
 
 
 class Textbook(NaiveBackend):
@@ -41,8 +52,16 @@ class Textbook(NaiveBackend):
             K = cache.k[layer_idx, slot, :, :seq_len].float().repeat_interleave(group, 0)  # (H, S, D)
             V = cache.v[layer_idx, slot, :, :seq_len].float().repeat_interleave(group, 0)
             S = Q @ K.transpose(-2, -1) * layer.scale
-            mask = causal_mask(ctx, n, q.device, layer.sliding_window)
-            if layer.sliding_window is not None and self.bug == "window_off_by_one_at_block_boundary":
+            window = layer.sliding_window
+            if self.bug == "long_decode_ignores_window" and n == 1 and seq_len > 512:
+                window = None  # the split-KV decode path taken past 512 keys, written without the window
+            mask = causal_mask(ctx, n, q.device, window)
+            if window is not None and self.bug == "window_positions_in_model_dtype":
+                # positions held in q's dtype: bfloat16 holds integers exactly only up to 256, float16 up to 2048
+                query_pos = torch.arange(ctx, seq_len).to(q.dtype)[:, None]
+                key_pos = torch.arange(seq_len).to(q.dtype)[None, :]
+                mask = causal_mask(ctx, n, q.device) & (key_pos > query_pos - window)
+            if window is not None and self.bug == "window_off_by_one_at_block_boundary":
                 first = torch.arange(ctx, seq_len)[:, None] - layer.sliding_window + 1  # first key in the window
                 at_boundary = first % BLOCK_SIZE == 0  # a kernel's 16-key block (a contiguous cache has none)
                 mask = mask | (at_boundary & (torch.arange(seq_len)[None, :] == first - 1))  # one key too many
@@ -64,8 +83,10 @@ def planted(bug: str | None) -> type:
 
 
 def _results(cls) -> dict[str, str]:
+    """Pattern -> status of the short variant rows (the long ones have tests of their own, below)."""
     target = resolve_target(cls)
-    return {c.pattern: run_case(target, "op", c, CFG).status for c in variant_cases(target.cache_names())}
+    cases = [c for c in variant_cases(target.cache_names()) if c.scenario != "long2k"]
+    return {c.pattern: run_case(target, "op", c, CFG).status for c in cases}
 
 
 def test_variant_cases_are_in_the_op_tier():
@@ -88,6 +109,82 @@ def test_planted_variant_bugs_are_caught(bug, caught):
     results = _results(planted(bug))
     failed = {p for p, status in results.items() if status == FAIL}
     assert failed and failed <= caught, results  # caught, and only where the bug acts
+
+
+def _long_results(cls) -> dict:
+    """The long windowed rows, in every precision (the rest of the variant rows never pass 70 keys)."""
+    target = resolve_target(cls)
+    cases = [c for c in variant_cases(target.cache_names(), ALL_PRECISIONS.dtypes) if c.scenario == "long2k"]
+    return {c.id: run_case(target, "op", c, ALL_PRECISIONS) for c in cases}
+
+
+def _decode_positions(case) -> list[int]:
+    """Positions of the case's decode rows (one new token after a cache)."""
+    lens, positions = [0] * case.num_seqs, []
+    for call in case.calls:
+        if isinstance(call, Fork):
+            lens[call.dst] = lens[call.src]
+            continue
+        positions += [lens[i] for i, n in call if n == 1 and lens[i] > 0]
+        for i, n in call:
+            lens[i] += n
+    return positions
+
+
+def test_long_windowed_rows_cover_the_long_context_dimensions():
+    """Issue #57: past every decode-path switch (no backend declares one: past 2,048 keys), decode rows whose
+    windows start inside a block and inside a 64-key chunk, positions past 256 and 2,048, every precision."""
+    cases = [c for c in variant_cases(None, ALL_PRECISIONS.dtypes) if c.scenario == "long2k"]
+    assert {c.dtype for c in cases} == set(ALL_PRECISIONS.dtypes) == set(LONG_ROWS)
+    for case in cases:
+        assert max(case.final_lens) > 2048
+        late = [p for p in _decode_positions(case) if p > 2048]
+        assert late and any(256 < p < 2048 for p in _decode_positions(case))
+        for window, _, _ in PATTERNS[case.pattern]:
+            starts = [p - window + 1 for p in late]
+            assert any(s % case.block_size and s % 64 for s in starts), (case.id, window)
+
+
+def test_the_reference_masks_long_windows_from_integer_positions():
+    mask = causal_mask(2100, 3, torch.device("cpu"), 61)  # the decode rows at 2,100..2,102
+    assert mask.sum(dim=1).tolist() == [61, 61, 61]
+    assert mask.int().argmax(dim=1).tolist() == [2040, 2041, 2042]  # first visible key
+
+
+def test_a_long_context_decode_path_without_the_window_is_caught():
+    """Planted: decode rows past 512 keys take a path that forgets the sliding window. Every short variant row
+    stays under 512 keys, so only the long rows catch it: in every precision, at the first decode step past
+    2,048 keys, naming the layer's window, the keys it should see and the values."""
+    results = _long_results(planted("long_decode_ignores_window"))
+    assert all(r.status == FAIL for r in results.values()), results
+    detail = results["gqa8x2-d64-long2k-window1000-window61"].detail
+    assert detail.startswith("call 3/5 (decode; seqs [0, 1], query_lens [1, 1], context_lens [2100, 301]) "
+                             "layer 0 (window 1000): attention output diverges from the reference"), detail
+    assert "position 2100, window keys 1101..2100)" in detail and "got " in detail and "dtype=float32" in detail
+    assert set(_results(planted("long_decode_ignores_window")).values()) == {PASS}  # no short row passes 512 keys
+
+
+def test_window_bounds_from_positions_in_the_model_dtype_are_caught():
+    """Planted: the window mask compares positions cast to the model dtype. float32 holds them exactly (every
+    float32 row passes); bfloat16 rounds positions past 256, so the bfloat16 long row fails, naming the dtype,
+    the window and the first row off."""
+    cls = planted("window_positions_in_model_dtype")
+    results = _long_results(cls)
+    failed = {i for i, r in results.items() if r.status == FAIL}
+    assert "mqa6x1-d64-long2k-bs12-window1000-window61-bf16" in failed, results
+    assert failed <= {i for i in results if i.endswith(("-bf16", "-fp16"))}, results
+    detail = results["mqa6x1-d64-long2k-bs12-window1000-window61-bf16"].detail
+    assert "(window " in detail and "window keys" in detail and "dtype=bfloat16" in detail, detail
+    assert set(_results(cls).values()) == {PASS}  # short rows: positions under 256
+
+
+@pytest.mark.parametrize("backend", ["naive", "sdpa", "paged", "cpu_decode", "example_chunked"])
+def test_built_in_backends_pass_the_long_windowed_rows(backend):
+    if backend == "cpu_decode" and kernel_reasons():
+        pytest.skip("; ".join(kernel_reasons()))
+    results = _long_results(ChunkedAttentionBackend if backend == "example_chunked" else backend)
+    for case_id, result in results.items():
+        assert result.status == PASS or (result.status == SKIP and "dtype" in result.detail), (case_id, result.detail)
 
 
 def test_a_backend_not_declaring_a_variant_is_skipped_with_the_reason():
