@@ -250,8 +250,8 @@ def test_ngram_options_out_of_range_are_config_errors(tmp_path: Path, options: d
 
 
 @pytest.mark.parametrize(("flag", "source", "says"), [
-    ("--json-schema", "/dev/zero", "--json-schema '/dev/zero' is not a regular file"),  # read for ever, then exit 70
-    ("--grammar", "/dev/zero", "--grammar '/dev/zero' is not a regular file"),
+    ("--json-schema", "/dev/zero", "--json-schema file '/dev/zero' is not a regular file"),  # read for ever, exit 70
+    ("--grammar", "/dev/zero", "--grammar file '/dev/zero' is not a regular file"),
     ("--json-schema", "big", "is larger than 1048576 bytes"),
     ("--grammar", "binary", "is not UTF-8 text"),
     ("--json-schema", "folder", "cannot read --json-schema file"),
@@ -265,6 +265,22 @@ def test_schema_and_grammar_files_are_read_within_bounds(tmp_path: Path, flag: s
     paths["binary"].write_bytes(b"start: \"a\"\xff\xfe\n")
     path = str(paths.get(source, source))
     code, _, err, peak = _kvcore("generate", "--model", str(model), flag, path, "a th", peak_file=tmp_path / "peak")
+    assert code == 2, (code, err)
+    assert err.startswith("kvcore: error: ") and says in err and err.count("\n") == 1, err
+    assert peak < CLI_MEMORY_LIMIT, f"peak RSS {peak >> 20} MiB"
+
+
+@pytest.mark.parametrize(("source", "says"), [
+    ("/dev/zero", "prompt file '/dev/zero' is not a regular file"),  # read for ever, then an internal error
+    ("big", f"is larger than {16 << 20} bytes"),
+])
+def test_prompt_file_is_read_within_bounds(tmp_path: Path, source: str, says: str) -> None:
+    """--prompt-file reads a regular file (or a pipe) of at most 16 MiB, no further: else one line, exit code 2."""
+    model = CASES["gguf_valid"].build(tmp_path)
+    big = tmp_path / "big.txt"
+    big.write_bytes(b"a" * ((16 << 20) + 1))
+    path = str(big if source == "big" else source)
+    code, _, err, peak = _kvcore("generate", "--model", str(model), "--prompt-file", path, peak_file=tmp_path / "peak")
     assert code == 2, (code, err)
     assert err.startswith("kvcore: error: ") and says in err and err.count("\n") == 1, err
     assert peak < CLI_MEMORY_LIMIT, f"peak RSS {peak >> 20} MiB"

@@ -9,16 +9,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
-import stat
 import sys
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvcore.cli.settings import read_prompt, resolve_settings, with_piped_stdin
+from kvcore.cli.settings import read_bounded_text, read_prompt, resolve_settings, with_piped_stdin
 from kvcore.engine.threads import apply_threads
-from kvcore.errors import ConfigError, InvalidRequestError, OutputError
+from kvcore.errors import InvalidRequestError, OutputError
 
 __all__ = ["RunState", "Loaded", "chat_params", "load_engine", "peak_rss_bytes", "sampling_params", "stream_reply",
            "result_payload", "run_generate", "write_out"]
@@ -89,32 +87,13 @@ def structured_output(args: argparse.Namespace):
     for flag, key in (("json_schema", "json"), ("grammar", "grammar")):
         path = getattr(args, flag, None)
         if path is not None:
-            return StructuredOutput(**{key: _read_spec(path, "--" + flag.replace("_", "-"))})
+            what = f"--{flag.replace('_', '-')} file"
+            return StructuredOutput(**{key: read_bounded_text(path, what, MAX_SPEC_BYTES)})
     return None
 
 
-#: the largest --json-schema / --grammar file read (bytes): far above any real schema or grammar; the bound keeps
-#: a device or an endless pipe (``/dev/zero``) from being read into memory
+#: the largest --json-schema / --grammar file read (bytes): far above any real schema or grammar
 MAX_SPEC_BYTES = 1 << 20
-
-
-def _read_spec(path: str, flag: str) -> str:
-    """The text of a schema or grammar file: a regular file (or a pipe, ``<(...)``) of at most
-    :data:`MAX_SPEC_BYTES`, read no further than that (``/dev/zero`` never ends), UTF-8; ConfigError otherwise."""
-    try:
-        with open(path, "rb") as f:
-            mode = os.fstat(f.fileno()).st_mode
-            if not (stat.S_ISREG(mode) or stat.S_ISFIFO(mode)):
-                raise ConfigError(f"{flag} '{path}' is not a regular file")
-            raw = f.read(MAX_SPEC_BYTES + 1)
-    except OSError as exc:  # missing, unreadable, a directory
-        raise ConfigError(f"cannot read {flag} file '{path}': {exc.strerror or exc}") from None
-    if len(raw) > MAX_SPEC_BYTES:
-        raise ConfigError(f"{flag} file '{path}' is larger than {MAX_SPEC_BYTES} bytes")
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise ConfigError(f"{flag} file '{path}' is not UTF-8 text: {exc.reason} at byte {exc.start}") from None
 
 
 def load_engine(args: argparse.Namespace, request_ids: Callable[[Any], list[int]] | None = None,

@@ -11,12 +11,36 @@ from typing import Any
 
 from kvcore.errors import ConfigError, InvalidRequestError
 
-__all__ = ["ENVIRONMENT", "DEFAULTS", "resolve_settings", "read_prompt", "with_piped_stdin"]
+__all__ = ["ENVIRONMENT", "DEFAULTS", "MAX_PROMPT_BYTES", "read_bounded_text", "resolve_settings", "read_prompt",
+           "with_piped_stdin"]
 
 #: settings an environment variable may give (between flag and config file)
 ENVIRONMENT = {"backend": "KVCORE_BACKEND", "model": "KVCORE_MODEL"}
 #: defaults of the settings that have no default in EngineConfig / SamplingParams
 DEFAULTS = {"model": "smollm2", "max_num_seqs": 1}
+#: the largest --prompt-file read (bytes): far above any model's context, so the prompt's length check is what a
+#: real prompt meets; the bound keeps a device or an endless pipe (``/dev/zero``) from being read into memory
+MAX_PROMPT_BYTES = 16 << 20
+
+
+def read_bounded_text(path: str, what: str, limit: int) -> str:
+    """The text of a file a flag names (``what``: how messages call it, e.g. ``"prompt file"``): a regular file
+    (or a pipe, ``<(...)``) of at most ``limit`` bytes, read no further than that (``/dev/zero`` never ends),
+    UTF-8; ConfigError otherwise."""
+    try:
+        with open(path, "rb") as f:
+            mode = os.fstat(f.fileno()).st_mode
+            if not (stat.S_ISREG(mode) or stat.S_ISFIFO(mode)):
+                raise ConfigError(f"{what} '{path}' is not a regular file")
+            raw = f.read(limit + 1)
+    except OSError as exc:  # missing, unreadable, a directory
+        raise ConfigError(f"cannot read {what} '{path}': {exc.strerror or exc}") from None
+    if len(raw) > limit:
+        raise ConfigError(f"{what} '{path}' is larger than {limit} bytes")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{what} '{path}' is not UTF-8 text: {exc.reason} at byte {exc.start}") from None
 
 
 def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -69,13 +93,8 @@ def read_prompt(args: argparse.Namespace, stdin=None) -> str | None:
     if prompt_file is not None and args.prompt is not None:
         raise ConfigError("give the prompt either as an argument or with --prompt-file, not both")
     if prompt_file is not None:
-        try:
-            with open(prompt_file, encoding="utf-8") as f:
-                text = f.read()
-        except UnicodeDecodeError as exc:
-            raise ConfigError(f"prompt file '{prompt_file}' is not UTF-8 text: {exc.reason}") from None
-        except OSError as exc:
-            raise ConfigError(f"cannot read prompt file '{prompt_file}': {exc.strerror or exc}") from None
+        text = read_bounded_text(prompt_file, "prompt file", MAX_PROMPT_BYTES)
+        text = text.replace("\r\n", "\n").replace("\r", "\n")  # a CRLF file: the same prompt as an LF one
     elif args.prompt == "-":
         if stdin is None:
             raise ConfigError("prompt '-' reads standard input, which is closed")
