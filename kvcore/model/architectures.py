@@ -21,10 +21,10 @@ from typing import Any, ClassVar
 import numpy as np
 
 from kvcore.errors import ModelLoadError
-from kvcore.model.config import ModelConfig, checked_number, checked_size
+from kvcore.model.config import SIZE_LIMITS, ModelConfig, checked_int, checked_number, checked_size
 from kvcore.model.rope import RopeScaling
 
-__all__ = ["Architecture", "GGUF_LAYER_NAMES", "f32", "layer_types_window"]
+__all__ = ["Architecture", "GGUF_LAYER_NAMES", "f32", "layer_types_window", "window_size"]
 
 #: llama.cpp's per-layer tensor names -> kvcore's canonical names (``model.layers.{i}.`` + this)
 GGUF_LAYER_NAMES = {
@@ -204,10 +204,16 @@ def layer_types_window(cfg: dict[str, Any], default_all: bool) -> dict[str, Any]
         return {}
     types = cfg.get("layer_types")
     if types:
-        return {"sliding_window": int(window), "sliding_window_layers": tuple(
+        return {"sliding_window": window_size(window), "sliding_window_layers": tuple(
             i for i, t in enumerate(types) if t == "sliding_attention"
         )}
-    return {"sliding_window": int(window)} if default_all else {}
+    return {"sliding_window": window_size(window)} if default_all else {}
+
+
+def window_size(window: Any, where: str = "config.json") -> int:
+    """A ``sliding_window``: an integer in 1 .. the largest context kvcore takes (``Infinity``, ``4096.5`` or
+    ``"4k"``: ModelLoadError naming the key and the range, not an internal error)."""
+    return checked_int("sliding_window", window, where, 1, SIZE_LIMITS["max_position_embeddings"])
 
 
 def f32(value: float) -> float:

@@ -10,8 +10,8 @@ from kvcore.errors import ConfigError, ModelLoadError
 from kvcore.model.rope import RopeScaling
 
 __all__ = [
-    "ModelConfig", "SIZE_LIMITS", "MAX_PARAMETERS", "checked_size", "checked_number", "DEFAULT_MAX_MODEL_LEN",
-    "check_max_model_len",
+    "ModelConfig", "SIZE_LIMITS", "MAX_PARAMETERS", "checked_size", "checked_number", "checked_int",
+    "DEFAULT_MAX_MODEL_LEN", "check_max_model_len",
 ]
 
 #: upper bound of each size field: far above any released checkpoint (vocabularies ~256k, widths ~16k,
@@ -47,6 +47,14 @@ def checked_number(name: str, value: Any, where: str = "model config", positive:
     if positive and value <= 0:
         raise ModelLoadError(f"{where}: {name} must be > 0, got {value!r}")
     return float(value)
+
+
+def checked_int(name: str, value: Any, where: str, lo: int, hi: int) -> int:
+    """``value`` as an integer in ``lo .. hi`` (JSON's ``Infinity``, a float, a string: ModelLoadError naming
+    ``where``, the field and the range)."""
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise ModelLoadError(f"{where}: {name} must be an integer in [{lo}, {hi}], got {value!r:.60}")
+    return value
 
 
 def _short(value: Any) -> str:

@@ -11,8 +11,8 @@ from typing import Any
 
 from kvcore.errors import ModelLoadError
 from kvcore.hookspecs import hookimpl
-from kvcore.model.architectures import Architecture, layer_types_window
-from kvcore.model.config import SIZE_LIMITS, checked_number
+from kvcore.model.architectures import Architecture, layer_types_window, window_size
+from kvcore.model.config import SIZE_LIMITS, checked_int, checked_number
 
 __all__ = ["Llama", "Mistral", "Qwen2", "Qwen3", "Phi3", "Gemma2", "Gemma3", "BUILTIN_ARCHITECTURES", "MAX_PATTERN"]
 
@@ -63,8 +63,10 @@ class Qwen2(Architecture):
         window = layer_types_window(cfg, default_all=False)
         if window or not cfg.get("sliding_window"):
             return window
-        first = int(cfg.get("max_window_layers", 0))  # transformers: layers from max_window_layers on slide
-        return {"sliding_window": int(cfg["sliding_window"]),
+        # transformers: layers from max_window_layers on slide (at or above the layer count: none)
+        first = checked_int("max_window_layers", cfg.get("max_window_layers") or 0, "config.json", 0,
+                            SIZE_LIMITS["num_hidden_layers"])
+        return {"sliding_window": window_size(cfg["sliding_window"]),
                 "sliding_window_layers": tuple(range(first, int(cfg["num_hidden_layers"])))}
 
 
@@ -164,7 +166,7 @@ class Gemma3(Architecture):
         layers = int(cfg["num_hidden_layers"])
         pattern = cfg.get("sliding_window_pattern", 6)
         types = cfg.get("layer_types") or _every_nth_global(
-            _checked_int("sliding_window_pattern", pattern, "config.json", 1, MAX_PATTERN), layers)
+            checked_int("sliding_window_pattern", pattern, "config.json", 1, MAX_PATTERN), layers)
         local_base = cfg.get("rope_local_base_freq", 10000.0)
         return {**_gemma_hf_options(cfg, types),
                 "rope_local_base_freq": checked_number("rope_local_base_freq", local_base, "config.json")}
@@ -219,17 +221,11 @@ def _every_nth_global(pattern: int, layers: int) -> list[str]:
     return ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)]
 
 
-def _checked_int(key: str, value: Any, where: str, lo: int, hi: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-        raise ModelLoadError(f"{where}: {key} must be an integer in [{lo}, {hi}], got {value!r:.60}")
-    return value
-
-
 def _alternating(window: Any, layer_types: list[str] | None, layers: int, where: str) -> dict[str, Any]:
     """Gemma's windows: on the layers ``layer_types`` marks, else every even layer (0, 2, ...; Gemma 2)."""
     if not window:
         return {}
-    window = _checked_int("sliding_window", window, where, 1, SIZE_LIMITS["max_position_embeddings"])
+    window = window_size(window, where)
     if layer_types:
         sliding = tuple(i for i, t in enumerate(layer_types) if t == "sliding_attention")
     else:

@@ -414,6 +414,18 @@ def gemma3_config(**changes: Any) -> dict[str, Any]:
     return hf_config(**{**gemma3, **changes})
 
 
+#: architecture names of the windowed families besides Gemma (their other options stay the tiny model's)
+WINDOWED = {"mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+            "phi3": "Phi3ForCausalLM"}
+
+
+def windowed_config(family: str, **changes: Any) -> dict[str, Any]:
+    """The tiny model's config as ``family`` with a window of 8 on every layer (Qwen: ``use_sliding_window``)."""
+    windowed = {"architectures": [WINDOWED[family]], "model_type": family, "sliding_window": 8,
+                "use_sliding_window": True, "max_window_layers": 0}
+    return hf_config(**{**windowed, **changes})
+
+
 def hf_weights() -> dict[str, np.ndarray]:
     """The tiny model under Hugging Face names (row order does not matter for random weights)."""
     names = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -547,6 +559,15 @@ def hf_cases() -> list[Case]:
              match="final_logit_softcapping must be > 0"),
         Case("hf_gemma3_window_inf", _hf(config=gemma3_config(sliding_window=float("inf"))),
              match="sliding_window must be an integer in [1, "),
+        # the other windowed families: JSON's Infinity once reached int() (OverflowError, an internal error)
+        *[Case(f"hf_{family}_window_inf", _hf(config=windowed_config(family, sliding_window=float("inf"))),
+               match="config.json: sliding_window must be an integer in [1, ")
+          for family in ("mistral", "qwen2", "qwen3", "phi3")],
+        Case("hf_qwen3_layer_types_window_inf", _hf(config=windowed_config(
+            "qwen3", sliding_window=float("inf"), layer_types=["sliding_attention"] * LAYERS)),
+             match="config.json: sliding_window must be an integer in [1, "),
+        Case("hf_qwen2_max_window_layers_inf", _hf(config=windowed_config("qwen2", max_window_layers=float("inf"))),
+             match="config.json: max_window_layers must be an integer in [0, "),
         Case("hf_template_non_utf8", _hf(template=b"{{ messages }}\xff\xfe"), match="UTF-8"),
         Case("hf_template_explode", _hf(template=EXPLODE_TEMPLATE.encode()), error="ChatTemplateError",
              match="limit", op="chat"),
