@@ -178,7 +178,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     builtin = command in _commands(parser).choices
     light = builtin or (command is None and "--version" in argv and not {"-h", "--help"} & set(argv))
     if not light:
-        parser = build_parser()
+        _plugin_commands(_commands(parser))
     args, unknown = parser.parse_known_args(argv)
     flags = [a for a in unknown if a.startswith("-") and a != "-"]
     if flags:
