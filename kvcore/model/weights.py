@@ -109,7 +109,7 @@ def _quantize(values: list[Any], fmt: str, dtype: torch.dtype, group_size: int):
         # Q4_0 / Q4_1 blocks: already the kernel's codes, reordered (nothing decoded, the same bits)
         layouts = [v.int4a8_layout() for v in values]
         if None not in layouts and Int4A8Linear.fits(rows, cols, A8_GROUP):
-            return Int4A8Linear.from_layout(*(torch.cat(parts) for parts in zip(*layouts)), dtype)
+            return Int4A8Linear.from_layout(*(p[0] if len(p) == 1 else torch.cat(p) for p in zip(*layouts)), dtype)
     bits = [getattr(v, "code_bits", None) for v in values]  # None: a float tensor or a type without codes
     codes = GroupCodes.cat([v.codes() for v in values]) if None not in bits and fmt != "int8" else None
     four_bit = codes is not None and codes.bits == 4 and codes.group_size == A8_GROUP
