@@ -100,6 +100,9 @@ class BackendCapabilities:
     prefill_variants: frozenset[str] = frozenset()
     #: the same for its decode steps
     decode_variants: frozenset[str] = frozenset()
+    #: it evaluates any registered variant's ``score_mod`` / ``mask_mod`` (:mod:`kvcore.interfaces.variants`) in
+    #: both phases; a backend without it serves only the registered names its variant sets list (natively)
+    variants_as_code: bool = False
     #: its forward takes rows of several query tokens after a cached context in a step of running requests
     #: (speculative verification: a decode step whose rows score the draft tokens too, causal among them)
     multi_token_decode: bool = False
@@ -116,10 +119,15 @@ class BackendCapabilities:
         ``phases`` ([] = fine)."""
         reasons = []
         for phase in phases:
-            missing = sorted(set(needed) - self.variants(phase))
+            missing = sorted(set(needed) - self.variants(phase) - self._registered(needed))
             if missing:
-                reasons.append(f"{phase}: no {', no '.join(VARIANTS.get(m, m) for m in missing)}")
+                named = [VARIANTS.get(m, f"variant '{m}'") for m in missing]
+                reasons.append(f"{phase}: no {', no '.join(named)}")
         return reasons
+
+    def _registered(self, needed: Collection[str]) -> set[str]:
+        """The registered (not built-in) names among ``needed`` that ``variants_as_code`` covers."""
+        return {n for n in needed if n not in VARIANTS} if self.variants_as_code else set()
 
     def reasons_unsupported(
         self, *, device: torch.device, dtype: torch.dtype, head_dim: int, num_heads: int, num_kv_heads: int
