@@ -30,6 +30,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 HOST = "127.0.0.1"  # loopback only, by design: this tool never talks to another address
 WORDS = ("the of and to in is was for on that with as by at from his her an be which it are this "
@@ -241,7 +242,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--time-limit", type=float, default=1200.0, help="seconds for the whole run")
     p.add_argument("--rss-tolerance-mib", type=float, default=32.0)
     p.add_argument("--server-arg", action="append", default=[], help="extra `kvcore serve` argument (repeatable)")
-    p.add_argument("--json", default=None, help="also write the summary to this file")
+    p.add_argument("--json", default=None,
+                   help="also write the summary into this JSON file, under the model's name (other models' runs kept)")
     args = p.parse_args(argv)
 
     log = tempfile.NamedTemporaryFile("w+", prefix="kvcore-serve-", suffix=".log", delete=False)
@@ -273,8 +275,10 @@ def main(argv: list[str] | None = None) -> int:
     text = json.dumps(summary, indent=2)
     print(text)
     if args.json:
-        with open(args.json, "w") as f:
-            f.write(text + "\n")
+        path = Path(args.json)
+        runs = json.loads(path.read_text()) if path.is_file() else {}
+        runs[args.model] = summary
+        path.write_text(json.dumps(runs, indent=2) + "\n")
     print("PASS" if ok else "FAIL", file=sys.stderr)
     return 0 if ok else 1
 
