@@ -17,18 +17,19 @@ needs_kernel = pytest.mark.skipif(bool(int4a8_reasons()), reason="; ".join(int4a
 
 def _emulated(groups: Int4Groups, x: torch.Tensor) -> torch.Tensor:
     """The kernel's arithmetic in float64: x quantized per row and group of 32 in float32 (a = max|x| / 127,
-    p = round(x * (127 / max|x|))), W = d q + m with d and m rounded to float16; sum_g d a (q . p) + m sum(x)."""
+    p = round(x * (127 / max|x|))), W = d q + m with d and m rounded to float16; sum_g d a (q . p) + m a sum(p)."""
     n, k = groups.shape
     xf = x.float().view(x.shape[0], k // 32, 32)
     amax = xf.abs().amax(-1, keepdim=True)
     # codes rounded from float32 x * (127 / amax), a true division (torch's 127 / t is 127 * t.reciprocal())
     inv = torch.where(amax > 0, torch.full_like(amax, 127).div(amax), torch.zeros_like(amax))
-    p, a, xs = (xf * inv).round().double(), (amax / 127).double(), xf.double()
+    p, a = (xf * inv).round().double(), (amax / 127).double()
     d = groups.scales.half().double()  # [N, G]
     m = (groups.zeros - 8 * groups.scales).half().double()
     q = groups.q.double().view(n, k // 32, 32)
     dots = torch.einsum("rgk,ngk->rng", p, q)  # [M, N, G]
-    return (dots * d[None] * a.squeeze(-1)[:, None] + m[None] * xs.sum(-1)[:, None]).sum(-1)
+    sums = (a * p.sum(-1, keepdim=True)).squeeze(-1)  # [M, G]: the quantized activations' sums
+    return (dots * d[None] * a.squeeze(-1)[:, None] + m[None] * sums[:, None]).sum(-1)
 
 
 @needs_kernel
@@ -48,6 +49,28 @@ def test_kernel_equals_its_arithmetic(rows, kind):
     want = _emulated(groups, x)
     assert got.shape == (rows, 48)
     assert bool(((got - want).abs() <= 2.0**-7 * want.abs() + 1e-3).all())
+
+
+@needs_kernel
+def test_activation_rounding_costs_what_llama_cpp_q8_costs():
+    """The offset term uses the quantized activations' sum (llama.cpp's Q8_1 ``s``): the codes are unsigned (mean
+    near 7.5), so their products carry each activation's rounding error times that mean, and only ``m a sum(p)``
+    takes it back out. The error is then that of quantizing x alone, next to the output's bfloat16 rounding; with
+    the exact ``m sum(x)`` it was about 1.6 times that."""
+    g = torch.Generator().manual_seed(0)
+    groups = Int4Groups.from_float(torch.randn(64, 512, generator=g) * 0.05)
+    w = groups.dequantize().double()
+    x = torch.randn(16, 512, generator=g).to(torch.bfloat16)
+    exact = x.double() @ w.t()
+    xg = x.double().view(16, -1, 32)
+    a = xg.abs().amax(-1, keepdim=True) / 127
+    quantized_x = ((xg / a).round() * a).view(16, 512) @ w.t()  # only the activations rounded
+
+    def error(y):
+        return float((y - exact).norm() / exact.norm())
+
+    floor = (error(quantized_x) ** 2 + error(exact.to(torch.bfloat16).double()) ** 2) ** 0.5
+    assert error(Int4A8Linear(groups)(x).double()) <= 1.05 * floor
 
 
 @needs_kernel

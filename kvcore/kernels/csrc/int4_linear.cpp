@@ -5,9 +5,10 @@
 // llama.cpp does with Q8 blocks, so that one AVX512-VNNI instruction (vpdpbusd) multiplies 64 weight codes by
 // 64 activation codes and sums them in groups of four. Per row r, output n and group g:
 //
-//   sum_k W[n, k] x[r, k] ~= d[n, g] * a[r, g] * sum_k q[n, k] p[r, k]  +  m[n, g] * sum_k x[r, k]
+//   sum_k W[n, k] x[r, k] ~= d[n, g] * a[r, g] * sum_k q[n, k] p[r, k]  +  m[n, g] * a[r, g] * sum_k p[r, k]
 //
-// (the second term from the exact float sum of x over the group). Float32 accumulation, output rounded once.
+// (the second term from the quantized activations, as llama.cpp's Q8_1 sums: quantize_rows.h says why). Float32
+// accumulation, output rounded once.
 //
 // Layout (kvcore.quant.pack_int4a8 packs it): output rows in blocks of 16, for each block and group 256 bytes:
 // byte (j, l) of the 4 x 64-byte vectors j = 0..3, l = 4 * row + i holds q[row, 4 j + i] in its low nibble

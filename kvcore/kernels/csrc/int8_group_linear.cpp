@@ -6,7 +6,7 @@
 // Activations are quantized per row and group of G to int8 (quantize_rows.h), so that vpdpbusd multiplies 16 rows'
 // 4 consecutive codes by 4 activation codes per instruction. Per row r, output n and group g:
 //
-//   sum_k W[n, k] x[r, k] ~= d[n, g] * a[r, g] * sum_k q[n, k] p[r, k]  +  m[n, g] * sum_k x[r, k]
+//   sum_k W[n, k] x[r, k] ~= d[n, g] * a[r, g] * sum_k q[n, k] p[r, k]  +  m[n, g] * a[r, g] * sum_k p[r, k]
 //
 // Float32 accumulation, output rounded once.
 //
