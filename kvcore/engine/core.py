@@ -49,7 +49,6 @@ from kvcore.engine.config import EngineConfig, parse_dtype, select_components
 from kvcore.engine.defaults import DefaultChoice, choose_defaults, file_facts, model_facts
 from kvcore.engine.requests import prompt_batch, prompt_token_ids, request_result, run_batch, run_chat, stream_events
 from kvcore.engine.settings import Settings, prepare_run
-from kvcore.engine.speculative import speculator_for
 from kvcore.engine.step import EngineStep
 from kvcore.errors import InvalidRequestError, RequestAbortedError
 from kvcore.execution.runner import Executor, ModelRunner
@@ -62,6 +61,7 @@ from kvcore.sampling.structured import GrammarCompiler
 from kvcore.scheduling.kv_manager import KVCacheManager
 from kvcore.scheduling.request import EngineStats, FinishReason, GenerationResult, Request, TokenEvent
 from kvcore.scheduling.scheduler import Scheduler
+from kvcore.speculative.speculator import speculator_for
 from kvcore.text.outputs import StopStrings, TextOutput
 
 __all__ = ["Engine", "EngineConfig", "parse_dtype"]
