@@ -59,7 +59,7 @@ from kvcore.model.decoder import LlamaModel
 from kvcore.plugins.registry import PluginRegistry, get_registry
 from kvcore.sampling.structured import GrammarCompiler
 from kvcore.scheduling.kv_manager import KVCacheManager
-from kvcore.scheduling.request import EngineStats, FinishReason, GenerationResult, Request, TokenEvent
+from kvcore.scheduling.request import EngineGauges, EngineStats, FinishReason, GenerationResult, Request, TokenEvent
 from kvcore.scheduling.scheduler import Scheduler
 from kvcore.speculative.speculator import speculator_for
 from kvcore.text.outputs import StopStrings, TextOutput
@@ -288,11 +288,9 @@ class Engine(EngineStep):
         The request is released when the stream ends or is closed; keep the events for its text."""
         return stream_events(self, prompt, params)
 
-    @property
-    def num_running(self) -> int:
-        return len(self.scheduler.running)
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self.scheduler.waiting)
+    def gauges(self) -> EngineGauges:
+        """What the engine holds now: requests running, waiting and kept, KV blocks (:attr:`stats` counts what
+        it did since it was made)."""
+        return EngineGauges(len(self.scheduler.running), len(self.scheduler.waiting), len(self._requests),
+                            self.kv.num_blocks, self.kv.num_free_blocks)
 

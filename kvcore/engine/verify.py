@@ -55,7 +55,7 @@ class SpeculativeStep:
         reqs = batch.requests
         if any(r.matcher is not None for r in reqs):
             return False
-        max_seq_len = self.kv.blocks.max_seq_len
+        max_seq_len = self.kv.max_seq_len
         budgets = [self.speculator.budget(r, self.max_model_len, max_seq_len) for r in reqs]
         room = self.scheduler.max_num_batched_tokens - len(reqs)
         for i, b in enumerate(budgets):  # drafts fill what the step's token budget leaves

@@ -152,7 +152,7 @@ class DraftModelProposer(Proposer):
             if a != b:
                 break
             keep += 1
-        self.kv.blocks.truncate(seq_id, keep)
+        self.kv.truncate(seq_id, keep)
         return seq_id, held[:keep]
 
     @torch.inference_mode()
