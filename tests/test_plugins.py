@@ -137,6 +137,7 @@ def test_builtins_register_through_the_public_hooks(registry):
             "flash_contiguous": "kvcore.backends.flash_attn2",
         },
         SAMPLER: {"default": "kvcore.sampling.sampler"},
+        PROPOSER: {"ngram": "kvcore.speculative.ngram", "draft": "kvcore.speculative.draft"},
     }
     for kind, names in expected.items():
         for name, plugin in names.items():
