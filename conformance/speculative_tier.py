@@ -11,7 +11,7 @@ with verification rows), ``n = 2``, a stop token, logprobs, and prefix caching o
   verification must also yield ``K + 1`` tokens: a single request then needs exactly
   ``ceil((N - 1) / (K + 1))`` decode steps.
 * ``<proposer>-sampled``: seeded sampled streams token-identical too (deterministic drafts go through the
-  target's own seeded draws, see :mod:`kvcore.sampling.speculative`).
+  target's own seeded draws, see :mod:`kvcore.sampling.rejection`).
 * ``random-distribution``: drafts drawn from a random ``q`` (the rejection rule): the joint distribution
   of two sampled tokens over :data:`NUM_DRAWS` seeds against the exact target distribution, a chi-square
   test at false-alarm rate :data:`FALSE_ALARM` (fixed seeds: the same verdict every run). The same for the

@@ -25,6 +25,8 @@ _EXPORTS = {
     "KVCache": "kvcore.interfaces.kv_cache",
     "LlamaModel": "kvcore.model.decoder",
     "ModelConfig": "kvcore.model.config",
+    "Proposal": "kvcore.interfaces.proposer",
+    "Proposer": "kvcore.interfaces.proposer",
     "FinishReason": "kvcore.scheduling.request",
     "GenerationResult": "kvcore.scheduling.request",
     "TokenEvent": "kvcore.scheduling.request",
@@ -44,6 +46,7 @@ if TYPE_CHECKING:
     from kvcore.interfaces.attention import AttentionBackend, BackendCapabilities, causal_mask
     from kvcore.interfaces.kv_cache import CacheCapabilities, CacheSpec, KVCache
     from kvcore.interfaces.metadata import AttentionMetadata
+    from kvcore.interfaces.proposer import Proposal, Proposer
     from kvcore.interfaces.sampler import Sampler, SamplingParams, SamplingRow
     from kvcore.interfaces.structured import StructuredOutput
     from kvcore.model.config import ModelConfig
@@ -67,6 +70,8 @@ __all__ = [
     "KVCoreError",
     "LlamaModel",
     "ModelConfig",
+    "Proposal",
+    "Proposer",
     "Sampler",
     "SamplingParams",
     "SamplingRow",

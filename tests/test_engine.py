@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from helpers import make_plugin, make_random_model
@@ -13,6 +15,7 @@ from kvcore.errors import ConfigError, ContextLengthError, InvalidRequestError
 from kvcore.execution.runner import last_token_logits
 from kvcore.plugins.registry import PluginRegistry
 from kvcore.scheduling.kv_manager import KVCacheManager
+from kvcore.scheduling.request import EngineGauges
 
 PROMPTS = [[1, 5, 9, 13, 17], [7, 8], list(range(10, 50)), [9]]
 GREEDY = SamplingParams(max_new_tokens=12, ignore_eos=True)
@@ -91,7 +94,7 @@ def test_cache_is_written_in_place_never_reallocated(random_model, cfg):
     seen_lengths = []
     while engine.has_unfinished():
         engine.step()
-        if engine.num_running:
+        if engine.gauges().num_running:
             seen_lengths.append(engine.kv.seq_len(engine._requests[rid].seq_id))
         for name, t in storage.items():
             assert getattr(engine.cache, name) is t and t.data_ptr() == ptrs[name], name
@@ -208,6 +211,24 @@ def test_metrics(random_model):
     c = random_model.config
     # KV bytes = 2 × layers × kv_heads × head_dim × seq_len × bytes; the last token is sampled, never cached
     assert m.kv_bytes == 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * (4 + 6 - 1) * 4
+
+
+def test_gauges_follow_a_request_from_queue_to_release(random_model):
+    engine = Engine(random_model, None, EngineConfig(backend="paged", max_model_len=64, max_num_seqs=1,
+                                                     kv_cache_options={"paged": {"block_size": 4}}))
+    idle = engine.gauges()
+    assert idle == EngineGauges(0, 0, 0, idle.num_kv_blocks, idle.num_kv_blocks) and idle.num_kv_blocks > 0
+    first = engine.add_request([1, 2, 3, 4, 5], SamplingParams(max_new_tokens=2, ignore_eos=True))
+    engine.add_request([6, 7], SamplingParams(max_new_tokens=2, ignore_eos=True))
+    assert engine.gauges() == dataclasses.replace(idle, num_waiting=2, num_requests_held=2)
+    engine.step()  # one slot: the first runs, holding two blocks of 4 for its 5 prompt tokens
+    assert engine.gauges() == dataclasses.replace(idle, num_running=1, num_waiting=1, num_requests_held=2,
+                                                  num_kv_blocks_free=idle.num_kv_blocks - 2)
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.gauges() == dataclasses.replace(idle, num_requests_held=2)  # finished, not yet released
+    engine.release(first)
+    assert engine.gauges().num_requests_held == 1
 
 
 def test_per_phase_backends_share_one_cache(random_model):

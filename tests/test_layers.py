@@ -7,6 +7,10 @@ hide an upward edge or a cycle. ``docs/design.md`` draws the same map.
 from __future__ import annotations
 
 import ast
+import importlib
+import subprocess
+import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -22,18 +26,28 @@ LAYERS: list[tuple[str, ...]] = [
     ("kvcore.interfaces",),
     ("kvcore.kernels",),
     ("kvcore.text",),
+    ("kvcore.backends",),
     ("kvcore.sampling",),
     ("kvcore.scheduling",),
     ("kvcore.model",),
     ("kvcore.plugins",),
     ("kvcore.execution",),
-    ("kvcore.backends",),
     ("kvcore.loaders",),
+    ("kvcore.speculative",),
     ("kvcore.engine",),
     ("kvcore.serving",),
     ("kvcore.conformance",),
     ("kvcore.cli",),
 ]
+#: modules that moved, and where to: each old path is a shim that imports its new home and warns. They rank
+#: above everything, so nothing in kvcore imports them, and the package each stands in keeps its place.
+MOVED = {
+    "kvcore.backends.ngram": "kvcore.speculative.ngram",
+    "kvcore.backends.draft": "kvcore.speculative.draft",
+    "kvcore.backends.backoff": "kvcore.speculative.backoff",
+    "kvcore.sampling.speculative": "kvcore.sampling.rejection",
+}
+LAYERS.append(tuple(MOVED))
 # The public entry points that may stand at kvcore/'s top level.
 TOP_LEVEL = {"__init__", "errors", "hookspecs", "paths", "version"}
 MAX_LINES = 300
@@ -165,6 +179,37 @@ def test_imports_point_down(graph):
 
 def test_no_import_cycles(graph):
     assert cycles(graph) == []
+
+
+def test_backends_hold_attention_only(graph):
+    """Attention backends and KV caches build on the contracts and kernels, not on the runtime above them."""
+    runtime = ("kvcore.execution", "kvcore.scheduling", "kvcore.model", "kvcore.speculative", "kvcore.engine")
+    backends = [m for m in graph if m.startswith("kvcore.backends") and m not in MOVED]
+    assert "kvcore.backends.sdpa" in backends
+    assert [f"{m} imports {t}" for m in backends for t in graph[m] if t.startswith(runtime)] == []
+
+
+def test_moved_modules_are_shims(graph):
+    """Each old path imports only its new home."""
+    assert {old: graph[old] for old in MOVED} == {old: {new} for old, new in MOVED.items()}
+
+
+def test_moved_modules_warn_once_and_are_the_new_ones():
+    for old, new in MOVED.items():
+        sys.modules.pop(old, None)
+        with pytest.warns(DeprecationWarning, match=f"^{old} moved to {new}; import it from there$"):
+            module = importlib.import_module(old)
+        assert module is importlib.import_module(new)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert importlib.import_module(old) is module  # warned once: now the new module itself
+
+
+def test_a_moved_module_warns_a_script_that_imports_it():
+    """Python shows a DeprecationWarning only when it names the user's own code (``__main__``), not the shim."""
+    old = "kvcore.backends.backoff"  # imports no torch
+    run = subprocess.run([sys.executable, "-c", f"import {old}"], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0 and run.stderr.startswith(f"<string>:1: DeprecationWarning: {old} moved to "), run.stderr
 
 
 def test_top_level_holds_only_entry_points():

@@ -24,7 +24,6 @@ from kvcore import (
     hookimpl,
 )
 from kvcore.backends.contiguous import ContiguousKVCache
-from kvcore.backends.ngram import NgramProposer
 from kvcore.backends.paged import PagedKVCache
 from kvcore.backends.quantized import Int8KVCache
 from kvcore.errors import BackendUnavailableError, ConfigError, PluginError, UnknownBackendError
@@ -41,6 +40,7 @@ from kvcore.plugins.registry import (
     PluginRegistry,
 )
 from kvcore.sampling.sampler import DefaultSampler
+from kvcore.speculative.ngram import NgramProposer
 
 CAPS = BackendCapabilities(devices=frozenset({"cpu"}), dtypes=frozenset({torch.float32}), kv_layouts=("contiguous",))
 CACHE_CAPS = CacheCapabilities(devices=frozenset({"cpu"}), dtypes=frozenset({torch.float32}))
@@ -137,6 +137,7 @@ def test_builtins_register_through_the_public_hooks(registry):
             "flash_contiguous": "kvcore.backends.flash_attn2",
         },
         SAMPLER: {"default": "kvcore.sampling.sampler"},
+        PROPOSER: {"ngram": "kvcore.speculative.ngram", "draft": "kvcore.speculative.draft"},
     }
     for kind, names in expected.items():
         for name, plugin in names.items():
@@ -196,7 +197,7 @@ DUPLICATES = {  # kind: (a class claiming a built-in's name, the built-in's plug
     "backend": (BACKEND, lambda: make_backend("sdpa"), "kvcore.backends.sdpa", "naive"),
     "kv_cache": (KV_CACHE, lambda: make_cache("paged", PagedKVCache), "kvcore.backends.paged", "contiguous"),
     "sampler": (SAMPLER, lambda: make_sampler("default"), "kvcore.sampling.sampler", None),
-    "proposer": (PROPOSER, lambda: make_proposer("ngram"), "kvcore.backends.ngram", "draft"),
+    "proposer": (PROPOSER, lambda: make_proposer("ngram"), "kvcore.speculative.ngram", "draft"),
 }
 
 

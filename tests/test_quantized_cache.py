@@ -205,7 +205,7 @@ def test_same_budget_holds_at_least_twice_the_blocks_and_requests(tiny):
         most[name] = 0
         while engine.has_unfinished():
             engine.step()
-            most[name] = max(most[name], engine.num_running)
+            most[name] = max(most[name], engine.gauges().num_running)
     assert most["paged"] == 4
     assert most["int8"] >= 2 * most["paged"]
 

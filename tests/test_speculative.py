@@ -10,9 +10,6 @@ import pytest
 import torch
 
 from kvcore import Engine, EngineConfig, SamplingParams
-from kvcore.backends.backoff import FIRST_DRAFTS
-from kvcore.backends.draft import truncated
-from kvcore.backends.ngram import NgramProposer
 from kvcore.backends.sdpa import SDPABackend
 from kvcore.conformance import speculative_tier as tier
 from kvcore.conformance.results import FAIL, PASS, CaseResult
@@ -24,8 +21,11 @@ from kvcore.errors import ConfigError
 from kvcore.interfaces.attention import BackendCapabilities
 from kvcore.interfaces.proposer import Proposal
 from kvcore.kernels.cpu_kernels import kernel_reasons
-from kvcore.sampling.speculative import rejection_sample
+from kvcore.sampling.rejection import rejection_sample
 from kvcore.scheduling.scheduler import Scheduler
+from kvcore.speculative.backoff import FIRST_DRAFTS
+from kvcore.speculative.draft import truncated
+from kvcore.speculative.ngram import NgramProposer
 
 CFG = SuiteConfig(dtype="float32", models=("tiny",), tiers=("speculative",))
 
@@ -59,6 +59,14 @@ def test_rejection_rule_keeps_the_target_distribution_end_to_end():
     result = run_case("sdpa", RANDOM, "distribution")
     assert result.status == PASS, result.detail
     assert result.info["accepted_tokens"] > 0 and result.info["accepted_tokens"] < result.info["draft_tokens"]
+
+
+def test_the_proposer_contract_is_public():
+    import kvcore
+    from kvcore.interfaces import proposer
+
+    assert (kvcore.Proposer, kvcore.Proposal) == (proposer.Proposer, proposer.Proposal)
+    assert {"Proposer", "Proposal"} <= set(kvcore.__all__)
 
 
 # -- planted bugs ------------------------------------------------------------------------------------------
@@ -157,8 +165,8 @@ def test_draft_truncated_to_its_first_layers(random_model):
 def test_a_draft_model_is_loaded_in_the_weight_format_it_names(random_model):
     """``weights`` reaches the loader with the draft's ``model``; a draft model of float weights gets the dense head
     (None), not the target's; ``weights`` without ``model`` (the draft shares the target's weights) is refused."""
-    from kvcore.backends.draft import DraftModelProposer
     from kvcore.interfaces.proposer import ProposerTarget
+    from kvcore.speculative.draft import DraftModelProposer
 
     loads = []
 
@@ -260,7 +268,7 @@ def test_ngram_backs_off_exponentially_and_probes_only_long_matches():
 def test_draft_model_backs_off(random_model, monkeypatch):
     """Drafts that keep missing stop the draft model: after ``misses`` verifications it drafts nothing for
     ``cooldown`` steps (no draft forward), then probes with one draft; the stream is unchanged."""
-    from kvcore.backends.draft import DraftModelProposer
+    from kvcore.speculative.draft import DraftModelProposer
 
     real, asked = DraftModelProposer._drafts, []
 

@@ -65,7 +65,7 @@ def _capacity_run(engine, prompts, new_tokens) -> dict[str, Any]:
     concurrency, kv_peak = [], 0
     while engine.has_unfinished():
         engine.step()
-        concurrency.append(engine.num_running)
+        concurrency.append(engine.gauges().num_running)
         kv_peak = max(kv_peak, engine.kv.kv_bytes_in_use())
     wall = time.perf_counter() - start
     results = [engine.release(rid) for rid in ids]

@@ -15,14 +15,14 @@ CODE = (ROOT / "kvcore" / "scheduling" / "block_pool.py").read_text()[:900]
 TEXT = (ROOT / "docs" / "design.md").read_text()[:2600]
 #: prose: the "How verification works" section of docs/speculative.md
 PROSE = (ROOT / "docs" / "speculative.md").read_text().split("## How verification works")[1].split("## ")[0].strip()
-#: small functions: the acceptance rules (kvcore/sampling/speculative.py from its first function on)
-FUNCS = (ROOT / "kvcore" / "sampling" / "speculative.py").read_text()
+#: small functions: the acceptance rules (kvcore/sampling/rejection.py from its first function on)
+FUNCS = (ROOT / "kvcore" / "sampling" / "rejection.py").read_text()
 FUNCS = FUNCS[FUNCS.index("#: seed offsets") :]
 #: the held-out set's texts (speculative_replay.py): other documents and code of this repository
 KV_DOC = (ROOT / "docs" / "kv-cache.md").read_text()[:2400]
 PERF_DOC = (ROOT / "docs" / "performance.md").read_text()[3000:5400]
 SCHED_CODE = (ROOT / "kvcore" / "scheduling" / "scheduler.py").read_text()[2000:3800]
-NGRAM_CODE = (ROOT / "backends" / "ngram.py").read_text()[2400:4600]
+NGRAM_CODE = (ROOT / "kvcore" / "speculative" / "ngram.py").read_text()[2400:4600]
 
 
 def _with_typos(text: str, every: int = 29) -> str:

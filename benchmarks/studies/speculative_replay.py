@@ -10,7 +10,7 @@ Greedy streams are the same with speculation on and off (docs/speculative.md), s
 the drafts the model keeps are fixed by the stream: the replay asks the proposer for drafts at each position
 (the engine's budget: at most ``K``, never past the stream's end), keeps the longest prefix that matches the
 stream, reports the verification to the proposer, and moves on by kept + 1 tokens (``--first-drafts``: with
-that many drafts in a request's first proposal, ``kvcore.backends.backoff.FIRST_DRAFTS``). The modelled speed-up is
+that many drafts in a request's first proposal, ``kvcore.speculative.backoff.FIRST_DRAFTS``). The modelled speed-up is
 tokens / cost, a verification of ``k`` drafts costing ``1 + draft_cost * k`` plain steps and every other token
 one (speculative_trace.py uses the same model on the engine's own run; benchmarks/studies/verify_cost.py measures
 ``draft_cost``). ``--set held-out`` replays prompts no setting was chosen on (speculative_prompts.HELD_OUT).
@@ -27,9 +27,9 @@ from types import SimpleNamespace
 from speculative_prompts import GROUNDED, HELD_OUT, HELD_OUT_GROUNDED, PROMPTS
 
 from kvcore import Engine, SamplingParams
-from kvcore.backends import backoff
-from kvcore.backends.ngram import NgramProposer
-from kvcore.sampling.speculative import num_matching
+from kvcore.sampling.rejection import num_matching
+from kvcore.speculative import backoff
+from kvcore.speculative.ngram import NgramProposer
 
 #: the settings compared when none are given: the defaults, and the previous defaults
 SETTINGS = ("", "max_n=4,misses=2,cooldown=16")

@@ -64,7 +64,7 @@ def decode_steps(engine: Engine, prompts: list[list[int]], params: SamplingParam
         engine.step()
     times = []
     for _ in range(steps):
-        assert engine.num_running == len(prompts), "a row finished inside the measured steps"
+        assert engine.gauges().num_running == len(prompts), "a row finished inside the measured steps"
         start = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - start)

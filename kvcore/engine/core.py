@@ -49,7 +49,6 @@ from kvcore.engine.config import EngineConfig, parse_dtype, select_components
 from kvcore.engine.defaults import DefaultChoice, choose_defaults, file_facts, model_facts
 from kvcore.engine.requests import prompt_batch, prompt_token_ids, request_result, run_batch, run_chat, stream_events
 from kvcore.engine.settings import Settings, prepare_run
-from kvcore.engine.speculative import speculator_for
 from kvcore.engine.step import EngineStep
 from kvcore.errors import InvalidRequestError, RequestAbortedError
 from kvcore.execution.runner import Executor, ModelRunner
@@ -60,8 +59,9 @@ from kvcore.model.decoder import LlamaModel
 from kvcore.plugins.registry import PluginRegistry, get_registry
 from kvcore.sampling.structured import GrammarCompiler
 from kvcore.scheduling.kv_manager import KVCacheManager
-from kvcore.scheduling.request import EngineStats, FinishReason, GenerationResult, Request, TokenEvent
+from kvcore.scheduling.request import EngineGauges, EngineStats, FinishReason, GenerationResult, Request, TokenEvent
 from kvcore.scheduling.scheduler import Scheduler
+from kvcore.speculative.speculator import speculator_for
 from kvcore.text.outputs import StopStrings, TextOutput
 
 __all__ = ["Engine", "EngineConfig", "parse_dtype"]
@@ -288,11 +288,9 @@ class Engine(EngineStep):
         The request is released when the stream ends or is closed; keep the events for its text."""
         return stream_events(self, prompt, params)
 
-    @property
-    def num_running(self) -> int:
-        return len(self.scheduler.running)
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self.scheduler.waiting)
+    def gauges(self) -> EngineGauges:
+        """What the engine holds now: requests running, waiting and kept, KV blocks (:attr:`stats` counts what
+        it did since it was made)."""
+        return EngineGauges(len(self.scheduler.running), len(self.scheduler.waiting), len(self._requests),
+                            self.kv.num_blocks, self.kv.num_free_blocks)
 

@@ -126,7 +126,7 @@ class EngineStep(SpeculativeStep):
         bad = set(error.seq_indices)
         for i in sorted(bad):
             req = batch.requests[i]
-            self.kv.blocks.truncate(req.seq_id, req.num_computed_tokens)
+            self.kv.truncate(req.seq_id, req.num_computed_tokens)
             self._finish(req, FinishReason.ERROR, error)
         keep = [i for i in range(len(batch.requests)) if i not in bad]
         position = {old: new for new, old in enumerate(keep)}

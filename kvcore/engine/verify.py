@@ -5,7 +5,7 @@ rest.
 Row ``i`` of the forward is ``[last token, d_1 .. d_k]`` at positions ``c .. c + k`` after ``c`` cached tokens:
 a multi-token decode row, causal among its own tokens (as a chunked-prefill chunk is). Position ``j``'s
 logits give the target's token after ``d_j``; the sampler picks it with the request's history extended by
-``d_1 .. d_j`` (:class:`~kvcore.engine.speculative.DraftView`). With ``a`` drafts kept, the step emits
+``d_1 .. d_j`` (:class:`DraftView`). With ``a`` drafts kept, the step emits
 ``a + 1`` tokens one by one (each with its stop checks, so stop strings, EOS and ``max_new_tokens`` end the
 stream exactly where they would without speculation), and ``c + 1 + a`` tokens stay in the cache: the
 scheduler's :meth:`~kvcore.scheduling.scheduler.Scheduler.roll_back` gives back the blocks past them, and only
@@ -14,20 +14,34 @@ then are the kept full blocks committed to the prefix cache.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from kvcore.engine.speculative import DraftView, Speculator
 from kvcore.errors import BackendError, KVCoreError, NonFiniteRowsError
 from kvcore.interfaces.proposer import Proposal
+from kvcore.interfaces.sampler import SamplingParams
 from kvcore.sampling.processors import token_logprobs
+from kvcore.sampling.rejection import num_matching, rejection_sample
 from kvcore.sampling.sampler import logprobs_checked, sample_checked
-from kvcore.sampling.speculative import num_matching, rejection_sample
 from kvcore.scheduling.batch import ScheduledBatch
 from kvcore.scheduling.request import Request
+from kvcore.speculative.speculator import Speculator
 
-__all__ = ["SpeculativeStep"]
+__all__ = ["DraftView", "SpeculativeStep"]
+
+
+@dataclass(frozen=True)
+class DraftView:
+    """A request as the sampler sees it at one draft position: its output extended by the drafts before it
+    (a :class:`~kvcore.interfaces.sampler.SamplingRow`, so penalties and seeded draws see that history)."""
+
+    request_id: str
+    prompt_ids: list[int]
+    output_ids: list[int]
+    params: SamplingParams
+    seed: int
 
 
 class SpeculativeStep:
@@ -41,7 +55,7 @@ class SpeculativeStep:
         reqs = batch.requests
         if any(r.matcher is not None for r in reqs):
             return False
-        max_seq_len = self.kv.blocks.max_seq_len
+        max_seq_len = self.kv.max_seq_len
         budgets = [self.speculator.budget(r, self.max_model_len, max_seq_len) for r in reqs]
         room = self.scheduler.max_num_batched_tokens - len(reqs)
         for i, b in enumerate(budgets):  # drafts fill what the step's token budget leaves

@@ -54,8 +54,8 @@ BUILTIN_PLUGINS = (
     "kvcore.backends.flash_attn2",
     "kvcore.backends.xformers",
     "kvcore.sampling.sampler",
-    "kvcore.backends.ngram",
-    "kvcore.backends.draft",
+    "kvcore.speculative.ngram",
+    "kvcore.speculative.draft",
     "kvcore.model.families",
     "kvcore.plugins.model_support",
 )

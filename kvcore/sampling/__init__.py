@@ -1,1 +1,2 @@
-"""Sampling (layer 2): the default sampler and the logits processors it is built from."""
+"""Sampling (layer 2): the default sampler, the logits processors it is built from, and the acceptance rules
+of speculative decoding (``rejection``)."""

@@ -85,6 +85,22 @@ class KVCacheManager:
     def can_reserve(self, seq_ids: Sequence[int], query_lens: Sequence[int]) -> bool:
         return self.blocks.can_reserve(seq_ids, query_lens)
 
+    def truncate(self, seq_id: int, num_tokens: int) -> None:
+        """Keep the first ``num_tokens`` tokens of ``seq_id``, giving back the blocks past them."""
+        self.blocks.truncate(seq_id, num_tokens)
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.blocks.max_seq_len
+
+    @property
+    def num_blocks(self) -> int:
+        return self.blocks.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.blocks.num_free_blocks
+
     # -- one forward call ----------------------------------------------------------------------------
     def prepare(
         self, seq_ids: Sequence[int], query_lens: Sequence[int], scale: float, layers: Sequence[LayerAttention] = ()

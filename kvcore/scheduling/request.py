@@ -10,7 +10,7 @@ from typing import Any
 from kvcore.errors import KVCoreError
 from kvcore.interfaces.sampler import SamplingParams
 
-__all__ = ["FinishReason", "RequestMetrics", "Request", "TokenEvent", "GenerationResult", "EngineStats"]
+__all__ = ["FinishReason", "RequestMetrics", "Request", "TokenEvent", "GenerationResult", "EngineStats", "EngineGauges"]
 
 
 class FinishReason(enum.StrEnum):
@@ -208,3 +208,15 @@ class EngineStats:
 
     def as_dict(self) -> dict[str, int]:
         return dict(vars(self))
+
+
+@dataclass(frozen=True)
+class EngineGauges:
+    """What an engine holds at one moment (Prometheus gauges in a serving front; :class:`EngineStats` counts
+    what it did)."""
+
+    num_running: int  # requests in the running batch
+    num_waiting: int  # requests queued, not running (preempted ones included)
+    num_requests_held: int  # requests the engine keeps: unfinished, or finished and not yet released
+    num_kv_blocks: int  # KV-cache blocks in the pool (slots, for a per-sequence layout)
+    num_kv_blocks_free: int

@@ -5,11 +5,14 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvcore.errors import KVCoreError
 from kvcore.interfaces.sampler import SamplingParams
 from kvcore.scheduling.request import TokenEvent
+
+if TYPE_CHECKING:
+    from kvcore.engine.core import Engine
 
 __all__ = [
     "RequestStream", "StreamEntry", "ServingStats", "serving_stats", "QueueFullError", "EngineDeadError",
@@ -100,16 +103,17 @@ class RequestStream:
         self.abort()
 
 
-def serving_stats(engine: Any, num_queued: int) -> ServingStats:
-    """The counters of ``engine`` as the server reports them; ``num_queued`` requests not yet handed to it."""
-    blocks = engine.kv.blocks
+def serving_stats(engine: Engine, num_queued: int) -> ServingStats:
+    """The gauges and counters of ``engine`` as the server reports them; ``num_queued`` requests not yet handed
+    to it."""
+    now = engine.gauges()
     return ServingStats(
-        num_running=engine.num_running,
-        num_waiting=engine.num_waiting + num_queued,
-        num_kv_blocks_total=blocks.num_blocks,
-        num_kv_blocks_used=blocks.num_blocks - blocks.num_free_blocks,
-        num_requests_tracked=len(getattr(engine, "_requests", ())),
-        engine_counters=tuple(engine.stats.as_dict().items()) if hasattr(engine, "stats") else (),
+        num_running=now.num_running,
+        num_waiting=now.num_waiting + num_queued,
+        num_kv_blocks_total=now.num_kv_blocks,
+        num_kv_blocks_used=now.num_kv_blocks - now.num_kv_blocks_free,
+        num_requests_tracked=now.num_requests_held,
+        engine_counters=tuple(engine.stats.as_dict().items()),
     )
 
 

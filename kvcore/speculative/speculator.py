@@ -1,9 +1,9 @@
-"""Speculative decoding in the engine: which requests speculate, how many drafts each may take, and the
-checks that refuse an engine that cannot verify drafts (with the reason).
+"""The engine's side of a proposer: which requests speculate, how many drafts each may take, the checks on
+what a proposer returns, and the refusals of an engine that cannot verify drafts (with the reason).
 
-A step whose rows are all decoding asks the proposer for drafts; :mod:`kvcore.engine.verify` scores them
-(one multi-token decode row per request) and keeps what the acceptance rules of
-:mod:`kvcore.sampling.speculative` allow. A step that carries prompt chunks decodes one token per row, as
+A step whose rows are all decoding asks the :class:`Speculator` for drafts; :mod:`kvcore.engine.verify` scores
+them (one multi-token decode row per request) and keeps what the acceptance rules of
+:mod:`kvcore.sampling.rejection` allow. A step that carries prompt chunks decodes one token per row, as
 without speculation. See docs/speculative.md.
 """
 
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -22,21 +21,9 @@ from kvcore.interfaces.proposer import Proposal, Proposer, ProposerTarget
 from kvcore.loaders.model_cache import load_pretrained
 from kvcore.scheduling.request import EngineStats, Request
 
-__all__ = ["Speculator", "DraftView", "speculator_for"]
+__all__ = ["Speculator", "speculator_for"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class DraftView:
-    """A request as the sampler sees it at one draft position: its output extended by the drafts before it
-    (a :class:`~kvcore.interfaces.sampler.SamplingRow`, so penalties and seeded draws see that history)."""
-
-    request_id: str
-    prompt_ids: list[int]
-    output_ids: list[int]
-    params: Any
-    seed: int
 
 
 def reasons_refused(config: Any, backends: tuple[AttentionBackend, ...], tensor_parallel: bool) -> list[str]:
