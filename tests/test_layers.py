@@ -1,7 +1,8 @@
 """The layer contract: every kvcore module imports only from packages ranked below its own.
 
 Every import counts (module level, inside functions, under ``TYPE_CHECKING``), so a lazy import cannot
-hide an upward edge or a cycle. ``docs/design.md`` draws the same map.
+hide an upward edge or a cycle. The order is tests/layer_order.py's, which ``docs/design.md``'s table is
+generated from.
 """
 
 from __future__ import annotations
@@ -9,31 +10,15 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import layer_order
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 # The installed name of each source folder (pyproject.toml's package-dir).
 SOURCES = {"kvcore": ROOT / "kvcore", "kvcore.backends": ROOT / "backends", "kvcore.conformance": ROOT / "conformance"}
 
-# Lowest first. A module may import its own package and any package of a lower rank, nothing else.
-LAYERS: list[tuple[str, ...]] = [
-    ("kvcore.version", "kvcore.errors"),
-    ("kvcore.paths", "kvcore.hookspecs"),
-    ("kvcore.interfaces",),
-    ("kvcore.kernels",),
-    ("kvcore.text",),
-    ("kvcore.sampling",),
-    ("kvcore.scheduling",),
-    ("kvcore.model",),
-    ("kvcore.plugins",),
-    ("kvcore.execution",),
-    ("kvcore.backends",),
-    ("kvcore.loaders",),
-    ("kvcore.engine",),
-    ("kvcore.serving",),
-    ("kvcore.conformance",),
-    ("kvcore.cli",),
-]
+# Lowest first (tests/layer_order.py, which docs/design.md's table is generated from).
+LAYERS: list[tuple[str, ...]] = [packages for packages, _ in layer_order.LAYERS]
 # The public entry points that may stand at kvcore/'s top level.
 TOP_LEVEL = {"__init__", "errors", "hookspecs", "paths", "version"}
 MAX_LINES = 300
