@@ -14,9 +14,9 @@ from helpers import subcommands
 from kvcore import EngineConfig, SamplingParams, Settings, load_settings
 from kvcore.cli.parser import build_parser, parse_args
 from kvcore.cli.settings import resolve_settings
-from kvcore.engine.fields import SETTINGS, EngineFields
+from kvcore.engine.fields import SETTINGS, EngineFields, RunFields
 from kvcore.engine.file_config import OPTION_TABLES, FileConfig, file_keys, load_config
-from kvcore.engine.settings import RUN_KEYS, settings_from
+from kvcore.engine.settings import settings_from
 from kvcore.errors import ConfigError
 from kvcore.interfaces.setting import declared, setting
 from kvcore.kernels.quant import WEIGHT_FORMATS
@@ -48,7 +48,8 @@ COMMAND_ONLY = {
 
 def test_every_file_key_is_a_dataclass_field_or_a_run_key():
     tables = set(OPTION_TABLES)
-    assert FILE - tables - ENGINE - SAMPLING == set(RUN_KEYS)
+    assert FILE - tables - ENGINE - SAMPLING == {"model", "threads", "plugins"}
+    assert {d.setting.table or d.name for d in declared(RunFields)} == {"model", "threads", "plugins"}
     assert {OPTION_TABLES[t] for t in tables} <= ENGINE
 
 

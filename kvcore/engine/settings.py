@@ -3,7 +3,7 @@ engine's :class:`~kvcore.engine.config.EngineConfig`, the requests' :class:`~kvc
 and the plugins' option tables.
 
 The dataclasses are the one definition of every setting: the TOML keys (:mod:`kvcore.engine.file_config`) and
-the CLI flags (:mod:`kvcore.cli.flags`) are derived from their declared fields (:mod:`kvcore.engine.fields`);
+the CLI flags (:mod:`kvcore.cli.parser`) are derived from their declared fields (:mod:`kvcore.engine.fields`);
 ``tests/test_settings.py`` keeps the HTTP fields in step with them.
 """
 
@@ -14,19 +14,14 @@ from pathlib import Path
 from typing import Any
 
 from kvcore.engine.config import EngineConfig
-from kvcore.engine.fields import RunFields
 from kvcore.engine.file_config import file_keys, load_config
 from kvcore.engine.threads import apply_threads
 from kvcore.errors import ConfigError
 from kvcore.interfaces.sampler import SamplingParams
-from kvcore.interfaces.setting import declared
 from kvcore.loaders import DEFAULT_MODEL
 from kvcore.plugins.registry import PluginRegistry, get_registry
 
-__all__ = ["Settings", "RUN_KEYS", "load_settings", "settings_from", "prepare_run"]
-
-#: settings that belong to the run, not to the engine or a request
-RUN_KEYS = {d.setting.table or d.name: d.help for d in declared(RunFields)}
+__all__ = ["Settings", "load_settings", "settings_from", "prepare_run"]
 
 _ENGINE = {f.name for f in fields(EngineConfig)}
 _SAMPLING = {f.name for f in fields(SamplingParams)}

@@ -1,7 +1,7 @@
 """Declaring a run setting once: a dataclass field whose metadata says how users give it and how it is checked.
 
 A field made with :func:`setting` is a config-file key (:mod:`kvcore.engine.file_config` derives the TOML
-schema from it), a command-line flag unless ``flag=False`` (:mod:`kvcore.cli.flags` derives the argparse
+schema from it), a command-line flag unless ``flag=False`` (:mod:`kvcore.cli.parser` derives the argparse
 argument) and a row of docs/cli.md's settings table (``scripts/gen_tables.py``): adding a setting is adding
 one field. Nothing here imports torch, so the command line reads the declarations before torch loads.
 """
@@ -9,6 +9,7 @@ one field. Nothing here imports torch, so the command line reads the declaration
 from __future__ import annotations
 
 import dataclasses
+import functools
 import types
 import typing
 from dataclasses import MISSING, dataclass
@@ -62,7 +63,8 @@ def setting(default: Any = MISSING, *, help: str, default_factory: Any = MISSING
                              metadata={_KEY: Setting(help=help, **how)})
 
 
-def declared(cls: type) -> list[Declared]:
+@functools.cache  # a class's fields do not change, and EngineConfig checks its values with them
+def declared(cls: type) -> tuple[Declared, ...]:
     """The fields of dataclass ``cls`` made with :func:`setting`, in field order. Each annotation is one type
     or that type ``| None``."""
     hints = typing.get_type_hints(cls)
@@ -71,7 +73,7 @@ def declared(cls: type) -> list[Declared]:
         if _KEY in f.metadata:
             default = f.default_factory() if f.default is MISSING else f.default
             out.append(Declared(f.name, _kind(hints[f.name]), default, f.metadata[_KEY]))
-    return out
+    return tuple(out)
 
 
 def _kind(annotation: Any) -> type:
