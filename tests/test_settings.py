@@ -80,6 +80,7 @@ class _Extended(EngineConfig):
 
     draft_depth: int = setting(4, min=1, metavar="D", help="how deep drafts go (default {default})")
     variants: tuple[str, ...] = setting((), flag="--variant", metavar="NAME", help="allow NAME; repeat for several")
+    eager: bool = setting(True, help="run eagerly")  # on by default: --eager / --no-eager
 
 
 def test_a_new_field_is_a_config_key_and_a_flag(monkeypatch, tmp_path, capsys):
@@ -102,16 +103,25 @@ def test_a_new_field_is_a_config_key_and_a_flag(monkeypatch, tmp_path, capsys):
         assert helps["--draft-depth"] == "how deep drafts go (default 4)"
         assert helps["--variant"] == "allow NAME; repeat for several"
     path.write_text("draft_depth = 2\n")
-    args = parse_args(["generate", "--variant", "a", "--variant", "b", "--config", str(path), "hi"])
+    args = parse_args(["generate", "--variant", "a", "--variant", "b", "--no-eager", "--config", str(path), "hi"])
     s = resolve_settings(args)
-    assert (s["draft_depth"], s["variants"], s["max_new_tokens"]) == (2, ["a", "b"], None)
+    assert (s["draft_depth"], s["variants"], s["eager"], s["max_new_tokens"]) == (2, ["a", "b"], False, None)
     config = _Extended(**{f.name: s[f.name] for f in fields(_Extended) if s.get(f.name) is not None})
-    assert (config.draft_depth, config.variants) == (2, ["a", "b"])
+    assert (config.draft_depth, config.variants, config.eager) == (2, ["a", "b"], False)
     with pytest.raises(ConfigError, match="draft_depth must be a positive integer, got 0"):
         _Extended(draft_depth=0)
     with pytest.raises(SystemExit):
         parse_args(["serve", "--draft-depht", "3"])
     assert "unknown flag --draft-depht; did you mean '--draft-depth'?" in capsys.readouterr().err
+
+
+def test_a_setting_no_file_or_flag_can_give_is_refused():
+    @dataclass
+    class Ids:
+        ids: tuple[int, ...] = setting((), help="token ids")
+
+    with pytest.raises(TypeError, match=r"Ids.ids: a setting is a bool, int, float, str, tuple\[str, ...\]"):
+        declared(Ids)
 
 
 def test_http_sets_every_sampling_field():

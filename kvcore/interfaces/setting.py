@@ -65,22 +65,26 @@ def setting(default: Any = MISSING, *, help: str, default_factory: Any = MISSING
 
 @functools.cache  # a class's fields do not change, and EngineConfig checks its values with them
 def declared(cls: type) -> tuple[Declared, ...]:
-    """The fields of dataclass ``cls`` made with :func:`setting`, in field order. Each annotation is one type
-    or that type ``| None``."""
+    """The fields of dataclass ``cls`` made with :func:`setting`, in field order. A TypeError names a field whose
+    type no config file or flag can give."""
     hints = typing.get_type_hints(cls)
     out = []
     for f in dataclasses.fields(cls):
         if _KEY in f.metadata:
             default = f.default_factory() if f.default is MISSING else f.default
-            out.append(Declared(f.name, _kind(hints[f.name]), default, f.metadata[_KEY]))
+            out.append(Declared(f.name, _kind(cls, f.name, hints[f.name]), default, f.metadata[_KEY]))
     return tuple(out)
 
 
-def _kind(annotation: Any) -> type:
+def _kind(cls: type, name: str, annotation: Any) -> type:
     """``int | None`` → int; ``tuple[str, ...]`` → tuple; ``dict[str, dict[str, Any]]`` → dict."""
-    (kind,) = [a for a in typing.get_args(annotation) if a is not types.NoneType] if isinstance(
-        annotation, types.UnionType) else [annotation]
-    return typing.get_origin(kind) or kind
+    args = [a for a in typing.get_args(annotation) if a is not types.NoneType]
+    kind = args[0] if isinstance(annotation, types.UnionType) and len(args) == 1 else annotation
+    origin = typing.get_origin(kind) or kind
+    if origin in (bool, int, float, str, dict) or kind == tuple[str, ...]:
+        return origin
+    raise TypeError(f"{cls.__name__}.{name}: a setting is a bool, int, float, str, tuple[str, ...] or a dict of "
+                    f"tables, optionally | None; not {annotation}")
 
 
 def check_declared(obj: Any, error: type[Exception]) -> None:
