@@ -8,6 +8,7 @@ generated from.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import layer_order
@@ -155,6 +156,14 @@ def test_no_import_cycles(graph):
 def test_top_level_holds_only_entry_points():
     names = {p.stem for p in SOURCES["kvcore"].glob("*.py")}
     assert names == TOP_LEVEL
+
+
+def test_package_docstrings_leave_the_order_to_the_table():
+    """The ranks are written once (tests/layer_order.py, docs/design.md's generated table): a package docstring
+    that numbers its layer goes stale when the order changes."""
+    numbered = [str(p.relative_to(ROOT)) for folder in SOURCES.values() for p in folder.rglob("__init__.py")
+                if re.search(r"\(layer \d+\)", ast.get_docstring(ast.parse(p.read_text())) or "")]
+    assert numbered == []
 
 
 def test_modules_stay_small():

@@ -1,3 +1,3 @@
-"""The contracts every pluggable kind implements (layer 1): attention backends, KV caches, samplers.
+"""The contracts every pluggable kind implements: attention backends, KV caches, samplers.
 
 Only errors and torch below; everything above programs against these classes, never a concrete one."""

@@ -1,1 +1,1 @@
-"""Sampling (layer 2): the default sampler and the logits processors it is built from."""
+"""Sampling: the default sampler and the logits processors it is built from."""
