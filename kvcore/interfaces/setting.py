@@ -44,6 +44,7 @@ class Declared:
 
     @property
     def help(self) -> str:
+        """The help text with ``{default}`` filled in."""
         return self.setting.help.replace("{default}", str(self.default))
 
     @property
