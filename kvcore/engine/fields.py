@@ -44,7 +44,7 @@ class EngineFields:
         help="LM head: auto (default: int4 with quantized weights where it runs, else dense), dense or int4 "
              "(int4 scores, the top 64 candidates rescored with the dense head; bfloat16 on CPU)")
     max_num_seqs: int = setting(8, min=1, commands=("serve",),
-                                help="requests run at once (default {default}; kvcore serve: 16, generate: 1)")
+                                help="requests run at once (kvcore serve: default 16; the Python API: {default})")
     max_model_len: int | None = setting(
         None, min=2, help="context limit per request, in tokens (default: the model's window, at most 4096)")
     #: unchunked, a lone prompt may exceed it
