@@ -120,8 +120,14 @@ def test_a_setting_no_file_or_flag_can_give_is_refused():
     class Ids:
         ids: tuple[int, ...] = setting((), help="token ids")
 
+    @dataclass
+    class Required:
+        name: str = setting(help="no default")
+
     with pytest.raises(TypeError, match=r"Ids.ids: a setting is a bool, int, float, str, tuple\[str, ...\]"):
         declared(Ids)
+    with pytest.raises(TypeError, match="Required.name: a setting needs a default"):
+        declared(Required)
 
 
 def test_http_sets_every_sampling_field():

@@ -72,6 +72,8 @@ def declared(cls: type) -> tuple[Declared, ...]:
     out = []
     for f in dataclasses.fields(cls):
         if _KEY in f.metadata:
+            if f.default is MISSING and f.default_factory is MISSING:
+                raise TypeError(f"{cls.__name__}.{f.name}: a setting needs a default (a file or flag may leave it out)")
             default = f.default_factory() if f.default is MISSING else f.default
             out.append(Declared(f.name, _kind(cls, f.name, hints[f.name]), default, f.metadata[_KEY]))
     return tuple(out)
