@@ -6,13 +6,12 @@ from __future__ import annotations
 import importlib.util
 import inspect
 import re
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
 from helpers import subcommands
 from test_readme_examples import PAGES, README, ROOT
-
-from kvcore.engine.file_config import OPTION_TABLES, FileConfig
 
 README_MAX_LINES = 300
 LINK = re.compile(r"\[[^\]]*\]\((?P<target>[^)\s]+)\)")
@@ -103,21 +102,50 @@ def test_every_cli_flag_is_documented(bench_plugin):
     assert missing == {}
 
 
-def test_cli_page_lists_every_config_key():
-    text = (ROOT / "docs/cli.md").read_text(encoding="utf-8")
-    listed = re.search(r"^Scalar keys: (.*?)\(one\s+dataclass", text, re.S | re.M)
-    assert listed is not None
-    scalar = {f.name for f in fields(FileConfig)} - set(OPTION_TABLES) - {"plugins"}
-    assert set(re.findall(r"`(\w+)`", listed.group(1))) == scalar
-    assert all(f"[{table}.<name>]" in text for table in (*OPTION_TABLES, "plugins"))
-
-
-def _gen_reference():
-    """scripts/gen_reference.py, imported from its path (a script, not part of the package)."""
-    spec = importlib.util.spec_from_file_location("gen_reference", ROOT / "scripts" / "gen_reference.py")
+def _script(name: str):
+    """scripts/<name>.py, imported from its path (a script, not part of the package)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def test_generated_tables_are_current():
+    """docs/cli.md's settings and docs/design.md's layers are generated from the fields and tests/layer_order.py."""
+    gen = _script("gen_tables")
+    for page, (name, render) in gen.TABLES.items():
+        text = (ROOT / page).read_text(encoding="utf-8")
+        assert gen.regenerate(text, name, render()) == text, f"{page}'s {name} table is stale: run `{gen.COMMAND}`"
+
+
+def test_generated_tables_follow_their_sources(monkeypatch, tmp_path, capsys):
+    """A new setting is a new row, a new rank a new line; --check sees a stale page, a run rewrites it."""
+    from kvcore.engine.fields import EngineFields
+    from kvcore.interfaces.setting import setting
+
+    @dataclass
+    class Extended(EngineFields):
+        draft_depth: int = setting(4, min=1, help="how deep | far drafts go")
+
+    gen = _script("gen_tables")
+    monkeypatch.setitem(gen.SETTINGS, "engine", Extended)
+    assert "| `draft_depth` | `--draft-depth` | int | `4` | how deep \\| far drafts go |" in gen.render_settings()
+    monkeypatch.setattr(gen, "_layers", lambda: [(("kvcore.errors",), "errors"), (("kvcore.a", "kvcore.b"), "a, b")])
+    assert gen.render_layers().splitlines()[2:] == ["| 0 | `errors` | errors |", "| 1 | `a`, `b` | a, b |"]
+    (tmp_path / "docs").mkdir()
+    for page in gen.TABLES:
+        (tmp_path / page).write_text((ROOT / page).read_text(encoding="utf-8"), encoding="utf-8")
+    monkeypatch.setattr(gen, "ROOT", tmp_path)
+    assert gen.main(["--check"]) == 1
+    assert "docs/cli.md: the settings table is stale" in capsys.readouterr().err
+    assert gen.main([]) == 0 and gen.main(["--check"]) == 0
+    assert "`--draft-depth`" in (tmp_path / "docs/cli.md").read_text(encoding="utf-8")
+    with pytest.raises(ValueError, match="no '<!-- generated: layers"):
+        gen.regenerate("a page without the table", "layers", "")
+
+
+def _gen_reference():
+    return _script("gen_reference")
 
 
 def test_reference_page_is_generated_and_complete():

@@ -1,44 +1,29 @@
 """The layer contract: every kvcore module imports only from packages ranked below its own.
 
 Every import counts (module level, inside functions, under ``TYPE_CHECKING``), so a lazy import cannot
-hide an upward edge or a cycle. ``docs/design.md`` draws the same map.
+hide an upward edge or a cycle. The order is tests/layer_order.py's, which ``docs/design.md``'s table is
+generated from.
 """
 
 from __future__ import annotations
 
 import ast
 import importlib
+import re
 import subprocess
 import sys
 import warnings
 from pathlib import Path
 
+import layer_order
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 # The installed name of each source folder (pyproject.toml's package-dir).
 SOURCES = {"kvcore": ROOT / "kvcore", "kvcore.backends": ROOT / "backends", "kvcore.conformance": ROOT / "conformance"}
 
-# Lowest first. A module may import its own package and any package of a lower rank, nothing else.
-LAYERS: list[tuple[str, ...]] = [
-    ("kvcore.version", "kvcore.errors"),
-    ("kvcore.paths", "kvcore.hookspecs"),
-    ("kvcore.interfaces",),
-    ("kvcore.kernels",),
-    ("kvcore.text",),
-    ("kvcore.backends",),
-    ("kvcore.sampling",),
-    ("kvcore.scheduling",),
-    ("kvcore.model",),
-    ("kvcore.plugins",),
-    ("kvcore.execution",),
-    ("kvcore.loaders",),
-    ("kvcore.speculative",),
-    ("kvcore.engine",),
-    ("kvcore.serving",),
-    ("kvcore.conformance",),
-    ("kvcore.cli",),
-]
+# Lowest first (tests/layer_order.py, which docs/design.md's table is generated from).
+LAYERS: list[tuple[str, ...]] = [packages for packages, _ in layer_order.LAYERS]
 #: modules that moved, and where to: each old path is a shim that imports its new home and warns. They rank
 #: above everything, so nothing in kvcore imports them, and the package each stands in keeps its place.
 MOVED = {
@@ -215,6 +200,14 @@ def test_a_moved_module_warns_a_script_that_imports_it():
 def test_top_level_holds_only_entry_points():
     names = {p.stem for p in SOURCES["kvcore"].glob("*.py")}
     assert names == TOP_LEVEL
+
+
+def test_package_docstrings_leave_the_order_to_the_table():
+    """The ranks are written once (tests/layer_order.py, docs/design.md's generated table): a package docstring
+    that numbers its layer goes stale when the order changes."""
+    numbered = [str(p.relative_to(ROOT)) for folder in SOURCES.values() for p in folder.rglob("__init__.py")
+                if re.search(r"\(layer \d", ast.get_docstring(ast.parse(p.read_text())) or "")]
+    assert numbered == []
 
 
 def test_modules_stay_small():

@@ -1,11 +1,15 @@
-"""The ``kvcore`` argument parser: every built-in command's flags, and the commands plugins add."""
+"""The ``kvcore`` argument parser: every built-in command's flags, and the commands plugins add. The flags of
+run settings are derived from the fields that declare them (:mod:`kvcore.engine.fields`)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
+from kvcore.engine.fields import SETTINGS
 from kvcore.errors import did_you_mean
+from kvcore.interfaces.setting import declared
 
 __all__ = ["build_parser", "parse_args", "version_string"]
 
@@ -19,25 +23,25 @@ def version_string() -> str:
         return "kvcore (not installed)"
 
 
-def _sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-new-tokens", type=int, default=None, help="tokens to generate (default 128)")
-    p.add_argument("--temperature", type=float, default=None,
-                   help="0 = greedy (generate's default; chat samples at 0.8, see docs/cli.md)")
-    p.add_argument("--top-k", type=int, default=None, help="sample from the k most likely tokens (0 = off)")
-    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass in (0, 1] (1 = off)")
-    p.add_argument("--seed", type=int, default=None, help="RNG seed for sampling (any integer; taken mod 2^64)")
-    p.add_argument("--ignore-eos", action="store_true", default=None, help="do not stop at end-of-sequence")
-    p.add_argument("--stop", action="append", default=None, metavar="TEXT",
-                   help="stop when the text contains TEXT (not printed); repeat for several")
-    p.add_argument("--min-p", type=float, default=None, help="drop tokens below min_p × the top probability (0 = off)")
-    p.add_argument("--repetition-penalty", type=float, default=None,
-                   help="divide seen tokens' positive logits by it, multiply negative ones (1 = off)")
-    p.add_argument("--repetition-window", type=int, default=None, metavar="N",
-                   help="the repetition penalty counts only the last N tokens (default: all; chat: 64)")
-    p.add_argument("--presence-penalty", type=float, default=None, help="OpenAI presence penalty in [-2, 2]")
-    p.add_argument("--frequency-penalty", type=float, default=None, help="OpenAI frequency penalty in [-2, 2]")
-    p.add_argument("--logprobs", type=int, default=None, metavar="K",
-                   help="with --json: each token's logprob and its K most likely alternatives (0-20)")
+def _setting_flags(p: argparse.ArgumentParser, group: str, command: str) -> None:
+    """A flag for each declared field of ``SETTINGS[group]`` that ``command`` takes (kvcore.interfaces.setting).
+    Every one defaults to None, so the environment, the config file and the dataclass default apply."""
+    for d in declared(SETTINGS[group]):
+        if d.flag is None or d.setting.commands is not None and command not in d.setting.commands:
+            continue
+        how: dict[str, Any] = {"metavar": d.setting.metavar, "choices": d.setting.choices}
+        if d.kind is bool:  # a setting that defaults to on needs a way to turn it off
+            how = {"action": argparse.BooleanOptionalAction if d.default else "store_true"}
+        elif d.kind is tuple:
+            how["action"] = "append"  # repeat the flag for several
+        elif d.kind in (int, float):
+            how["type"] = d.kind
+        p.add_argument(d.flag, dest=d.name, default=None, help=d.help.replace("%", "%%"),  # argparse formats help
+                       **{k: v for k, v in how.items() if v is not None})
+
+
+def _sampling_args(p: argparse.ArgumentParser, command: str) -> None:
+    _setting_flags(p, "sampling", command)
     shape = p.add_mutually_exclusive_group()
     shape.add_argument("--json-schema", default=None, metavar="FILE",
                        help="constrain the output to JSON valid against the schema in FILE (needs kvcore[structured])")
@@ -46,39 +50,9 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
                        help="constrain the output to the grammar in FILE (GBNF or Lark)")
 
 
-def _engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="'smollm2' (default), a .gguf file or a Hugging Face directory")
-    p.add_argument("--backend", default=None, help="attention backend for both phases (see `kvcore backends`)")
-    p.add_argument("--prefill-backend", default=None, help="backend for prefill (overrides --backend)")
-    p.add_argument("--decode-backend", default=None, help="backend for decode (overrides --backend)")
-    p.add_argument("--kv-cache", default=None, help="KV cache (`kvcore plugins`; default: the backend's layout)")
-    p.add_argument("--sampler", default=None, help="sampler (see `kvcore plugins`; default 'default')")
-    p.add_argument("--dtype", default=None,
-                   help="auto (default: bfloat16 for a Q4_0/Q4_1 GGUF on CPU, else float32), float32 (the exact "
-                        "reference), bfloat16 or float16")
-    p.add_argument("--device", default=None, help="torch device (default cpu)")
-    p.add_argument("--weights", default=None, choices=["auto", "float", "int8", "int4", "int4a8", "gguf"],
-                   help="matmul weights: auto (default: a Q4 GGUF's blocks as int4a8, else int4, a K-quant GGUF's "
-                        "as gguf, in bfloat16; else float), float, "
-                        "int8 or int4 (weight-only quantized), int4a8 (int4 with int8 activations, kvcore's "
-                        "kernel, AVX512-VNNI), gguf (a GGUF's blocks as stored, int8 activations, AVX512-VNNI); "
-                        "quantized formats need --dtype bfloat16 on CPU")
-    p.add_argument("--lm-head", default=None, choices=["auto", "dense", "int4"],
-                   help="LM head: auto (default: int4 with quantized weights where it runs, else dense), dense or "
-                        "int4 (int4 scores, the top 64 candidates rescored with the dense head; bfloat16 on CPU)")
-    p.add_argument("--compile", action="store_true", default=None,
-                   help="run decode steps through torch.compile (faster once compiled; the first decode step "
-                        "compiles for tens of seconds; needs a C++ compiler on CPU)")
-    p.add_argument("--max-model-len", type=int, default=None,
-                   help="context limit per request, in tokens (default: the model's window, at most 4096)")
-    p.add_argument("--threads", type=int, default=None, metavar="N",
-                   help="CPU threads for torch (default: the cores not busy with other work, at least 1)")
-    p.add_argument("--tensor-parallel-size", type=int, default=None, metavar="N",
-                   help="split the model over N processes (gloo on CPU, NCCL on CUDA; default 1)")
-    p.add_argument("--speculative", dest="proposer", default=None, metavar="PROPOSER",
-                   help="speculative decoding with this proposer: ngram, draft (docs/speculative.md)")
-    p.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
-                   help="draft tokens verified per step and request (default 8)")
+def _engine_args(p: argparse.ArgumentParser, command: str) -> None:
+    _setting_flags(p, "run", command)
+    _setting_flags(p, "engine", command)
     p.add_argument("--config", default=None, metavar="FILE.toml", help="read settings from a TOML file")
     p.add_argument("--no-model-cache", action="store_true",
                    help="neither read nor write the prepared-model cache (also: KVCORE_MODEL_CACHE=0)")
@@ -112,7 +86,7 @@ def build_parser(plugin_commands: bool = True) -> argparse.ArgumentParser:
     p.add_argument("prompt", nargs="?", default=None,
                    help="the prompt text; '-' reads it from standard input. Text piped in comes first, then this")
     p.add_argument("--prompt-file", default=None, metavar="PATH", help="read the prompt from a file (UTF-8)")
-    _generation_args(p)
+    _generation_args(p, "generate")
 
     p = sub.add_parser("chat", help="chat with the model: one message, or a conversation (REPL)")
     p.add_argument("prompt", nargs="?", default=None,
@@ -121,22 +95,17 @@ def build_parser(plugin_commands: bool = True) -> argparse.ArgumentParser:
     p.add_argument("-i", "--interactive", action="store_true",
                    help="a multi-turn conversation (the default when no message is given); /reset, /exit")
     p.add_argument("--system", default=None, help="system message (default: the template's)")
-    _generation_args(p)
+    _generation_args(p, "chat")
 
     p = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
-    _engine_args(p)
+    _engine_args(p, "serve")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=_port, default=8000, help="TCP port (default 8000; 0 = any free port)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or env KVCORE_API_KEY)")
     p.add_argument("--served-model-name", default=None, help="model name clients send (default: --model)")
-    p.add_argument("--max-num-seqs", type=int, default=None, help="requests run at once (default 16)")
     p.add_argument("--max-queue-len", type=int, default=256, help="requests waiting beyond those; then 429")
     p.add_argument("--step-watchdog-s", type=float, default=None,
                    help="/health fails (503) while one engine step runs longer (default 60; 0: off)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="prompt tokens per prefill step")
-    p.add_argument("--num-blocks", type=int, default=None, help="KV-cache blocks (paged caches)")
-    p.add_argument("--kv-cache-bytes", type=int, default=None, help="size the paged KV cache to this budget")
-    p.add_argument("--enable-prefix-caching", action="store_true", default=None, help="reuse shared prompt blocks")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--strict", action="store_true",
                    help="answer requests with unknown fields 400 (default: ignore them, log and name them)")
@@ -195,9 +164,9 @@ def _commands(parser: argparse.ArgumentParser) -> argparse._SubParsersAction:
     return next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
 
 
-def _generation_args(p: argparse.ArgumentParser) -> None:
-    _engine_args(p)
-    _sampling_args(p)
+def _generation_args(p: argparse.ArgumentParser, command: str) -> None:
+    _engine_args(p, command)
+    _sampling_args(p, command)
     p.add_argument("--json", action="store_true", help="print a JSON result object as the last stdout line")
     _hidden_debug(p)
 

@@ -45,24 +45,19 @@ def read_bounded_text(path: str, what: str, limit: int) -> str:
 
 def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
     """Merge flag > environment (KVCORE_BACKEND, KVCORE_MODEL) > config file > defaults, for every key of the
-    config file (``None`` where nothing is given: EngineConfig / SamplingParams then apply their defaults)."""
-    from dataclasses import fields
+    config file, named as the field it fills (``None`` where nothing is given: EngineConfig / SamplingParams then
+    apply their defaults)."""
+    from kvcore.engine.file_config import empty_config, file_keys, load_config
 
-    from kvcore.engine.file_config import OPTION_TABLES, FileConfig, load_config
-
-    file_cfg = load_config(args.config) if getattr(args, "config", None) else FileConfig()
+    file_cfg = load_config(args.config) if getattr(args, "config", None) else empty_config()
     settings: dict[str, Any] = {}
-    for f in fields(FileConfig):
-        name = f.name
-        value = getattr(args, name, None)
-        if value is None and name in ENVIRONMENT:
-            value = os.environ.get(ENVIRONMENT[name]) or None
+    for key, d in file_keys().items():
+        value = getattr(args, d.name, None)
+        if value is None and d.name in ENVIRONMENT:
+            value = os.environ.get(ENVIRONMENT[d.name]) or None
         if value is None:
-            value = getattr(file_cfg, name)
-        settings[name] = DEFAULTS.get(name) if value is None else value
-    for table, option in OPTION_TABLES.items():
-        settings[option] = settings.pop(table)
-    settings["plugin_options"] = settings.pop("plugins")
+            value = getattr(file_cfg, key)
+        settings[d.name] = DEFAULTS.get(d.name) if value is None else value
     return settings
 
 

@@ -1,2 +1,2 @@
-"""The engine (layer 6): configuration, component selection and the step loop that drives the scheduler,
+"""The engine: configuration, component selection and the step loop that drives the scheduler,
 the model runner and the sampler."""

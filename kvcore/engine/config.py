@@ -5,14 +5,16 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Collection
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from kvcore.engine.fields import EngineFields
 from kvcore.errors import BackendUnavailableError, ConfigError, PluginError, reject_unknown_keywords
 from kvcore.interfaces.attention import AttentionBackend
 from kvcore.interfaces.layer_attention import VARIANTS
+from kvcore.interfaces.setting import check_declared
 from kvcore.kernels.quant import check_runnable, check_weight_format
 from kvcore.model.config import DEFAULT_MAX_MODEL_LEN
 from kvcore.model.lm_head import check_lm_head
@@ -38,58 +40,9 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
 
 @reject_unknown_keywords
 @dataclass
-class EngineConfig:
-    """How the engine runs. Names left ``None`` mean "pick the best available"."""
-
-    backend: str | None = None  # attention backend for both phases
-    prefill_backend: str | None = None  # overrides ``backend`` for prefill
-    decode_backend: str | None = None  # overrides ``backend`` for decode
-    kv_cache: str | None = None  # KV-cache layout; None = the canonical cache of the backends' layout
-    sampler: str = "default"
-    #: "float32" (the exact reference), "bfloat16", "float16", or "auto": bfloat16 for a GGUF whose layer weights
-    #: are all Q4_0/Q4_1 on CPU, else float32 (kvcore.engine.defaults decides every "auto" and says why)
-    dtype: str = "auto"
-    device: str = "cpu"
-    #: matmul weight format (kvcore.kernels.quant.WEIGHT_FORMATS): "auto" (a Q4_0/Q4_1 GGUF's blocks as int4a8, or
-    #: int4 where that kernel cannot run, a K-quant GGUF's as gguf, in bfloat16 on CPU; else float), "float",
-    #: "int8", "int4", "int4a8" or "gguf"; quantized formats need dtype bfloat16 on CPU
-    weights: str = "auto"
-    #: LM head format (kvcore.model.lm_head.LM_HEAD_FORMATS): "dense", "int4" (int4 scores, the top 64 rescored
-    #: densely; bfloat16 on CPU), or "auto": int4 with quantized weights where it runs, else dense
-    lm_head: str = "auto"
-    max_num_seqs: int = 8  # requests resident in the KV cache at once
-    max_model_len: int | None = None  # tokens per request; None = the model's context window, capped
-    #: tokens one forward may compute. Chunked: decodes first, prompts split into chunks to fill the rest;
-    #: unchunked: prompt tokens of one prefill step (a lone prompt may exceed it)
-    max_num_batched_tokens: int = 8192
-    #: split long prompts into chunks that share steps with the running decodes (vLLM's default): a long
-    #: prompt then no longer stalls every running stream for its whole prefill
-    enable_chunked_prefill: bool = True
-    block_size: int = 16  # paged caches: tokens per block
-    num_blocks: int | None = None  # paged caches: pool size; None = from kv_cache_bytes, else max_num_seqs × len
-    kv_cache_bytes: int | None = None  # paged caches: a memory budget the pool is sized to
-    enable_prefix_caching: bool = False  # share computed full prompt blocks across requests
-    #: sliding-window layers give the KV blocks no later query reads back to the pool (paged caches;
-    #: kvcore/scheduling/kv_groups.py); off: every layer keeps every token's K/V
-    free_window_blocks: bool = True
-    tensor_parallel_size: int = 1  # processes the model's heads and FFN are split over (kvcore/distributed)
-    #: check every attention output (shape, dtype, finiteness; layer 0 against a reference now and then) and
-    #: fail the batch with BackendOutputError when one breaks the contract (kvcore/execution/backend_check.py)
-    check_backend_outputs: bool = True
-    #: with check_backend_outputs: after the first forward of each kind, every this many forwards of a
-    #: backend compare layer 0 of one sequence against float32 attention (one extra attention per check)
-    backend_check_interval: int = 256
-    #: run decode steps through torch.compile (kvcore/execution/compile.py): less per-op overhead once compiled; the
-    #: first decode step compiles (tens of seconds; cached on disk by torch); needs a compilable decode backend
-    compile: bool = False
-    #: speculative decoding: the proposer (``kvcore plugins``) guessing up to num_speculative_tokens tokens per
-    #: step for each decoding request, verified in one forward (docs/speculative.md); None = off
-    proposer: str | None = None
-    num_speculative_tokens: int = 8  # K: benchmarks/studies/verify_cost.py prices each draft row (docs/speculative.md)
-    backend_options: dict[str, dict[str, Any]] = field(default_factory=dict)  # [backends.<name>] tables
-    kv_cache_options: dict[str, dict[str, Any]] = field(default_factory=dict)  # [kv_caches.<name>] tables
-    sampler_options: dict[str, dict[str, Any]] = field(default_factory=dict)  # [samplers.<name>] tables
-    proposer_options: dict[str, dict[str, Any]] = field(default_factory=dict)  # [proposers.<name>] tables
+class EngineConfig(EngineFields):
+    """How the engine runs: the fields of :class:`~kvcore.engine.fields.EngineFields` (each one a config-file key
+    and, most, a CLI flag), checked here, where torch is at hand."""
 
     #: default cap on max_model_len so a contiguous cache does not reserve the full 8K window per slot
     DEFAULT_MAX_MODEL_LEN = DEFAULT_MAX_MODEL_LEN
@@ -103,22 +56,7 @@ class EngineConfig:
             check_runnable(self.weights, dtype, self.device)
         if self.lm_head != AUTO:
             check_lm_head(self.lm_head, dtype or torch.bfloat16, self.device)
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "tensor_parallel_size",
-                     "backend_check_interval", "num_speculative_tokens"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
-        for name in ("num_blocks", "kv_cache_bytes"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
-                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
-        mml = self.max_model_len
-        if mml is not None and (not isinstance(mml, int) or isinstance(mml, bool) or mml <= 1):
-            raise ConfigError(f"max_model_len must be an integer > 1, got {mml!r}")
-        for name in ("enable_chunked_prefill", "enable_prefix_caching", "free_window_blocks", "check_backend_outputs",
-                     "compile"):
-            if not isinstance(getattr(self, name), bool):
-                raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        check_declared(self, ConfigError)  # types and least values, as the fields declare them
         check_device(self.device)
 
 

@@ -20,85 +20,55 @@ Example ``kvcore.toml``::
     [plugins.my_plugin]         # handed to that plugin's kvcore_configure hook
     some_option = true
 
-Every scalar key is a field of :class:`FileConfig`; its annotation is the type the file must give.
+Every key is a declared field (:func:`~kvcore.interfaces.setting.setting`) of the dataclasses in
+:data:`kvcore.engine.fields.SETTINGS`, a table field under its table's name; the field's type is the type the
+file must give (a tuple of strings: a list of strings).
 """
 
 from __future__ import annotations
 
+import functools
 import re
 import tomllib
-import types
-import typing
-from dataclasses import dataclass, field, fields
+from dataclasses import field, make_dataclass
 from pathlib import Path
 from typing import Any
 
+from kvcore.engine import fields as declarations
 from kvcore.errors import ConfigError, did_you_mean
+from kvcore.interfaces.setting import Declared, declared
 
-__all__ = ["FileConfig", "load_config", "OPTION_TABLES"]
+__all__ = ["FileConfig", "file_keys", "load_config", "empty_config", "OPTION_TABLES"]
 
+#: the TOML types a setting of each kind takes
+_TOML_TYPES = {bool: (bool,), int: (int,), float: (int, float), str: (str,), tuple: (list,)}
+
+
+def file_keys() -> dict[str, Declared]:
+    """Every config-file key, with the field that declares it."""
+    return {d.setting.table or d.name: d for cls in declarations.SETTINGS.values() for d in declared(cls)}
+
+
+@functools.cache
+def _file_config(keys: tuple[tuple[str, bool], ...]) -> type:
+    """The dataclass of a config file's values with these ``(key, is_table)``."""
+    return make_dataclass("FileConfig", [(k, Any, field(default_factory=dict) if is_table else field(default=None))
+                                         for k, is_table in keys])
+
+
+def _keys(known: dict[str, Declared]) -> tuple[tuple[str, bool], ...]:
+    return tuple((key, d.kind is dict) for key, d in known.items())
+
+
+#: the values of a config file, one attribute per key (None, or a table's ``{}``, where the file has none)
+FileConfig = _file_config(_keys(file_keys()))
 #: config tables of per-name constructor options, and the EngineConfig field each one fills
-OPTION_TABLES = {"backends": "backend_options", "kv_caches": "kv_cache_options", "samplers": "sampler_options",
-                 "proposers": "proposer_options"}
+OPTION_TABLES = {d.setting.table: d.name for d in declared(declarations.EngineFields) if d.setting.table}
 
 
-@dataclass
-class FileConfig:
-    backend: str | None = None
-    prefill_backend: str | None = None
-    decode_backend: str | None = None
-    kv_cache: str | None = None
-    sampler: str | None = None
-    model: str | None = None
-    dtype: str | None = None
-    device: str | None = None
-    weights: str | None = None  # matmul weight format: auto, float, int8, int4 (kvcore.kernels.quant)
-    lm_head: str | None = None  # LM head format: dense, int4 (kvcore.model.lm_head)
-    max_new_tokens: int | None = None
-    temperature: float | None = None
-    top_k: int | None = None
-    top_p: float | None = None
-    seed: int | None = None
-    ignore_eos: bool | None = None
-    stop: list[str] | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    repetition_window: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logprobs: int | None = None
-    threads: int | None = None  # torch CPU threads (CLI); default: the cores not busy with other work
-    max_num_seqs: int | None = None
-    max_model_len: int | None = None
-    max_num_batched_tokens: int | None = None
-    block_size: int | None = None
-    num_blocks: int | None = None
-    kv_cache_bytes: int | None = None
-    tensor_parallel_size: int | None = None
-    enable_prefix_caching: bool | None = None
-    enable_chunked_prefill: bool | None = None
-    free_window_blocks: bool | None = None  # sliding-window layers give dead KV blocks back (paged caches)
-    check_backend_outputs: bool | None = None  # check attention outputs (kvcore/execution/backend_check.py)
-    backend_check_interval: int | None = None  # forwards between reference checks of layer 0
-    compile: bool | None = None  # torch.compile the decode steps (kvcore/execution/compile.py)
-    proposer: str | None = None  # speculative decoding: the proposer (docs/speculative.md)
-    num_speculative_tokens: int | None = None  # draft tokens verified per step and request
-    backends: dict[str, dict[str, Any]] = field(default_factory=dict)  # [backends.<name>] → constructor kwargs
-    kv_caches: dict[str, dict[str, Any]] = field(default_factory=dict)  # [kv_caches.<name>] → constructor kwargs
-    samplers: dict[str, dict[str, Any]] = field(default_factory=dict)  # [samplers.<name>] → constructor kwargs
-    proposers: dict[str, dict[str, Any]] = field(default_factory=dict)  # [proposers.<name>] → constructor kwargs
-    plugins: dict[str, dict[str, Any]] = field(default_factory=dict)  # [plugins.<name>] → kvcore_configure
-
-
-def _scalar_types(annotation: Any) -> tuple[type, ...]:
-    """``int | None`` → ``(int,)``; a float key also takes an int."""
-    args = [typing.get_origin(a) or a for a in typing.get_args(annotation) if a is not types.NoneType]
-    return (int, float) if args == [float] else tuple(args)
-
-
-_HINTS = typing.get_type_hints(FileConfig)
-_TABLES = (*OPTION_TABLES, "plugins")
-_TYPES = {f.name: _scalar_types(_HINTS[f.name]) for f in fields(FileConfig) if f.name not in _TABLES}
+def empty_config() -> FileConfig:
+    """The values of a config file that sets nothing."""
+    return _file_config(_keys(file_keys()))()
 
 
 def load_config(path: str | Path) -> FileConfig:
@@ -118,20 +88,21 @@ def load_config(path: str | Path) -> FileConfig:
         raise ConfigError(f"config file '{path}' is not valid TOML: {exc}") from None
     except RecursionError:  # tomllib parses nested arrays and inline tables recursively
         raise ConfigError(f"config file '{path}' is not valid TOML: values nested too deeply") from None
-    known = {f.name for f in fields(FileConfig)}
+    known = file_keys()
+    tables = [key for key, d in known.items() if d.kind is dict]
     values: dict[str, Any] = {}
     for key, value in data.items():
         where = f"config file '{path}'{_line_of(text, key)}"
-        if isinstance(value, dict) and key not in _TABLES:  # a [section] whose name is no table's
+        if isinstance(value, dict) and key not in tables:  # a [section] whose name is no table's
             sub = next((k for k, v in value.items() if isinstance(v, dict)), None)
             section = f"[{key}.{sub}]" if sub else f"[{key}]"
-            hint = did_you_mean(key, _TABLES) or f" (sections: {', '.join(f'[{t}.<name>]' for t in _TABLES)})"
+            hint = did_you_mean(key, tables) or f" (sections: {', '.join(f'[{t}.<name>]' for t in tables)})"
             raise ConfigError(f"{where}: unknown section {section}{hint}")
         if key not in known:
             raise ConfigError(f"{where}: unknown key '{key}' (known: {', '.join(sorted(known))})"
                               f"{did_you_mean(key, known)}")
-        if key in _TYPES:
-            types_ = _TYPES[key]
+        if key not in tables:
+            types_ = _TOML_TYPES[known[key].kind]
             is_strings = not isinstance(value, list) or all(isinstance(v, str) for v in value)
             if isinstance(value, bool) and bool not in types_ or not isinstance(value, types_) or not is_strings:
                 expected = " or ".join(t.__name__ for t in types_)
@@ -139,7 +110,7 @@ def load_config(path: str | Path) -> FileConfig:
         elif not isinstance(value, dict) or not all(isinstance(v, dict) for v in value.values()):
             raise ConfigError(f"{where}: '{key}' must hold tables like [{key}.<name>]")
         values[key] = value
-    return FileConfig(**values)
+    return _file_config(_keys(known))(**values)
 
 
 def _line_of(text: str, key: str) -> str:

@@ -2,9 +2,9 @@
 engine's :class:`~kvcore.engine.config.EngineConfig`, the requests' :class:`~kvcore.interfaces.sampler.SamplingParams`
 and the plugins' option tables.
 
-The dataclasses are the one definition of every setting: a TOML key (:class:`~kvcore.engine.file_config.FileConfig`)
-is a field of one of them or one of :data:`RUN_KEYS`; ``tests/test_settings.py`` keeps the CLI flags, the TOML keys
-and the HTTP fields in step with them.
+The dataclasses are the one definition of every setting: the TOML keys (:mod:`kvcore.engine.file_config`) and
+the CLI flags (:mod:`kvcore.cli.parser`) are derived from their declared fields (:mod:`kvcore.engine.fields`);
+``tests/test_settings.py`` keeps the HTTP fields in step with them.
 """
 
 from __future__ import annotations
@@ -14,19 +14,14 @@ from pathlib import Path
 from typing import Any
 
 from kvcore.engine.config import EngineConfig
-from kvcore.engine.file_config import OPTION_TABLES, FileConfig, load_config
+from kvcore.engine.file_config import file_keys, load_config
 from kvcore.engine.threads import apply_threads
 from kvcore.errors import ConfigError
 from kvcore.interfaces.sampler import SamplingParams
 from kvcore.loaders import DEFAULT_MODEL
 from kvcore.plugins.registry import PluginRegistry, get_registry
 
-__all__ = ["Settings", "RUN_KEYS", "load_settings", "settings_from", "prepare_run"]
-
-#: settings that belong to the run, not to the engine or a request
-RUN_KEYS = {"model": "the model spec (smollm2, a .gguf file or a Hugging Face directory)",
-            "threads": "torch CPU threads (CLI default: the cores not busy with other work; API: torch's own)",
-            "plugins": "[plugins.<name>] tables handed to each plugin's kvcore_configure hook"}
+__all__ = ["Settings", "load_settings", "settings_from", "prepare_run"]
 
 _ENGINE = {f.name for f in fields(EngineConfig)}
 _SAMPLING = {f.name for f in fields(SamplingParams)}
@@ -47,23 +42,19 @@ class Settings:
 
 def settings_from(values: dict[str, Any]) -> Settings:
     """Split flat settings keyed as in the config file (``None``: not given, the default applies) into
-    :class:`Settings`. The option tables (``backends``, ``kv_caches``, ``samplers``) become the
-    EngineConfig fields they fill. An unknown key is a ConfigError naming it."""
-    known = {f.name for f in fields(FileConfig)}
-    unknown = sorted(set(values) - known)
+    :class:`Settings`. The option tables (``backends``, ``kv_caches``, ``samplers``, ``plugins``, ...) become
+    the fields they fill (``backend_options``, ...). An unknown key is a ConfigError naming it."""
+    known = file_keys()
+    unknown = sorted(set(values) - set(known))
     if unknown:
         raise ConfigError(f"unknown setting '{unknown[0]}' (known: {', '.join(sorted(known))})")
-    given = {k: v for k, v in values.items() if v is not None}
-    engine = {k: v for k, v in given.items() if k in _ENGINE}
-    for table, option in OPTION_TABLES.items():
-        if given.get(table):
-            engine[option] = dict(given[table])
+    given = {known[k].name: dict(v) if known[k].kind is dict else v for k, v in values.items() if v is not None}
     return Settings(
         model=given.get("model", DEFAULT_MODEL),
-        engine=EngineConfig(**engine),
+        engine=EngineConfig(**{k: v for k, v in given.items() if k in _ENGINE}),
         sampling=SamplingParams(**{k: v for k, v in given.items() if k in _SAMPLING}),
         threads=given.get("threads"),
-        plugin_options=dict(given.get("plugins", {})),
+        plugin_options=given.get("plugin_options", {}),
     )
 
 
@@ -71,7 +62,7 @@ def load_settings(path: str | Path, **overrides: Any) -> Settings:
     """The settings of config file ``path`` (see :mod:`kvcore.engine.file_config`); ``overrides`` (config-file
     keys, ``None`` = keep the file's) win over the file. Errors name the key: ConfigError."""
     file_cfg = load_config(path)
-    values = {f.name: getattr(file_cfg, f.name) for f in fields(FileConfig)}
+    values = {key: getattr(file_cfg, key) for key in file_keys()}
     values.update({k: v for k, v in overrides.items() if v is not None or k not in values})
     return settings_from(values)
 

@@ -1,2 +1,2 @@
-"""Running the model (layer 3): the model runner, backend output checks, compiled decode steps and
+"""Running the model: the model runner, backend output checks, compiled decode steps and
 tensor-parallel execution."""

@@ -6,13 +6,15 @@ import abc
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import InitVar, dataclass, field
-from typing import Any, ClassVar, Protocol
-
-import torch
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from kvcore.errors import InvalidRequestError, reject_unknown_keywords
 from kvcore.interfaces.options import unknown_options_error
+from kvcore.interfaces.setting import setting
 from kvcore.interfaces.structured import StructuredOutput
+
+if TYPE_CHECKING:  # annotations only: the command line reads SamplingParams' settings before torch loads
+    import torch
 
 __all__ = ["MAX_LOGPROBS", "MAX_LOGIT_BIAS", "SAMPLING_FEATURES", "SamplingParams", "SamplingRow", "Sampler"]
 
@@ -45,32 +47,38 @@ class SamplingParams:
     and ``logit_bias`` are stored as tuples.
     """
 
-    max_new_tokens: int = 128
-    temperature: float = 0.0  # 0 (or below 1e-5) = greedy (argmax)
-    top_k: int = 0  # 0 = no top-k filter
-    top_p: float = 1.0  # 1 = no nucleus filter; must be in (0, 1]
-    seed: int | None = None  # per-request RNG seed; same seed → same stream (sample i of n uses seed + i)
+    max_new_tokens: int = setting(128, help="tokens to generate (default {default})")
+    temperature: float = setting(0.0, help="0 = greedy (generate's default; chat samples at 0.8, see docs/cli.md)")
+    top_k: int = setting(0, help="sample from the k most likely tokens (0 = off)")
+    top_p: float = setting(1.0, help="nucleus sampling mass in (0, 1] (1 = off)")
+    #: same seed → same stream (sample i of n uses seed + i)
+    seed: int | None = setting(None, help="RNG seed for sampling (any integer; taken mod 2^64)")
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
-    ignore_eos: bool = False  # suppress EOS: generate exactly max_new_tokens (benchmarks, conformance)
+    #: generate exactly max_new_tokens (benchmarks, conformance)
+    ignore_eos: bool = setting(False, help="do not stop at end-of-sequence")
     n: int = 1  # independent samples of the prompt (they share its KV blocks); see Engine.sample_ids
-    #: stop strings: generation ends (FinishReason.STOP) when the decoded text contains one; the stop
-    #: string and anything after it are not returned. A single string is accepted too.
-    stop: tuple[str, ...] = field(default_factory=tuple)
-    min_p: float = 0.0  # drop tokens with probability < min_p × the top token's (0 = off); in [0, 1]
-    #: CTRL / transformers: the logit of every token already in prompt or output is divided by it when
-    #: positive, multiplied when negative. 1 = off; must be > 0
-    repetition_penalty: float = 1.0
-    #: the last this many tokens of prompt + output are the ones ``repetition_penalty`` counts as seen
-    #: (Ollama's ``repeat_last_n``, llama.cpp's ``penalty_last_n``); None = all of them (vLLM, transformers)
-    repetition_window: int | None = None
-    presence_penalty: float = 0.0  # OpenAI: minus this once for every token already generated; in [-2, 2]
-    frequency_penalty: float = 0.0  # OpenAI: minus this × how often the token was generated; in [-2, 2]
+    #: generation ends (FinishReason.STOP) when the decoded text contains one; the stop string and anything
+    #: after it are not returned. A single string is accepted too.
+    stop: tuple[str, ...] = setting((), help="stop when the text contains TEXT (not printed); repeat for several",
+                                    metavar="TEXT")
+    min_p: float = setting(0.0, help="drop tokens below min_p × the top probability (0 = off)")
+    #: CTRL / transformers: applies to every token already in prompt or output; must be > 0
+    repetition_penalty: float = setting(
+        1.0, help="divide seen tokens' positive logits by it, multiply negative ones (1 = off)")
+    #: Ollama's ``repeat_last_n``, llama.cpp's ``penalty_last_n``; None = all of them (vLLM, transformers)
+    repetition_window: int | None = setting(
+        None, help="the repetition penalty counts only the last N tokens (default: all; chat: 64)", metavar="N")
+    #: OpenAI: minus this once for every token already generated
+    presence_penalty: float = setting(0.0, help="OpenAI presence penalty in [-2, 2]")
+    #: OpenAI: minus this × how often the token was generated
+    frequency_penalty: float = setting(0.0, help="OpenAI frequency penalty in [-2, 2]")
     #: added to the logits of these token ids before anything else: a dict ``{token_id: bias}`` or pairs,
     #: stored as sorted ``((token_id, bias), ...)``; bias in [-100, 100] (OpenAI)
     logit_bias: Mapping[int, float] | tuple[tuple[int, float], ...] = field(default_factory=tuple)
     #: None = off; k >= 0 = report the chosen token's log-probability and the k most likely alternatives
     #: (at most MAX_LOGPROBS), from the final processed distribution (see DefaultSampler)
-    logprobs: int | None = None
+    logprobs: int | None = setting(
+        None, help="with --json: each token's logprob and its K most likely alternatives (0-20)", metavar="K")
     #: prefix caching shares K/V only between requests with the same salt (None is a salt of its own):
     #: give each tenant its own so no one can tell from timing what another's prompts began with
     cache_salt: str | None = None

@@ -1,2 +1,2 @@
-"""Compute kernels (layer 1): CPU feature detection, kvcore's C++ library (built on first use), dense and
+"""Compute kernels: CPU feature detection, kvcore's C++ library (built on first use), dense and
 quantized matmuls. The one package that touches private torch operators."""

@@ -1,2 +1,2 @@
-"""Sampling (layer 2): the default sampler, the logits processors it is built from, and the acceptance rules
-of speculative decoding (``rejection``)."""
+"""Sampling: the default sampler, the logits processors it is built from, and the acceptance rules of
+speculative decoding (``rejection``)."""

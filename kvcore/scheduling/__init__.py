@@ -1,1 +1,1 @@
-"""Request lifecycle and KV memory (layer 2): requests, the block manager, the scheduler."""
+"""Request lifecycle and KV memory: requests, the block manager, the scheduler."""

@@ -1,1 +1,1 @@
-"""Text (layer 1): tokenizers, vocabularies, chat templates, incremental detokenising and stop strings."""
+"""Text: tokenizers, vocabularies, chat templates, incremental detokenising and stop strings."""
