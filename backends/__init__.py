@@ -1,4 +1,4 @@
-"""Built-in attention backends and KV caches (layer 2, installed as ``kvcore.backends``).
+"""Built-in attention backends and KV caches (installed as ``kvcore.backends``).
 
 Each backend or cache module is a plugin: it registers through the ``kvcore_register_backends`` /
 ``kvcore_register_kv_caches`` hooks, exactly as a third-party package would. They build on the contracts and

@@ -1,4 +1,4 @@
-"""Speculative decoding (layer 5): the built-in proposers and the engine's side of a proposer.
+"""Speculative decoding: the built-in proposers and the engine's side of a proposer.
 
 ``ngram`` (prompt lookup) and ``draft`` (a smaller model on a KV cache of its own) register through the
 ``kvcore_register_proposers`` hook, as a third-party proposer does; ``backoff`` is the draft-length and back-off
