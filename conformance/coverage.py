@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
+from kvcore.conformance.cache_poison import PoisonCase
 from kvcore.conformance.cases import OpCase
 from kvcore.conformance.sampler_scenarios import OracleCase
 from kvcore.conformance.settings import SuiteConfig
@@ -34,6 +35,8 @@ def case_dimensions(case, cfg: SuiteConfig) -> dict[str, str]:
                 "variant": case.variant}
     if isinstance(case, OracleCase):
         return {"kind": "sampler oracle", "scenario": case.id.removeprefix("oracle-")}
+    if isinstance(case, PoisonCase):
+        return {"kind": "stale K/V", "dtype": dtype, "model": case.model, "kv_cache": case.cache}
     if hasattr(case, "model"):
         return {"kind": "model", "dtype": dtype, "model": case.model, "variant": case.variant,
                 "reader": case.reader or "the backend"}
@@ -61,7 +64,7 @@ def tier_coverage(tier: str, cases: Sequence, cfg: SuiteConfig, kv_caches: Seque
         return {"cases": len(cases), "dtypes": ["float32"], "models": [SPECULATIVE_MODEL],
                 "proposers": sorted({c.proposer for c in cases}), "variants": sorted({c.variant for c in cases})}
     oracle = [c.id.removeprefix("oracle-") for c in cases if isinstance(c, OracleCase)]
-    models = [c for c in cases if hasattr(c, "model")]
+    models = [c for c in cases if hasattr(c, "model") and not isinstance(c, PoisonCase)]
     cov = {
         "cases": len(cases),
         "dtypes": _dtype_names(models, cfg),
@@ -75,6 +78,9 @@ def tier_coverage(tier: str, cases: Sequence, cfg: SuiteConfig, kv_caches: Seque
         cov["readers"] = readers
     if any(c.id.startswith("store") for c in cases):
         cov["store"] = list(kv_caches)
+    poisoned = sorted({c.cache for c in cases if isinstance(c, PoisonCase)})
+    if poisoned:
+        cov["poisoned"] = poisoned
     return cov
 
 
@@ -100,6 +106,8 @@ def coverage_line(tier: str, cov: dict) -> str:
             parts.append(f"proposers {', '.join(cov['proposers'])}")
         if cov.get("store"):
             parts.append(f"driven directly: {', '.join(cov['store'])}")
+        if cov.get("poisoned"):
+            parts.append(f"freed slots poisoned: {', '.join(cov['poisoned'])}")
         if cov.get("readers"):
             parts.append(f"also read through {', '.join(cov['readers'])}")
         if cov.get("sampler_oracle"):
