@@ -12,6 +12,7 @@ from kvcore.conformance.sampler_scenarios import OracleCase
 from kvcore.conformance.settings import SuiteConfig
 from kvcore.conformance.speculative_tier import DTYPE as SPECULATIVE_DTYPE
 from kvcore.conformance.speculative_tier import MODEL as SPECULATIVE_MODEL
+from kvcore.conformance.speculative_tier import VARIANTS_MODEL as SPECULATIVE_VARIANTS_MODEL
 from kvcore.conformance.speculative_tier import SpecCase
 from kvcore.interfaces.dtypes import dtype_name
 
@@ -61,7 +62,8 @@ def tier_coverage(tier: str, cases: Sequence, cfg: SuiteConfig, kv_caches: Seque
             "max_keys": max(max(c.final_lens) for c in cases),
         }
     if isinstance(cases[0], SpecCase):  # float32 streams of one model, with and without each proposer
-        return {"cases": len(cases), "dtypes": ["float32"], "models": [SPECULATIVE_MODEL],
+        models = {SPECULATIVE_VARIANTS_MODEL if c.variant == "variants" else SPECULATIVE_MODEL for c in cases}
+        return {"cases": len(cases), "dtypes": ["float32"], "models": sorted(models),
                 "proposers": sorted({c.proposer for c in cases}), "variants": sorted({c.variant for c in cases})}
     oracle = [c.id.removeprefix("oracle-") for c in cases if isinstance(c, OracleCase)]
     models = [c for c in cases if hasattr(c, "model") and not isinstance(c, PoisonCase)]
