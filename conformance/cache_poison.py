@@ -1,6 +1,6 @@
-"""The cache tier's ``poisoned`` cases: what a finished request leaves in the KV cache never reaches a later one.
+"""The cache tier's ``poisoned`` case: what a finished request leaves in the KV cache never reaches a later one.
 
-Script, per cache the target is tested over (``Target.cache_names``), on the run's first model and the backend
+Script, for each cache the target is tested over (``Target.cache_names``), on the run's first model and the backend
 under test, in a pool with room for exactly two sequences: two requests whose keys and values went bad fill every
 slot and block (one with NaN, one with the dtype's largest finite value) and are freed; then the model's shortest
 and longest prompts take their place, prefill together and decode together, teacher-forced, so that the short
@@ -38,15 +38,14 @@ _POISON_IDS = (100, 101)  # the failed requests' sequence ids; the later ones ar
 
 @dataclass(frozen=True)
 class PoisonCase:
-    """One cache the target is tested over, poisoned and reused."""
+    """Every cache the target is tested over (known only when the case runs), poisoned and reused."""
 
     model: str
-    cache: str
     dtype: torch.dtype | None = None
 
     @property
     def id(self) -> str:
-        return f"poisoned-{self.cache}{dtype_suffix(self.dtype)}"
+        return f"poisoned{dtype_suffix(self.dtype)}"
 
 
 def _poison_forward(backend, values: torch.Tensor):
@@ -60,7 +59,7 @@ def _poison_forward(backend, values: torch.Tensor):
     return forward
 
 
-def _run(cm: ConformanceModel, target: Target, case: PoisonCase, cfg: SuiteConfig, poisoned: bool,
+def _run(cm: ConformanceModel, target: Target, cache: str, cfg: SuiteConfig, poisoned: bool,
          result: CaseResult) -> list[torch.Tensor]:
     """Logits ``[2, V]`` of each forward of the short and long sequences (prefill, then each decode step), on a
     cache first filled with poison and freed when ``poisoned``."""
@@ -68,7 +67,7 @@ def _run(cm: ConformanceModel, target: Target, case: PoisonCase, cfg: SuiteConfi
     conts = [cm.continuation(_STEPS, salt=str(i)) for i in range(2)]
     max_len = -(-(len(long) + _STEPS) // _BLOCK) * _BLOCK  # whole blocks: the two poisoned requests fill the pool
     backend = target.make()
-    kv = KVCacheManager(target.make_cache(case.cache, cache_spec(cm, cfg, 2, max_len, _BLOCK)))
+    kv = KVCacheManager(target.make_cache(cache, cache_spec(cm, cfg, 2, max_len, _BLOCK)))
     if poisoned:
         result.info["where"] = "writing the poisoned requests"
         chunks = [cm.continuation(max_len, salt=f"poison{i}") for i in range(2)]
@@ -96,30 +95,32 @@ def _run(cm: ConformanceModel, target: Target, case: PoisonCase, cfg: SuiteConfi
 def check_poisoned(target: Target, case: PoisonCase, cfg: SuiteConfig, result: CaseResult) -> None:
     cm = get_model(case.model, cfg.dtype, cfg.device)
     tol = cache_tolerance(cfg.dtype, target.unit_roundoff)
-    result.info.update(model=case.model, kv_cache=case.cache, steps=_STEPS)
-    reused = _run(cm, target, case, cfg, True, result)
-    fresh = _run(cm, target, case, cfg, False, result)
     lens = sorted(len(p) for p in cm.prompts)
+    result.info.update(model=case.model, steps=_STEPS)
     worst = 0.0
-    for step, (got, want) in enumerate(zip(reused, fresh)):
-        for seq in (0, 1):
-            m = compare(got[seq], want[seq], tol)
-            worst = max(worst, m.max_err)
-            if m.ok:
-                continue
-            phase = "prefill" if step == 0 else f"decode step {step}"
-            nan = int(torch.isnan(got[seq]).sum())
-            result.status, result.max_err = FAIL, m.max_err
-            result.detail = (
-                f"stale K/V: model {case.model}, KV cache '{case.cache}': two requests "
-                f"left NaN and {torch.finfo(cm.model.dtype).max:.3g} in every slot and block and were freed; at "
-                f"{phase}, {'the short' if seq == 0 else 'the long'} sequence (prompts of {lens[0]} and {lens[-1]} "
-                f"tokens sharing the step) gets logits that differ from a fresh cache's: max |err| {m.max_err:.3g} "
-                f"({tol}), {m.num_bad}/{m.numel} off, {nan} NaN"
-            )
-            result.info.update(step=step, seq=seq)
-            return
+    for cache in target.cache_names():
+        result.info["kv_cache"] = cache
+        reused = _run(cm, target, cache, cfg, True, result)
+        fresh = _run(cm, target, cache, cfg, False, result)
+        for step, (got, want) in enumerate(zip(reused, fresh)):
+            for seq in (0, 1):
+                m = compare(got[seq], want[seq], tol)
+                worst = max(worst, m.max_err)
+                if m.ok:
+                    continue
+                phase = "prefill" if step == 0 else f"decode step {step}"
+                nan = int(torch.isnan(got[seq]).sum())
+                result.status, result.max_err = FAIL, m.max_err
+                result.detail = (
+                    f"stale K/V: model {case.model}, KV cache '{cache}': two requests left NaN and "
+                    f"{torch.finfo(cm.model.dtype).max:.3g} in every slot and block and were freed; at {phase}, "
+                    f"{'the short' if seq == 0 else 'the long'} sequence (prompts of {lens[0]} and {lens[-1]} tokens "
+                    f"sharing the step) gets logits that differ from a fresh cache's: max |err| {m.max_err:.3g} "
+                    f"({tol}), {m.num_bad}/{m.numel} off, {nan} NaN"
+                )
+                result.info.update(step=step, seq=seq)
+                return
     result.max_err = worst
-    result.detail = (f"KV cache '{case.cache}': after two requests left NaN and huge K/V in every slot, a "
-                     f"{lens[0]}- and a {lens[-1]}-token request reusing them decode as on a fresh cache: "
+    result.detail = (f"KV cache {', '.join(target.cache_names())}: after two requests left NaN and huge K/V in every "
+                     f"slot, a {lens[0]}- and a {lens[-1]}-token request reusing them decode as on a fresh cache: "
                      f"max |err| {worst:.3g} ({tol})")

@@ -10,7 +10,7 @@ Certifying a KV cache (``--kv-cache``), the variants also run through every othe
 that reads the cache's layout (``naive`` included; case ids ``...-via-NAME``), since a backend may write
 through its own path and never call the cache's ``write``; and ``store-NAME`` drives the cache directly
 against a reference store (:mod:`kvcore.conformance.cache_store`); the readers are not known when pytest
-collects, so the pytest plugin runs ``store`` but not the ``-via-`` cases. ``poisoned-NAME``
+collects, so the pytest plugin runs ``store`` but not the ``-via-`` cases. ``poisoned``
 (:mod:`kvcore.conformance.cache_poison`) fills each cache with NaN and huge K/V from requests that are then freed,
 and checks that later requests reusing the slots decode as on a fresh cache.
 """
@@ -51,7 +51,7 @@ def cases(target: Target, cfg: SuiteConfig) -> list[ModelCase | StoreCase | Pois
     for dtype, reduced in dtype_plan(cfg):
         out.append(StoreCase(dtype))
         if not reduced:
-            out += [PoisonCase(cfg.models[0], name, dtype) for name in target.cache_names()]
+            out.append(PoisonCase(cfg.models[0], dtype))
         models = cfg.models[:1] if reduced else tier_models(cfg, first_only_when_quick=True)
         for model in models:
             for variant in VARIANTS:
@@ -72,10 +72,9 @@ def skip_reasons(target: Target, case: ModelCase | StoreCase | PoisonCase, cfg: 
         return [f"KV cache '{name}': {r}" for name in target.cache_names() for r in
                 target.cache_class(name).capabilities.reasons_unsupported(device=cfg.torch_device, dtype=cfg.dtype)]
     if isinstance(case, PoisonCase):
-        cache = target.cache_class(case.cache).capabilities
-        return (model_skip_reasons(target, ModelCase(case.model, "ragged", 0, case.dtype), cfg)
-                + [f"KV cache '{case.cache}': {r}" for r in cache.reasons_unsupported(device=cfg.torch_device,
-                                                                                      dtype=cfg.dtype)])
+        return model_skip_reasons(target, ModelCase(case.model, "ragged", 0, case.dtype), cfg) + [
+            f"KV cache '{name}': {r}" for name in target.cache_names() for r in
+            target.cache_class(name).capabilities.reasons_unsupported(device=cfg.torch_device, dtype=cfg.dtype)]
     return model_skip_reasons(target.via(case.reader) if case.reader else target, case, cfg)
 
 

@@ -37,7 +37,7 @@ def case_dimensions(case, cfg: SuiteConfig) -> dict[str, str]:
     if isinstance(case, OracleCase):
         return {"kind": "sampler oracle", "scenario": case.id.removeprefix("oracle-")}
     if isinstance(case, PoisonCase):
-        return {"kind": "stale K/V", "dtype": dtype, "model": case.model, "kv_cache": case.cache}
+        return {"kind": "stale K/V", "dtype": dtype, "model": case.model}
     if hasattr(case, "model"):
         return {"kind": "model", "dtype": dtype, "model": case.model, "variant": case.variant,
                 "reader": case.reader or "the backend"}
@@ -80,9 +80,8 @@ def tier_coverage(tier: str, cases: Sequence, cfg: SuiteConfig, kv_caches: Seque
         cov["readers"] = readers
     if any(c.id.startswith("store") for c in cases):
         cov["store"] = list(kv_caches)
-    poisoned = sorted({c.cache for c in cases if isinstance(c, PoisonCase)})
-    if poisoned:
-        cov["poisoned"] = poisoned
+    if any(isinstance(c, PoisonCase) for c in cases):
+        cov["poisoned"] = list(kv_caches)
     return cov
 
 

@@ -409,20 +409,20 @@ def test_fork_without_copy_on_write_is_caught_by_the_fork_scenario():
     assert "fork" in cache.detail
 
 
-def _poisoned(target, cfg: SuiteConfig = CFG) -> dict:
-    return {c.id: run_case(target, "cache", c, cfg) for c in tier_cases(target, "cache", cfg) if "poisoned" in c.id}
+def _poisoned(target, cfg: SuiteConfig = CFG):
+    (case,) = [c for c in tier_cases(target, "cache", cfg) if c.id == "poisoned"]
+    return run_case(target, "cache", case, cfg)
 
 
 def test_rows_a_freed_request_left_are_caught_in_a_cache_that_keeps_them_and_a_backend_that_reads_them():
-    """The poisoned cases (NaN and huge K/V left in every freed slot) pass for the built-in caches and the example
-    backend on both layouts, and fail a cache that does not clear freed slots (read by sdpa, which pads a batch)
-    and a backend that reads a paged sequence's whole last block, naming stale K/V and the decode step."""
+    """The poisoned case (NaN and huge K/V left in every freed slot) passes for the built-in caches and the example
+    backend over both its layouts, and fails a cache that does not clear freed slots (read by sdpa, which pads a
+    batch) and a backend that reads a paged sequence's whole last block, naming stale K/V, the cache and the step."""
     for backend, cache in (("sdpa", None), ("paged", None), ("paged", "int8")):
-        results = _poisoned(resolve_target(backend, kv_cache=cache))
-        assert results and all(r.status == PASS for r in results.values()), results
+        result = _poisoned(resolve_target(backend, kv_cache=cache))
+        assert result.status == PASS, result.describe()
     example = _poisoned(resolve_target(ChunkedAttentionBackend))
-    assert set(example) == {"poisoned-contiguous", "poisoned-paged"}
-    assert all(r.status == PASS for r in example.values()), example
+    assert example.status == PASS and "KV cache contiguous, paged" in example.detail, example.describe()
 
     class Plugin:
         @hookimpl
@@ -431,13 +431,13 @@ def test_rows_a_freed_request_left_are_caught_in_a_cache_that_keeps_them_and_a_b
 
     registry = PluginRegistry(load_entrypoints=False)
     registry.register_plugin(Plugin(), name="planted-no-clear")
-    (no_clear,) = _poisoned(resolve_target("sdpa", registry, kv_cache="planted_no_clear")).values()
+    no_clear = _poisoned(resolve_target("sdpa", registry, kv_cache="planted_no_clear"))
     assert no_clear.status == FAIL and no_clear.detail.startswith("stale K/V"), no_clear.describe()
     assert "decode step" in no_clear.detail and "the short sequence" in no_clear.detail, no_clear.detail
 
+    assert _poisoned(resolve_target(ReadsWholeBlocks, kv_cache="contiguous")).status == PASS  # that cache clears
     whole = _poisoned(resolve_target(ReadsWholeBlocks))
-    assert whole["poisoned-contiguous"].status == PASS  # the contiguous cache clears: nothing stale is read
-    assert whole["poisoned-paged"].status == FAIL and "stale K/V" in whole["poisoned-paged"].detail, whole
+    assert whole.status == FAIL and "stale K/V" in whole.detail and "KV cache 'paged'" in whole.detail, whole
 
 
 def test_new_dimension_bugs_are_missed_by_the_tiny_model_tiers():
