@@ -10,13 +10,16 @@ Certifying a KV cache (``--kv-cache``), the variants also run through every othe
 that reads the cache's layout (``naive`` included; case ids ``...-via-NAME``), since a backend may write
 through its own path and never call the cache's ``write``; and ``store-NAME`` drives the cache directly
 against a reference store (:mod:`kvcore.conformance.cache_store`); the readers are not known when pytest
-collects, so the pytest plugin runs ``store`` but not the ``-via-`` cases.
+collects, so the pytest plugin runs ``store`` but not the ``-via-`` cases. ``poisoned``
+(:mod:`kvcore.conformance.cache_poison`) fills each cache with NaN and huge K/V from requests that are then freed,
+and checks that later requests reusing the slots decode as on a fresh cache.
 """
 
 from __future__ import annotations
 
 import torch
 
+from kvcore.conformance.cache_poison import PoisonCase, check_poisoned
 from kvcore.conformance.cache_store import StoreCase, check_store, store_tolerance
 from kvcore.conformance.compare import compare
 from kvcore.conformance.driver import cache_spec, forward_logits
@@ -42,11 +45,13 @@ def _steps(model: str, quick: bool) -> int:
     return 3 if quick else 4
 
 
-def cases(target: Target, cfg: SuiteConfig) -> list[ModelCase | StoreCase]:
-    out: list[ModelCase | StoreCase] = []
+def cases(target: Target, cfg: SuiteConfig) -> list[ModelCase | StoreCase | PoisonCase]:
+    out: list[ModelCase | StoreCase | PoisonCase] = []
     readers = target.other_readers() if target.kv_cache else ()
     for dtype, reduced in dtype_plan(cfg):
         out.append(StoreCase(dtype))
+        if not reduced:
+            out.append(PoisonCase(cfg.models[0], dtype))
         models = cfg.models[:1] if reduced else tier_models(cfg, first_only_when_quick=True)
         for model in models:
             for variant in VARIANTS:
@@ -56,22 +61,29 @@ def cases(target: Target, cfg: SuiteConfig) -> list[ModelCase | StoreCase]:
     return out
 
 
-def tolerance(target: Target, case: ModelCase | StoreCase, cfg: SuiteConfig) -> str:
+def tolerance(target: Target, case: ModelCase | StoreCase | PoisonCase, cfg: SuiteConfig) -> str:
     if isinstance(case, StoreCase):
         return str(store_tolerance(target))
     return str(cache_tolerance(cfg.dtype, target.unit_roundoff))
 
 
-def skip_reasons(target: Target, case: ModelCase | StoreCase, cfg: SuiteConfig) -> list[str]:
+def skip_reasons(target: Target, case: ModelCase | StoreCase | PoisonCase, cfg: SuiteConfig) -> list[str]:
     if isinstance(case, StoreCase):
         return [f"KV cache '{name}': {r}" for name in target.cache_names() for r in
                 target.cache_class(name).capabilities.reasons_unsupported(device=cfg.torch_device, dtype=cfg.dtype)]
+    if isinstance(case, PoisonCase):
+        return model_skip_reasons(target, ModelCase(case.model, "ragged", 0, case.dtype), cfg) + [
+            f"KV cache '{name}': {r}" for name in target.cache_names() for r in
+            target.cache_class(name).capabilities.reasons_unsupported(device=cfg.torch_device, dtype=cfg.dtype)]
     return model_skip_reasons(target.via(case.reader) if case.reader else target, case, cfg)
 
 
-def check(target: Target, case: ModelCase | StoreCase, cfg: SuiteConfig, result: CaseResult) -> None:
+def check(target: Target, case: ModelCase | StoreCase | PoisonCase, cfg: SuiteConfig, result: CaseResult) -> None:
     if isinstance(case, StoreCase):
         check_store(target, case, cfg, result)
+        return
+    if isinstance(case, PoisonCase):
+        check_poisoned(target, case, cfg, result)
         return
     if case.reader:
         result.info["reader"] = case.reader

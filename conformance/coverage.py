@@ -6,11 +6,13 @@ from collections.abc import Sequence
 
 import torch
 
+from kvcore.conformance.cache_poison import PoisonCase
 from kvcore.conformance.cases import OpCase
 from kvcore.conformance.sampler_scenarios import OracleCase
 from kvcore.conformance.settings import SuiteConfig
 from kvcore.conformance.speculative_tier import DTYPE as SPECULATIVE_DTYPE
 from kvcore.conformance.speculative_tier import MODEL as SPECULATIVE_MODEL
+from kvcore.conformance.speculative_tier import VARIANTS_MODEL as SPECULATIVE_VARIANTS_MODEL
 from kvcore.conformance.speculative_tier import SpecCase
 from kvcore.interfaces.dtypes import dtype_name
 
@@ -34,6 +36,8 @@ def case_dimensions(case, cfg: SuiteConfig) -> dict[str, str]:
                 "variant": case.variant}
     if isinstance(case, OracleCase):
         return {"kind": "sampler oracle", "scenario": case.id.removeprefix("oracle-")}
+    if isinstance(case, PoisonCase):
+        return {"kind": "stale K/V", "dtype": dtype, "model": case.model}
     if hasattr(case, "model"):
         return {"kind": "model", "dtype": dtype, "model": case.model, "variant": case.variant,
                 "reader": case.reader or "the backend"}
@@ -58,10 +62,11 @@ def tier_coverage(tier: str, cases: Sequence, cfg: SuiteConfig, kv_caches: Seque
             "max_keys": max(max(c.final_lens) for c in cases),
         }
     if isinstance(cases[0], SpecCase):  # float32 streams of one model, with and without each proposer
-        return {"cases": len(cases), "dtypes": ["float32"], "models": [SPECULATIVE_MODEL],
+        models = {SPECULATIVE_VARIANTS_MODEL if c.variant == "variants" else SPECULATIVE_MODEL for c in cases}
+        return {"cases": len(cases), "dtypes": ["float32"], "models": sorted(models),
                 "proposers": sorted({c.proposer for c in cases}), "variants": sorted({c.variant for c in cases})}
     oracle = [c.id.removeprefix("oracle-") for c in cases if isinstance(c, OracleCase)]
-    models = [c for c in cases if hasattr(c, "model")]
+    models = [c for c in cases if hasattr(c, "model") and not isinstance(c, PoisonCase)]
     cov = {
         "cases": len(cases),
         "dtypes": _dtype_names(models, cfg),
@@ -75,6 +80,8 @@ def tier_coverage(tier: str, cases: Sequence, cfg: SuiteConfig, kv_caches: Seque
         cov["readers"] = readers
     if any(c.id.startswith("store") for c in cases):
         cov["store"] = list(kv_caches)
+    if any(isinstance(c, PoisonCase) for c in cases):
+        cov["poisoned"] = list(kv_caches)
     return cov
 
 
@@ -100,6 +107,8 @@ def coverage_line(tier: str, cov: dict) -> str:
             parts.append(f"proposers {', '.join(cov['proposers'])}")
         if cov.get("store"):
             parts.append(f"driven directly: {', '.join(cov['store'])}")
+        if cov.get("poisoned"):
+            parts.append(f"freed slots poisoned: {', '.join(cov['poisoned'])}")
         if cov.get("readers"):
             parts.append(f"also read through {', '.join(cov['readers'])}")
         if cov.get("sampler_oracle"):

@@ -4,14 +4,18 @@
 Each ``draws`` case builds one row (logits over a 64-token vocabulary, a prompt and output history, one
 :class:`~kvcore.sampling.sampler.SamplingParams`) and asks the sampler for it ``NUM_DRAWS`` times at once, every copy
 with its own seed. Greedy rows must all return the first maximum of the processed logits. Sampled rows must
-never return a token the reference removes, and the counts must fit the reference's probabilities (Pearson's
-chi-square; classes expected fewer than 10 times are pooled). A sampler that declares a feature
+never return a token the reference removes, must return every token it keeps that is expected
+``COVERAGE_MIN_EXPECTED`` times or more (from a tie a filter cuts, exactly as many distinct tokens as it keeps: a
+top-k, top-p or min-p boundary one token off shows here although the chi-square test may not see it), and the
+counts must fit the reference's probabilities (Pearson's chi-square; classes expected fewer than 10 times are
+pooled). A sampler that declares a feature
 (``Sampler.features``) is held to the reference for it; for a feature it leaves out its draws are held to the
 distribution its own :meth:`~kvcore.sampling.sampler.Sampler.logprobs` states. Declaring ``logprobs``: that method must
 return the reference's log-probabilities too.
 
-False alarms: the chi-square tests of one run share ``FAMILY_ALPHA`` (Bonferroni), so a correct sampler fails a
-run with probability at most 1e-3. Draws are seeded from ``SuiteConfig.seed``: a run is reproducible, and
+False alarms: the chi-square tests of one run share ``FAMILY_ALPHA`` (Bonferroni), so a correct sampler fails
+them with probability at most 1e-3; the coverage checks add at most :func:`coverage_false_alarm` per scenario
+(under 1e-9 in all). Draws are seeded from ``SuiteConfig.seed``: a run is reproducible, and
 another seed is another independent trial (``benchmarks/studies/sampler_false_alarms.py`` counts failures over many).
 
 ``independence``: rows of different requests batched together, each row alone, the batch permuted and run
@@ -43,9 +47,12 @@ from kvcore.conformance.target import Target
 from kvcore.interfaces.sampler import Sampler
 from kvcore.sampling.sampler import sample_checked
 
-__all__ = ["check_oracle", "chi_square"]
+__all__ = ["check_oracle", "chi_square", "coverage_false_alarm", "COVERAGE_MIN_EXPECTED"]
 
 _MIN_EXPECTED = 10.0
+#: a kept token expected at least this many times in a scenario's draws must be drawn: a correct sampler misses
+#: one with probability at most exp(-COVERAGE_MIN_EXPECTED) (:func:`coverage_false_alarm` sums them)
+COVERAGE_MIN_EXPECTED = 20.0
 #: a sampler's logprobs() must agree with the reference to this (absolute, in nats; finite entries)
 LOGPROB_ATOL = 1e-4
 
@@ -90,6 +97,35 @@ def chi_square(draws: Sequence[int], levels: Sequence[Level]) -> tuple[float, in
     p = float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
                                       torch.tensor(stat / 2, dtype=torch.float64)))
     return stat, dof, p
+
+
+def _covered(levels: Sequence[Level], n: int) -> list[Level]:
+    """The kept levels each of whose kept tokens ``n`` draws are expected to return ``COVERAGE_MIN_EXPECTED`` times
+    or more: a correct sampler draws every one of them (or, from a cut tie, exactly ``kept`` distinct ones)."""
+    return [lv for lv in levels if lv.kept and n * lv.prob >= COVERAGE_MIN_EXPECTED]
+
+
+def coverage_false_alarm(levels: Sequence[Level], n: int) -> float:
+    """A bound on the probability that ``n`` draws of a correct sampler miss a token :func:`_covered` requires:
+    ``(1 - p) ** n`` per kept token of probability ``p`` (union bound)."""
+    return sum(lv.kept * (1 - lv.prob) ** n for lv in _covered(levels, n))
+
+
+def _unseen(draws: Sequence[int], levels: Sequence[Level], against: str) -> str | None:
+    """The first token the draws should have returned and never did (a filter boundary one token off keeps one
+    token too few, which a goodness-of-fit test over all classes may not see), or None."""
+    n, drawn = len(draws), set(draws)
+    for lv in _covered(levels, n):
+        seen = sorted(drawn.intersection(lv.tokens))
+        if lv.is_ambiguous and len(seen) < lv.kept:
+            return (f"drew {len(seen)} distinct tokens {seen} of the tie {list(lv.tokens)} where {lv.kept} stay in "
+                    f"{against} (each expected {n * lv.prob:.0f} times in {n} draws): a boundary one token off?")
+        if not lv.is_ambiguous and len(seen) < len(lv.tokens):
+            t = min(set(lv.tokens) - drawn)
+            return (f"never drew token {t} in {n} draws although {against} keeps it with probability {lv.prob:.3g} "
+                    f"(expected {n * lv.prob:.1f} times; a correct sampler misses it with probability "
+                    f"{(1 - lv.prob) ** n:.1g}): a boundary one token off?")
+    return None
 
 
 def _own_reference(sampler: Sampler, logits: torch.Tensor, row: Row) -> RowReference:
@@ -166,6 +202,10 @@ def _check_draws(sampler: Sampler, case: OracleCase, cfg: SuiteConfig, result: C
                 _fail(result, sc.feature, f"drew {len(seen)} distinct tokens {seen} of a tie of {len(lv.tokens)} "
                       f"where only {lv.kept} may stay", tie=list(lv.tokens), kept=lv.kept)
                 return
+    problem = _unseen(draws, ref.levels, against)
+    if problem:
+        _fail(result, sc.feature, problem)
+        return
     stat, dof, p = chi_square(draws, ref.levels)
     alpha = FAMILY_ALPHA / num_chi_square_tests()
     result.info.update(chi_square=stat, dof=dof, p_value=p, alpha=alpha)

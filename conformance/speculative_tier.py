@@ -13,10 +13,15 @@ with verification rows), ``n = 2``, a stop token, logprobs, and prefix caching o
 * ``<proposer>-sampled``: seeded sampled streams token-identical too (deterministic drafts go through the
   target's own seeded draws, see :mod:`kvcore.sampling.rejection`).
 * ``random-distribution``: drafts drawn from a random ``q`` (the rejection rule): the joint distribution
-  of two sampled tokens over :data:`NUM_DRAWS` seeds against the exact target distribution, a chi-square
-  test at false-alarm rate :data:`FALSE_ALARM` (fixed seeds: the same verdict every run). The same for the
-  proposer under test when it samples its drafts (``capabilities.deterministic`` False), whose sampled
+  of two tokens sampled at temperature :data:`TEMPERATURE` (not 1: a rule or a proposer that forgets the
+  temperature shows) over :data:`NUM_DRAWS` seeds against the exact target distribution, a chi-square test at
+  false-alarm rate :data:`FALSE_ALARM` (fixed seeds: the same verdict every run); and every draft against the
+  ``q`` reported with it (:mod:`kvcore.conformance.speculative_checks`), the same test and rate. The same for
+  the proposer under test when it samples its drafts (``capabilities.deterministic`` False), whose sampled
   streams need not match.
+* ``<proposer>-variants`` (the proposer under test): ``-greedy`` on ``tiny-local`` (sliding window, soft-cap).
+
+Every case compares the target model (weights, config, each layer's attention settings) before and after it.
 
 The proposers are the three of :mod:`kvcore.conformance.speculative_proposers` and, with ``kvcore
 conformance --proposer NAME``, the proposer under test.
@@ -33,10 +38,18 @@ from kvcore.conformance.limits import generate
 from kvcore.conformance.models import get_model
 from kvcore.conformance.results import FAIL, CaseResult
 from kvcore.conformance.settings import SuiteConfig
+from kvcore.conformance.speculative_checks import (
+    DraftRecorder,
+    chi2_quantile,
+    model_changes,
+    model_state,
+    pit_uniformity,
+)
 from kvcore.conformance.speculative_proposers import ORACLE, RANDOM, REJECT_ALL, _key, plugin
 from kvcore.conformance.target import Target
 from kvcore.conformance.tolerances import logprob_tolerance
 from kvcore.engine.core import Engine, EngineConfig
+from kvcore.interfaces.layer_attention import variants_of
 from kvcore.interfaces.sampler import SamplingParams
 
 __all__ = ["NAME", "cases", "tolerance", "skip_reasons", "check", "FALSE_ALARM", "NUM_DRAWS"]
@@ -46,15 +59,17 @@ TITLE = "Speculative decoding: streams unchanged by proposals, sampled distribut
 K = 3  # drafts per step
 FALSE_ALARM = 1e-3
 NUM_DRAWS = 1500
+TEMPERATURE = 0.7  # of the distribution case
 _PLUGIN = "kvcore-conformance-proposers"
-MODEL = "tiny"  # every case runs this conformance model
+MODEL = "tiny"  # every case runs this conformance model (but ``-variants``)
+VARIANTS_MODEL = "tiny-local"
 DTYPE = "float32"  # in this precision: streams are compared exactly
 
 
 @dataclass(frozen=True)
 class SpecCase:
     proposer: str
-    variant: str  # greedy / sampled / distribution
+    variant: str  # greedy / sampled / distribution / variants
 
     @property
     def id(self) -> str:
@@ -65,7 +80,7 @@ def cases(target: Target, cfg: SuiteConfig) -> list[SpecCase]:
     out = [SpecCase(p, v) for p in (ORACLE, REJECT_ALL, RANDOM) for v in ("greedy", "sampled")]
     out.append(SpecCase(RANDOM, "distribution"))
     if target.proposer is not None:
-        out += [SpecCase(target.proposer, v) for v in ("greedy", "sampled", "distribution")]
+        out += [SpecCase(target.proposer, v) for v in ("greedy", "sampled", "distribution", "variants")]
     return out
 
 
@@ -77,7 +92,7 @@ def _deterministic(target: Target, proposer: str) -> bool:
 def tolerance(target: Target, case: SpecCase, cfg: SuiteConfig) -> str:
     if case.variant == "distribution":
         return f"chi-square, false alarms {FALSE_ALARM:g}"
-    if case.variant == "greedy":
+    if case.variant in ("greedy", "variants"):
         return f"exact tokens, logprobs atol={logprob_tolerance(target.unit_roundoff):g}"
     return "exact tokens"
 
@@ -90,6 +105,9 @@ def skip_reasons(target: Target, case: SpecCase, cfg: SuiteConfig) -> list[str]:
         reasons.append("verification runs in one process (tensor parallelism is on)")
     if cfg.dtype != getattr(torch, DTYPE) and not reasons:
         reasons.append(f"streams are compared exactly: {DTYPE} only")
+    if case.variant == "variants" and not reasons:
+        layers = get_model(VARIANTS_MODEL, getattr(torch, DTYPE), "cpu").model.attention_layers
+        reasons += target.capabilities.reasons_variants(variants_of(layers))
     if case.proposer == target.proposer and not reasons:
         deterministic = _deterministic(target, target.proposer)
         if case.variant == "sampled" and not deterministic:
@@ -135,10 +153,6 @@ def _fields(p: SamplingParams) -> dict:
     return {k: getattr(p, k) for k in names}
 
 
-def _run(engine: Engine, prompts, params) -> list:
-    return generate(engine, prompts, params)
-
-
 def _options(proposer: str, continuations: dict) -> dict:
     if proposer in (ORACLE, REJECT_ALL):
         return {"continuations": continuations}
@@ -146,10 +160,11 @@ def _options(proposer: str, continuations: dict) -> dict:
 
 
 def check(target: Target, case: SpecCase, cfg: SuiteConfig, result: CaseResult) -> None:
-    cm = get_model(MODEL, getattr(torch, DTYPE), "cpu")
+    cm = get_model(VARIANTS_MODEL if case.variant == "variants" else MODEL, getattr(torch, DTYPE), "cpu")
     registered = _PLUGIN in dict(target.registry.pm.list_name_plugin())
     if not registered:
         target.registry.register_plugin(plugin(), _PLUGIN)
+    before = model_state(cm.model)
     try:
         if case.variant == "distribution":
             _check_distribution(target, cm, case.proposer, result)
@@ -158,17 +173,22 @@ def check(target: Target, case: SpecCase, cfg: SuiteConfig, result: CaseResult) 
     finally:
         if not registered:
             target.registry.unregister_plugin(_PLUGIN)
+        change = model_changes(before, cm.model)
+        if change is not None:
+            get_model.cache_clear()  # later cases get the model as made, not as this proposer left it
+            result.status = FAIL
+            result.detail = f"proposer '{case.proposer}' changed the target model: {change}"
 
 
 def _check_streams(target: Target, cm, case: SpecCase, result: CaseResult) -> None:
     prompts, params = _requests(cm, case.variant == "sampled")
     max_len = max(len(p) for p in prompts) + 32
     result.info["where"] = "generation without speculation"
-    ref = _run(_engine(target, cm, None, {}, max_len), prompts, params)
+    ref = generate(_engine(target, cm, None, {}, max_len), prompts, params)
     continuations = {_key(r.prompt_token_ids): r.token_ids for r in ref}
     result.info["where"] = f"generation with proposer '{case.proposer}'"
     engine = _engine(target, cm, case.proposer, _options(case.proposer, continuations), max_len)
-    got = _run(engine, prompts, params)
+    got = generate(engine, prompts, params)
     stats = engine.stats
     result.info.update(draft_tokens=stats.num_draft_tokens, accepted_tokens=stats.num_accepted_tokens,
                        verify_steps=stats.num_spec_steps)
@@ -208,7 +228,7 @@ def _oracle_yields_all(target: Target, cm, prompt, continuations, max_len: int, 
     """One request alone with every draft right: each decode step must emit K + 1 tokens."""
     n = 24
     engine = _engine(target, cm, ORACLE, {"continuations": continuations}, max_len, seqs=1)
-    out = _run(engine, [prompt], [SamplingParams(max_new_tokens=n, ignore_eos=True)])[0]
+    out = generate(engine, [prompt], [SamplingParams(max_new_tokens=n, ignore_eos=True)])[0]
     expected = math.ceil((n - 1) / (K + 1))
     if len(out.token_ids) != n or engine.stats.num_decode_tokens != expected:
         result.status = FAIL
@@ -225,7 +245,7 @@ def _check_distribution(target: Target, cm, proposer: str, result: CaseResult) -
     p(first) p(second | first). The drafts come from the built-in random ``q``, or from the proposer under
     test (which must propose some: a case that verified no draft checks nothing)."""
     prompt = list(cm.prompts[1])
-    base = dict(temperature=1.0, top_k=3, max_new_tokens=3, ignore_eos=True)
+    base = dict(temperature=TEMPERATURE, top_k=3, max_new_tokens=3, ignore_eos=True)
     result.info["where"] = "the exact target distribution"
     exact = _engine(target, cm, None, {}, len(prompt) + 8, seqs=1)
     first = _top(exact, prompt, base)
@@ -238,6 +258,7 @@ def _check_distribution(target: Target, cm, proposer: str, result: CaseResult) -
     support = sorted({t for pair in joint for t in pair} | set(range(len(joint))))
     options = {"seed": 7, "sampled": True, "support": support} if proposer == RANDOM else {}
     engine = _engine(target, cm, proposer, options, len(prompt) + 8, seqs=64, budget=4096)
+    drafts = DraftRecorder(engine.speculator.proposer)
     outs = generate(engine, [prompt] * NUM_DRAWS, [SamplingParams(seed=1000 + i, **base) for i in range(NUM_DRAWS)])
     counts: dict[tuple[int, int], int] = {}
     for o in outs:
@@ -246,7 +267,7 @@ def _check_distribution(target: Target, cm, proposer: str, result: CaseResult) -
     outside = sum(c for k, c in counts.items() if k not in joint)
     chi2 = sum((counts.get(k, 0) - NUM_DRAWS * p) ** 2 / (NUM_DRAWS * p) for k, p in joint.items())
     dof = len(joint) - 1
-    limit = _chi2_quantile(1 - FALSE_ALARM, dof)
+    limit = chi2_quantile(1 - FALSE_ALARM, dof)
     result.info.update(chi2=chi2, dof=dof, limit=limit, draft_tokens=engine.stats.num_draft_tokens,
                        accepted_tokens=engine.stats.num_accepted_tokens)
     if not engine.stats.num_draft_tokens:
@@ -254,24 +275,25 @@ def _check_distribution(target: Target, cm, proposer: str, result: CaseResult) -
         return
     if outside or chi2 > limit:
         result.status = FAIL
-        result.detail = (f"sampled pairs do not follow the target distribution: chi2 {chi2:.1f} > {limit:.1f} "
-                         f"(dof {dof}) or {outside} pair(s) it cannot produce")
+        result.detail = (f"sampled pairs at temperature {TEMPERATURE} do not follow the target distribution: chi2 "
+                         f"{chi2:.1f} > {limit:.1f} (dof {dof}) or {outside} pair(s) it cannot produce")
         return
-    result.detail = (f"chi2 {chi2:.1f} <= {limit:.1f} (dof {dof}, {NUM_DRAWS} draws, "
+    result.detail = (f"temperature {TEMPERATURE}: chi2 {chi2:.1f} <= {limit:.1f} (dof {dof}, {NUM_DRAWS} draws, "
                      f"{engine.stats.num_accepted_tokens}/{engine.stats.num_draft_tokens} drafts kept)")
+    if drafts.draws:
+        q_chi2, q_dof = pit_uniformity(drafts.draws)
+        q_limit = chi2_quantile(1 - FALSE_ALARM, q_dof)
+        result.info.update(q_chi2=q_chi2, q_draws=len(drafts.draws))
+        if q_chi2 > q_limit:
+            result.status = FAIL
+            result.detail = (f"the drafts of proposer '{proposer}' were not drawn from the q it reports with them: "
+                             f"over {len(drafts.draws)} drafts, the probability integral transform gives chi2 "
+                             f"{q_chi2:.1f} > {q_limit:.1f} (dof {q_dof}) against uniform")
+            return
+        result.detail += f"; {len(drafts.draws)} drafts fit their reported q (chi2 {q_chi2:.1f} <= {q_limit:.1f})"
 
 
 def _top(engine: Engine, prompt: list[int], base: dict) -> dict[int, float]:
     """The processed next-token distribution after ``prompt`` (top-k 3 at temperature 1)."""
     out = generate(engine, [prompt], [SamplingParams(seed=0, logprobs=3, **{**base, "max_new_tokens": 1})])[0]
     return {t: math.exp(lp) for t, lp in out.top_logprobs[0]}
-
-
-def _chi2_quantile(q: float, dof: int) -> float:
-    """Wilson–Hilferty approximation of the chi-square quantile (ample for a false-alarm bound)."""
-    z = math.sqrt(2) * _erfinv(2 * q - 1)
-    return dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
-
-
-def _erfinv(y: float) -> float:
-    return float(torch.special.erfinv(torch.tensor(y, dtype=torch.float64)))

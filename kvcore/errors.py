@@ -18,6 +18,7 @@ __all__ = [  # the exception classes (README's exit-code table lists each); did_
     "InvalidRequestError",
     "ModelLoadError",
     "ModelNotFoundError",
+    "ModelFileChangedError",
     "BackendError",
     "BackendOutputError",
     "NonFiniteRowsError",
@@ -107,6 +108,11 @@ class ModelLoadError(KVCoreError):
 
 class ModelNotFoundError(ModelLoadError):
     """The model path does not exist, or the embedded default is not installed."""
+
+
+class ModelFileChangedError(ModelLoadError):
+    """A file the running model reads its weights from was truncated or written to after it was loaded
+    (kvcore/loaders/watched.py): the engine refuses to run on it (HTTP 503) until it is restarted."""
 
 
 class BackendError(KVCoreError):

@@ -116,8 +116,8 @@ def test_plugin_runs_the_bundled_suite(pytester):
     result = pytester.runpytest("--kvcore-backend", "paged", *PLUGIN_ARGS, "-k", "test_op and mha8x8 or test_cache",
                                 "-v", "--junitxml", "junit.xml")
     num_op = sum("mha8x8" in c.id for c in op_cases(quick=True, dtypes=ALL_DTYPES) + variant_cases())
-    # cache tier: 3 variants and the cache driven directly, per dtype
-    result.assert_outcomes(passed=num_op + 4 * len(ALL_DTYPES))
+    # cache tier: 3 variants and the cache driven directly, per dtype; the poisoned slots in float32
+    result.assert_outcomes(passed=num_op + 4 * len(ALL_DTYPES) + 1)
     result.stdout.fnmatch_lines(["*TestConformance::test_op[[]paged-mha8x8-d32-ragged[]] PASSED*",
                                  "*TestConformance::test_cache[[]paged-tiny-chunked[]] PASSED*"])
     junit = (pytester.path / "junit.xml").read_text()
@@ -166,7 +166,8 @@ def test_plugin_reports_unavailable_backend_as_skips(pytester):
         """
     )
     result = pytester.runpytest("-p", "no:cacheprovider", "-rs")
-    result.assert_outcomes(skipped=12)  # (3 variants + the cache driven directly) x float32, bfloat16, float16
+    # (3 variants + the cache driven directly) x float32, bfloat16, float16, and the poisoned slots
+    result.assert_outcomes(skipped=13)
     result.stdout.fnmatch_lines(["*backend 'gone' is unavailable: no CUDA device*"])
 
 
@@ -293,11 +294,11 @@ def test_model_that_cannot_be_loaded_is_an_error_unless_left_out(capsys, tmp_pat
 def test_plugin_passes_constructor_options(pytester):
     result = pytester.runpytest("--kvcore-backend", "paged", "--kvcore-backend-option", "bogus=1", *PLUGIN_ARGS,
                                 "-k", "test_cache", "--kvcore-dtype", "float32")
-    result.assert_outcomes(errors=4)  # 3 variants and the cache driven directly
+    result.assert_outcomes(errors=5)  # 3 variants, the cache driven directly, the poisoned slots
     result.stdout.fnmatch_lines(["*got unknown options: bogus*"])
     result = pytester.runpytest("--kvcore-kv-cache", "paged", "--kvcore-kv-cache-option", "block_size=8",
                                 *PLUGIN_ARGS, "-k", "test_cache", "--kvcore-dtype", "float32")
-    result.assert_outcomes(passed=4)
+    result.assert_outcomes(passed=5)
 
 
 def test_bundled_suite_from_the_repo_root_sees_third_party_plugins():
@@ -319,4 +320,4 @@ def test_bundled_suite_from_the_repo_root_sees_third_party_plugins():
         cwd=root, env=env, capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert "4 passed" in proc.stdout  # 3 variants and the cache driven directly
+    assert "5 passed" in proc.stdout  # 3 variants, the cache driven directly, the poisoned slots

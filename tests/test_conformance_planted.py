@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvcore.backends.contiguous import ContiguousKVCache
 from kvcore.backends.paged import PagedKVCache
 from kvcore.conformance.results import FAIL, PASS, SKIP
 from kvcore.conformance.runner import run_case, tier_cases
@@ -258,6 +259,27 @@ class NoCopyOnWriteCache(PagedKVCache):
         pass
 
 
+class NoClearCache(ContiguousKVCache):
+    """A contiguous cache that leaves what a freed slot holds for the next sequence there: a reader that pads a
+    batch to its longest sequence reads those rows at weight 0, and ``0 × NaN`` is NaN."""
+
+    name = "planted_no_clear"
+
+    def before_forward(self, meta):
+        pass
+
+
+class ReadsWholeBlocks(ChunkedAttentionBackend):
+    """Reads every row of a sequence's last block and masks the rows past its length by weight (``p = 0``), so a
+    row an earlier request left there enters ``p · v`` as ``0 × NaN``."""
+
+    name = "planted_reads_whole_blocks"
+
+    def sequence_kv(self, layer_idx, cache, meta, i, seq_len):
+        whole = -(-seq_len // cache.block_size) * cache.block_size if cache.layout == "paged" else seq_len
+        return super().sequence_kv(layer_idx, cache, meta, i, whole)
+
+
 #: planted bug -> tiers among (op, cache) that must fail; the others must pass
 PLANTED = {
     WrongScale: {"op"},  # consistent between prefill and decode: the cache tier cannot see it
@@ -385,6 +407,37 @@ def test_fork_without_copy_on_write_is_caught_by_the_fork_scenario():
     cache = _first_failure_of(target, "cache")  # the cache driven directly forks too
     assert cache is not None and cache.case.startswith("store"), cache
     assert "fork" in cache.detail
+
+
+def _poisoned(target, cfg: SuiteConfig = CFG):
+    (case,) = [c for c in tier_cases(target, "cache", cfg) if c.id == "poisoned"]
+    return run_case(target, "cache", case, cfg)
+
+
+def test_rows_a_freed_request_left_are_caught_in_a_cache_that_keeps_them_and_a_backend_that_reads_them():
+    """The poisoned case (NaN and huge K/V left in every freed slot) passes for the built-in caches and the example
+    backend over both its layouts, and fails a cache that does not clear freed slots (read by sdpa, which pads a
+    batch) and a backend that reads a paged sequence's whole last block, naming stale K/V, the cache and the step."""
+    for backend, cache in (("sdpa", None), ("paged", None), ("paged", "int8")):
+        result = _poisoned(resolve_target(backend, kv_cache=cache))
+        assert result.status == PASS, result.describe()
+    example = _poisoned(resolve_target(ChunkedAttentionBackend))
+    assert example.status == PASS and "KV cache contiguous, paged" in example.detail, example.describe()
+
+    class Plugin:
+        @hookimpl
+        def kvcore_register_kv_caches(self, register):
+            register(NoClearCache)
+
+    registry = PluginRegistry(load_entrypoints=False)
+    registry.register_plugin(Plugin(), name="planted-no-clear")
+    no_clear = _poisoned(resolve_target("sdpa", registry, kv_cache="planted_no_clear"))
+    assert no_clear.status == FAIL and no_clear.detail.startswith("stale K/V"), no_clear.describe()
+    assert "decode step" in no_clear.detail and "the short sequence" in no_clear.detail, no_clear.detail
+
+    assert _poisoned(resolve_target(ReadsWholeBlocks, kv_cache="contiguous")).status == PASS  # that cache clears
+    whole = _poisoned(resolve_target(ReadsWholeBlocks))
+    assert whole.status == FAIL and "stale K/V" in whole.detail and "KV cache 'paged'" in whole.detail, whole
 
 
 def test_new_dimension_bugs_are_missed_by_the_tiny_model_tiers():

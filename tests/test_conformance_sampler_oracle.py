@@ -13,12 +13,12 @@ import torch
 
 from kvcore.cli import main
 from kvcore.conformance.results import PASS, CaseResult
-from kvcore.conformance.sampler_oracle import check_oracle, chi_square
+from kvcore.conformance.sampler_oracle import COVERAGE_MIN_EXPECTED, check_oracle, chi_square, coverage_false_alarm
 from kvcore.conformance.sampler_reference import Level, reference_row
-from kvcore.conformance.sampler_scenarios import OracleCase, scenarios
+from kvcore.conformance.sampler_scenarios import NUM_DRAWS, OracleCase, scenarios
 from kvcore.conformance.settings import SuiteConfig
 from kvcore.hookspecs import hookimpl
-from kvcore.interfaces.sampler import Sampler, SamplingParams
+from kvcore.interfaces.sampler import SAMPLING_FEATURES, Sampler, SamplingParams
 from kvcore.plugins.registry import get_registry
 from kvcore.sampling.sampler import DefaultSampler
 
@@ -66,6 +66,66 @@ class OutputOnlyRepetition(DefaultSampler):
         return super().sample(logits, [_Row(r.request_id, [], r.output_ids, r.params, r.seed) for r in rows])
 
 
+def _filtered(logits, rows, top_k_shift=0, top_p_inclusive=False, min_p_strict=False):
+    """DefaultSampler's temperature / top-k / top-p / min-p filter, with one boundary planted off by one."""
+    vocab = logits.shape[-1]
+    scores = logits.float() / torch.tensor([r.params.temperature for r in rows])[:, None]
+    sorted_scores, order = scores.sort(dim=-1, descending=True)
+    sorted_scores = sorted_scores.double()
+    top_k = torch.tensor([(r.params.top_k or vocab) + (top_k_shift if r.params.top_k else 0) for r in rows])
+    sorted_scores = sorted_scores.masked_fill(torch.arange(vocab)[None, :] >= top_k[:, None], -math.inf)
+    top_p = torch.tensor([r.params.top_p for r in rows], dtype=torch.float64)[:, None]
+    probs = sorted_scores.softmax(-1)
+    before = probs.cumsum(-1) - (0 if top_p_inclusive else probs)  # inclusive: the crossing token goes too
+    sorted_scores = sorted_scores.masked_fill((before >= top_p) & (torch.arange(vocab) > 0), -math.inf)
+    min_p = torch.tensor([r.params.min_p for r in rows], dtype=torch.float64)[:, None]
+    probs = sorted_scores.softmax(-1)
+    threshold = min_p * probs.amax(dim=-1, keepdim=True)
+    removed = (probs <= threshold) if min_p_strict else (probs < threshold)
+    return sorted_scores.masked_fill(removed & (min_p > 0), -math.inf), order
+
+
+class DrawsOnly(DefaultSampler):
+    """The default sampler declaring no ``logprobs``: the oracle judges it by its draws alone."""
+
+    name = "planted_draws_only"
+    features = SAMPLING_FEATURES - {"logprobs"}
+
+    def logprobs(self, logits, rows):
+        raise AssertionError("the oracle asked a sampler that declares no logprobs for them")
+
+
+class TopPInclusive(DrawsOnly):
+    """Drops a token once the cumulative probability including it reaches top_p: the crossing token goes too."""
+
+    name = "planted_top_p_inclusive"
+    _filtered = staticmethod(lambda logits, rows: _filtered(logits, rows, top_p_inclusive=True))
+
+
+class TopKMinusOne(DrawsOnly):
+    name = "planted_top_k_minus_one"
+    _filtered = staticmethod(lambda logits, rows: _filtered(logits, rows, top_k_shift=-1))
+
+
+class TopKPlusOne(DrawsOnly):
+    name = "planted_top_k_plus_one"
+    _filtered = staticmethod(lambda logits, rows: _filtered(logits, rows, top_k_shift=1))
+
+
+class MinPStrict(DrawsOnly):
+    """Keeps a token only when its probability is strictly above min_p times the top one's."""
+
+    name = "planted_min_p_strict"
+    _filtered = staticmethod(lambda logits, rows: _filtered(logits, rows, min_p_strict=True))
+
+
+class PlantedFilterUnchanged(DrawsOnly):
+    """The test's copy of the filter with nothing planted: what the planted ones differ from by one boundary."""
+
+    name = "planted_nothing"
+    _filtered = staticmethod(lambda logits, rows: _filtered(logits, rows))
+
+
 @dataclasses.dataclass
 class _Row:
     request_id: str
@@ -98,7 +158,8 @@ def _registered(*classes):
 
 @pytest.fixture
 def planted_samplers():
-    yield from _registered(ArgmaxMinusOne, TokenZero, IgnoresMinP, SharedGenerator, OutputOnlyRepetition)
+    yield from _registered(ArgmaxMinusOne, TokenZero, IgnoresMinP, SharedGenerator, OutputOnlyRepetition,
+                           DrawsOnly, TopPInclusive, TopKMinusOne, TopKPlusOne, MinPStrict, PlantedFilterUnchanged)
 
 
 @pytest.fixture
@@ -123,6 +184,39 @@ def test_planted_sampler_fails_naming_the_feature(planted_samplers, capsys, samp
     assert rc == 1, out
     failures = [line for line in out.splitlines() if line.startswith("  sampler feature ")]
     assert failures and any(f"sampler feature {feature}" in line for line in failures), out
+
+
+@pytest.mark.parametrize("sampler, cases", [
+    # top_p 1 as well: the token that brings the sum to 1 goes (top_k-tie's last kept one)
+    ("planted_top_p_inclusive", {"oracle-top_p", "oracle-top_p-boundary", "oracle-top_k-top_p", "oracle-top_k-tie"}),
+    ("planted_top_k_minus_one", {"oracle-top_k", "oracle-top_k-tie"}),  # top_k-top_p's top_p cuts first
+    ("planted_top_k_plus_one", {"oracle-top_k", "oracle-top_k-tie"}),
+    ("planted_min_p_strict", {"oracle-min_p-1"}),
+])
+def test_boundary_one_token_off_is_caught_by_draws_alone(planted_samplers, capsys, sampler, cases):
+    """Samplers that declare no logprobs, each with one filter boundary one token off (at ties too), fail exactly
+    the scenarios whose boundary they move; the same filter with nothing planted passes every one."""
+    rc = main(["conformance", "--sampler", sampler, *SAMPLING_ONLY, "--json"])
+    report = json.loads(capsys.readouterr().out)
+    failed = {r["case"]: r["detail"] for r in report["results"] if r["status"] == "fail"}
+    assert rc == 1 and set(failed) == cases, failed
+    assert all(d.startswith("sampler feature ") for d in failed.values()), failed
+
+
+@pytest.mark.parametrize("sampler", ["planted_draws_only", "planted_nothing"])
+def test_correct_samplers_without_logprobs_pass_by_their_draws(planted_samplers, capsys, sampler):
+    rc = main(["conformance", "--sampler", sampler, *SAMPLING_ONLY, "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert rc == 0, [r["detail"] for r in report["results"] if r["status"] == "fail"]
+
+
+def test_coverage_checks_have_a_stated_false_alarm_rate():
+    """Every kept token expected COVERAGE_MIN_EXPECTED times must be drawn: a correct sampler misses one of them in
+    a run with probability under 1e-9 (the oracle's docstring and docs/conformance.md say so)."""
+    total = sum(coverage_false_alarm(sc.reference().levels, NUM_DRAWS) for sc in scenarios() if not sc.params.is_greedy)
+    assert 0 < total < 1e-9
+    assert coverage_false_alarm([Level(0.0, (0,), 1, COVERAGE_MIN_EXPECTED / 100)], 100) == pytest.approx(
+        (1 - COVERAGE_MIN_EXPECTED / 100) ** 100)
 
 
 @pytest.mark.parametrize("sampler", ["default", "example_repetition_penalty"])

@@ -3,7 +3,9 @@ a lossless cache still held to float32 rounding; and the tier in the pytest base
 
 from __future__ import annotations
 
+import dataclasses
 import sys
+import zlib
 from pathlib import Path
 
 import pytest
@@ -18,6 +20,7 @@ from kvcore.conformance.settings import SuiteConfig
 from kvcore.conformance.speculative_proposers import ORACLE, REJECT_ALL
 from kvcore.conformance.target import resolve_target
 from kvcore.engine import verify
+from kvcore.interfaces.proposer import Proposal, Proposer, ProposerCapabilities
 from kvcore.plugins.registry import PluginRegistry, get_registry
 
 try:
@@ -200,3 +203,90 @@ def test_base_classes_certify_a_proposer_and_fail_a_broken_one(pytester):
     result.stdout.fnmatch_lines(["*TestRepeatLast::test_speculative[[]TestRepeatLast-repeat_last-greedy[]] PASSED*",
                                  "*TestOutOfVocabulary::test_speculative[[]TestOutOfVocabulary-out_of_vocabulary-greedy[]]"
                                  " FAILED*"])
+
+
+class SampledQ(Proposer):
+    """Drafts drawn at the request's temperature from random scores, reporting the ``q`` they were drawn from."""
+
+    name = "planted_sampled_q"
+    capabilities = ProposerCapabilities(deterministic=False)
+
+    def bind(self, target):
+        self.vocab_size = target.vocab_size
+        return []
+
+    def reported(self, scores, temperature):
+        return (scores / temperature).softmax(-1)
+
+    def propose(self, rows, num_tokens):
+        out = []
+        for row, k in zip(rows, num_tokens):
+            gen = torch.Generator().manual_seed(zlib.crc32(f"{row.request_id}|{len(row.output_ids)}".encode()))
+            scores = torch.randn(k, self.vocab_size, generator=gen, dtype=torch.float64) * 2
+            temperature = row.params.temperature or 1.0  # greedy requests: any q will do
+            ids = torch.multinomial((scores / temperature).softmax(-1), 1, generator=gen)[:, 0].tolist()
+            out.append(Proposal(ids, self.reported(scores, temperature)))
+        return out
+
+
+class QAtTemperatureOne(SampledQ):
+    """Draws at the request's temperature but reports ``q`` at temperature 1."""
+
+    name = "planted_q_at_temperature_one"
+
+    def reported(self, scores, temperature):
+        return scores.softmax(-1)
+
+
+class DropsWindows(Proposer):
+    """Turns the target's sliding windows off when it binds (a draft that wants whole-sequence attention)."""
+
+    name = "planted_drops_windows"
+
+    def bind(self, target):
+        layers = target.model.attention_layers
+        target.model.attention_layers = tuple(dataclasses.replace(a, sliding_window=None) for a in layers)
+        return []
+
+    def propose(self, rows, num_tokens):
+        return [Proposal([(r.prompt_ids + r.output_ids)[-1]] * k) for r, k in zip(rows, num_tokens)]
+
+
+class ScalesANorm(DropsWindows):
+    """Scales the target's final norm in place when it binds."""
+
+    name = "planted_scales_a_norm"
+
+    def bind(self, target):
+        target.model.norm.data.mul_(1.5)
+        return []
+
+
+def _proposer_cases(proposer: type) -> dict:
+    reg = PluginRegistry(load_entrypoints=False)
+    reg.register_plugin(make_plugin(proposers=[proposer]), "planted-proposer")
+    target = resolve_target("sdpa", reg, proposer=proposer.name)
+    cases = [c for c in tier.cases(target, CFG) if c.proposer == proposer.name]
+    return {c.variant: run_case(target, "speculative", c, CFG) for c in cases}
+
+
+def test_a_draft_q_that_is_not_what_the_drafts_were_drawn_from_is_caught():
+    """At the distribution case's temperature (not 1), drafts drawn at the request's temperature must come with
+    that q: the same proposer reporting q at temperature 1 fails, naming the reported q."""
+    good = _proposer_cases(SampledQ)["distribution"]
+    assert good.status == PASS and "fit their reported q" in good.detail, good.describe()
+    bad = _proposer_cases(QAtTemperatureOne)["distribution"]
+    assert bad.status == FAIL and "not drawn from the q it reports" in bad.detail, bad.describe()
+
+
+def test_a_proposer_that_changes_the_target_model_is_caught():
+    """Dropping the target's windows changes nothing on the plain tiny model (its cases pass) and fails the
+    variants case on tiny-local; scaling a weight fails at once. The model is as made again for later cases."""
+    windows = _proposer_cases(DropsWindows)
+    assert windows["greedy"].status == PASS and windows["sampled"].status == PASS
+    variants = windows["variants"]
+    assert variants.status == FAIL, variants.describe()
+    assert "changed the target model: layer 0's attention sliding window changed from" in variants.detail
+    norm = _proposer_cases(ScalesANorm)["greedy"]
+    assert norm.status == FAIL and "the model's weight 'norm' changed" in norm.detail, norm.describe()
+    assert _proposer_cases(SampledQ)["variants"].status == PASS  # the cached models were made again

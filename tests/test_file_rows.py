@@ -4,6 +4,7 @@ decode to, the process holds no copy of the table, and a file changed under it i
 from __future__ import annotations
 
 import os
+import types
 
 import gguf
 import numpy as np
@@ -11,9 +12,10 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as QType
 
-from kvcore.errors import ModelLoadError
+from kvcore.errors import ModelFileChangedError, ModelLoadError
 from kvcore.kernels.cpu_kernels import kernel_reasons, load_kernels
 from kvcore.loaders.gguf_blocks import GGUFBlocks, file_blocks
+from kvcore.loaders.watched import model_file_problem
 from kvcore.model.embedding import BlockTable
 
 _OFFSET = 4096 + 160  # a tensor's data after a header, at no particular alignment
@@ -99,6 +101,24 @@ def test_a_file_replaced_keeps_its_rows_and_one_written_over_is_an_error(tmp_pat
         os.utime(f.fileno(), ns=(0, 0))
     with pytest.raises(ModelLoadError, match="written to while in use"):
         table.rows(torch.tensor([5]))
+
+
+def test_the_engine_sees_a_token_table_file_changed_in_place_before_reading_it(tmp_path):
+    """A model whose token table is read from its GGUF (kvcore/loaders/watched.py): the engine's check names the
+    file once it was written to, and a read then fails with ModelFileChangedError, not other rows."""
+    path = tmp_path / "t.gguf"
+    blocks, data = _table_file(path, 64, 64)
+    model = types.SimpleNamespace(embedding=BlockTable(blocks.lookup_table(), torch.float32), mapped_files=[])
+    assert model_file_problem(model) is None
+    with open(path, "r+b") as f:
+        f.seek(_OFFSET)
+        f.write(data.tobytes())
+        os.utime(f.fileno(), ns=(0, 0))
+    assert f"model file '{path}' was written to while in use" in model_file_problem(model)
+    with pytest.raises(ModelFileChangedError, match="written to while in use"):
+        model.embedding(torch.tensor([5]))
+    model.embedding.blocks = None  # as BlockTable.dense() leaves it: nothing is read from the file any more
+    assert model_file_problem(model) is None
 
 
 @pytest.mark.skipif(bool(kernel_reasons()), reason="; ".join(kernel_reasons()))

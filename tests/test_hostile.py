@@ -122,14 +122,16 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
-def _kvcore(*args: str, peak_file: Path) -> tuple[int, str, str, int]:
-    """``kvcore ARGS`` in a fresh process: exit code, stdout, stderr and peak resident memory in bytes."""
+def _kvcore(*args: str, peak_file: Path, stdin: Path | None = None) -> tuple[int, str, str, int]:
+    """``kvcore ARGS`` in a fresh process (reading ``stdin``, a path): exit code, stdout, stderr and peak resident
+    memory in bytes."""
     def cap_address_space() -> None:  # a safety net only: the peak is what the test asserts on
         resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "KVCORE_TEST_PEAK_FILE": str(peak_file)}
-    proc = subprocess.run([sys.executable, "-c", _PEAK_WRAPPER, *args], capture_output=True, text=True, env=env,
-                          timeout=CLI_TIMEOUT_S, preexec_fn=cap_address_space)
+    with open(stdin or os.devnull, "rb") as source:
+        proc = subprocess.run([sys.executable, "-c", _PEAK_WRAPPER, *args], capture_output=True, text=True, env=env,
+                              timeout=CLI_TIMEOUT_S, preexec_fn=cap_address_space, stdin=source)
     return proc.returncode, proc.stdout, proc.stderr, int(peak_file.read_text()) * 1024
 
 
@@ -283,4 +285,22 @@ def test_prompt_file_is_read_within_bounds(tmp_path: Path, source: str, says: st
     code, _, err, peak = _kvcore("generate", "--model", str(model), "--prompt-file", path, peak_file=tmp_path / "peak")
     assert code == 2, (code, err)
     assert err.startswith("kvcore: error: ") and says in err and err.count("\n") == 1, err
+    assert peak < CLI_MEMORY_LIMIT, f"peak RSS {peak >> 20} MiB"
+
+
+@pytest.mark.parametrize(("command", "source"), [
+    (("generate", "-"), "/dev/zero"),  # read for ever, then an internal error
+    (("generate", "and the prompt"), "big"),  # piped text before the prompt
+    (("chat",), "/dev/zero"),  # one line with no end
+])
+def test_standard_input_is_read_within_bounds(tmp_path: Path, command: tuple[str, ...], source: str) -> None:
+    """A prompt read from standard input (``-``, piped before a prompt, chat turns) is bounded as --prompt-file is:
+    at most 16 MiB, read no further; else one line, exit code 2."""
+    model = CASES["gguf_valid"].build(tmp_path)
+    big = tmp_path / "big.txt"
+    big.write_bytes(b"a" * ((16 << 20) + 1))
+    code, _, err, peak = _kvcore(command[0], "--model", str(model), *command[1:], peak_file=tmp_path / "peak",
+                                 stdin=big if source == "big" else Path(source))
+    assert code == 2, (code, err)
+    assert err == f"kvcore: error: standard input is larger than {16 << 20} bytes\n", err
     assert peak < CLI_MEMORY_LIMIT, f"peak RSS {peak >> 20} MiB"

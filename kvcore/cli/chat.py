@@ -28,7 +28,7 @@ from kvcore.cli.generate import (
     stream_reply,
     write_out,
 )
-from kvcore.cli.settings import read_prompt
+from kvcore.cli.settings import read_bounded_stdin, read_prompt
 from kvcore.errors import InvalidRequestError
 
 __all__ = ["run_chat"]
@@ -107,7 +107,7 @@ def _converse(args, state: RunState, loaded, stdin, tty: bool, first: str | None
 def _read_turn(stdin, tty: bool) -> str | None:
     """The next user turn (continuation lines joined), or None at end of input."""
     if not (tty and stdin is sys.stdin):
-        line = stdin.readline()
+        line = read_bounded_stdin(stdin, line=True)
         return line if line else None
     while True:
         try:

@@ -11,14 +11,14 @@ from typing import Any
 
 from kvcore.errors import ConfigError, InvalidRequestError
 
-__all__ = ["ENVIRONMENT", "DEFAULTS", "MAX_PROMPT_BYTES", "read_bounded_text", "resolve_settings", "read_prompt",
-           "with_piped_stdin"]
+__all__ = ["ENVIRONMENT", "DEFAULTS", "MAX_PROMPT_BYTES", "read_bounded_text", "read_bounded_stdin",
+           "resolve_settings", "read_prompt", "with_piped_stdin"]
 
 #: settings an environment variable may give (between flag and config file)
 ENVIRONMENT = {"backend": "KVCORE_BACKEND", "model": "KVCORE_MODEL"}
 #: defaults of the settings that have no default in EngineConfig / SamplingParams
 DEFAULTS = {"model": "smollm2", "max_num_seqs": 1}
-#: the largest --prompt-file read (bytes): far above any model's context, so the prompt's length check is what a
+#: the largest prompt read from --prompt-file or standard input (bytes): far above any model's context, so the prompt's length check is what a
 #: real prompt meets; the bound keeps a device or an endless pipe (``/dev/zero``) from being read into memory
 MAX_PROMPT_BYTES = 16 << 20
 
@@ -32,15 +32,32 @@ def read_bounded_text(path: str, what: str, limit: int) -> str:
             mode = os.fstat(f.fileno()).st_mode
             if not (stat.S_ISREG(mode) or stat.S_ISFIFO(mode)):
                 raise ConfigError(f"{what} '{path}' is not a regular file")
-            raw = f.read(limit + 1)
+            return _read_bounded(f, f"{what} '{path}'", limit)
     except OSError as exc:  # missing, unreadable, a directory
         raise ConfigError(f"cannot read {what} '{path}': {exc.strerror or exc}") from None
+
+
+def read_bounded_stdin(stdin, limit: int = MAX_PROMPT_BYTES, line: bool = False) -> str:
+    """All of ``stdin`` (or its next line, ``line``) as text with ``\n`` line ends, read no further than ``limit``
+    bytes (a pipe from ``/dev/zero`` never ends), with the errors of :func:`read_bounded_text`. A stream without a
+    binary buffer (a test's stand-in) counts characters."""
+    binary = getattr(stdin, "buffer", None)
+    if binary is None:
+        text = stdin.readline(limit + 1) if line else stdin.read(limit + 1)
+        if len(text) > limit:
+            raise ConfigError(f"standard input is larger than {limit} bytes")
+        return text
+    return _read_bounded(binary, "standard input", limit, line).replace("\r\n", "\n").replace("\r", "\n")
+
+
+def _read_bounded(f, what: str, limit: int, line: bool = False) -> str:
+    raw = f.readline(limit + 1) if line else f.read(limit + 1)
     if len(raw) > limit:
-        raise ConfigError(f"{what} '{path}' is larger than {limit} bytes")
+        raise ConfigError(f"{what} is larger than {limit} bytes")
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise ConfigError(f"{what} '{path}' is not UTF-8 text: {exc.reason} at byte {exc.start}") from None
+        raise ConfigError(f"{what} is not UTF-8 text: {exc.reason} at byte {exc.start}") from None
 
 
 def resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -71,10 +88,7 @@ def with_piped_stdin(prompt: str | None, stdin=None) -> str | None:
         return prompt
     if not (stat.S_ISFIFO(mode) or stat.S_ISREG(mode)):
         return prompt
-    try:
-        piped = stdin.read().removesuffix("\n")
-    except UnicodeDecodeError as exc:
-        raise ConfigError(f"standard input is not UTF-8 text: {exc.reason}") from None
+    piped = read_bounded_stdin(stdin).removesuffix("\n")
     if not piped:
         return prompt
     return piped if not prompt else f"{piped}\n{prompt}"
@@ -93,10 +107,7 @@ def read_prompt(args: argparse.Namespace, stdin=None) -> str | None:
     elif args.prompt == "-":
         if stdin is None:
             raise ConfigError("prompt '-' reads standard input, which is closed")
-        try:
-            text = stdin.read()
-        except UnicodeDecodeError as exc:
-            raise ConfigError(f"standard input is not UTF-8 text: {exc.reason}") from None
+        text = read_bounded_stdin(stdin)
     else:
         return args.prompt
     if not text.strip():

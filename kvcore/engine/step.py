@@ -19,10 +19,11 @@ from typing import Any
 import torch
 
 from kvcore.engine.verify import SpeculativeStep
-from kvcore.errors import BackendError, GrammarError, KVCoreError, NonFiniteRowsError
+from kvcore.errors import BackendError, GrammarError, KVCoreError, ModelFileChangedError, NonFiniteRowsError
 from kvcore.execution.runner import Executor
 from kvcore.interfaces.attention import AttentionBackend
 from kvcore.interfaces.sampler import Sampler
+from kvcore.loaders.watched import model_file_problem
 from kvcore.model.decoder import LlamaModel
 from kvcore.sampling.sampler import sample_checked
 from kvcore.sampling.structured import apply_grammar_masks, dead_end
@@ -71,6 +72,9 @@ class EngineStep(SpeculativeStep):
     def _execute(self, batch: ScheduledBatch) -> None:
         """Forward and sample one batch; a KVCoreError fails its requests (a mixed batch is first retried
         split by phase, so the failure lands on the rows that cause it), every other request untouched."""
+        problem = self.model_problem()
+        if problem is not None:  # the weights are no longer those loaded, or no longer there: run nothing on them
+            return self._fail(batch.requests, ModelFileChangedError(problem))
         if self.speculator is not None:
             self.speculator.release(self.scheduler.waiting)  # preempted requests start again when they decode
             if not batch.is_prefill and self._speculate(batch):
@@ -117,6 +121,11 @@ class EngineStep(SpeculativeStep):
             if req.pending_samples and id(req) in tokens:
                 self._fork(req, n, tokens)  # before the leader's token: it may finish and free its blocks
             self._advance(req, n, tokens.get(id(req)))
+
+    def model_problem(self) -> str | None:
+        """Why the model can no longer run, or None: a file its weights are read from as it runs was truncated or
+        written to in place (:mod:`kvcore.loaders.watched`). One ``fstat`` per such file; any thread."""
+        return model_file_problem(self.model)
 
     def _drop_rows(
         self, batch: ScheduledBatch, sampling: list[int], error: NonFiniteRowsError

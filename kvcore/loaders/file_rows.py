@@ -12,18 +12,18 @@ candidates are mostly rows earlier steps read too, so most lookups make no syste
 
 The file must stay as it was while it is in use: replaced by a new file (``mv``, an editor's save, a package
 upgrade) the open descriptor keeps reading the old one; written over in place or truncated, the next read says
-so (:class:`~kvcore.errors.ModelLoadError`) instead of returning other bytes.
+so (:class:`~kvcore.errors.ModelFileChangedError`) instead of returning other bytes.
 """
 
 from __future__ import annotations
 
 import os
-import weakref
 
 import numpy as np
 import torch
 
-from kvcore.errors import ModelLoadError
+from kvcore.errors import ModelFileChangedError
+from kvcore.loaders.watched import WatchedFile
 
 __all__ = ["CACHE_ROWS", "FileRange", "FileRows"]
 
@@ -55,10 +55,6 @@ class FileRange:
         return FileRows(self, num_rows, cache_rows)
 
 
-def _identity(st: os.stat_result) -> tuple[int, int, int]:
-    return st.st_ino, st.st_size, st.st_mtime_ns
-
-
 class FileRows:
     """``[rows, row_bytes]`` uint8 rows of a :class:`FileRange`, read when indexed (``rows[index]``). Lookups of up
     to half of ``cache_rows`` rows go through the cache; longer ones (a long prompt's embedding) and slices (a pass
@@ -69,12 +65,8 @@ class FileRows:
             raise ValueError(f"{source.nbytes} bytes are not {num_rows} equal rows")
         self.path, self.offset = source.path, source.offset
         self.shape = (num_rows, source.nbytes // num_rows)
-        try:
-            self._fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        except OSError as exc:
-            raise ModelLoadError(f"cannot read '{self.path}': {exc.strerror or exc}") from None
-        self._identity = _identity(os.fstat(self._fd))
-        weakref.finalize(self, os.close, self._fd)
+        #: the file, held open: read from, and watched for changes (by each read and by the engine's health check)
+        self.file = WatchedFile(self.path)
         self._cache = np.empty((min(cache_rows, num_rows), self.shape[1]), dtype=np.uint8)  # resident as filled
         self._slot_of = np.full(num_rows, -1, dtype=np.int32)  # row -> its place in _cache, -1: not kept
         self._row_of = np.empty(len(self._cache), dtype=np.int64)  # place -> row
@@ -124,11 +116,9 @@ class FileRows:
     def _read(self, out: np.ndarray, row: int, checked: bool = False) -> None:
         if not checked:
             self._check()
-        if os.preadv(self._fd, [out], self.offset + row * self.shape[1]) != out.nbytes:
-            raise ModelLoadError(f"'{self.path}' ended inside the tensor kvcore reads from it: it was truncated "
-                                 "while in use")
+        if os.preadv(self.file.fd, [out], self.offset + row * self.shape[1]) != out.nbytes:
+            raise ModelFileChangedError(f"model file '{self.path}' ended inside the tensor kvcore reads from it: it "
+                                        "was truncated while in use")
 
     def _check(self) -> None:
-        if _identity(os.fstat(self._fd)) != self._identity:
-            raise ModelLoadError(f"'{self.path}' was written to while in use (kvcore reads its token table from "
-                                 "the file): restart with the file unchanged")
+        self.file.check()

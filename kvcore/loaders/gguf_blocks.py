@@ -24,6 +24,7 @@ from kvcore.kernels.group_quant import GroupCodes
 from kvcore.kernels.quant import Int4Groups
 from kvcore.loaders.file_rows import FileRange, FileRows
 from kvcore.loaders.gguf_codes import CODE_BITS, CODE_TYPES, SCALE_OFFSETS, group_codes, int4a8_layout
+from kvcore.loaders.watched import WatchedFile
 
 __all__ = ["GGUFBlocks", "INT4_TYPES", "CODE_TYPES", "file_blocks"]
 
@@ -113,6 +114,11 @@ class GGUFBlocks:
     def file_range(self) -> FileRange | None:
         """The range of the model file these blocks are as stored, or None (blocks held or rearranged)."""
         return self._file
+
+    @property
+    def source_file(self) -> WatchedFile | None:
+        """The open file a lookup reads its rows from (:attr:`in_file`), or None."""
+        return self._table.file if isinstance(self._table, FileRows) else None
 
     @property
     def in_file(self) -> bool:

@@ -8,7 +8,8 @@ grows with the file. :func:`load_pretrained` saves the result once, every parame
 (:mod:`kvcore.loaders.prepared`), plus the config and tokenizer, and later loads it with ``torch.load(mmap=True)``:
 the weights are then pages of the cache file, read on first use and shared by every process that maps them
 (the page cache holds one copy), and nothing is copied or converted. A token table kept as the file's blocks
-is read from the model file itself, as on a cold start.
+is read from the model file itself, as on a cold start. The entry's file is watched while the model runs
+(:mod:`kvcore.loaders.watched`): truncated or written to in place, the engine refuses to use it.
 
 Where: ``$KVCORE_CACHE_DIR/models``, else ``$XDG_CACHE_HOME/kvcore/models``, else
 ``~/.cache/kvcore/models``; one folder per entry (``model.pt`` + ``meta.json`` + the checksums of both, see
@@ -40,6 +41,7 @@ from torch import nn
 from kvcore.kernels.huge_pages import advise_huge_pages
 from kvcore.loaders.load import build_model, load_model
 from kvcore.loaders.prepared import prepare_head, restore_runtime, runtime_state
+from kvcore.loaders.watched import WatchedFile
 from kvcore.model.config import ModelConfig, check_max_model_len
 from kvcore.model.rope import RopeScaling
 from kvcore.paths import cache_root, is_entry, private_dir, remove_entry, verify_entry, warn_no_cache, write_entry
@@ -154,10 +156,12 @@ def _read(entry: Path) -> tuple[nn.Module, Tokenizer] | None:
         return None
     try:
         meta = json.loads((entry / "meta.json").read_text())
+        watched = WatchedFile(entry / "model.pt")  # held open from before the mapping: it sees what changes
         tensors = torch.load(entry / "model.pt", mmap=True, weights_only=True)
         advise_huge_pages(tensors.values())  # streamed every decode step: huge pages where the kernel can
         model = _assemble(_config_from_json(meta["config"]), meta["dtype"], meta["max_positions"], tensors)
         restore_runtime(model, tensors, meta["runtime"])
+        model.mapped_files = [watched]
         tokenizer = _tokenizer_from_json(meta["tokenizer"])
     except Exception:  # noqa: BLE001 - whole but unusable (another format): rebuild from the source
         remove_entry(entry)

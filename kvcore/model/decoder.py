@@ -67,6 +67,8 @@ class DecoderModel(nn.Module):
 
         self.embed_tokens = empty(c.vocab_size, d)  # [V, d]
         self.embedding: BlockTable | None = None  # the table as GGUF blocks (embed_tokens then empty)
+        #: files whose mapped pages are weights of this model (kvcore.loaders.watched.WatchedFile), set by the loader
+        self.mapped_files: list = []
         self.input_norm = per_layer(d)
         self.qkv_proj = per_layer(q_size + 2 * kv_size, d)  # [(H + 2 H_kv) D, d]
         self.qkv_bias = per_layer(q_size + 2 * kv_size) if c.attention_bias else None

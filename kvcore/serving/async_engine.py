@@ -10,7 +10,7 @@ The loop sleeps on the condition when there is nothing to do (no spinning), rele
 step it finishes (``Engine.release``: no state outlives a request), aborts a request whose stream is
 closed early (a client that disconnected), and refuses new requests with :class:`QueueFullError` once
 ``max_num_seqs + max_queue_len`` are in flight. :meth:`AsyncEngine.health` says why it cannot serve: the
-loop has died, a tensor-parallel rank has ended, or one step has run past ``step_watchdog_s``.
+loop has died, a rank has ended, a step has run past ``step_watchdog_s``, or a model file changed in place.
 """
 
 from __future__ import annotations
@@ -93,7 +93,8 @@ class AsyncEngine:
 
     def health(self) -> str | None:
         """Why this front cannot serve now, or None: the loop has stopped, a tensor-parallel rank has
-        ended, or the running step has taken longer than ``step_watchdog_s``. Cheap; any thread."""
+        ended, the running step has taken longer than ``step_watchdog_s``, or a model file the engine reads
+        weights from was changed in place (:meth:`Engine.model_problem`). Cheap; any thread."""
         if not self.is_running:
             return self._dead_reason()
         started = self._step_started
@@ -102,7 +103,7 @@ class AsyncEngine:
             if running > self.step_watchdog_s:
                 return (f"the engine is stalled: its current step has run for {running:.1f} s, past the watchdog "
                         f"limit of {self.step_watchdog_s:g} s")
-        return self.engine.runner.failure()
+        return self.engine.runner.failure() or self.engine.model_problem()
 
     async def submit(
         self, prompt: str | Sequence[int], params: SamplingParams, request_id: str | None = None

@@ -18,6 +18,7 @@ from kvcore.errors import (
     ContextLengthError,
     InvalidRequestError,
     KVCoreError,
+    ModelFileChangedError,
     OutOfBlocksError,
 )
 from kvcore.serving.protocol import error_body
@@ -58,7 +59,7 @@ def error_response(exc: BaseException) -> JSONResponse:
     elif isinstance(exc, QueueFullError):
         status, err_type, code = 429, "rate_limit_error", "queue_full"
         headers = {"Retry-After": str(RETRY_AFTER_S)}
-    elif isinstance(exc, EngineDeadError):
+    elif isinstance(exc, (EngineDeadError, ModelFileChangedError)):
         status, err_type, code = 503, "server_error", "engine_unavailable"
     elif isinstance(exc, EngineStepError):
         status, err_type, code = 500, "server_error", "engine_error"
