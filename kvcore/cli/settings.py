@@ -18,8 +18,9 @@ __all__ = ["ENVIRONMENT", "DEFAULTS", "MAX_PROMPT_BYTES", "read_bounded_text", "
 ENVIRONMENT = {"backend": "KVCORE_BACKEND", "model": "KVCORE_MODEL"}
 #: defaults of the settings that have no default in EngineConfig / SamplingParams
 DEFAULTS = {"model": "smollm2", "max_num_seqs": 1}
-#: the largest prompt read from --prompt-file or standard input (bytes): far above any model's context, so the prompt's length check is what a
-#: real prompt meets; the bound keeps a device or an endless pipe (``/dev/zero``) from being read into memory
+#: the largest prompt read from --prompt-file or standard input (bytes): far above any model's context, so the
+#: prompt's length check is what a real prompt meets; the bound keeps a device or an endless pipe (``/dev/zero``)
+#: from being read into memory
 MAX_PROMPT_BYTES = 16 << 20
 
 

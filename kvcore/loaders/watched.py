@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import weakref
 
-from kvcore.errors import ModelLoadError, ModelFileChangedError
+from kvcore.errors import ModelFileChangedError, ModelLoadError
 
 __all__ = ["WatchedFile", "model_file_problem"]
 
