@@ -79,6 +79,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="speculative decoding with this proposer: ngram, draft (docs/speculative.md)")
     p.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
                    help="draft tokens verified per step and request (default 8)")
+    p.add_argument("--attention-variant", dest="attention_variants", action="append", default=None, metavar="NAME",
+                   help="attend with this registered attention variant (see `kvcore plugins`); repeatable")
     p.add_argument("--config", default=None, metavar="FILE.toml", help="read settings from a TOML file")
     p.add_argument("--no-model-cache", action="store_true",
                    help="neither read nor write the prepared-model cache (also: KVCORE_MODEL_CACHE=0)")

@@ -19,11 +19,30 @@ from kvcore.interfaces.kv_cache import CacheSpec, KVCache
 from kvcore.interfaces.layer_attention import LayerAttention
 from kvcore.model.config import ModelConfig
 from kvcore.model.embedding import head_rows
+from kvcore.model.layers import bind_variants
 from kvcore.plugins.registry import PluginEntry, PluginRegistry
 from kvcore.scheduling.kv_groups import KVGroups, group_layers
 
 __all__ = ["build_kv_cache", "check_model", "kv_groups", "local_execution", "serving_config",
-           "tensor_parallel_runner"]
+           "tensor_parallel_runner", "variant_layers", "variant_key"]
+
+
+def variant_layers(registry: PluginRegistry, config: EngineConfig, model: Any) -> tuple[LayerAttention, ...]:
+    """The model's per-layer attention with ``config.attention_variants`` bound to each layer. The engine holds
+    them, not the model: engines over one model object may select different variants."""
+    if not config.attention_variants:
+        return model.attention_layers
+    if config.tensor_parallel_size > 1:  # a rank sees its own heads only: a per-head mod would read the wrong h
+        raise ConfigError("attention_variants run in one process; they cannot be combined with "
+                          "tensor_parallel_size > 1")
+    variants = [registry.create_variant(n, config.variant_options.get(n)) for n in config.attention_variants]
+    return bind_variants(model.attention_layers, variants, model.config)
+
+
+def variant_key(config: EngineConfig) -> str:
+    """The variant selection with its options, as prefix-cache keys name it: K/V computed under one selection
+    are never another's."""
+    return repr([(n, sorted(config.variant_options.get(n, {}).items())) for n in config.attention_variants])
 
 
 def kv_groups(

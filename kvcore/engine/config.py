@@ -86,10 +86,14 @@ class EngineConfig:
     #: step for each decoding request, verified in one forward (docs/speculative.md); None = off
     proposer: str | None = None
     num_speculative_tokens: int = 8  # K: benchmarks/studies/verify_cost.py prices each draft row (docs/speculative.md)
+    #: registered attention variants (``kvcore plugins``) every layer of the model attends with, in order of
+    #: application: each is bound per layer (docs/attention-variants.md); backends that do not serve them are refused
+    attention_variants: tuple[str, ...] = ()
     backend_options: dict[str, dict[str, Any]] = field(default_factory=dict)  # [backends.<name>] tables
     kv_cache_options: dict[str, dict[str, Any]] = field(default_factory=dict)  # [kv_caches.<name>] tables
     sampler_options: dict[str, dict[str, Any]] = field(default_factory=dict)  # [samplers.<name>] tables
     proposer_options: dict[str, dict[str, Any]] = field(default_factory=dict)  # [proposers.<name>] tables
+    variant_options: dict[str, dict[str, Any]] = field(default_factory=dict)  # [variants.<name>] tables
 
     #: default cap on max_model_len so a contiguous cache does not reserve the full 8K window per slot
     DEFAULT_MAX_MODEL_LEN = DEFAULT_MAX_MODEL_LEN
@@ -119,6 +123,12 @@ class EngineConfig:
                      "compile"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        names = self.attention_variants
+        if isinstance(names, str) or not all(isinstance(n, str) and n for n in names):
+            raise ConfigError(f"attention_variants must be a list of variant names, got {names!r}")
+        if len(set(names)) != len(names):
+            raise ConfigError(f"attention_variants names a variant twice: {list(names)}")
+        self.attention_variants = tuple(names)  # TOML and JSON give lists
         check_device(self.device)
 
 
@@ -209,7 +219,8 @@ def select_components(
             usable = [e for e in usable if layout in e.cls.capabilities.kv_layouts]
         if not usable:
             cache = f" that reads the '{config.kv_cache}' KV cache" if config.kv_cache else ""
-            needs = f" with {', '.join(VARIANTS[v] for v in sorted(variants))}" if variants else ""
+            named = [VARIANTS.get(v, f"variant '{v}'") for v in sorted(variants)]
+            needs = f" with {', '.join(named)}" if variants else ""
             raise BackendUnavailableError(
                 f"no registered backend{cache} supports {dtype} on {device.type}{needs}")
         return max(usable, key=lambda e: (e.cls.priority, e.name)).name

@@ -11,11 +11,15 @@ Example ``kvcore.toml``::
     lm_head = "dense"           # or int4 (int4 scores, the top 64 rescored densely; bfloat16 on CPU)
     compile = false             # torch.compile the decode steps
     proposer = "ngram"          # speculative decoding (docs/speculative.md)
+    attention_variants = ["alibi"]  # registered attention variants (docs/attention-variants.md)
     max_new_tokens = 64
     temperature = 0.0
 
     [kv_caches.int8]            # keyword arguments for that cache's constructor
     block_size = 32
+
+    [variants.alibi]            # keyword arguments for that attention variant's constructor
+    max_bias = 8.0
 
     [plugins.my_plugin]         # handed to that plugin's kvcore_configure hook
     some_option = true
@@ -39,7 +43,7 @@ __all__ = ["FileConfig", "load_config", "OPTION_TABLES"]
 
 #: config tables of per-name constructor options, and the EngineConfig field each one fills
 OPTION_TABLES = {"backends": "backend_options", "kv_caches": "kv_cache_options", "samplers": "sampler_options",
-                 "proposers": "proposer_options"}
+                 "proposers": "proposer_options", "variants": "variant_options"}
 
 
 @dataclass
@@ -83,10 +87,12 @@ class FileConfig:
     compile: bool | None = None  # torch.compile the decode steps (kvcore/execution/compile.py)
     proposer: str | None = None  # speculative decoding: the proposer (docs/speculative.md)
     num_speculative_tokens: int | None = None  # draft tokens verified per step and request
+    attention_variants: list[str] | None = None  # registered attention variants, applied in order
     backends: dict[str, dict[str, Any]] = field(default_factory=dict)  # [backends.<name>] → constructor kwargs
     kv_caches: dict[str, dict[str, Any]] = field(default_factory=dict)  # [kv_caches.<name>] → constructor kwargs
     samplers: dict[str, dict[str, Any]] = field(default_factory=dict)  # [samplers.<name>] → constructor kwargs
     proposers: dict[str, dict[str, Any]] = field(default_factory=dict)  # [proposers.<name>] → constructor kwargs
+    variants: dict[str, dict[str, Any]] = field(default_factory=dict)  # [variants.<name>] → constructor kwargs
     plugins: dict[str, dict[str, Any]] = field(default_factory=dict)  # [plugins.<name>] → kvcore_configure
 
 

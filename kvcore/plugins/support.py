@@ -71,7 +71,7 @@ def backend_rows(registry: PluginRegistry) -> list[dict[str, Any]]:
 
 def plugin_rows(registry: PluginRegistry) -> dict[str, list[dict[str, Any]]]:
     """Rows of every pluggable kind: ``{"backends": [...], "kv_caches": [...], "samplers": [...],
-    "proposers": [...]}``."""
+    "proposers": [...], "attention_variants": [...]}``; a variant's ``backends`` serve it in both phases."""
     caches = []
     for name in sorted(registry.kv_caches):
         entry = registry.kv_caches[name]
@@ -97,7 +97,15 @@ def plugin_rows(registry: PluginRegistry) -> dict[str, list[dict[str, Any]]]:
          "available": _availability(e), "description": e.cls.description}
         for name, e in sorted(registry.proposers.items())
     ]
-    return {"backends": backend_rows(registry), "kv_caches": caches, "samplers": samplers, "proposers": proposers}
+    variants = [
+        {"attention_variant": name, "plugin": e.plugin,
+         "backends": ",".join(b for b, be in sorted(registry.backends.items())
+                              if not be.cls.capabilities.reasons_variants([name])) or "-",
+         "available": _availability(e), "description": e.cls.description}
+        for name, e in sorted(registry.attention_variants.items())
+    ]
+    return {"backends": backend_rows(registry), "kv_caches": caches, "samplers": samplers, "proposers": proposers,
+            "attention_variants": variants}
 
 
 def format_table(rows: list[dict[str, Any]], notes: Callable[[dict[str, Any]], list[str]] | None = None) -> str:
