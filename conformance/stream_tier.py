@@ -132,11 +132,12 @@ def greedy_params(n: int, count: int) -> list[SamplingParams]:
 
 def reference_streams(cm, case_key: tuple, prompts, params, cfg: SuiteConfig, target: Target) -> list[Stream]:
     """The reference backend's streams with ``target``'s sampler, computed once per process for each
-    (model, dtype, sampler, case)."""
-    key = (cm.name, cfg.dtype, cfg.device, target.sampler, tuple(sorted(target.sampler_options.items())), case_key)
+    (model, dtype, sampler, attention variants, case)."""
+    key = (cm.name, cfg.dtype, cfg.device, target.sampler, tuple(sorted(target.sampler_options.items())),
+           cfg.attention_variants, case_key)
     if key not in _REFERENCE_CACHE:
         one_rank = dataclasses.replace(cfg, tensor_parallel_size=1)  # a tensor-parallel run is held to one rank's
-        _REFERENCE_CACHE[key] = run_engine(reference_target(), cm, prompts, params, one_rank,
+        _REFERENCE_CACHE[key] = run_engine(reference_target(target.registry), cm, prompts, params, one_rank,
                                            sampler=target.make_sampler())
     return _REFERENCE_CACHE[key]
 

@@ -36,7 +36,9 @@ def variant_layers(registry: PluginRegistry, config: EngineConfig, model: Any) -
         raise ConfigError("attention_variants run in one process; they cannot be combined with "
                           "tensor_parallel_size > 1")
     variants = [registry.create_variant(n, config.variant_options.get(n)) for n in config.attention_variants]
-    return bind_variants(model.attention_layers, variants, model.config)
+    c = model.config
+    return bind_variants(model.attention_layers, variants, num_heads=c.num_attention_heads,
+                         num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim)
 
 
 def variant_key(config: EngineConfig) -> str:

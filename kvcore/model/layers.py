@@ -64,13 +64,14 @@ def attention_layers(c: ModelConfig, max_positions: int) -> tuple[LayerAttention
 
 
 def bind_variants(
-    layers: Sequence[LayerAttention], variants: Sequence[AttentionVariant], c: ModelConfig
+    layers: Sequence[LayerAttention], variants: Sequence[AttentionVariant], *, num_heads: int, num_kv_heads: int,
+    head_dim: int,
 ) -> tuple[LayerAttention, ...]:
-    """``layers`` (a model's, config ``c``) with each of ``variants`` bound to each layer, in order, as its mods;
-    a variant whose ``bind`` raises or returns something else than its own :class:`BoundVariant` is a PluginError."""
+    """``layers`` (a model's) with each of ``variants`` bound to each layer, in order, as its mods; a variant whose
+    ``bind`` raises or returns something else than its own :class:`BoundVariant` is a PluginError."""
     bound = []
     for i, layer in enumerate(layers):
-        shape = LayerShape(i, len(layers), c.num_attention_heads, c.num_key_value_heads, c.head_dim)
+        shape = LayerShape(i, len(layers), num_heads, num_kv_heads, head_dim)
         mods = []
         for variant in variants:
             try:

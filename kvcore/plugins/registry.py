@@ -221,7 +221,7 @@ class PluginRegistry:
         try:
             return entries[name]
         except KeyError:
-            known = ", ".join(sorted(entries))
+            known = ", ".join(sorted(entries)) or "none"
             error = UnknownBackendError if kind is BACKEND else ConfigError
             raise error(f"unknown {label(kind)} '{name}' (registered: {known}){did_you_mean(name, entries)}") from None
 
