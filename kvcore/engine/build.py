@@ -24,7 +24,7 @@ from kvcore.plugins.registry import PluginEntry, PluginRegistry
 from kvcore.scheduling.kv_groups import KVGroups, group_layers
 
 __all__ = ["build_kv_cache", "check_model", "kv_groups", "local_execution", "serving_config",
-           "tensor_parallel_runner", "variant_layers", "variant_key"]
+           "tensor_parallel_runner", "variant_layers", "prefix_namespace"]
 
 
 def variant_layers(registry: PluginRegistry, config: EngineConfig, model: Any) -> tuple[LayerAttention, ...]:
@@ -41,10 +41,11 @@ def variant_layers(registry: PluginRegistry, config: EngineConfig, model: Any) -
                          num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim)
 
 
-def variant_key(config: EngineConfig) -> str:
-    """The variant selection with its options, as prefix-cache keys name it: K/V computed under one selection
-    are never another's."""
-    return repr([(n, sorted(config.variant_options.get(n, {}).items())) for n in config.attention_variants])
+def prefix_namespace(model: Any, dtype: torch.dtype, weight_format: str, cache_name: str, config: EngineConfig) -> str:
+    """What prefix-cache keys name besides the tokens. One cache serves one engine, but a key never means the same
+    tokens under another model, dtype, weight format, cache layout or attention-variant selection (with options)."""
+    variants = [(n, sorted(config.variant_options.get(n, {}).items())) for n in config.attention_variants]
+    return f"{model.config!r}|{dtype}|{weight_format}|{cache_name}|{variants!r}"
 
 
 def kv_groups(

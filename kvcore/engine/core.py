@@ -42,9 +42,9 @@ from kvcore.engine.build import (
     check_model,
     kv_groups,
     local_execution,
+    prefix_namespace,
     serving_config,
     tensor_parallel_runner,
-    variant_key,
     variant_layers,
 )
 from kvcore.engine.config import EngineConfig, parse_dtype, select_components
@@ -118,9 +118,7 @@ class Engine(EngineStep):
         cache, self.kv_cache_name = build_kv_cache(registry, chosen.kv_cache, config, mc, self.max_model_len, groups)
         cache_name = self.kv_cache_name
         self.runner.start(self.prefill_backend, self.decode_backend, cache, config)
-        # one cache serves one model, but the prefix keys name what made the K/V anyway: a key never means
-        # the same tokens under another model, dtype, weight format, cache layout or attention variants
-        namespace = f"{model.config!r}|{self.dtype}|{weight_format}|{cache_name}|{variant_key(config)}"
+        namespace = prefix_namespace(model, self.dtype, weight_format, cache_name, config)
         self.kv = KVCacheManager(cache, enable_prefix_caching=config.enable_prefix_caching, namespace=namespace,
                                  groups=groups, window_pool=window_pool)
         #: counters since construction (prefill / cached / decode / generated tokens, preemptions, ...)

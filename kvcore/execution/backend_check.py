@@ -17,7 +17,7 @@ engine runs every forward through a :class:`BackendGuard`, which raises :class:`
 - the first forward of each kind a backend serves (prefill, continued prefill, decode), then every
   ``verify_every`` steps: layer 0's output for one sequence against a float32 reference computed from
   the queries and what the cache holds (textbook attention, bottom-right causal mask, with layer 0's
-  window, soft-cap and sinks). This catches a
+  window, soft-cap, sinks and variants as code). This catches a
   result of the right shape with the wrong layout, which no shape check can.
 """
 

@@ -17,9 +17,12 @@ _VARIANT_NAMES = {"sliding_window": "window", "softcap": "softcap", "sinks": "si
 
 
 def _variants(caps) -> str:
-    """``window,softcap,sinks`` when both phases serve the same; ``prefill: ...; decode: ...`` otherwise."""
+    """``window,softcap,sinks`` when both phases serve the same; ``prefill: ...; decode: ...`` otherwise; ``code``
+    when the backend evaluates registered variants as code (both phases)."""
     def names(variants) -> str:
-        return ",".join(_VARIANT_NAMES[v] for v in _VARIANT_NAMES if v in variants) or "-"
+        shown = [_VARIANT_NAMES[v] for v in _VARIANT_NAMES if v in variants]
+        shown += sorted(set(variants) - set(_VARIANT_NAMES))  # registered variants it implements natively
+        return ",".join(shown + (["code"] if caps.variants_as_code else [])) or "-"
 
     if caps.prefill_variants == caps.decode_variants:
         return names(caps.prefill_variants)
