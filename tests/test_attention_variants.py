@@ -255,3 +255,16 @@ def test_naive_mask_mod_cannot_reveal_a_future_key():
     everything = BoundVariant("all", mask_mod=lambda b, h, qi, kv: torch.ones_like(qi - kv, dtype=torch.bool))
     torch.testing.assert_close(_naive(LayerAttention(0.3, mods=(everything,)), q, k, v),
                                _naive(LayerAttention(0.3), q, k, v), rtol=0, atol=0)
+
+
+def test_the_output_guard_reference_evaluates_mods_as_naive_does():
+    """The engine's reference check (kvcore/execution/backend_check.py) must mean what naive means, or it
+    would fail every correct backend on a variant (or pass a wrong one)."""
+    from kvcore.execution.backend_check import reference_attention
+
+    q, k, v = _qkv(n=11)
+    mod = BoundVariant("m", score_mod=lambda s, b, h, qi, kv: 2 * torch.tanh(s / 2) - 0.3 * (h + 1) * (qi - kv),
+                       mask_mod=lambda b, h, qi, kv: (qi - kv) % 3 != 1)
+    layer = LayerAttention(0.3, mods=(mod,))
+    # the last 4 queries after 7 cached keys, as the guard checks a continued prefill
+    torch.testing.assert_close(reference_attention(q[7:], k, v, 7, layer), _naive(layer, q, k, v)[7:])

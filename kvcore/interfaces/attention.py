@@ -70,11 +70,12 @@ def explicit_attention(
     if layer.mods:
         if at is None or q.shape[0] != 1 or (mask is not None and mask.dtype != torch.bool):
             raise ValueError("a layer with registered variants needs one sequence, a bool mask and at=(b, context_len)")
-        (b, ctx), (n, S) = at, scores.shape[-2:]
-        idx = torch.arange(max(q.shape[1], ctx + n, S), device=q.device)
-        mask = torch.ones((n, S), dtype=torch.bool, device=q.device) if mask is None else mask
-        scores, mask = apply_mods(layer.mods, scores, mask, torch.tensor(b, device=q.device),
-                                  idx[: q.shape[1], None, None], idx[ctx : ctx + n, None], idx[:S])
+        (b, ctx), (n, S), device = at, scores.shape[-2:], q.device
+        mask = torch.ones((n, S), dtype=torch.bool, device=device) if mask is None else mask
+        h = torch.arange(q.shape[1], device=device)[:, None, None]  # the index shapes naive uses
+        q_idx, kv_idx = torch.arange(ctx, ctx + n, device=device)[None, :, None], torch.arange(S, device=device)
+        scores, mask = apply_mods(layer.mods, scores, mask, torch.tensor(b, device=device), h, q_idx,
+                                  kv_idx[None, None, :])
     if mask is not None and mask.dtype == torch.bool:
         scores = scores.masked_fill(~mask, float("-inf"))
     elif mask is not None:
