@@ -268,3 +268,12 @@ def test_the_output_guard_reference_evaluates_mods_as_naive_does():
     layer = LayerAttention(0.3, mods=(mod,))
     # the last 4 queries after 7 cached keys, as the guard checks a continued prefill
     torch.testing.assert_close(reference_attention(q[7:], k, v, 7, layer), _naive(layer, q, k, v)[7:])
+
+
+def test_serving_config_and_banner_name_the_selection(registry):
+    from kvcore.serving.server import banner
+
+    config = EngineConfig(dtype="float32", attention_variants=("alibi", "every-other"))
+    serving = Engine(make_random_model(), None, config, registry=registry).serving_config()
+    assert serving["attention_variants"] == ["alibi", "every-other"]
+    assert banner(serving).endswith(", attention variants alibi, every-other")

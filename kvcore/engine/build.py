@@ -155,8 +155,9 @@ def tensor_parallel_runner(model: Any, config: EngineConfig) -> Any:
 
 
 def serving_config(engine: Any) -> dict[str, Any]:
-    """What serves ``engine``'s requests: backends, KV cache, sampler, dtype, weights, device, limits, and the
-    speculative-decoding proposer with its drafts per step (``None`` when speculation is off)."""
+    """What serves ``engine``'s requests: backends, KV cache, sampler, dtype, weights, device, limits, the
+    speculative-decoding proposer with its drafts per step (``None`` when speculation is off) and the attention
+    variants selected."""
     speculator = getattr(engine, "speculator", None)
     return {
         "prefill_backend": engine.prefill_backend.name,
@@ -171,4 +172,5 @@ def serving_config(engine: Any) -> dict[str, Any]:
         "window_pool": engine.kv.window_pool,
         "proposer": speculator.proposer.name if speculator else None,
         "num_speculative_tokens": speculator.num_tokens if speculator else None,
+        "attention_variants": list(engine.config.attention_variants),
     }
