@@ -277,3 +277,14 @@ def test_serving_config_and_banner_name_the_selection(registry):
     serving = Engine(make_random_model(), None, config, registry=registry).serving_config()
     assert serving["attention_variants"] == ["alibi", "every-other"]
     assert banner(serving).endswith(", attention variants alibi, every-other")
+
+
+def test_options_under_the_selection_key_point_to_the_variants_table(tmp_path):
+    """TOML cannot hold ``attention_variants = [...]`` and ``[attention_variants.x]`` together: options live in
+    ``[variants.x]``, and a file that puts them under the key is told so."""
+    from kvcore.engine.file_config import load_config
+
+    path = tmp_path / "kvcore.toml"
+    path.write_text("[attention_variants.alibi]\nmax_bias = 2.0\n")
+    with pytest.raises(ConfigError, match=r"unknown section \[attention_variants\.alibi\]; did you mean 'variants'"):
+        load_config(path)
