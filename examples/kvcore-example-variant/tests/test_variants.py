@@ -150,4 +150,5 @@ def test_kvcore_conformance_cli_runs_with_the_variant_selected(monkeypatch, caps
         reset_registry()
     out = capsys.readouterr().out
     assert rc == 0, out
+    assert "quick, attention variants alibi, models" in out.splitlines()[0]
     assert "-plain+alibi: pass" in out and "-window13-softcap+alibi: pass" in out
