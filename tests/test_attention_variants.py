@@ -288,3 +288,23 @@ def test_options_under_the_selection_key_point_to_the_variants_table(tmp_path):
     path.write_text("[attention_variants.alibi]\nmax_bias = 2.0\n")
     with pytest.raises(ConfigError, match=r"unknown section \[attention_variants\.alibi\]; did you mean 'variants'"):
         load_config(path)
+
+
+def test_speculative_verification_attends_with_the_variants(registry):
+    """The verify forward reads the engine's layers too: with (random, mostly rejected) drafts the stream is the
+    one without, whose every token the verify forward then computes."""
+    from kvcore.conformance.speculative_proposers import RANDOM, plugin
+
+    model = make_random_model()
+
+    def tokens(**kw):
+        config = EngineConfig(dtype="float32", backend="naive", attention_variants=("alibi",), **kw)
+        engine = Engine(model, None, config, registry=registry)
+        out = engine.generate([list(range(3, 30))], SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True))
+        return out[0].token_ids, engine.stats
+
+    plain, _ = tokens()
+    with registered(registry, plugin(), "conformance-proposers"):
+        speculated, stats = tokens(proposer=RANDOM)
+    assert speculated == plain
+    assert stats.num_draft_tokens > 0  # drafts were scored under the variant
