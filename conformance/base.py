@@ -38,6 +38,7 @@ from kvcore.conformance.results import FAIL, SKIP, CaseResult
 from kvcore.conformance.runner import run_case, tier_cases
 from kvcore.conformance.settings import DEFAULT_MODELS, SuiteConfig
 from kvcore.conformance.target import Target, parse_options, resolve_target
+from kvcore.plugins.registry import PluginRegistry, get_registry
 
 __all__ = [
     "BaseAttentionOpTests",
@@ -102,6 +103,7 @@ def suite_config(config: pytest.Config, owner: object | None = None) -> SuiteCon
         device=_pick(config, owner, "conformance_device", "kvcore_device", "cpu"),
         quick=bool(_pick(config, owner, "conformance_quick", "kvcore_quick", False)),
         models=models,
+        attention_variants=tuple(getattr(owner, "conformance_attention_variants", None) or ()),
     )
 
 
@@ -119,6 +121,9 @@ class _ConformanceBase:
     #: a registered proposer to certify: its greedy and sampled cases join the speculative tier's; ``None``:
     #: ``--kvcore-proposer``, else the built-in test proposers only
     conformance_proposer: ClassVar[str | None] = None
+    #: registered attention variants the run selects (``--attention-variant``): op cases whose layers carry each,
+    #: and the stream and sampling tiers' engines attending with them
+    conformance_attention_variants: ClassVar[tuple[str, ...]] = ()
 
     @pytest.fixture(autouse=True, scope="class")
     @classmethod
@@ -226,6 +231,10 @@ class _NoTarget:
     @staticmethod
     def cache_names() -> tuple[str, ...]:
         return ()
+
+    @property
+    def registry(self) -> PluginRegistry:  # where the variants a run selects are found (installed plugins)
+        return get_registry()
 
 
 class BaseAttentionOpTests(_ConformanceBase):

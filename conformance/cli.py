@@ -48,6 +48,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--proposer", default=None, metavar="NAME",
                    help="certify this speculative-decoding proposer: every stream with its drafts must equal the "
                    "stream without; alone, only the speculative tier runs (on the best available backend)")
+    p.add_argument("--attention-variant", dest="attention_variants", action="append", default=None, metavar="NAME",
+                   help="run with this registered attention variant (see `kvcore plugins`) selected: op cases whose "
+                   "layers carry it, and every engine of the stream and sampling tiers attending with it; repeatable")
     p.add_argument("--quick", action="store_true", help="CI-sized case set (under 2 minutes on 2 CPU cores)")
     p.add_argument("--json", nargs="?", const="-", default=None, metavar="FILE",
                    help="the report as JSON: on stdout, or written atomically to FILE (the text report then goes to "
@@ -127,6 +130,7 @@ def run(args: argparse.Namespace) -> int:
             tensor_parallel_size=args.tensor_parallel_size,
             seed=args.seed,
             case_timeout=args.case_timeout or None,
+            attention_variants=tuple(args.attention_variants or ()),
         )
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -141,6 +145,8 @@ def run(args: argparse.Namespace) -> int:
                 sampler_options=_options(args.sampler_option, "--sampler-option"),
                 proposer=args.proposer,
             )
+            for name in cfg.attention_variants:  # an unknown name is a usage error, with a suggestion
+                target.registry.create_variant(name)
             try:
                 if target.availability() is None:
                     prepare_kernels(cfg, stderr_notice)  # announced here: constructors may load them

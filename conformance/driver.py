@@ -79,6 +79,7 @@ def run_engine(
         tensor_parallel_size=cfg.tensor_parallel_size,
         check_backend_outputs=False,  # the suite measures and reports every divergence itself
         compile=compile,
+        attention_variants=cfg.attention_variants,
     )
     recorder = RecordingSampler(sampler or target.make_sampler())
     engine = Engine(cm.model, None, config, registry=target.registry, sampler=recorder)
@@ -122,6 +123,7 @@ def run_churn(
         backend_options={target.name: dict(target.options)} if target.options else {},
         kv_cache_options={cache: options} if options else {},
         check_backend_outputs=False,  # the suite measures and reports every divergence itself
+        attention_variants=cfg.attention_variants,
     )
     recorder = RecordingSampler(target.make_sampler())
     engine = Engine(cm.model, None, config, registry=target.registry, sampler=recorder)

@@ -61,7 +61,7 @@ def skip_reasons(target: Target, case: ModelCase, cfg: SuiteConfig) -> list[str]
         reasons.append("backend declares no prefill support")
     if not caps.supports_decode:
         reasons.append("backend declares no decode support")
-    reasons += caps.reasons_variants(variants_of(cm.model.attention_layers))
+    reasons += caps.reasons_variants(variants_of(cm.model.attention_layers) | set(cfg.attention_variants))
     names = target.cache_names()
     if names:
         cache_caps = target.cache_class(names[0]).capabilities

@@ -37,7 +37,9 @@ _LONG_V_MEAN = 1.0  # magnitude of the K/V the fragmenting sequences leave behin
 
 
 def cases(target: Target, cfg: SuiteConfig) -> list[OpCase]:
-    return op_cases(cfg.quick, target.cache_names(), cfg.dtypes) + variant_cases(target.cache_names(), cfg.dtypes)
+    selected = [target.registry.create_variant(name) for name in cfg.attention_variants]
+    return op_cases(cfg.quick, target.cache_names(), cfg.dtypes) + variant_cases(target.cache_names(), cfg.dtypes,
+                                                                                selected)
 
 
 def skip_reasons(target: Target, case: OpCase, cfg: SuiteConfig) -> list[str]:

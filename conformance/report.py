@@ -78,6 +78,8 @@ def _headline(r: SuiteReport) -> str:
     mode = "quick" if s.get("quick") else "full"
     if s.get("tensor_parallel_size", 1) > 1:
         mode += f", tensor-parallel size {s['tensor_parallel_size']}"
+    if s.get("attention_variants"):
+        mode += f", attention variants {', '.join(s['attention_variants'])}"
     return (
         f"kvcore conformance: backend '{r.backend}' ({r.environment.get('backend_class', '?')}), "
         f"KV cache {', '.join(s.get('kv_caches', []))}, sampler {s.get('sampler')}, "

@@ -48,6 +48,9 @@ class SuiteConfig:
     case_timeout: float | None = DEFAULT_CASE_TIMEOUT
     #: engine steps each engine run of a case may take (None: 4 per token it asks for, plus 64; see limits.py)
     max_steps: int | None = None
+    #: registered attention variants (kvcore.interfaces.variants) the run selects: the op tier adds cases whose
+    #: layers carry each, and every engine of the stream and sampling tiers attends with them (both sides)
+    attention_variants: tuple[str, ...] = ()
     dtypes: tuple[torch.dtype, ...] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -102,4 +105,5 @@ class SuiteConfig:
             "seed": self.seed,
             "case_timeout": self.case_timeout,
             "max_steps": self.max_steps,
+            "attention_variants": list(self.attention_variants),
         }

@@ -113,7 +113,7 @@ def _check_churn(target: Target, cm, case: ModelCase, cfg: SuiteConfig, result: 
         ref += reference_streams(cm, ("greedy-alone", r.prompt, r.max_new_tokens), [list(r.prompt)], params, cfg,
                                  target)
     prompts = [list(r.prompt) for r in requests]
-    _judge(result, case, prompts, ref, got, tie_rule(cfg.dtype, target.unit_roundoff))
+    _judge(result, case, prompts, ref, got, tie_rule(cfg.dtype, target.unit_roundoff), cfg)
     if result.status != FAIL:
         result.detail += (f" ({len(requests)} requests alone on the reference vs one engine: {facts['engine_steps']} "
                           f"steps, {facts['preemptions']} preemption(s), {facts['recurring_shapes']} batch(es) "
@@ -132,11 +132,12 @@ def greedy_params(n: int, count: int) -> list[SamplingParams]:
 
 def reference_streams(cm, case_key: tuple, prompts, params, cfg: SuiteConfig, target: Target) -> list[Stream]:
     """The reference backend's streams with ``target``'s sampler, computed once per process for each
-    (model, dtype, sampler, case)."""
-    key = (cm.name, cfg.dtype, cfg.device, target.sampler, tuple(sorted(target.sampler_options.items())), case_key)
+    (model, dtype, sampler, attention variants, case)."""
+    key = (cm.name, cfg.dtype, cfg.device, target.sampler, tuple(sorted(target.sampler_options.items())),
+           cfg.attention_variants, case_key)
     if key not in _REFERENCE_CACHE:
         one_rank = dataclasses.replace(cfg, tensor_parallel_size=1)  # a tensor-parallel run is held to one rank's
-        _REFERENCE_CACHE[key] = run_engine(reference_target(), cm, prompts, params, one_rank,
+        _REFERENCE_CACHE[key] = run_engine(reference_target(target.registry), cm, prompts, params, one_rank,
                                            sampler=target.make_sampler())
     return _REFERENCE_CACHE[key]
 
@@ -158,7 +159,7 @@ def check(target: Target, case: ModelCase, cfg: SuiteConfig, result: CaseResult)
     variant = "batch" if compiled else case.variant  # the same streams as the batch case: one reference run
     ref = reference_streams(cm, ("greedy", variant, case.steps), prompts, params, cfg, target)
     got = run_engine(target, cm, prompts, params, cfg, compile=compiled)
-    _judge(result, case, prompts, ref, got, tie_rule(cfg.dtype, target.unit_roundoff))
+    _judge(result, case, prompts, ref, got, tie_rule(cfg.dtype, target.unit_roundoff), cfg)
 
 
 def _top(logits: torch.Tensor, k: int = 5) -> list[tuple[int, float]]:
@@ -198,8 +199,11 @@ def compare_streams(ref: Stream, got: Stream, rule: TieRule) -> dict:
     }
 
 
-def _judge(result: CaseResult, case: ModelCase, prompts, ref: list[Stream], got: list[Stream], rule) -> None:
+def _judge(result: CaseResult, case: ModelCase, prompts, ref: list[Stream], got: list[Stream], rule,
+           cfg: SuiteConfig) -> None:
     notes = []
+    selected = ", ".join(cfg.attention_variants)
+    model = case.model + (f" (attention variants {selected})" if selected else "")
     for i, (r, g) in enumerate(zip(ref, got)):
         c = compare_streams(r, g, rule)
         label = f"seq {i} (prompt {len(prompts[i])} tokens)"
@@ -217,10 +221,10 @@ def _judge(result: CaseResult, case: ModelCase, prompts, ref: list[Stream], got:
             continue
         result.status = FAIL
         if "ref_token" not in c:
-            result.detail = f"model {case.model}, {case.variant}: {label}: {c['why']}"
+            result.detail = f"model {model}, {case.variant}: {label}: {c['why']}"
             return
         result.detail = (
-            f"model {case.model}, {case.variant}: {label} diverges from the reference at step {c['step']} "
+            f"model {model}, {case.variant}: {label} diverges from the reference at step {c['step']} "
             f"(position {len(prompts[i]) + c['step']}): reference token {c['ref_token']} (it leads the backend's "
             f"token by {c['ref_margin']:.4g} in the reference logits), backend token {c['got_token']} (leads by "
             f"{c['got_margin']:.4g} in the backend's logits); rule: {rule}. Reference top-5 {c['ref_top']}; "
@@ -229,4 +233,4 @@ def _judge(result: CaseResult, case: ModelCase, prompts, ref: list[Stream], got:
         )
         result.info.update(seq=i, **{k: v for k, v in c.items() if k != "equal"})
         return
-    result.detail = f"model {case.model}: " + "; ".join(notes) if notes else f"model {case.model}: identical"
+    result.detail = f"model {model}: " + "; ".join(notes) if notes else f"model {model}: identical"

@@ -155,22 +155,39 @@ class Target:
         return ", ".join(parts)
 
 
-def reference_target() -> Target:
-    """The oracle: ``naive`` over the float32-capable ``contiguous`` cache, from a private registry."""
+def reference_target(variants: PluginRegistry | None = None) -> Target:
+    """The oracle: ``naive`` over the float32-capable ``contiguous`` cache, from a private registry; with the
+    attention variants registered in ``variants`` (the target's: those a run may select), which naive evaluates."""
     global _REFERENCE
     if _REFERENCE is None:
         registry = PluginRegistry(load_entrypoints=False, builtins=_REFERENCE_PLUGINS)
         _REFERENCE = Target(REFERENCE_BACKEND, registry.get(REFERENCE_BACKEND).cls, registry, kv_cache="contiguous")
-    return _REFERENCE
+    if variants is None or not variants.attention_variants:
+        return _REFERENCE
+    registry = PluginRegistry(load_entrypoints=False, builtins=_REFERENCE_PLUGINS)
+    registry.register_plugin(_variants_plugin(variants), name="conformance-variants")
+    return replace(_REFERENCE, registry=registry)
+
+
+def _variants_plugin(shared: PluginRegistry) -> types.ModuleType:
+    """A plugin registering ``shared``'s attention variants under their names."""
+    plugin = types.ModuleType("kvcore_conformance_variants")
+
+    @hookimpl
+    def kvcore_register_attention_variants(register):
+        for entry in shared.attention_variants.values():
+            register(entry.cls, name=entry.name)
+
+    plugin.kvcore_register_attention_variants = kvcore_register_attention_variants
+    return plugin
 
 
 _REFERENCE: Target | None = None
 
 
-def _private_registry(cls: type[AttentionBackend], name: str) -> PluginRegistry:
-    """A registry holding just ``cls`` (registered as a throwaway plugin) beside every registered cache and
-    sampler (built-in and third-party), for backend classes that are not registered."""
-    shared = get_registry()
+def _private_registry(cls: type[AttentionBackend], name: str, shared: PluginRegistry) -> PluginRegistry:
+    """A registry holding just ``cls`` (registered as a throwaway plugin) beside every cache, sampler and
+    attention variant (built-in and third-party) of ``shared``, for backend classes that are not registered."""
     registry = PluginRegistry(load_entrypoints=False, builtins=())
     plugin = types.ModuleType(f"kvcore_conformance_target_{name}")
 
@@ -192,6 +209,7 @@ def _private_registry(cls: type[AttentionBackend], name: str) -> PluginRegistry:
     plugin.kvcore_register_kv_caches = kvcore_register_kv_caches
     plugin.kvcore_register_samplers = kvcore_register_samplers
     registry.register_plugin(plugin, name=f"conformance-target-{name}")
+    registry.register_plugin(_variants_plugin(shared), name="conformance-variants")
     return registry
 
 
@@ -269,7 +287,8 @@ def resolve_target(
         if registry is not None and name in registry.backends and registry.backends[name].cls is spec:
             target = Target(name=name, cls=spec, registry=registry, options=options, **extra)
         else:
-            target = Target(name=name, cls=spec, registry=_private_registry(spec, name), options=options, **extra)
+            target = Target(name=name, cls=spec, registry=_private_registry(spec, name, registry or get_registry()),
+                            options=options, **extra)
     if kv_cache is not None:
         target.cache_class(kv_cache)  # an unknown cache name is an error naming the registered ones
     if sampler is not None:

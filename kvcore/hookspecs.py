@@ -29,6 +29,7 @@ __all__ = [
     "kvcore_register_samplers",
     "kvcore_register_architectures",
     "kvcore_register_proposers",
+    "kvcore_register_attention_variants",
     "kvcore_configure",
     "kvcore_register_commands",
 ]
@@ -109,12 +110,29 @@ def kvcore_register_proposers(register: Register) -> None:
 
 
 @hookspec
+def kvcore_register_attention_variants(register: Register) -> None:
+    """Register attention variants written as code.
+
+    Call ``register(VariantClass)`` once per variant; ``name`` defaults to ``VariantClass.name``. The class
+    must subclass :class:`kvcore.interfaces.variants.AttentionVariant` and implement
+    :meth:`~kvcore.interfaces.variants.AttentionVariant.bind`, which returns a layer's ``score_mod`` /
+    ``mask_mod`` (FlexAttention's signatures, absolute positions). Users select variants with
+    ``attention_variants = ["name"]`` / ``--attention-variant name``; options come from ``[variants.<name>]``.
+    The ``naive`` reference evaluates any variant, so ``kvcore conformance --attention-variant name`` certifies a
+    backend that declares ``variants_as_code`` against the variant itself.
+
+    :param register: callback that records one :class:`~kvcore.interfaces.variants.AttentionVariant` class.
+    """
+
+
+@hookspec
 def kvcore_configure(options: dict[str, Any]) -> None:
     """Receive this plugin's options from the config file.
 
     Called once after loading, with the ``[plugins.<plugin name>]`` table of the config file
-    (an empty dict when there is none). Options of one backend, cache, sampler or proposer go in
-    ``[backends.<name>]``, ``[kv_caches.<name>]``, ``[samplers.<name>]`` or ``[proposers.<name>]`` instead
+    (an empty dict when there is none). Options of one backend, cache, sampler, proposer or attention variant
+    go in ``[backends.<name>]``, ``[kv_caches.<name>]``, ``[samplers.<name>]``, ``[proposers.<name>]`` or
+    ``[variants.<name>]`` instead
     and reach that class's constructor as keyword arguments.
 
     :param options: the plugin's own config table.

@@ -81,6 +81,7 @@ def make_plugin(
     samplers: Iterable[type] = (),
     architectures: Iterable[type] = (),
     proposers: Iterable[type] = (),
+    variants: Iterable[type] = (),
     raises: Exception | None = None,
     raise_in: str = "kvcore_register_backends",
 ) -> types.ModuleType:
@@ -93,6 +94,7 @@ def make_plugin(
         ("kvcore_register_samplers", tuple(samplers)),
         ("kvcore_register_architectures", tuple(architectures)),
         ("kvcore_register_proposers", tuple(proposers)),
+        ("kvcore_register_attention_variants", tuple(variants)),
     ):
 
         def impl(register, _classes=classes, _hook=hook):

@@ -129,7 +129,8 @@ def test_cpu_builtins_pass_quick_suite(registry, name, dtype):
     for tier in report.tiers:
         assert report.tier_status(tier) == PASS
     op = [r for r in report.results if r.tier == "op"]
-    assert max(r.max_err for r in op if not r.case.endswith(("-bf16", "-fp16"))) < 1e-5
+    ran = [r for r in op if r.status == PASS]  # sdpa skips the variants-as-code rows with the reason
+    assert max(r.max_err for r in ran if not r.case.endswith(("-bf16", "-fp16"))) < 1e-5
     if dtype is None:
         assert {r.case[-5:] for r in op} >= {"-bf16", "-fp16"}  # reduced precisions run by default
     assert {r.case for r in report.results if r.tier == "stream"} >= {"tiny-churn"}

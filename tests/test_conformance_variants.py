@@ -1,7 +1,8 @@
 """The op tier's attention-variant dimension (kvcore/conformance/attention_cases.py): the built-in backends
-pass it, a backend not declaring a variant skips with the reason, and planted bugs in windows, soft-caps
-and sinks are caught, among them a long-context decode path without the window and window bounds computed
-from positions in the model dtype (the long windowed rows, attention_cases.LONG_ROWS)."""
+pass it, a backend not declaring a variant skips with the reason, and planted bugs in windows, soft-caps,
+sinks and variants as code (score_mod / mask_mod) are caught, among them a long-context decode path without
+the window and window bounds computed from positions in the model dtype (the long windowed rows,
+attention_cases.LONG_ROWS)."""
 
 from __future__ import annotations
 
@@ -67,7 +68,16 @@ class Textbook(NaiveBackend):
                 mask = mask | (at_boundary & (torch.arange(seq_len)[None, :] == first - 1))  # one key too many
             if layer.softcap is not None and self.bug != "softcap_after_mask":
                 S = torch.tanh(S / layer.softcap) * layer.softcap
+            b, h = torch.tensor(i), torch.arange(q.shape[1])[:, None, None]
+            q_pos, kv_pos = torch.arange(ctx, seq_len)[None, :, None], torch.arange(seq_len)[None, None, :]
+            for mod in layer.mods:
+                if mod.score_mod is not None and self.bug != "score_mod_after_mask":
+                    S = mod.score_mod(S, b, h, q_pos, kv_pos)
+                if mod.mask_mod is not None:  # the bug asks about the key one position later
+                    mask = mask & mod.mask_mod(b, h, q_pos, kv_pos + (self.bug == "mask_mod_off_by_one"))
             S = S.masked_fill(~mask, float("-inf"))
+            for mod in layer.mods if self.bug == "score_mod_after_mask" else ():
+                S = mod.score_mod(S, b, h, q_pos, kv_pos)  # the probe's maps -inf to a finite score: masked keys show
             if layer.softcap is not None and self.bug == "softcap_after_mask":
                 S = torch.tanh(S / layer.softcap) * layer.softcap  # masked keys become -c: visible
             sinks = layer.sinks
@@ -83,16 +93,24 @@ def planted(bug: str | None) -> type:
 
 
 def _results(cls) -> dict[str, str]:
-    """Pattern -> status of the short variant rows (the long ones have tests of their own, below)."""
-    target = resolve_target(cls)
-    cases = [c for c in variant_cases(target.cache_names()) if c.scenario != "long2k"]
-    return {c.pattern: run_case(target, "op", c, CFG).status for c in cases}
+    """Attention (pattern, + variants as code) -> status of the short variant rows (the long ones have tests of
+    their own, below)."""
+    return {a: r.status for a, r in _full_results(cls).items()}
+
+
+def _full_results(cls, cfg: SuiteConfig = CFG, registry=None) -> dict:
+    target = resolve_target(cls, registry=registry)
+    selected = [target.registry.create_variant(n) for n in cfg.attention_variants]
+    cases = [c for c in variant_cases(target.cache_names(), selected=selected) if c.scenario != "long2k"]
+    return {c.attention: run_case(target, "op", c, cfg) for c in cases}
 
 
 def test_variant_cases_are_in_the_op_tier():
     ids = {c.id for c in tier_cases(resolve_target("naive"), "op", CFG)}
     assert {c.id for c in variant_cases()} <= ids
     assert set(PATTERNS) == {c.pattern for c in variant_cases()}  # every pattern has a row
+    assert {c.attention for c in variant_cases() if c.variants} == {"plain+conformance-probe",
+                                                                   "window13-softcap+conformance-probe"}
 
 
 def test_the_correct_textbook_passes_every_pattern():
@@ -101,14 +119,57 @@ def test_the_correct_textbook_passes_every_pattern():
 
 @pytest.mark.parametrize("bug, caught", [
     ("window_off_by_one_at_block_boundary",
-     {"window16", "window7", "window20", "window13-softcap", "window1", "mixed"}),
-    ("softcap_after_mask", {"softcap", "window13-softcap", "mixed"}),
+     {"window16", "window7", "window20", "window13-softcap", "window1", "mixed", "window13-softcap+conformance-probe"}),
+    ("softcap_after_mask", {"softcap", "window13-softcap", "mixed", "window13-softcap+conformance-probe"}),
     ("sink_dropped_in_decode", {"sinks", "mixed"}),
+    ("score_mod_after_mask", {"plain+conformance-probe", "window13-softcap+conformance-probe"}),
+    ("mask_mod_off_by_one", {"plain+conformance-probe", "window13-softcap+conformance-probe"}),
 ])
 def test_planted_variant_bugs_are_caught(bug, caught):
     results = _results(planted(bug))
     failed = {p for p, status in results.items() if status == FAIL}
     assert failed and failed <= caught, results  # caught, and only where the bug acts
+
+
+@pytest.mark.parametrize("bug, layer", [("score_mod_after_mask", "layer 0"), ("mask_mod_off_by_one", "layer 1")])
+def test_a_planted_mod_bug_names_the_variant_and_the_first_differing_element(bug, layer):
+    """The probe's mask has holes on the second layer only: a mask_mod bug first shows there."""
+    detail = _full_results(planted(bug))["plain+conformance-probe"].detail
+    assert f"{layer} (conformance-probe): attention output diverges from the reference" in detail, detail
+    assert "worst at seq" in detail and "got " in detail and "expected " in detail, detail
+
+
+def test_a_selected_registered_variant_gets_op_cases_that_catch_a_planted_bug():
+    from helpers import make_plugin, registered
+
+    from kvcore.interfaces.variants import AttentionVariant, BoundVariant
+    from kvcore.plugins.registry import PluginRegistry
+
+    class Dilated(AttentionVariant):
+        name = "dilated"
+
+        def bind(self, shape):
+            return BoundVariant(self.name, mask_mod=lambda b, h, q, kv: (q - kv) % 2 == 0)
+
+    registry = PluginRegistry(load_entrypoints=False)
+    cfg = dataclasses.replace(CFG, attention_variants=("dilated",))
+    with registered(registry, make_plugin(variants=[Dilated]), "dilated-plugin"):
+        ids = {c.id for c in tier_cases(resolve_target("naive", registry=registry), "op", cfg)}
+        assert {"gqa8x2-d64-mixed-bs12-plain+dilated", "gqa6x2-d40-ragged-window13-softcap+dilated"} <= ids
+        assert {a: r.status for a, r in _full_results(planted(None), cfg, registry).items()
+                if "dilated" in a} == {"plain+dilated": PASS, "window13-softcap+dilated": PASS}
+        bad = _full_results(planted("mask_mod_off_by_one"), cfg, registry)["plain+dilated"]
+        assert bad.status == FAIL and "layer 0 (dilated)" in bad.detail, bad.detail
+        skipped = _full_results("sdpa", cfg, registry)["plain+dilated"]
+        assert skipped.status == SKIP
+        assert skipped.detail == "prefill: no variant 'dilated'; decode: no variant 'dilated'"
+
+
+def test_conformance_cli_refuses_an_unknown_variant(capsys):
+    from helpers import run_cli
+
+    rc, _, err = run_cli(capsys, "conformance", "--backend", "naive", "--attention-variant", "nope", "--tier", "op")
+    assert rc == 2 and "unknown attention variant 'nope'" in err
 
 
 def _long_results(cls) -> dict:
@@ -196,7 +257,7 @@ def test_a_backend_not_declaring_a_variant_is_skipped_with_the_reason():
         )
 
     target = resolve_target(WindowsOnly)
-    by_pattern = {c.pattern: run_case(target, "op", c, CFG) for c in variant_cases(target.cache_names())}
+    by_pattern = {c.attention: run_case(target, "op", c, CFG) for c in variant_cases(target.cache_names())}
     assert by_pattern["window7"].status == PASS
     assert by_pattern["softcap"].status == SKIP and by_pattern["softcap"].detail == "decode: no soft-capping"
     assert by_pattern["sinks"].detail == "decode: no attention sinks"

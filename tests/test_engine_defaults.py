@@ -82,6 +82,8 @@ def test_given_settings_are_kept(kernels_build):
     assert choice.apply(EngineConfig(backend="sdpa")).backend == "sdpa"
     paged = choose_defaults(EngineConfig(kv_cache="paged"), Q4_FILE)  # cpu_decode cannot read a paged cache
     assert paged.backend is None and any("layout 'paged'" in r for r in paged.reasons)
+    alibi = choose_defaults(EngineConfig(attention_variants=("alibi",)), Q4_FILE)  # cpu_decode has no code variants
+    assert alibi.backend is None and any("decode: no variant 'alibi'" in r for r in alibi.reasons)
     odd_head = choose_defaults(EngineConfig(), ModelFacts(native_int4=True, head_shape=(300, 64)))
     assert odd_head.lm_head == "dense" and "lm_head dense: the int4 kernel cannot take a [300, 64] head" in \
         odd_head.reasons

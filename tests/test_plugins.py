@@ -27,6 +27,7 @@ from kvcore.backends.contiguous import ContiguousKVCache
 from kvcore.backends.paged import PagedKVCache
 from kvcore.backends.quantized import Int8KVCache
 from kvcore.errors import BackendUnavailableError, ConfigError, PluginError, UnknownBackendError
+from kvcore.interfaces.variants import AttentionVariant, BoundVariant
 from kvcore.model.families import Llama
 from kvcore.plugins.architectures import for_hf_config
 from kvcore.plugins.registry import (
@@ -37,6 +38,7 @@ from kvcore.plugins.registry import (
     KV_CACHE,
     PROPOSER,
     SAMPLER,
+    VARIANT,
     PluginRegistry,
 )
 from kvcore.sampling.sampler import DefaultSampler
@@ -63,6 +65,15 @@ def make_sampler(name: str, **attrs):
 
 def make_proposer(name: str, **attrs):
     return type(f"P_{name}", (NgramProposer,), {"name": name, **attrs})
+
+
+class _Variant(AttentionVariant):
+    def bind(self, shape):
+        return BoundVariant(self.name, mask_mod=lambda b, h, q, kv: q >= kv)
+
+
+def make_variant(name: str, **attrs):
+    return type(f"V_{name}", (_Variant,), {"name": name, **attrs})
 
 
 def make_architecture(name: str, **attrs):
@@ -203,7 +214,7 @@ DUPLICATES = {  # kind: (a class claiming a built-in's name, the built-in's plug
 
 def _plugin_of(kind, *classes, **kw):
     key = {BACKEND: "backends", KV_CACHE: "kv_caches", SAMPLER: "samplers", ARCHITECTURE: "architectures",
-           PROPOSER: "proposers"}[kind]
+           PROPOSER: "proposers", VARIANT: "variants"}[kind]
     return make_plugin(**{key: classes}, **kw)
 
 
@@ -225,7 +236,7 @@ def test_builtin_name_cannot_be_taken_over(with_plugin, kind_key):
 @pytest.mark.parametrize("kind", KINDS, ids=[k.key for k in KINDS])
 def test_duplicate_name_across_third_party_plugins_names_both(with_plugin, random_model, kind):
     makers = {BACKEND: make_backend, KV_CACHE: make_cache, SAMPLER: make_sampler, ARCHITECTURE: make_architecture,
-              PROPOSER: make_proposer}
+              PROPOSER: make_proposer, VARIANT: make_variant}
     twin = makers[kind]("twin")
     with_plugin(_plugin_of(kind, twin), "plugin-a")
     reg = with_plugin(_plugin_of(kind, twin), "plugin-b")
@@ -238,9 +249,10 @@ def test_duplicate_name_across_third_party_plugins_names_both(with_plugin, rando
         with pytest.raises(PluginError, match=r"by plugin 'plugin-a' and by plugin 'plugin-b'"):
             for_hf_config({"architectures": ["TwinForCausalLM"]}, "m", registry=reg)
         return
-    field = {BACKEND: "backend", KV_CACHE: "kv_cache", SAMPLER: "sampler", PROPOSER: "proposer"}[kind]
+    field = {BACKEND: "backend", KV_CACHE: "kv_cache", SAMPLER: "sampler", PROPOSER: "proposer",
+             VARIANT: "attention_variants"}[kind]
     with pytest.raises(PluginError, match=r"by plugin 'plugin-a' and by plugin 'plugin-b'"):
-        Engine(random_model, None, EngineConfig(**{field: "twin"}), registry=reg)
+        Engine(random_model, None, EngineConfig(**{field: ("twin",) if kind is VARIANT else "twin"}), registry=reg)
 
 
 @pytest.mark.parametrize("backend, cache_base", [("paged", PagedKVCache), ("sdpa", ContiguousKVCache)])
@@ -448,18 +460,27 @@ class _StrictProposer(NgramProposer):
         super().__init__(max_n=max_n)
 
 
+class _StrictVariant(_Variant):
+    name = "strict"
+
+    def __init__(self, slope: float = 1.0):
+        self.slope = slope
+
+
 CONSTRUCTED = [k for k in KINDS if k is not ARCHITECTURE]  # architectures are declarations: no instances
 
 
 @pytest.mark.parametrize("kind", CONSTRUCTED, ids=[k.key for k in CONSTRUCTED])
 def test_unknown_option_of_a_class_with_named_keywords_is_a_config_error(with_plugin, kind):
-    cls = {BACKEND: _StrictBackend, KV_CACHE: _StrictCache, SAMPLER: _StrictSampler, PROPOSER: _StrictProposer}[kind]
+    cls = {BACKEND: _StrictBackend, KV_CACHE: _StrictCache, SAMPLER: _StrictSampler, PROPOSER: _StrictProposer,
+           VARIANT: _StrictVariant}[kind]
     reg = with_plugin(_plugin_of(kind, cls), "strict-plugin")
     create = {
         BACKEND: lambda opts: reg.create("strict", opts),
         KV_CACHE: lambda opts: reg.create_cache("strict", SPEC, opts),
         SAMPLER: lambda opts: reg.create_sampler("strict", opts),
         PROPOSER: lambda opts: reg.create_proposer("strict", opts),
+        VARIANT: lambda opts: reg.create_variant("strict", opts),
     }[kind]
     with pytest.raises(ConfigError, match="'strict'.*wrong_name"):
         create({"wrong_name": 1})

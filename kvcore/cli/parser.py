@@ -111,7 +111,8 @@ def build_parser(plugin_commands: bool = True) -> argparse.ArgumentParser:
                    help="answer requests with unknown fields 400 (default: ignore them, log and name them)")
     _hidden_debug(p)
 
-    p = sub.add_parser("plugins", help="list registered backends, KV caches and samplers, with availability")
+    p = sub.add_parser("plugins", help="list registered backends, KV caches, samplers, proposers and attention "
+                                       "variants, with availability")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     _hidden_debug(p)
 

@@ -19,11 +19,33 @@ from kvcore.interfaces.kv_cache import CacheSpec, KVCache
 from kvcore.interfaces.layer_attention import LayerAttention
 from kvcore.model.config import ModelConfig
 from kvcore.model.embedding import head_rows
+from kvcore.model.layers import bind_variants
 from kvcore.plugins.registry import PluginEntry, PluginRegistry
 from kvcore.scheduling.kv_groups import KVGroups, group_layers
 
 __all__ = ["build_kv_cache", "check_model", "kv_groups", "local_execution", "serving_config",
-           "tensor_parallel_runner"]
+           "tensor_parallel_runner", "variant_layers", "prefix_namespace"]
+
+
+def variant_layers(registry: PluginRegistry, config: EngineConfig, model: Any) -> tuple[LayerAttention, ...]:
+    """The model's per-layer attention with ``config.attention_variants`` bound to each layer. The engine holds
+    them, not the model: engines over one model object may select different variants."""
+    if not config.attention_variants:
+        return model.attention_layers
+    if config.tensor_parallel_size > 1:  # a rank sees its own heads only: a per-head mod would read the wrong h
+        raise ConfigError("attention_variants run in one process; they cannot be combined with "
+                          "tensor_parallel_size > 1")
+    variants = [registry.create_variant(n, config.variant_options.get(n)) for n in config.attention_variants]
+    c = model.config
+    return bind_variants(model.attention_layers, variants, num_heads=c.num_attention_heads,
+                         num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim)
+
+
+def prefix_namespace(model: Any, dtype: torch.dtype, weight_format: str, cache_name: str, config: EngineConfig) -> str:
+    """What prefix-cache keys name besides the tokens. One cache serves one engine, but a key never means the same
+    tokens under another model, dtype, weight format, cache layout or attention-variant selection (with options)."""
+    variants = [(n, sorted(config.variant_options.get(n, {}).items())) for n in config.attention_variants]
+    return f"{model.config!r}|{dtype}|{weight_format}|{cache_name}|{variants!r}"
 
 
 def kv_groups(
@@ -133,8 +155,9 @@ def tensor_parallel_runner(model: Any, config: EngineConfig) -> Any:
 
 
 def serving_config(engine: Any) -> dict[str, Any]:
-    """What serves ``engine``'s requests: backends, KV cache, sampler, dtype, weights, device, limits, and the
-    speculative-decoding proposer with its drafts per step (``None`` when speculation is off)."""
+    """What serves ``engine``'s requests: backends, KV cache, sampler, dtype, weights, device, limits, the
+    speculative-decoding proposer with its drafts per step (``None`` when speculation is off) and the attention
+    variants selected."""
     speculator = getattr(engine, "speculator", None)
     return {
         "prefill_backend": engine.prefill_backend.name,
@@ -149,4 +172,5 @@ def serving_config(engine: Any) -> dict[str, Any]:
         "window_pool": engine.kv.window_pool,
         "proposer": speculator.proposer.name if speculator else None,
         "num_speculative_tokens": speculator.num_tokens if speculator else None,
+        "attention_variants": list(engine.config.attention_variants),
     }

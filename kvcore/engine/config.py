@@ -57,6 +57,12 @@ class EngineConfig(EngineFields):
         if self.lm_head != AUTO:
             check_lm_head(self.lm_head, dtype or torch.bfloat16, self.device)
         check_declared(self, ConfigError)  # types and least values, as the fields declare them
+        names = self.attention_variants
+        if isinstance(names, str) or not all(isinstance(n, str) and n for n in names):
+            raise ConfigError(f"attention_variants must be a list of variant names, got {names!r}")
+        if len(set(names)) != len(names):
+            raise ConfigError(f"attention_variants names a variant twice: {list(names)}")
+        self.attention_variants = tuple(names)  # TOML and JSON give lists
         check_device(self.device)
 
 
@@ -147,7 +153,8 @@ def select_components(
             usable = [e for e in usable if layout in e.cls.capabilities.kv_layouts]
         if not usable:
             cache = f" that reads the '{config.kv_cache}' KV cache" if config.kv_cache else ""
-            needs = f" with {', '.join(VARIANTS[v] for v in sorted(variants))}" if variants else ""
+            named = [VARIANTS.get(v, f"variant '{v}'") for v in sorted(variants)]
+            needs = f" with {', '.join(named)}" if variants else ""
             raise BackendUnavailableError(
                 f"no registered backend{cache} supports {dtype} on {device.type}{needs}")
         return max(usable, key=lambda e: (e.cls.priority, e.name)).name

@@ -42,8 +42,10 @@ from kvcore.engine.build import (
     check_model,
     kv_groups,
     local_execution,
+    prefix_namespace,
     serving_config,
     tensor_parallel_runner,
+    variant_layers,
 )
 from kvcore.engine.config import EngineConfig, parse_dtype, select_components
 from kvcore.engine.defaults import DefaultChoice, choose_defaults, file_facts, model_facts
@@ -92,11 +94,13 @@ class Engine(EngineStep):
         mc = model.config
         self.dtype, self.device = parse_dtype(config.dtype), torch.device(config.device)
         weight_format = check_model(model, config)
+        #: each layer's attention as this engine runs it: the model's, with config.attention_variants bound
+        self.attention_layers = variant_layers(registry, config, model)
         tp_runner = tensor_parallel_runner(model, config)
         if tp_runner is not None:
             mc = tp_runner.model.config  # local heads: backends and the KV cache see only this rank's
         heads = dict(num_heads=mc.num_attention_heads, num_kv_heads=mc.num_key_value_heads)
-        chosen = select_components(registry, config, head_dim=mc.head_dim, variants=variants_of(model.attention_layers),
+        chosen = select_components(registry, config, head_dim=mc.head_dim, variants=variants_of(self.attention_layers),
                                    **heads)
         self.prefill_backend, self.decode_backend = chosen.prefill_backend, chosen.decode_backend
         backends = (self.prefill_backend, self.decode_backend)
@@ -109,14 +113,12 @@ class Engine(EngineStep):
         window = mc.max_position_embeddings
         check_max_model_len(config.max_model_len, window)
         self.max_model_len = config.max_model_len or min(window, EngineConfig.DEFAULT_MAX_MODEL_LEN)
-        groups, window_pool = kv_groups(model.attention_layers, mc.num_hidden_layers, config, chosen.kv_cache,
+        groups, window_pool = kv_groups(self.attention_layers, mc.num_hidden_layers, config, chosen.kv_cache,
                                         self.max_model_len)
         cache, self.kv_cache_name = build_kv_cache(registry, chosen.kv_cache, config, mc, self.max_model_len, groups)
         cache_name = self.kv_cache_name
         self.runner.start(self.prefill_backend, self.decode_backend, cache, config)
-        # one cache serves one model, but the prefix keys name what made the K/V anyway: a key never means
-        # the same tokens under another model, dtype, weight format or cache layout
-        namespace = f"{model.config!r}|{self.dtype}|{weight_format}|{cache_name}"
+        namespace = prefix_namespace(model, self.dtype, weight_format, cache_name, config)
         self.kv = KVCacheManager(cache, enable_prefix_caching=config.enable_prefix_caching, namespace=namespace,
                                  groups=groups, window_pool=window_pool)
         #: counters since construction (prefill / cached / decode / generated tokens, preemptions, ...)

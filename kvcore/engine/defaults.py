@@ -217,6 +217,9 @@ def _fast_backend_reasons(config: EngineConfig, facts: ModelFacts, dtype: torch.
         layout = registry.get(config.kv_cache, KV_CACHE).cls.layout
         if layout not in entry.cls.capabilities.kv_layouts:
             return f"the '{config.kv_cache}' KV cache has layout '{layout}', which {_FAST_BACKEND} does not read"
+    missing = caps.reasons_variants(config.attention_variants)
+    if missing:  # the registry's pick then serves them
+        return f"{_FAST_BACKEND} does not serve the selected attention variants ({'; '.join(missing)})"
     if facts.heads is not None:  # a built model: the backend's own check (head sizes, GQA group)
         backend = registry.create(_FAST_BACKEND, config.backend_options.get(_FAST_BACKEND))
         return "; ".join(backend.validate(device=device, dtype=dtype, **facts.heads))

@@ -84,6 +84,10 @@ class EngineFields:
     #: K: benchmarks/studies/verify_cost.py prices each draft row (docs/speculative.md)
     num_speculative_tokens: int = setting(
         8, min=1, metavar="K", help="draft tokens verified per step and request (default {default})")
+    #: applied in order, each bound per layer (docs/attention-variants.md); backends that do not serve them are refused
+    attention_variants: tuple[str, ...] = setting(
+        (), flag="--attention-variant", metavar="NAME",
+        help="attend with this registered attention variant (see `kvcore plugins`); repeatable")
     backend_options: dict[str, dict[str, Any]] = setting(
         default_factory=dict, table="backends", flag=False, help="keyword arguments of that backend's constructor")
     kv_cache_options: dict[str, dict[str, Any]] = setting(
@@ -92,6 +96,9 @@ class EngineFields:
         default_factory=dict, table="samplers", flag=False, help="keyword arguments of that sampler's constructor")
     proposer_options: dict[str, dict[str, Any]] = setting(
         default_factory=dict, table="proposers", flag=False, help="keyword arguments of that proposer's constructor")
+    variant_options: dict[str, dict[str, Any]] = setting(
+        default_factory=dict, table="variants", flag=False,
+        help="keyword arguments of that attention variant's constructor")
 
 
 @dataclass

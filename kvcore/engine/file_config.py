@@ -11,11 +11,15 @@ Example ``kvcore.toml``::
     lm_head = "dense"           # or int4 (int4 scores, the top 64 rescored densely; bfloat16 on CPU)
     compile = false             # torch.compile the decode steps
     proposer = "ngram"          # speculative decoding (docs/speculative.md)
+    attention_variants = ["alibi"]  # registered attention variants (docs/attention-variants.md)
     max_new_tokens = 64
     temperature = 0.0
 
     [kv_caches.int8]            # keyword arguments for that cache's constructor
     block_size = 32
+
+    [variants.alibi]            # keyword arguments for that attention variant's constructor
+    max_bias = 8.0
 
     [plugins.my_plugin]         # handed to that plugin's kvcore_configure hook
     some_option = true

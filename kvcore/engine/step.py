@@ -22,6 +22,7 @@ from kvcore.engine.verify import SpeculativeStep
 from kvcore.errors import BackendError, GrammarError, KVCoreError, ModelFileChangedError, NonFiniteRowsError
 from kvcore.execution.runner import Executor
 from kvcore.interfaces.attention import AttentionBackend
+from kvcore.interfaces.layer_attention import LayerAttention
 from kvcore.interfaces.sampler import Sampler
 from kvcore.loaders.watched import model_file_problem
 from kvcore.model.decoder import LlamaModel
@@ -42,6 +43,7 @@ class EngineStep(SpeculativeStep):
     stats: EngineStats
     runner: Executor
     model: LlamaModel
+    attention_layers: tuple[LayerAttention, ...]  # the model's, with the engine's attention variants bound
     sampler: Sampler
     prefill_backend: AttentionBackend
     decode_backend: AttentionBackend
@@ -84,7 +86,7 @@ class EngineStep(SpeculativeStep):
         sampling = [i for i, s in enumerate(batch.samples) if s]
         try:
             meta = self.kv.prepare([r.seq_id for r in reqs], batch.query_lens, self.model.attention_scale,
-                                   self.model.attention_layers)
+                                   self.attention_layers)
         except KVCoreError as exc:  # reserve() is all or nothing: nothing to roll back
             return self._fail(reqs, exc)
         try:

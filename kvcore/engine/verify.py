@@ -48,6 +48,7 @@ class SpeculativeStep:
     """The speculative half of :class:`~kvcore.engine.step.EngineStep` (it inherits this)."""
 
     speculator: Speculator | None
+    attention_layers: tuple  # EngineStep's: each layer's attention as the engine runs it
 
     def _speculate(self, batch: ScheduledBatch) -> bool:
         """Run ``batch`` (decode rows only) with drafts; False when no row got any (the step then runs as
@@ -74,7 +75,7 @@ class SpeculativeStep:
         if max(query_lens) == 1 or not self.kv.can_reserve(seq_ids, query_lens):
             return False
         try:
-            meta = self.kv.prepare(seq_ids, query_lens, self.model.attention_scale, self.model.attention_layers)
+            meta = self.kv.prepare(seq_ids, query_lens, self.model.attention_scale, self.attention_layers)
         except KVCoreError as exc:  # reserve() is all or nothing: nothing to roll back
             self._fail(reqs, exc)
             return True

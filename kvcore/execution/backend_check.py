@@ -17,7 +17,7 @@ engine runs every forward through a :class:`BackendGuard`, which raises :class:`
 - the first forward of each kind a backend serves (prefill, continued prefill, decode), then every
   ``verify_every`` steps: layer 0's output for one sequence against a float32 reference computed from
   the queries and what the cache holds (textbook attention, bottom-right causal mask, with layer 0's
-  window, soft-cap and sinks). This catches a
+  window, soft-cap, sinks and variants as code). This catches a
   result of the right shape with the wrong layout, which no shape check can.
 """
 
@@ -46,15 +46,15 @@ def _all_finite(out0: torch.Tensor, logits: torch.Tensor) -> bool:
 
 
 def reference_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context_len: int, layer: LayerAttention | float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context_len: int, layer: LayerAttention | float, row: int = 0
 ):
-    """Float32 attention of one sequence: ``q [n, H, D]`` against ``k, v [context_len + n, H_kv, D]``,
-    query ``i`` at position ``context_len + i``, as ``layer`` attends (a float: plain causal at that scale);
-    returns ``[n, H, D]`` float32."""
+    """Float32 attention of one sequence (row ``row`` of its call): ``q [n, H, D]`` against ``k, v
+    [context_len + n, H_kv, D]``, query ``i`` at position ``context_len + i``, as ``layer`` attends (a float:
+    plain causal at that scale); returns ``[n, H, D]`` float32."""
     layer = layer if isinstance(layer, LayerAttention) else LayerAttention(layer)
     mask = causal_mask(context_len, q.shape[0], q.device, layer.sliding_window)
     out = explicit_attention(q.float().transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                             mask, layer)  # (1, H, n, D)
+                             mask, layer, at=(row, context_len))  # (1, H, n, D)
     return out[0].transpose(0, 1)
 
 
@@ -107,7 +107,7 @@ class _StepCheck:
         i = len(meta.query_lens) - 1  # the last sequence: in a mixed batch, a prefill's
         start, n = int(meta.cu_seqlens_q[i]), meta.query_lens[i]
         k, v = self.cache.read(0, meta.for_layer(0).block_tables[i], meta.seq_lens[i])
-        ref = reference_attention(q[start : start + n], k, v, meta.context_lens[i], meta.layer(0))
+        ref = reference_attention(q[start : start + n], k, v, meta.context_lens[i], meta.layer(0), row=i)
         got = out[start : start + n].float()
         if not bool(torch.isfinite(got).all()):
             return  # finish() fails the sequences that are not finite, and only them

@@ -23,6 +23,7 @@ from kvcore.interfaces.kv_cache import KVCache, placement_reasons
 from kvcore.interfaces.layer_attention import VARIANTS, LayerAttention
 from kvcore.interfaces.metadata import AttentionMetadata
 from kvcore.interfaces.options import unknown_options_error
+from kvcore.interfaces.variants import apply_mods
 
 from .dtypes import dtype_name
 
@@ -48,13 +49,16 @@ def causal_mask(
 
 
 def explicit_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, layer: LayerAttention
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, layer: LayerAttention,
+    at: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """Attention with every :class:`LayerAttention` variant, spelled out in float32 for backends whose fused
     kernel lacks one (soft-capping and sinks have no ``scaled_dot_product_attention`` argument).
 
     :param q: ``[B, H, n, D]``; ``k``, ``v``: ``[B, H_kv, S, D]`` (``H % H_kv == 0``).
     :param mask: broadcastable to ``[B, H, n, S]``: bool (True = visible) or additive float; None: all visible.
+    :param at: for a layer with registered variants (``layer.mods``; then ``B == 1`` and a bool or no mask):
+        ``(b, context_len)``, the sequence's row in its call and the position of query 0 (keys at 0 .. S-1).
     :returns: ``[B, H, n, D]`` in ``q``'s dtype.
     """
     group = q.shape[1] // k.shape[1]
@@ -63,6 +67,15 @@ def explicit_attention(
     scores = q.float() @ k.transpose(-2, -1) * layer.scale  # (B, H, n, S)
     if layer.softcap is not None:
         scores = torch.tanh(scores / layer.softcap) * layer.softcap
+    if layer.mods:
+        if at is None or q.shape[0] != 1 or (mask is not None and mask.dtype != torch.bool):
+            raise ValueError("a layer with registered variants needs one sequence, a bool mask and at=(b, context_len)")
+        (b, ctx), (n, S), device = at, scores.shape[-2:], q.device
+        mask = torch.ones((n, S), dtype=torch.bool, device=device) if mask is None else mask
+        h = torch.arange(q.shape[1], device=device)[:, None, None]  # the index shapes naive uses
+        q_idx, kv_idx = torch.arange(ctx, ctx + n, device=device)[None, :, None], torch.arange(S, device=device)
+        scores, mask = apply_mods(layer.mods, scores, mask, torch.tensor(b, device=device), h, q_idx,
+                                  kv_idx[None, None, :])
     if mask is not None and mask.dtype == torch.bool:
         scores = scores.masked_fill(~mask, float("-inf"))
     elif mask is not None:

@@ -1,7 +1,7 @@
 """How one decoder layer attends (:class:`LayerAttention`): the scale and the variants beyond plain causal
 attention (a sliding window, logit soft-capping, attention sinks, and registered variants written as code,
-:mod:`kvcore.interfaces.variants`). The model declares one per layer, the per-step metadata carries them, and a
-backend declares the variants it serves per phase."""
+:mod:`kvcore.interfaces.variants`). The model declares one per layer, the engine binds the registered variants it
+selects to them, the per-step metadata carries them, and a backend declares the variants it serves per phase."""
 
 from __future__ import annotations
 

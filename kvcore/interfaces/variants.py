@@ -14,11 +14,13 @@ them densely on broadcast index tensors (``h`` as ``[H, 1, 1]``, ``q_idx`` as ``
 
 A variant is registered as a class (``kvcore_register_attention_variants``), selected by name
 (``attention_variants = ["alibi"]`` / ``--attention-variant alibi``), takes its options from
-``[attention_variants.<name>]``, and is bound once per decoder layer (:meth:`AttentionVariant.bind`), which
-lets it depend on the layer (a local-global pattern) and on the head count (ALiBi's slopes). The bound mods
-ride on the layer's :class:`~kvcore.interfaces.layer_attention.LayerAttention` (``mods``); a backend serves
-them when its capabilities declare ``variants_as_code`` (it evaluates any mod) or name the variant (it
-implements that variant natively).
+``[variants.<name>]`` (TOML cannot hold both a key ``attention_variants`` and tables under it), and is bound
+once per decoder layer (:meth:`AttentionVariant.bind`), which lets it depend on the layer (a local-global
+pattern) and on the head count (ALiBi's slopes). An engine binds the variants its configuration selects to the
+model's layers (``Engine.attention_layers``); the bound mods ride on each layer's
+:class:`~kvcore.interfaces.layer_attention.LayerAttention` (``mods``); a backend serves them when its
+capabilities declare ``variants_as_code`` (it evaluates any mod) or name the variant (it implements that
+variant natively).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import torch
 
 from kvcore.interfaces.options import unknown_options_error
 
-__all__ = ["AttentionVariant", "BoundVariant", "LayerShape", "MaskMod", "ScoreMod"]
+__all__ = ["AttentionVariant", "BoundVariant", "LayerShape", "MaskMod", "ScoreMod", "apply_mods"]
 
 #: ``(score, b, h, q_idx, kv_idx) -> score``
 ScoreMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -72,10 +74,31 @@ class AttentionVariant(abc.ABC):
     description: ClassVar[str] = ""  # one line for listings
 
     def __init__(self, **options: Any) -> None:
-        """``options`` come from the ``[attention_variants.<name>]`` table of the config file."""
+        """``options`` come from the ``[variants.<name>]`` table of the config file."""
         if options:
-            raise unknown_options_error("attention variant", self.name, "attention_variants", type(self), options)
+            raise unknown_options_error("attention variant", self.name, "variants", type(self), options)
+
+    @classmethod
+    def availability(cls) -> str | None:
+        """None: usable here (the registry asks every plugin kind); a reason otherwise."""
+        return None
 
     @abc.abstractmethod
     def bind(self, shape: LayerShape) -> BoundVariant | None:
         """This variant's functions for the layer ``shape`` describes; None: the layer attends without it."""
+
+
+def apply_mods(
+    mods: tuple[BoundVariant, ...], scores: torch.Tensor, visible: torch.Tensor,
+    b: torch.Tensor | int, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every mod of ``mods`` evaluated eagerly and densely, in order: ``scores`` (soft-capped, not yet masked)
+    rewritten by each ``score_mod``, ``visible`` (bool, True: the causal / window mask lets the key through)
+    ANDed with each ``mask_mod``. ``b``, ``h``, ``q_idx``, ``kv_idx`` are int64 index tensors shaped to broadcast
+    against ``scores`` (e.g. ``[H, 1, 1]``, ``[1, n, 1]``, ``[1, 1, S]`` for scores ``[H, n, S]``)."""
+    for mod in mods:
+        if mod.score_mod is not None:
+            scores = mod.score_mod(scores, b, h, q_idx, kv_idx)
+        if mod.mask_mod is not None:
+            visible = visible & mod.mask_mod(b, h, q_idx, kv_idx)
+    return scores, visible

@@ -1,15 +1,20 @@
 """The decoder's stateless pieces: RMSNorm, the MLP activations and each layer's attention spec from the
-model configuration."""
+model configuration (and the registered attention variants an engine binds to each layer)."""
 
 from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 
+from kvcore.errors import PluginError
 from kvcore.interfaces.layer_attention import LayerAttention
+from kvcore.interfaces.variants import AttentionVariant, BoundVariant, LayerShape
 from kvcore.model.config import ModelConfig
 
-__all__ = ["rms_norm", "add_rms_norm", "ACTIVATIONS", "attention_layers"]
+__all__ = ["rms_norm", "add_rms_norm", "ACTIVATIONS", "attention_layers", "bind_variants"]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -56,3 +61,27 @@ def attention_layers(c: ModelConfig, max_positions: int) -> tuple[LayerAttention
         window = window if window is not None and window < max_positions else None
         layers.append(LayerAttention(scale, sliding_window=window, softcap=c.attn_logit_softcapping))
     return tuple(layers)
+
+
+def bind_variants(
+    layers: Sequence[LayerAttention], variants: Sequence[AttentionVariant], *, num_heads: int, num_kv_heads: int,
+    head_dim: int,
+) -> tuple[LayerAttention, ...]:
+    """``layers`` (a model's) with each of ``variants`` bound to each layer, in order, as its mods; a variant whose
+    ``bind`` raises or returns something else than its own :class:`BoundVariant` is a PluginError."""
+    bound = []
+    for i, layer in enumerate(layers):
+        shape = LayerShape(i, len(layers), num_heads, num_kv_heads, head_dim)
+        mods = []
+        for variant in variants:
+            try:
+                mod = variant.bind(shape)
+            except Exception as exc:
+                raise PluginError(f"attention variant '{variant.name}' failed to bind layer {i}: "
+                                  f"{type(exc).__name__}: {exc}") from exc
+            if mod is not None and not (isinstance(mod, BoundVariant) and mod.name == variant.name):
+                raise PluginError(f"attention variant '{variant.name}' bound layer {i} to {mod!r}, not a "
+                                  f"BoundVariant named '{variant.name}'")
+            mods += [mod] if mod is not None else []
+        bound.append(dataclasses.replace(layer, mods=layer.mods + tuple(mods)))
+    return tuple(bound)

@@ -1,5 +1,5 @@
-"""The pluggable kinds (backends, KV caches, samplers, architectures, proposers) and the checks every registration
-and every use of a registered class goes through: declared attributes and capability types, an
+"""The pluggable kinds (backends, KV caches, samplers, architectures, proposers, attention variants) and the
+checks every registration and every use of a registered class goes through: declared attributes and capability types, an
 ``availability()`` under a time limit, constructor options that fail as a ConfigError."""
 
 from __future__ import annotations
@@ -12,12 +12,15 @@ from typing import Any
 from kvcore.errors import ConfigError, PluginError
 from kvcore.interfaces.attention import AttentionBackend, BackendCapabilities
 from kvcore.interfaces.kv_cache import CacheCapabilities, KVCache
+from kvcore.interfaces.layer_attention import VARIANTS
 from kvcore.interfaces.options import accepted_options, unknown_options_error
 from kvcore.interfaces.proposer import Proposer, ProposerCapabilities
 from kvcore.interfaces.sampler import Sampler
+from kvcore.interfaces.variants import AttentionVariant
 from kvcore.model.architectures import Architecture
 
-__all__ = ["Kind", "KINDS", "BACKEND", "KV_CACHE", "SAMPLER", "ARCHITECTURE", "PROPOSER", "PluginEntry", "label"]
+__all__ = ["Kind", "KINDS", "BACKEND", "KV_CACHE", "SAMPLER", "ARCHITECTURE", "PROPOSER", "VARIANT", "PluginEntry",
+           "label"]
 
 
 @dataclass(frozen=True)
@@ -36,8 +39,10 @@ KV_CACHE = Kind("kv_cache", "kvcore_register_kv_caches", KVCache, "kv_caches", (
 SAMPLER = Kind("sampler", "kvcore_register_samplers", Sampler, "samplers", ("name",))
 ARCHITECTURE = Kind("architecture", "kvcore_register_architectures", Architecture, "architectures", ("name",))
 PROPOSER = Kind("proposer", "kvcore_register_proposers", Proposer, "proposers", ("name",))
+#: its options table is not ``attention_variants``: that key is the list that selects them
+VARIANT = Kind("attention_variant", "kvcore_register_attention_variants", AttentionVariant, "variants", ("name",))
 #: in collection order: backends are checked against the KV layouts the registered caches provide
-KINDS = (KV_CACHE, BACKEND, SAMPLER, ARCHITECTURE, PROPOSER)
+KINDS = (KV_CACHE, BACKEND, SAMPLER, ARCHITECTURE, PROPOSER, VARIANT)
 #: seconds an ``availability()`` check may take before it is reported as hung (it must not block listing)
 AVAILABILITY_TIMEOUT_S = 10.0
 _HUNG: set[type] = set()  # classes whose availability() never returned: not called again
@@ -122,6 +127,8 @@ def validated_entry(kind: Kind, cls: Any, name: str | None, plugin: str) -> Plug
         and all(isinstance(x, str) for x in cls.capabilities.kv_layouts)
     ):
         raise PluginError(f"plugin '{plugin}': backend '{name}' must declare kv_layouts as a non-empty tuple of names")
+    if kind is VARIANT and name in VARIANTS:  # capabilities and reasons would mean the built-in one
+        raise PluginError(f"plugin '{plugin}': {what} name '{name}' is a built-in variant's; rename it")
     if kind is KV_CACHE and not (isinstance(cls.layout, str) and cls.layout):
         raise PluginError(f"plugin '{plugin}': KV cache '{name}' must declare its layout as a name")
     return PluginEntry(name=name, cls=cls, plugin=plugin, kind=kind)

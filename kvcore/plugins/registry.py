@@ -1,4 +1,5 @@
-"""Plugin discovery and the registry of the pluggable kinds: backends, KV caches, samplers, proposers, ...
+"""Plugin discovery and the registry of the pluggable kinds: backends, KV caches, samplers, proposers, attention
+variants, ...
 
 Built-ins are plugins registered through the same ``kvcore_register_*`` hooks as third-party ones;
 third-party plugins come from the ``kvcore`` entry-point group. Everything is loaded lazily, on the
@@ -24,6 +25,7 @@ from kvcore.errors import BackendUnavailableError, ConfigError, PluginError, Unk
 from kvcore.interfaces.attention import AttentionBackend
 from kvcore.interfaces.kv_cache import CacheSpec, KVCache
 from kvcore.interfaces.sampler import Sampler
+from kvcore.interfaces.variants import AttentionVariant
 from kvcore.plugins.kinds import (
     ARCHITECTURE,
     BACKEND,
@@ -31,6 +33,7 @@ from kvcore.plugins.kinds import (
     KV_CACHE,
     PROPOSER,
     SAMPLER,
+    VARIANT,
     Kind,
     PluginEntry,
     construct,
@@ -39,7 +42,8 @@ from kvcore.plugins.kinds import (
 )
 
 __all__ = [
-    "Kind", "KINDS", "BACKEND", "KV_CACHE", "SAMPLER", "ARCHITECTURE", "PROPOSER", "PluginEntry", "PluginRegistry",
+    "Kind", "KINDS", "BACKEND", "KV_CACHE", "SAMPLER", "ARCHITECTURE", "PROPOSER", "VARIANT", "PluginEntry",
+    "PluginRegistry",
     "get_registry", "reset_registry", "BUILTIN_PLUGINS",
 ]
 
@@ -189,6 +193,10 @@ class PluginRegistry:
     def proposers(self) -> dict[str, PluginEntry]:
         return self.entries(PROPOSER)
 
+    @property
+    def attention_variants(self) -> dict[str, PluginEntry]:
+        return self.entries(VARIANT)
+
     def configure(self, plugin_options: dict[str, dict[str, Any]]) -> None:
         """Hand each plugin its ``[plugins.<name>]`` table through ``kvcore_configure``."""
         self.backends  # noqa: B018 - make sure plugins are loaded
@@ -213,7 +221,7 @@ class PluginRegistry:
         try:
             return entries[name]
         except KeyError:
-            known = ", ".join(sorted(entries))
+            known = ", ".join(sorted(entries)) or "none"
             error = UnknownBackendError if kind is BACKEND else ConfigError
             raise error(f"unknown {label(kind)} '{name}' (registered: {known}){did_you_mean(name, entries)}") from None
 
@@ -242,6 +250,10 @@ class PluginRegistry:
     def create_proposer(self, name: str, options: dict[str, Any] | None = None):
         """Instantiate an available speculative-decoding proposer (a Proposer)."""
         return construct(self._available(name, PROPOSER), (), options)
+
+    def create_variant(self, name: str, options: dict[str, Any] | None = None) -> AttentionVariant:
+        """Instantiate a registered attention variant with its ``[variants.<name>]`` options."""
+        return construct(self._available(name, VARIANT), (), options)
 
     def available(self) -> list[PluginEntry]:
         return [e for e in self.backends.values() if e.availability() is None]

@@ -17,9 +17,12 @@ _VARIANT_NAMES = {"sliding_window": "window", "softcap": "softcap", "sinks": "si
 
 
 def _variants(caps) -> str:
-    """``window,softcap,sinks`` when both phases serve the same; ``prefill: ...; decode: ...`` otherwise."""
+    """``window,softcap,sinks`` when both phases serve the same; ``prefill: ...; decode: ...`` otherwise; ``code``
+    when the backend evaluates registered variants as code (both phases)."""
     def names(variants) -> str:
-        return ",".join(_VARIANT_NAMES[v] for v in _VARIANT_NAMES if v in variants) or "-"
+        shown = [_VARIANT_NAMES[v] for v in _VARIANT_NAMES if v in variants]
+        shown += sorted(set(variants) - set(_VARIANT_NAMES))  # registered variants it implements natively
+        return ",".join(shown + (["code"] if caps.variants_as_code else [])) or "-"
 
     if caps.prefill_variants == caps.decode_variants:
         return names(caps.prefill_variants)
@@ -71,7 +74,7 @@ def backend_rows(registry: PluginRegistry) -> list[dict[str, Any]]:
 
 def plugin_rows(registry: PluginRegistry) -> dict[str, list[dict[str, Any]]]:
     """Rows of every pluggable kind: ``{"backends": [...], "kv_caches": [...], "samplers": [...],
-    "proposers": [...]}``."""
+    "proposers": [...], "attention_variants": [...]}``; a variant's ``backends`` serve it in both phases."""
     caches = []
     for name in sorted(registry.kv_caches):
         entry = registry.kv_caches[name]
@@ -97,7 +100,15 @@ def plugin_rows(registry: PluginRegistry) -> dict[str, list[dict[str, Any]]]:
          "available": _availability(e), "description": e.cls.description}
         for name, e in sorted(registry.proposers.items())
     ]
-    return {"backends": backend_rows(registry), "kv_caches": caches, "samplers": samplers, "proposers": proposers}
+    variants = [
+        {"attention_variant": name, "plugin": e.plugin,
+         "backends": ",".join(b for b, be in sorted(registry.backends.items())
+                              if not be.cls.capabilities.reasons_variants([name])) or "-",
+         "available": _availability(e), "description": e.cls.description}
+        for name, e in sorted(registry.attention_variants.items())
+    ]
+    return {"backends": backend_rows(registry), "kv_caches": caches, "samplers": samplers, "proposers": proposers,
+            "attention_variants": variants}
 
 
 def format_table(rows: list[dict[str, Any]], notes: Callable[[dict[str, Any]], list[str]] | None = None) -> str:

@@ -106,7 +106,7 @@ class KVCacheManager:
         self, seq_ids: Sequence[int], query_lens: Sequence[int], scale: float, layers: Sequence[LayerAttention] = ()
     ) -> AttentionMetadata:
         """Reserve room for ``query_lens[i]`` new tokens of each sequence and describe the call (``layers``:
-        the model's per-layer attention, :attr:`~kvcore.model.decoder.DecoderModel.attention_layers`).
+        each layer's attention as the engine runs it: the model's, with its attention variants bound).
 
         All or nothing: when the batch does not fit, nothing is reserved and the error names it.
         """

@@ -153,7 +153,7 @@ def run_server(
 
 def banner(serving: dict[str, Any]) -> str:
     """The serving configuration in one line: ``backend paged (prefill) / paged (decode), kv_cache ..., ...``, and
-    ``speculative ngram (4 drafts per step)`` when a proposer is on."""
+    ``speculative ngram (4 drafts per step)`` when a proposer is on, ``attention variants alibi`` when selected."""
     backends = serving["prefill_backend"]
     if serving["decode_backend"] != backends:
         backends = f"{backends} (prefill) / {serving['decode_backend']} (decode)"
@@ -161,7 +161,8 @@ def banner(serving: dict[str, Any]) -> str:
                                                     "max_num_seqs", "max_model_len"))
     proposer = serving.get("proposer")
     speculative = f", speculative {proposer} ({serving['num_speculative_tokens']} drafts per step)" if proposer else ""
-    return f"backend {backends}, {rest}{speculative}"
+    variants = ", ".join(serving.get("attention_variants") or ())
+    return f"backend {backends}, {rest}{speculative}" + (f", attention variants {variants}" if variants else "")
 
 
 class ServerThread:
