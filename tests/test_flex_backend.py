@@ -12,7 +12,7 @@ import stat
 import pytest
 import torch
 from helpers import make_random_model
-from test_paged import make_spec, shuffle_pool
+from test_paged import _one_thread, make_spec, shuffle_pool  # noqa: F401 (autouse: tiny tensors, one thread)
 
 from kvcore import Engine, EngineConfig, SamplingParams
 from kvcore.backends.contiguous import ContiguousKVCache
@@ -47,7 +47,6 @@ def layers_for(variant: str) -> list[LayerAttention]:
     """Two layers of each case; the window layers differ so that two block masks are in play."""
     sinks = torch.tensor([0.5, -1.0, 2.0, 0.0])
     return {
-        "plain": [LayerAttention(SCALE)] * 2,
         "window": [LayerAttention(SCALE, sliding_window=5), LayerAttention(SCALE, sliding_window=40)],
         "softcap": [LayerAttention(SCALE * 8, softcap=2.0)] * 2,  # scores of several units: the cap bites
         "sinks": [LayerAttention(SCALE, sinks=sinks), LayerAttention(SCALE, sinks=sinks, sliding_window=7)],
@@ -118,7 +117,7 @@ class Harness:
         return plan
 
 
-VARIANTS = ["plain", "window", "softcap", "sinks", "gemma2", "alibi", "band"]
+VARIANTS = ["window", "softcap", "sinks", "gemma2", "alibi", "band"]
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "paged"])
@@ -127,20 +126,18 @@ def test_prefill_decode_and_chunks_match_the_oracle(layout, variant):
     h = Harness(layout, variant)
     h.add(0, 1, 2)
     h.step([0, 1], [23, 9])  # a ragged prefill batch (GQA: 4 query heads on 2 KV heads)
-    for _ in range(3):
-        h.step([0, 1], [1, 1])  # decode steps, keys bucketed past the lengths
+    h.step([0, 1], [1, 1])  # a decode step, keys bucketed past the lengths
     h.step([2, 0], [40, 1])  # a new prompt beside a running decode
-    h.step([2], [17])  # a chunk continuing a cache
-    h.step([1, 2], [5, 1])  # several rows after a cache (speculative verification) beside a decode
+    h.step([1, 2], [5, 17])  # rows after a cache (speculative verification, a prefill chunk)
     h.step([2, 0, 1], [1, 1, 1])  # decode on non-consecutive slots
 
 
-@pytest.mark.parametrize("layout", ["contiguous", "paged"])
-def test_bfloat16_close_to_the_oracle(layout):
-    h = Harness(layout, "gemma2", torch.bfloat16)
+@pytest.mark.parametrize("layout, dtype, atol", [("contiguous", torch.bfloat16, 3e-2), ("paged", torch.float16, 3e-3)])
+def test_half_precision_close_to_the_oracle(layout, dtype, atol):
+    h = Harness(layout, "gemma2", dtype)
     h.add(0, 1)
-    h.step([0, 1], [30, 4], atol=3e-2)
-    h.step([0, 1], [1, 1], atol=3e-2)
+    h.step([0, 1], [30, 4], atol=atol)
+    h.step([0, 1], [1, 1], atol=atol)
 
 
 def test_a_wrong_mod_is_caught():
@@ -159,7 +156,7 @@ def test_decode_keys_are_bucketed():
     """A decode step's keys are padded to a power of two (at least 128): lengths within a bucket share a shape."""
     assert [bucket(n, 128) for n in (1, 128, 129, 200, 256, 257)] == [128, 128, 256, 256, 256, 512]
     assert bucket(300, 128, most=290) == 300 and bucket(200, 128, most=220) == 220
-    h = Harness("paged", "plain")
+    h = Harness("paged", "softcap")
     h.add(0)
     assert h.step([0], [100]).kv_len == 128
     lens = {h.step([0], [1]).kv_len for _ in range(40)}  # 101 .. 140 keys
@@ -197,7 +194,8 @@ def test_greedy_streams_equal_naive(kv_cache):
 def cache_dir(tmp_path, monkeypatch):
     root = tmp_path / "kvcore-cache"
     monkeypatch.setenv("KVCORE_CACHE_DIR", str(root))
-    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "")  # recorded, so the folder set below is undone after the test
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
     return root
 
 
@@ -217,29 +215,43 @@ def test_an_untrusted_inductor_cache_is_refused(cache_dir):
         use_kvcore_inductor_cache()
 
 
-def test_an_unwritable_cache_means_a_private_temporary_one(cache_dir):
-    cache_dir.parent.chmod(0o500)  # the cache root cannot be made
-    try:
-        with pytest.warns(RuntimeWarning, match="running without it"):
-            folder = use_kvcore_inductor_cache()
-    finally:
-        cache_dir.parent.chmod(0o700)
-    assert folder != cache_dir / "inductor" and stat.S_IMODE(os.lstat(folder).st_mode) == 0o700
+def test_an_unwritable_cache_means_a_private_temporary_one(cache_dir, monkeypatch):
+    cache_dir.write_text("")  # no folder can be made under it
+    with pytest.warns(RuntimeWarning, match="compiled-kernel cache.*running without it"):
+        folder = use_kvcore_inductor_cache()
+    assert not folder.is_relative_to(cache_dir) and stat.S_IMODE(os.lstat(folder).st_mode) == 0o700
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(folder)
+    folder.rmdir()
 
 
+def decode_graphs(h: Harness) -> tuple[int, int]:
+    """Graphs dynamo made for flex_attention: after a prefill and one decode step, then after six more decode
+    steps whose key counts (22 .. 27) share one bucket."""
+    import torch._dynamo.utils as dynamo_utils
+
+    h.add(0)
+    h.step([0], [20], atol=1e-4)
+    h.step([0], [1], atol=1e-4)
+    before = dynamo_utils.counters["stats"]["unique_graphs"]
+    for _ in range(6):
+        h.step([0], [1], atol=1e-4)
+    return before, dynamo_utils.counters["stats"]["unique_graphs"]
+
+
+def test_decode_steps_in_one_bucket_trace_no_new_graph():
+    """Eager FlexAttention traces its call with dynamo too (without inductor): the buckets keep that to one trace
+    per shape, as they keep the compiled kernels to one per shape (the compiled test below)."""
+    torch._dynamo.reset()
+    before, after = decode_graphs(Harness("contiguous", "window"))
+    assert before > 0 and after == before
+
+
+@pytest.mark.full  # compiling on a loaded 2-core machine takes minutes; the eager test above is its bounded form
 @pytest.mark.skipif(flex_reason() is not None, reason="no C++ compiler for torch.compile")
 def test_compiled_matches_the_oracle_without_recompiling_per_length(cache_dir):
     """The compiled kernel agrees with naive, decode steps within a key bucket reuse it, and its files land in
     kvcore's cache folder."""
-    import torch._dynamo.utils as dynamo_utils
-
     torch._dynamo.reset()
-    h = Harness("contiguous", "window", compile=True)
-    h.add(0)
-    h.step([0], [20], atol=1e-4)
-    h.step([0], [1], atol=1e-4)
-    graphs = dynamo_utils.counters["stats"]["unique_graphs"]
-    for _ in range(6):  # 22 .. 27 keys: one bucket
-        h.step([0], [1], atol=1e-4)
-    assert dynamo_utils.counters["stats"]["unique_graphs"] == graphs
-    assert any((cache_dir / "inductor").rglob("*.py")) or any((cache_dir / "inductor").rglob("*.so"))
+    before, after = decode_graphs(Harness("contiguous", "window", compile=True))
+    assert before > 0 and after == before
+    assert any((cache_dir / "inductor").rglob("*.so")) or any((cache_dir / "inductor").rglob("*.py"))
