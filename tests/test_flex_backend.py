@@ -24,10 +24,19 @@ from kvcore.errors import CacheTrustError, ConfigError
 from kvcore.interfaces.attention import explicit_attention
 from kvcore.interfaces.layer_attention import LayerAttention
 from kvcore.interfaces.variants import BoundVariant
+from kvcore.plugins.registry import BACKEND, get_registry
 from kvcore.scheduling.kv_manager import KVCacheManager
 
-pytestmark = pytest.mark.skipif(flex_reason() is not None and "compile = false" not in (flex_reason() or ""),
-                                reason="torch has no FlexAttention")
+
+def _has_flex() -> bool:
+    try:
+        from torch.nn.attention.flex_attention import AuxRequest  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+pytestmark = pytest.mark.skipif(not _has_flex(), reason="torch has no FlexAttention")
 HEADS, KV_HEADS, D = 4, 2, 16
 SCALE = D**-0.5
 
@@ -51,7 +60,8 @@ def layers_for(variant: str) -> list[LayerAttention]:
         "softcap": [LayerAttention(SCALE * 8, softcap=2.0)] * 2,  # scores of several units: the cap bites
         "sinks": [LayerAttention(SCALE, sinks=sinks), LayerAttention(SCALE, sinks=sinks, sliding_window=7)],
         "gemma2": [LayerAttention(SCALE * 8, softcap=2.0, sliding_window=6), LayerAttention(SCALE * 8, softcap=2.0)],
-        "alibi": [LayerAttention(SCALE, mods=(alibi(HEADS),)), LayerAttention(SCALE, softcap=3.0, mods=(alibi(HEADS),))],
+        "alibi": [LayerAttention(SCALE, mods=(alibi(HEADS),)),
+                  LayerAttention(SCALE, softcap=3.0, mods=(alibi(HEADS),))],
         "band": [LayerAttention(SCALE, mods=(band(6),)), LayerAttention(SCALE, sliding_window=4, mods=(band(9),))],
     }[variant]
 
@@ -163,6 +173,19 @@ def test_decode_keys_are_bucketed():
     assert lens == {128, 256}
 
 
+def test_availability_says_why_in_one_line(monkeypatch):
+    import sys
+
+    import kvcore.backends.flex_mods as flex_mods
+
+    monkeypatch.setattr(flex_mods, "cxx_compiler", lambda: None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    reason = FlexBackend.availability()
+    assert "no g++ or clang++" in reason and "compile = false" in reason and "\n" not in reason
+    monkeypatch.setitem(sys.modules, "torch.nn.attention.flex_attention", None)  # as if torch had none
+    assert "has no FlexAttention" in FlexBackend.availability()
+
+
 def test_options_and_registration():
     with pytest.raises(ConfigError, match="compile must be true or false"):
         FlexBackend(compile="no")
@@ -171,6 +194,7 @@ def test_options_and_registration():
     caps = FlexBackend.capabilities
     assert caps.variants_as_code and caps.reasons_variants({"alibi", "sinks", "softcap", "sliding_window"}) == []
     assert caps.kv_layouts == ("contiguous", "paged")
+    assert get_registry().get("flex", BACKEND).cls is FlexBackend
 
 
 @pytest.mark.parametrize("kv_cache", [None, "paged"])
