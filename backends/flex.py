@@ -5,7 +5,8 @@ Every variant is code here, so a registered one needs no new kernel (``capabilit
 
 * causal attention, the sliding window, the sequence's real rows and every registered ``mask_mod`` are one
   ``mask_mod`` (:func:`~kvcore.backends.flex_mods.mask_mod`), turned into a block mask once per call for each
-  distinct mask (by the first layer that uses it; layers with the same window and mask functions share it);
+  distinct mask (layers with the same window and mask functions share it): in ``plan``, or, for a registered
+  ``mask_mod`` that may depend on the head, by the first layer that uses it (a plan does not know the heads);
 * soft-capping, then every registered ``score_mod`` in order, is one ``score_mod``;
 * sinks come after the kernel: its log-sum-exp ``lse`` per row gives ``out · sigmoid(lse − sink)``, the output
   with the sink logit in the softmax's denominator (it weights no value). torch's compiled CPU kernel does not
@@ -129,16 +130,21 @@ class FlexBackend(AttentionBackend[FlexPlan]):
             slots = meta.slots
             consecutive = slots == list(range(slots[0], slots[0] + len(slots)))
             slots_t = None if consecutive else host_to_device([torch.tensor(slots)], device)[0]
-            return FlexPlan(**common, kv_len=kv_len, slots=slots_t)
-        bs = cache.block_size
-        num_blocks = -(-bucket(meta.max_seq_len, MIN_KEYS) // bs)
-        kv_len = num_blocks * bs
-        tables = torch.tensor([(t + [0] * num_blocks)[:num_blocks] for t in meta.block_tables]).flatten()
-        # a decode row sees only its window's keys; rows of a longer call see different windows, so only the
-        # keys past each sequence's length are hidden from all of them
-        windows = {layer.sliding_window for layer in meta.layers} - {None} if meta.max_query_len == 1 else set()
-        hidden = {w: PagedBackend._hidden_rows(meta.seq_lens, kv_len, w, device) for w in windows | {None}}
-        return FlexPlan(**common, kv_len=kv_len, tables=host_to_device([tables], device)[0], hidden_rows=hidden)
+            plan = FlexPlan(**common, kv_len=kv_len, slots=slots_t)
+        else:
+            bs = cache.block_size
+            num_blocks = -(-bucket(meta.max_seq_len, MIN_KEYS) // bs)
+            kv_len = num_blocks * bs
+            tables = torch.tensor([(t + [0] * num_blocks)[:num_blocks] for t in meta.block_tables]).flatten()
+            # a decode row sees only its window's keys; rows of a longer call see different windows, so only the
+            # keys past each sequence's length are hidden from all of them
+            windows = {layer.sliding_window for layer in meta.layers} - {None} if meta.max_query_len == 1 else set()
+            hidden = {w: PagedBackend._hidden_rows(meta.seq_lens, kv_len, w, device) for w in windows | {None}}
+            plan = FlexPlan(**common, kv_len=kv_len, tables=host_to_device([tables], device)[0], hidden_rows=hidden)
+        for layer in meta.layers or (meta.layer(0),):
+            if len(mask_key(layer)) == 1:  # no registered mask_mod: the same for every head, made here
+                self._block_mask(plan, layer, None)
+        return plan
 
     def forward(
         self,
@@ -192,9 +198,9 @@ class FlexBackend(AttentionBackend[FlexPlan]):
         return k.view(shape).transpose(1, 2).to(dtype), v.view(shape).transpose(1, 2).to(dtype)
 
     @staticmethod
-    def _block_mask(plan: FlexPlan, layer: LayerAttention, num_heads: int):
-        """The block mask of ``layer``'s :func:`mask_key`, made once per call; per head only when a registered
-        ``mask_mod`` may depend on the head."""
+    def _block_mask(plan: FlexPlan, layer: LayerAttention, num_heads: int | None):
+        """The block mask of ``layer``'s :func:`mask_key`, made once per call: in :meth:`plan`, or by the first layer
+        that needs it when a registered ``mask_mod`` may depend on the head (a plan does not know the head count)."""
         from torch.nn.attention.flex_attention import create_block_mask
 
         key = mask_key(layer)

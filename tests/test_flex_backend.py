@@ -11,7 +11,7 @@ import stat
 
 import pytest
 import torch
-from helpers import make_random_model
+from helpers import make_random_gemma3, make_random_model
 from test_paged import _one_thread, make_spec, shuffle_pool  # noqa: F401 (autouse: tiny tensors, one thread)
 
 from kvcore import Engine, EngineConfig, SamplingParams
@@ -173,6 +173,23 @@ def test_decode_keys_are_bucketed():
     assert lens == {128, 256}
 
 
+def test_block_masks_are_made_once_per_distinct_mask():
+    """Layers with the same window share one block mask, made in the plan; a registered mask_mod's (which may
+    depend on the head) is made by the first layer that uses it."""
+    band3 = band(3)
+    layers = [LayerAttention(SCALE, sliding_window=5), LayerAttention(SCALE),
+              LayerAttention(SCALE, sliding_window=5, softcap=2.0), LayerAttention(SCALE, mods=(band3,))]
+    kv = KVCacheManager(ContiguousKVCache(make_spec(KV_HEADS, D, layers=len(layers))))
+    kv.add_sequence(0)
+    backend = FlexBackend(compile=False)
+    plan = backend.plan(kv.prepare([0], [9], SCALE, layers), kv.cache)
+    assert set(plan.masks) == {(5,), (None,)}
+    q, k, v = torch.randn(9, HEADS, D), torch.randn(9, KV_HEADS, D), torch.randn(9, KV_HEADS, D)
+    backend.forward(3, q, k, v, kv.cache, plan)
+    assert set(plan.masks) == {(5,), (None,), (None, band3.mask_mod)}
+    assert plan.masks[(None, band3.mask_mod)].shape[1] == HEADS  # one per head
+
+
 def test_availability_says_why_in_one_line(monkeypatch):
     import sys
 
@@ -198,9 +215,12 @@ def test_options_and_registration():
 
 
 @pytest.mark.parametrize("kv_cache", [None, "paged"])
-def test_greedy_streams_equal_naive(kv_cache):
-    """fp32 greedy tokens of a tiny model through the engine (chunked prefill, batching) equal naive's."""
-    model = make_random_model(num_layers=2)
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_greedy_streams_equal_naive(family, kv_cache):
+    """fp32 greedy tokens of a tiny model through the engine (chunked prefill, batching) equal naive's: a Llama, and
+    a Gemma 3 (five window layers to one global; on the paged cache its window layers give blocks
+    back, so they read their own block tables)."""
+    model = make_random_model(num_layers=2) if family == "llama" else make_random_gemma3(window=7)
     prompts = [[1, 5, 9, 13, 17], list(range(10, 60)), [7, 8]]
     params = SamplingParams(max_new_tokens=10, ignore_eos=True)
 
