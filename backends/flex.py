@@ -41,7 +41,7 @@ from kvcore.interfaces.layer_attention import VARIANTS, LayerAttention
 from kvcore.interfaces.metadata import AttentionMetadata, host_to_device
 
 from .contiguous import ALL_DTYPES
-from .flex_mods import MIN_KEYS, bucket, flex_reason, mask_key, mask_mod, score_mod, use_kvcore_inductor_cache
+from .flex_mods import MIN_KEYS, block_mask, bucket, flex_reason, mask_key, score_mod, use_kvcore_inductor_cache
 from .paged import PagedBackend
 
 __all__ = ["FlexBackend", "FlexPlan"]
@@ -201,14 +201,10 @@ class FlexBackend(AttentionBackend[FlexPlan]):
     def _block_mask(plan: FlexPlan, layer: LayerAttention, num_heads: int | None):
         """The block mask of ``layer``'s :func:`mask_key`, made once per call: in :meth:`plan`, or by the first layer
         that needs it when a registered ``mask_mod`` may depend on the head (a plan does not know the head count)."""
-        from torch.nn.attention.flex_attention import create_block_mask
-
         key = mask_key(layer)
         if key not in plan.masks:
-            heads = num_heads if len(key) > 1 else None
-            plan.masks[key] = create_block_mask(mask_mod(layer, plan.context_lens, plan.query_lens),
-                                                plan.meta.num_seqs, heads, plan.q_len, plan.kv_len,
-                                                device=plan.context_lens.device)
+            plan.masks[key] = block_mask(layer, plan.context_lens, plan.query_lens, plan.q_len, plan.kv_len,
+                                         num_heads if len(key) > 1 else None)
         return plan.masks[key]
 
 

@@ -19,9 +19,11 @@ from kvcore.interfaces.layer_attention import LayerAttention
 from kvcore.kernels.cpu_kernels import cxx_compiler
 from kvcore.paths import cache_root, private_dir, warn_no_cache
 
-__all__ = ["MIN_KEYS", "bucket", "mask_key", "mask_mod", "score_mod", "flex_reason", "use_kvcore_inductor_cache"]
+__all__ = ["MIN_KEYS", "block_mask", "bucket", "mask_key", "mask_mod", "score_mod", "flex_reason",
+           "use_kvcore_inductor_cache"]
 
-#: the fewest keys a call is padded to: FlexAttention's block size, so short contexts share one shape
+#: the fewest keys a call is padded to: FlexAttention's tile (rows and keys) of a block mask, so short contexts
+#: share one shape
 MIN_KEYS = 128
 
 
@@ -57,6 +59,41 @@ def mask_mod(layer: LayerAttention, context_lens: torch.Tensor, query_lens: torc
         return seen
 
     return visible
+
+
+def block_mask(layer: LayerAttention, context_lens: torch.Tensor, query_lens: torch.Tensor, q_len: int,
+               kv_len: int, num_heads: int | None):
+    """``layer``'s :func:`mask_mod` as FlexAttention's block mask over ``[B, q_len, kv_len]`` (the same for every
+    head unless ``num_heads`` is given). ``create_block_mask`` evaluates the mask on every (row, key), which costs
+    milliseconds per decode step even at one row; without a registered ``mask_mod`` the visible region of a tile of
+    rows is one range of keys, so its tiles are counted here instead."""
+    from torch.nn.attention.flex_attention import BlockMask, create_block_mask
+
+    mask = mask_mod(layer, context_lens, query_lens)
+    if any(mod.mask_mod is not None for mod in layer.mods):
+        return create_block_mask(mask, len(query_lens), num_heads, q_len, kv_len, device=context_lens.device)
+    device, window = context_lens.device, layer.sliding_window
+    row_lo = torch.arange(-(-q_len // MIN_KEYS), device=device) * MIN_KEYS  # [QB] first row of each tile
+    rows_end = torch.clamp(row_lo + MIN_KEYS, max=q_len)  # [QB] past its last row
+    real = query_lens[:, None]  # [B, 1]
+    p_lo = context_lens[:, None] + row_lo  # [B, QB] positions of a tile's first and last real row
+    p_hi = context_lens[:, None] + torch.minimum(rows_end, real) - 1
+    # keys some row sees: p_lo - window + 1 .. p_hi; keys every row sees: p_hi - window + 1 .. p_lo
+    first = (p_lo - window + 1).clamp(min=0) // MIN_KEYS if window else torch.zeros_like(p_lo)
+    full_first = -(-(p_hi - window + 1).clamp(min=0) // MIN_KEYS) if window else torch.zeros_like(p_lo)
+    tiles = first[..., None] + torch.arange(-(-kv_len // MIN_KEYS), device=device)  # [B, QB, KB] candidates
+    seen = (tiles <= (p_hi // MIN_KEYS)[..., None]) & (row_lo < real)[..., None]
+    full = (seen & (rows_end <= real)[..., None] & (tiles >= full_first[..., None])
+            & (tiles <= ((p_lo + 1) // MIN_KEYS - 1)[..., None]))
+
+    def packed(chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(count [B, 1, QB], tile indices [B, 1, QB, KB])`` of the ``chosen`` tiles, first and in order."""
+        order = torch.argsort((~chosen).to(torch.int8), dim=-1, stable=True)
+        indices = tiles.gather(-1, order).clamp(max=tiles.shape[-1] - 1)
+        return chosen.sum(-1, dtype=torch.int32)[:, None], indices.to(torch.int32)[:, None]
+
+    return BlockMask.from_kv_blocks(*packed(seen & ~full), *packed(full), BLOCK_SIZE=MIN_KEYS, mask_mod=mask,
+                                    seq_lengths=(q_len, kv_len), compute_q_blocks=False)
 
 
 def score_mod(layer: LayerAttention, context_lens: torch.Tensor):

@@ -17,7 +17,7 @@ from test_paged import _one_thread, make_spec, shuffle_pool  # noqa: F401 (autou
 from kvcore import Engine, EngineConfig, SamplingParams
 from kvcore.backends.contiguous import ContiguousKVCache
 from kvcore.backends.flex import FlexBackend
-from kvcore.backends.flex_mods import bucket, flex_reason, use_kvcore_inductor_cache
+from kvcore.backends.flex_mods import block_mask, bucket, flex_reason, mask_mod, use_kvcore_inductor_cache
 from kvcore.backends.naive import NaiveBackend
 from kvcore.backends.paged import PagedKVCache
 from kvcore.errors import CacheTrustError, ConfigError
@@ -173,6 +173,21 @@ def test_decode_keys_are_bucketed():
     assert h.step([0], [100]).kv_len == 128
     lens = {h.step([0], [1]).kv_len for _ in range(40)}  # 101 .. 140 keys
     assert lens == {128, 256}
+
+
+@pytest.mark.parametrize("window", [None, 1, 5, 127, 128, 129, 300])
+def test_counted_block_masks_equal_create_block_mask(window):
+    """The tiles counted from positions visit exactly the tiles ``create_block_mask`` finds by evaluating the mask:
+    ragged prefills, decode rows, chunks after a cache, rows crossing a tile, windows around the tile size."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    layer = LayerAttention(SCALE, sliding_window=window)
+    for ctxs, query_lens, q_len, kv_len in [([0, 3], [200, 17], 256, 256), ([300, 1000, 5], [1, 1, 1], 1, 1024),
+                                            ([130, 0], [16, 5], 16, 256), ([250], [300], 512, 640)]:
+        ctx, lens = torch.tensor(ctxs), torch.tensor(query_lens)
+        counted = block_mask(layer, ctx, lens, q_len, kv_len, None)
+        evaluated = create_block_mask(mask_mod(layer, ctx, lens), len(ctxs), None, q_len, kv_len, device="cpu")
+        assert torch.equal(counted.to_dense(), evaluated.to_dense()), (ctxs, query_lens)
 
 
 def test_block_masks_are_made_once_per_distinct_mask():

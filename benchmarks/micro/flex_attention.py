@@ -95,7 +95,7 @@ def main() -> None:
         return
     from kvcore.kernels.cpu import cpu_features
 
-    print(f"{cpu_features().describe()}; {args.threads} threads; {args.dtype}; load average "
+    print(f"{cpu_features().describe()}; {args.dtype}; load average "
           f"{os.getloadavg()[0]:.1f}; H={HEADS} H_kv={KV_HEADS} D={HEAD_DIM}; medians of {args.rounds} rounds\n")
     with tempfile.TemporaryDirectory() as folder:
         env = {**os.environ, "KVCORE_CACHE_DIR": folder}
