@@ -10,6 +10,8 @@ a layer's mods see it, as :mod:`kvcore.interfaces.variants` promises.
 from __future__ import annotations
 
 import os
+import shlex
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -121,9 +123,11 @@ def flex_reason() -> str | None:
         from torch.nn.attention.flex_attention import AuxRequest, flex_attention  # noqa: F401
     except ImportError:
         return f"torch {torch.__version__} has no FlexAttention with AuxRequest (torch.nn.attention.flex_attention)"
-    if not torch.cuda.is_available() and not cxx_compiler():
-        return ("torch.compile of flex_attention on CPU generates C++: no g++ or clang++ on PATH (or set CXX); "
-                "compile = false in [backends.flex] runs it eagerly")
+    cxx = cxx_compiler()
+    if not torch.cuda.is_available() and not (cxx and shlex.split(cxx) and shutil.which(shlex.split(cxx)[0])):
+        found = f"CXX={cxx!r} names no program on PATH" if cxx else "no g++ or clang++ on PATH (or set CXX)"
+        return (f"torch.compile of flex_attention on CPU generates C++: {found}; compile = false in "
+                "[backends.flex] runs it eagerly")
     return None
 
 

@@ -216,6 +216,8 @@ def test_availability_says_why_in_one_line(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     reason = FlexBackend.availability()
     assert "no g++ or clang++" in reason and "compile = false" in reason and "\n" not in reason
+    monkeypatch.setattr(flex_mods, "cxx_compiler", lambda: "no-such-compiler --flag")
+    assert "CXX='no-such-compiler --flag' names no program" in FlexBackend.availability()
     monkeypatch.setitem(sys.modules, "torch.nn.attention.flex_attention", None)  # as if torch had none
     assert "has no FlexAttention" in FlexBackend.availability()
 
