@@ -70,7 +70,7 @@ class FlexPlan:
     tables: torch.Tensor | None = None
     #: paged cache: sliding window (None: none) -> ``[n]`` rows ``b * kv_len + j`` no query of the layer sees, or None
     hidden_rows: dict[int | None, torch.Tensor | None] = field(default_factory=dict)
-    #: :func:`mask_key` -> the block mask, made by the first layer that needs it
+    #: :func:`mask_key` -> the block mask (:meth:`FlexBackend._block_mask`)
     masks: dict[tuple, Any] = field(default_factory=dict)
 
 
@@ -101,7 +101,6 @@ class FlexBackend(AttentionBackend[FlexPlan]):
         super().__init__(**options)
         if not isinstance(compile, bool):
             raise ConfigError(f"backend 'flex': compile must be true or false, got {compile!r}")
-        self.compile = compile
         #: what attends: flex_attention compiled, or eager
         self.kernel = _eager_flex
         if compile:
