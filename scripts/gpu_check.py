@@ -11,7 +11,8 @@ under its own time limit; the summary table comes last.
 Stages: ``setup`` (environment, available kernels, kvcore and xformers importable) → ``xformers`` (the real
 kernels vs naive on both cache kinds × MHA/GQA/MQA × head_dim 64/128 × bf16/fp16/fp32, caches bit-identical,
 the operator that served each call logged) → ``flash_shim`` (the flash_attn2 glue driven through torch's own
-FlashAttention-2 kernel) → ``conformance`` (engine greedy streams vs naive, then ``kvcore conformance
+FlashAttention-2 kernel) → ``flex`` (FlexAttention vs naive on both cache layouts, eagerly on every case
+and compiled on one) → ``conformance`` (engine greedy streams vs naive, then ``kvcore conformance
 --device cuda --quick --model tiny`` for xformers, sdpa, paged and int8) → ``nccl`` (a one-rank NCCL
 all-reduce; tensor parallelism over more GPUs than there are refused in one line) → ``flash_build`` (with
 ``--flash-sdist``: a reduced flash-attn build, sm90 and the kernels kvcore calls, in the background from
@@ -21,7 +22,8 @@ the start, under a time cap) → ``flash_real`` (the built flash-attn vs naive).
 runs it in the normal suite, so a change of a backend's plan or cache API breaks it there).
 
 At most 8 files land in ``--out`` (default ``$OUT``, else /tmp/kvcore-gpu-check): one log per stage
-(setup, xformers, flash_shim, conformance, nccl, flash_build, flash_real) and summary.txt.
+(setup, xformers, flash_shim, conformance, nccl, flash_build, flash_real; flex writes into xformers') and
+summary.txt.
 Exit: 0 every stage passed or was skipped; 1 a stage failed or ran out of time; 3 nothing failed but a
 backend was unavailable.
 """
@@ -63,6 +65,7 @@ STAGES = (
     Stage("setup", 60, "setup.log"),
     Stage("xformers", 100, "xformers.log"),
     Stage("flash_shim", 70, "flash_shim.log"),
+    Stage("flex", 150, "xformers.log"),  # one log with xformers: the tool brings back at most 8 files
     Stage("conformance", 170, "conformance.log"),
     Stage("nccl", 60, "nccl.log"),
     Stage("flash_real", 60, "flash_real.log"),
@@ -321,21 +324,20 @@ def scenario(make_backend, kind, heads, kv_heads, head_dim, dtype, device) -> tu
     return checks, failures, worst
 
 
-def compare(make_backend, kinds, dtypes, head_dims, device, ops: Counter | None = None):
-    """:func:`scenario` on every (cache kind, MHA/GQA/MQA, head_dim, dtype): (checks, failures, worst |err|
-    per dtype, operators). ``ops`` is the counter the kernels record their operators in: printed per case,
+def compare(make_backend, kinds, dtypes, head_dims, device, ops: Counter | None = None,
+            heads=((8, 8), (8, 2), (8, 1))):
+    """:func:`scenario` on every (cache kind, ``heads`` (MHA/GQA/MQA), head_dim, dtype): (checks, failures, worst
+    |err| per dtype, operators). ``ops`` is the counter the kernels record their operators in: printed per case,
     summed in the result."""
     import torch
 
     checks = failures = 0
     worst: dict[str, float] = {}
     operators: Counter = Counter()
-    for kind, (heads, kv_heads), head_dim, dtype in itertools.product(
-        kinds, [(8, 8), (8, 2), (8, 1)], head_dims, dtypes
-    ):
+    for kind, (num_heads, kv_heads), head_dim, dtype in itertools.product(kinds, heads, head_dims, dtypes):
         name = str(dtype).removeprefix("torch.")
-        case = f"{kind} H={heads} H_kv={kv_heads} D={head_dim} {name}"
-        n, failed, err = scenario(make_backend, kind, heads, kv_heads, head_dim, dtype, device)
+        case = f"{kind} H={num_heads} H_kv={kv_heads} D={head_dim} {name}"
+        n, failed, err = scenario(make_backend, kind, num_heads, kv_heads, head_dim, dtype, device)
         checks, failures, worst[name] = checks + n, failures + len(failed), max(worst.get(name, 0.0), err)
         for line in failed:
             print(f"FAIL {case}: {line}")
@@ -473,6 +475,27 @@ def stage_flash_shim(emulate: bool) -> tuple[str, str]:
     result = compare(lambda: FlashAttn2Backend(kernels=kernels), FlashAttn2Backend.capabilities.kv_layouts, dtypes,
                      head_dims, _device(emulate))
     return _verdict(*result, "; kernel: " + ("emulated varlen" if emulate else "aten._flash_attention_forward"))
+
+
+def stage_flex(emulate: bool) -> tuple[str, str]:
+    """FlexAttention vs naive: eagerly on every case, then compiled (Triton kernels, one compile per shape bucket)
+    on one GQA bfloat16 case per cache layout, which keeps the compiles within the stage's limit."""
+    import torch
+
+    from kvcore.backends.flex import FlexBackend
+
+    device, layouts = _device(emulate), FlexBackend.capabilities.kv_layouts
+    if emulate:  # the CPU's compiled path is the test suite's (tests/test_flex_backend.py)
+        return _verdict(*compare(lambda: FlexBackend(compile=False), layouts[1:], [torch.float32], (64,), device,
+                                 heads=((8, 2),)), "; eager")
+    reason = FlexBackend.availability()
+    if reason:
+        return "UNAVAILABLE", reason
+    eager = _verdict(*compare(lambda: FlexBackend(compile=False), layouts,
+                              [torch.bfloat16, torch.float16, torch.float32], (64, 128), device))
+    compiled = _verdict(*compare(FlexBackend, layouts, [torch.bfloat16], (64,), device, heads=((8, 2),)))
+    status = "FAIL" if "FAIL" in (eager[0], compiled[0]) else "PASS"
+    return status, f"eager: {eager[1]}; compiled: {compiled[1]}"
 
 
 # -- engine and conformance ---------------------------------------------------------------------------
@@ -623,7 +646,7 @@ def stage_flash_real(emulate: bool) -> tuple[str, str]:
     return _verdict(*result, "; kernel: flash_attn_2_cuda")
 
 
-CHILDREN = {"setup": stage_setup, "xformers": stage_xformers, "flash_shim": stage_flash_shim,
+CHILDREN = {"setup": stage_setup, "xformers": stage_xformers, "flash_shim": stage_flash_shim, "flex": stage_flex,
             "conformance": stage_conformance, "nccl": stage_nccl, "flash_build": stage_flash_build,
             "flash_real": stage_flash_real}
 

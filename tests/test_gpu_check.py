@@ -36,7 +36,7 @@ def test_emulated_run_passes_every_stage_within_the_file_limit(tmp_path):
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
     table = (out / "summary.txt").read_text().splitlines()
     status = {line.split()[0]: line.split()[1] for line in table[1:-1]}
-    assert status == {"setup": "PASS", "xformers": "PASS", "flash_shim": "PASS", "conformance": "PASS",
+    assert status == {"setup": "PASS", "xformers": "PASS", "flash_shim": "PASS", "flex": "PASS", "conformance": "PASS",
                       "nccl": "PASS", "flash_build": "SKIP", "flash_real": "SKIP"}
     assert "EMULATED" in table[-1] and run.stdout.rstrip().endswith(table[-1])  # the table comes last
     files = list(out.iterdir())

@@ -54,6 +54,7 @@ BUILTIN_PLUGINS = (
     "kvcore.backends.sdpa",
     "kvcore.backends.paged",
     "kvcore.backends.cpu_decode",
+    "kvcore.backends.flex",
     "kvcore.backends.quantized",
     "kvcore.backends.flash_attn2",
     "kvcore.backends.xformers",
