@@ -1,16 +1,20 @@
-"""Native llama.cpp as the peer: ``llama-bench`` and ``llama-batched-bench``, built on request from the llama.cpp
+"""Native llama.cpp as the peer: ``llama-bench``, ``llama-batched-bench``, and for accuracy ``llama-quantize`` and
+``llama-perplexity``, built on request from the llama.cpp
 source vendored in the ``llama-cpp-python`` sdist (what a llama.cpp user runs, not the Python binding's loop).
 
 ``build_tools()`` downloads the sdist with pip (``pip download --no-binary :all: --no-deps llama-cpp-python``),
 configures ``vendor/llama.cpp`` with CMake for this CPU (``GGML_NATIVE=ON``, static, no CURL/server) and builds the
-two tools with ``-j2`` (a few minutes). The binaries are kept under ``$KVCORE_CACHE_DIR/llamacpp/<version>/``, so
-later runs reuse them. ``llama_bench`` / ``batched_bench`` run one measurement and parse the tools' JSON output.
+tools with ``-j2`` (a few minutes). The binaries are kept under ``$KVCORE_CACHE_DIR/llamacpp/<version>/``, so
+later runs reuse them. ``llama_bench`` / ``batched_bench`` run one measurement and parse the tools' JSON output;
+``dequantize_f32`` and ``kl_divergence`` measure a quantized file against its float32 form as ``llama-perplexity
+--kl-divergence`` does.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import tarfile
@@ -18,9 +22,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-__all__ = ["TOOLS", "tools_dir", "build_tools", "llama_bench", "batched_bench"]
+__all__ = ["TOOLS", "tools_dir", "build_tools", "llama_bench", "batched_bench", "dequantize_f32", "kl_divergence"]
 
-TOOLS = ("llama-bench", "llama-batched-bench")
+TOOLS = ("llama-bench", "llama-batched-bench", "llama-quantize", "llama-perplexity")
 _CMAKE_FLAGS = ("-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_CURL=OFF",
                 "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF")
 
@@ -40,7 +44,7 @@ def _found(root: Path) -> Path | None:
 
 
 def build_tools(root: Path | None = None, jobs: int = 2, progress: bool = True) -> Path:
-    """The directory holding ``llama-bench`` and ``llama-batched-bench``: found under ``root`` (default
+    """The directory holding the :data:`TOOLS`: found under ``root`` (default
     :func:`tools_dir`), else built there from the sdist. Raises ConfigError when a step fails."""
     from kvcore.errors import ConfigError
 
@@ -111,3 +115,44 @@ def batched_bench(bin_dir: Path, gguf: Path, threads: int, npl: list[int], npp: 
     return _run_json([str(bin_dir / "llama-batched-bench"), "-m", str(gguf), "-t", str(threads), "-c", str(ctx),
                       "-b", "2048", "-ub", "512", "-npp", str(npp), "-ntg", str(ntg), "--no-repack", *shared,
                       "-npl", ",".join(map(str, npl)), "--output-format", "jsonl"])
+
+
+def _run(command: list[str]) -> str:
+    """The tool's combined output; ConfigError with its last line when it fails."""
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        from kvcore.errors import ConfigError
+
+        raise ConfigError(f"{Path(command[0]).name} failed ({done.returncode}): "
+                          f"{(done.stderr or done.stdout).strip().splitlines()[-1:]}")
+    return done.stdout + done.stderr
+
+
+def dequantize_f32(bin_dir: Path, gguf: Path, out: Path, threads: int) -> Path:
+    """``out``: ``gguf`` with every tensor dequantized to float32 (``llama-quantize --allow-requantize ... F32``)."""
+    _run([str(bin_dir / "llama-quantize"), "--allow-requantize", str(gguf), str(out), "F32", str(threads)])
+    return out
+
+
+def _number(pattern: str, text: str) -> float:
+    found = re.search(pattern, text)
+    if found is None:
+        raise ValueError(f"llama-perplexity printed no match for {pattern!r}")
+    return float(found.group(1))
+
+
+def kl_divergence(bin_dir: Path, base: Path, gguf: Path, text: Path, ctx: int, threads: int,
+                  work: Path) -> dict[str, Any]:
+    """``llama-perplexity --kl-divergence`` of ``gguf`` against ``base`` (its float32 form) on ``text`` in chunks of
+    ``ctx``: mean KL divergence (± its standard error), top-1 agreement ("same top p"), both perplexities."""
+    saved = work / "base.kld"
+    common = ["-f", str(text), "-c", str(ctx), "-b", str(max(ctx, 512)), "-t", str(threads)]
+    _run([str(bin_dir / "llama-perplexity"), "-m", str(base), "--kl-divergence-base", str(saved), *common])
+    out = _run([str(bin_dir / "llama-perplexity"), "-m", str(gguf), "--kl-divergence-base", str(saved),
+                "--kl-divergence", *common])
+    return {"mean_kld": _number(r"Mean\s+KLD:\s+([-\d.]+)", out),
+            "mean_kld_err": _number(r"Mean\s+KLD:\s+[-\d.]+\s+±\s+([-\d.]+)", out),
+            "same_top_p": _number(r"Same top p:\s+([\d.]+)", out) / 100,
+            "ppl_base": _number(r"Mean PPL\(base\)\s+:\s+([\d.]+)", out),
+            "ppl": _number(r"Mean PPL\(Q\)\s+:\s+([\d.]+)", out),
+            "positions": (ctx - 1 - ctx // 2) * int(_number(r"computing over (\d+) chunks", out))}
