@@ -174,10 +174,15 @@ def main() -> None:
     print(markdown(report))
 
 
+def _title(model: str) -> str:
+    """``"SmolLM2-135M-Instruct"`` of ``"smollm2 (SmolLM2-135M-Instruct Q4_1 GGUF)"``; a file's name as it is."""
+    return model[model.index("(") + 1:].split(" ")[0] if "(" in model else model
+
+
 def markdown(report: dict) -> str:
     golden = report["fp32_streams_equal_golden"]
     lines = [
-        f"# Weight formats: accuracy on {report['model'].split(' ')[0]}", "",
+        f"# Weight formats: accuracy on {_title(report['model'])}", "",
         f"Command: `{report['command'].strip()}` (torch {report['torch']}, {report['cpu']['model']}).", "",
         "Reference: the float32 model of the same GGUF (dequantized weights)"
         + (f"; its greedy streams equal the golden transformers streams on {golden}/{report['prompts']} prompts"
