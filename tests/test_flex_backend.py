@@ -12,6 +12,7 @@ import stat
 import pytest
 import torch
 from helpers import make_random_gemma3, make_random_model
+from test_golden import FIRST_TOKENS, check_against_golden, load_golden
 from test_paged import _one_thread, make_spec, shuffle_pool  # noqa: F401 (autouse: tiny tensors, one thread)
 
 from kvcore import Engine, EngineConfig, SamplingParams
@@ -249,6 +250,14 @@ def test_greedy_streams_equal_naive(family, kv_cache):
 
     flex = run("flex", kv_cache=kv_cache, backend_options={"flex": {"compile": False}})
     assert flex == run("naive")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kv_cache", [None, "paged"])
+def test_smollm2_golden_prompts_match_transformers(smollm2, kv_cache):
+    """The golden prompts (SmolLM2, float32, batched and ragged) through flex give transformers' greedy ids."""
+    check_against_golden(smollm2, load_golden("golden_smollm2.json"), "flex", 11, FIRST_TOKENS, kv_cache=kv_cache,
+                         backend_options={"flex": {"compile": False}})
 
 
 # -- compiled kernels and their cache ------------------------------------------------------------------------

@@ -27,12 +27,14 @@ def load_golden(name: str) -> dict:
     return json.loads((DATA / name).read_text())
 
 
-def check_against_golden(loaded, golden: dict, backend: str, max_num_seqs: int, num_tokens: int | None = None) -> None:
+def check_against_golden(loaded, golden: dict, backend: str, max_num_seqs: int, num_tokens: int | None = None,
+                         **settings) -> None:
     """Greedy ids of every golden prompt, batched, equal transformers': the first ``num_tokens`` of each (all of
-    them with None)."""
+    them with None). ``settings``: more EngineConfig fields (a KV cache, backend options)."""
     model = LlamaModel.from_weights(loaded.config, loaded.weights)
     # the reference configuration, pinned: kvcore's automatic choice may run a quantized file in bfloat16
-    config = EngineConfig(backend=backend, max_num_seqs=max_num_seqs, dtype="float32", weights="float", lm_head="dense")
+    config = EngineConfig(backend=backend, max_num_seqs=max_num_seqs, dtype="float32", weights="float", lm_head="dense",
+                          **settings)
     engine = Engine(model, loaded.tokenizer, config)
     prompts = golden["prompts"]
     for p in prompts:  # our tokenizer agrees with transformers' on every golden prompt

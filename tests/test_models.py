@@ -57,13 +57,16 @@ def test_family_matches_transformers(checkpoints, family, fmt):
     assert loaded.config.architecture == ("llama" if (arch, fmt) == ("mistral", "gguf") else arch)
     model = build_model(loaded, max_model_len=MAX_MODEL_LEN.get(family))
     params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
-    backends = BACKENDS
+    configs = [(backend, {}) for backend in BACKENDS]
     if family in WINDOWED and CPUDecodeBackend.availability() is None:  # its variant layers run sdpa's paths
-        backends += ("cpu_decode",)
-    for backend in backends:
-        engine = Engine(model, loaded.tokenizer, EngineConfig(backend=backend, max_num_seqs=4))
+        configs.append(("cpu_decode", {}))
+    if family in WINDOWED:  # the variants as FlexAttention's mods on both caches (eager; compiled is the full tier's)
+        eager = {"backend_options": {"flex": {"compile": False}}}
+        configs += [("flex", eager), ("flex", {"kv_cache": "paged", **eager})]
+    for backend, extra in configs:
+        engine = Engine(model, loaded.tokenizer, EngineConfig(backend=backend, max_num_seqs=4, **extra))
         got = [r.token_ids for r in engine.generate(PROMPTS, params)]
-        assert got == want, f"{family} ({fmt}) through {backend} diverges from transformers"
+        assert got == want, f"{family} ({fmt}) through {backend} {extra or ''} diverges from transformers"
 
 
 def test_rope_tables_sized_to_max_model_len(checkpoints):
