@@ -327,3 +327,45 @@ def test_compiled_matches_the_oracle_without_recompiling_per_length(cache_dir):
     before, after = decode_graphs(Harness("contiguous", "window", compile=True))
     assert before > 0 and after == before
     assert any((cache_dir / "inductor").rglob("*.so")) or any((cache_dir / "inductor").rglob("*.py"))
+
+
+class EagerFlex(FlexBackend):
+    name = "planted_eager_flex"
+
+    def __init__(self, **options):
+        super().__init__(**({"compile": False} | options))
+
+
+class StaleMasks(EagerFlex):
+    """flex with a planted bug: block masks kept from the first call of each padded shape, not rebuilt for the
+    lengths of the call (as if made once and reused after the cache grew)."""
+
+    name = "planted_stale_flex_masks"
+    kept: dict = {}
+
+    def plan(self, meta, cache):
+        plan = super().plan(meta, cache)
+        for key, mask in list(plan.masks.items()):
+            plan.masks[key] = self.kept.setdefault((key, plan.q_len, plan.kv_len), mask)
+        return plan
+
+
+def test_a_block_mask_stale_after_the_cache_grows_is_caught():
+    """The op tier's variant rows (a window, a soft-cap; each on both caches) fail flex when its block masks
+    outlive the lengths they were made for, and pass the same backend rebuilding them."""
+    from kvcore.conformance.attention_cases import variant_cases
+    from kvcore.conformance.results import FAIL, PASS
+    from kvcore.conformance.runner import run_case
+    from kvcore.conformance.settings import SuiteConfig
+    from kvcore.conformance.target import resolve_target
+
+    cfg = SuiteConfig(quick=True, dtype="float32")
+
+    def statuses(cls):
+        target = resolve_target(cls)
+        cases = [c for c in variant_cases(target.cache_names()) if c.attention in ("window7", "softcap")]
+        return {c.id: run_case(target, "op", c, cfg).status for c in cases}
+
+    assert set(statuses(EagerFlex).values()) == {PASS}
+    StaleMasks.kept.clear()
+    assert set(statuses(StaleMasks).values()) == {FAIL}
