@@ -156,3 +156,56 @@ def test_a_quantized_model_holds_its_gguf_table_as_blocks_with_the_dense_tables_
     assert (held.embedding is None) == tie  # a tied table became dense for it; an untied one stays blocks
     floats = DecoderModel.from_weights(config, {**weights, name: blocks}, torch.bfloat16)
     assert floats.embedding is None and floats.embed_tokens.shape == (320, 128)
+
+
+@needs_kernel
+def test_int8_head_runs_q8_0_blocks_as_stored():
+    """``lm_head = "int8"`` on a Q8_0 table: the blocks' own codes on the int8-group kernel (llama.cpp's head), the
+    same logits as that kernel on the codes; within the activations' int8 rounding of the dense head."""
+    from kvcore.kernels.group_quant import Int8GroupLinear
+    from kvcore.model.lm_head import Int8Head
+
+    blocks = _blocks(QType.Q8_0, 2048 + 64, 256, seed=2)
+    head = Int8Head(BlockTable(blocks, torch.bfloat16))
+    torch.manual_seed(0)
+    hidden = torch.randn(3, 256).to(torch.bfloat16)
+    got = head(hidden, widen=True)
+    assert got.dtype == torch.float32 and head(hidden).dtype == torch.bfloat16
+    assert torch.equal(got, Int8GroupLinear(blocks.codes())(hidden).float())
+    dense = hidden.float() @ blocks.dequantize(torch.float32).t()
+    assert float((got - dense).norm() / dense.norm()) < 0.01
+
+
+@needs_kernel
+def test_int8_head_quantizes_a_dense_head_as_q8_0_does():
+    """A dense head becomes Q8_0-style codes: per group of 32, d = max|w| / 127, every weight within half a step."""
+    from kvcore.model.lm_head import Int8Head, q8_codes
+
+    torch.manual_seed(0)
+    w = torch.randn(64, 96) * 0.05
+    w[0, :32] = 0  # an all-zero group
+    codes = q8_codes(w)
+    assert codes.bits == 8 and codes.group_size == 32
+    step = codes.d.repeat_interleave(32, dim=1)
+    assert bool(((codes.dequantize() - w).abs() <= step / 2 + 1e-7).all())
+    hidden = torch.randn(2, 96).to(torch.bfloat16)
+    dense = hidden.float() @ w.t()
+    got = Int8Head(w.to(torch.bfloat16))(hidden, widen=True)
+    assert float((got - dense).norm() / dense.norm()) < 0.02
+
+
+@needs_kernel
+def test_the_engine_builds_the_int8_head_and_refuses_it_in_float32():
+    from helpers import make_random_model
+
+    from kvcore import Engine, EngineConfig, SamplingParams
+    from kvcore.errors import ConfigError
+    from kvcore.model.lm_head import Int8Head
+
+    model = make_random_model(vocab_size=320, dtype=torch.bfloat16)  # hidden 64: whole groups of 32
+    engine = Engine(model, None, EngineConfig(dtype="bfloat16", lm_head="int8"))
+    assert isinstance(engine.lm_head, Int8Head)
+    out = engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=4, ignore_eos=True))
+    assert len(out[0].token_ids) == 4
+    with pytest.raises(ConfigError, match="lm_head 'int8' cannot run here: .*bfloat16"):
+        EngineConfig(dtype="float32", lm_head="int8")

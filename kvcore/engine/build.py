@@ -120,6 +120,10 @@ def local_execution(
         from kvcore.execution.compile import CompiledDecode
 
         compiled = CompiledDecode(backends[-1], device)
+    if config.lm_head == "int8":
+        from kvcore.model.lm_head import Int8Head
+
+        head = Int8Head(head_rows(model))
     if config.lm_head == "int4":
         from kvcore.model.lm_head import RescoredInt4Head
 

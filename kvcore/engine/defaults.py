@@ -108,9 +108,10 @@ def choose_defaults(config: EngineConfig, facts: ModelFacts, registry: PluginReg
         if facts.dtype is not None:
             dtype = facts.dtype
             reasons.append(f"dtype follows the model's {dtype} weights")
-        elif config.weights in QUANTIZED_FORMATS or config.lm_head == "int4":
+        elif config.weights in QUANTIZED_FORMATS or config.lm_head in ("int4", "int8"):
             dtype = "bfloat16"
-            given = f"{config.weights} weights" if config.weights in QUANTIZED_FORMATS else "the int4 LM head"
+            quantized = config.weights in QUANTIZED_FORMATS
+            given = f"{config.weights} weights" if quantized else f"the {config.lm_head} LM head"
             reasons.append(f"dtype bfloat16: {given} run with bfloat16 activations")
         elif sharded and config.weights == AUTO:
             dtype = "float32"

@@ -17,7 +17,7 @@ from kvcore.interfaces.setting import setting
 __all__ = ["EngineFields", "RunFields", "SETTINGS"]
 
 _WEIGHT_FORMATS = ("auto", "float", "int8", "int4", "int4a8", "gguf")  # kvcore.kernels.quant.WEIGHT_FORMATS
-_LM_HEADS = ("auto", "dense", "int4")  # kvcore.model.lm_head.LM_HEAD_FORMATS
+_LM_HEADS = ("auto", "dense", "int4", "int8")  # kvcore.model.lm_head.LM_HEAD_FORMATS
 
 
 @dataclass
@@ -41,8 +41,9 @@ class EngineFields:
              "AVX512-VNNI); quantized formats need --dtype bfloat16 on CPU")
     lm_head: str = setting(
         "auto", choices=_LM_HEADS,
-        help="LM head: auto (default: int4 with quantized weights where it runs, else dense), dense or int4 "
-             "(int4 scores, the top 64 candidates rescored with the dense head; bfloat16 on CPU)")
+        help="LM head: auto (default: int4 with quantized weights where it runs, else dense), dense, int4 "
+             "(int4 scores, the top 64 candidates rescored with the dense head) or int8 (8-bit codes per group of "
+             "32, a GGUF's Q8_0 blocks as stored, int8 activations); int4 and int8 need bfloat16 on CPU")
     max_num_seqs: int = setting(8, min=1, commands=("serve",),
                                 help="requests run at once (kvcore serve: default 16; the Python API: {default})")
     max_model_len: int | None = setting(

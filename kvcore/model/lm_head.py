@@ -16,6 +16,11 @@
   from that format's int8-activation kernel (:class:`~kvcore.kernels.quant.Int4A8Linear`) for up to
   :data:`A8_MAX_ROWS` rows (the batch sizes of decode steps, where it is faster than the dense head); the
   rescored top 64 stay exact.
+* ``int8``: the head's 8-bit codes per group of 32 (a GGUF table's Q8_0 blocks as stored; a dense head quantized
+  symmetrically, as Q8_0 does) on kvcore's int8-activation kernel (:class:`~kvcore.kernels.group_quant.Int8GroupLinear`)
+  for up to :data:`A8_MAX_ROWS` rows: llama.cpp's own head for such a file, every logit carrying the same small error,
+  none rescored. It reads twice the int4 copy's bytes; its tail is far closer to the dense head's
+  (benchmarks/results/accuracy-vs-llamacpp.md).
 """
 
 from __future__ import annotations
@@ -23,17 +28,20 @@ from __future__ import annotations
 import torch
 
 from kvcore.errors import ConfigError
+from kvcore.kernels.group_quant import GroupCodes, Int8GroupLinear
 from kvcore.kernels.huge_pages import HugePageArena
 from kvcore.kernels.quant import Int4A8Linear, Int4Groups, Int4Linear, quantized_reasons
 from kvcore.model.embedding import BlockTable
 
-__all__ = ["LM_HEAD_FORMATS", "INT4_MAX_ROWS", "A8_MAX_ROWS", "RescoredInt4Head", "check_lm_head", "int4a8_in_chunks"]
+__all__ = ["LM_HEAD_FORMATS", "INT4_MAX_ROWS", "A8_MAX_ROWS", "RescoredInt4Head", "Int8Head", "check_lm_head",
+           "int4a8_in_chunks"]
 
 #: every value of ``EngineConfig.lm_head`` with what it means
 LM_HEAD_FORMATS = {
     "auto": "int4 with quantized weights where it runs, else dense (kvcore.engine.defaults)",
     "dense": "the head in the model dtype (reference)",
     "int4": "int4 scores for the whole vocabulary, the top 64 rescored with the dense head",
+    "int8": "8-bit codes per group of 32 (a GGUF's Q8_0 blocks as stored), int8 activations",
 }
 #: more rows than this run the dense head (see the module docstring)
 INT4_MAX_ROWS = 4
@@ -49,6 +57,8 @@ def check_lm_head(fmt: str, dtype: torch.dtype, device: torch.device | str) -> s
         from kvcore.kernels.cpu_kernels import kernel_reasons
 
         reasons = quantized_reasons("int4", dtype, device) + kernel_reasons()
+    elif fmt == "int8":  # the gguf format's int8-group kernel
+        reasons = quantized_reasons("gguf", dtype, device)
     if reasons:
         raise ConfigError(f"lm_head '{fmt}' cannot run here: {'; '.join(reasons)}")
     return fmt
@@ -117,3 +127,44 @@ def int4a8_in_chunks(w: torch.Tensor | BlockTable, rows: int = 1024) -> Int4A8Li
             part = Int4A8Linear(Int4Groups.from_float(w[a : a + rows], 32, w.dtype), w.dtype)
             out.codes[a // 16 : (a + rows) // 16], out.dm[a // 16 : (a + rows) // 16] = part.codes, part.dm
     return out
+
+
+class Int8Head:
+    """``hidden [N, d] -> logits [N, V]`` from the head's 8-bit codes in groups of 32 (``lm_head = "int8"``).
+
+    :param weight: the dense head ``[V, d]``, or the model's :class:`~kvcore.model.embedding.BlockTable` whose blocks
+        have 8-bit codes (Q8_0): those are taken as stored; a dense head is quantized per group of 32 rows' columns
+        with ``d = max|w| / 127`` (Q8_0's rule).
+    """
+
+    max_rows = A8_MAX_ROWS  # more rows run the dense head, as the int4a8 head does
+
+    def __init__(self, weight: torch.Tensor | BlockTable) -> None:
+        vocab, width = weight.shape
+        if not Int8GroupLinear.fits(vocab, width, 32):
+            raise ConfigError(f"lm_head 'int8' cannot take this model's head: the int8-group kernel needs a vocabulary "
+                              f"in multiples of 16 and a hidden size in multiples of 32, got [{vocab}, {width}]")
+        blocks = getattr(weight, "blocks", None)
+        codes = blocks.codes() if blocks is not None and hasattr(blocks, "codes") else None
+        if codes is None or codes.bits > 8 or codes.group_size % 32:
+            codes = q8_codes(weight[:])
+        self.linear = Int8GroupLinear(codes.regroup(32), weight.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return self.linear.nbytes
+
+    def __call__(self, hidden: torch.Tensor, widen: bool = False) -> torch.Tensor:
+        """``[N, V]`` in the model dtype (float32 with ``widen``)."""
+        logits = self.linear(hidden.contiguous())
+        return logits.float() if widen else logits
+
+
+def q8_codes(w: torch.Tensor) -> GroupCodes:
+    """``w [N, K]`` as Q8_0 does it: per group of 32, ``d = max|w| / 127``, ``q = round(w / d) + 128`` (unsigned, so
+    ``m = -128 d``)."""
+    n, k = w.shape
+    g = w.float().view(n, k // 32, 32)
+    d = g.abs().amax(-1) / 127
+    q = torch.where(d[..., None] > 0, g / d[..., None], torch.zeros_like(g)).round().clamp(-127, 127) + 128
+    return GroupCodes(q.to(torch.uint8).view(n, k), d, -128 * d, 8)
