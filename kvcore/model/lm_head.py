@@ -57,8 +57,11 @@ def check_lm_head(fmt: str, dtype: torch.dtype, device: torch.device | str) -> s
         from kvcore.kernels.cpu_kernels import kernel_reasons
 
         reasons = quantized_reasons("int4", dtype, device) + kernel_reasons()
-    elif fmt == "int8":  # the gguf format's int8-group kernel
-        reasons = quantized_reasons("gguf", dtype, device)
+    elif fmt == "int8":  # the gguf format's int8-group kernel: its device and CPU reasons, then the dtype's
+        reasons = quantized_reasons("gguf", torch.bfloat16, device)
+        if dtype != torch.bfloat16:
+            reasons.append("it scores with bfloat16 activations (float32 is the exact reference path): use --dtype "
+                           "bfloat16")
     if reasons:
         raise ConfigError(f"lm_head '{fmt}' cannot run here: {'; '.join(reasons)}")
     return fmt
