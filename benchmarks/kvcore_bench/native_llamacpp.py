@@ -84,13 +84,7 @@ def build_tools(root: Path | None = None, jobs: int = 2, progress: bool = True) 
 
 
 def _run_json(command: list[str]) -> list[dict[str, Any]]:
-    done = subprocess.run(command, capture_output=True, text=True)
-    if done.returncode != 0:
-        from kvcore.errors import ConfigError
-
-        why = f"signal {-done.returncode}" if done.returncode < 0 else f"exit code {done.returncode}"
-        raise ConfigError(f"{Path(command[0]).name} failed ({why}): {done.stderr.strip().splitlines()[-1:]}")
-    text = done.stdout.strip()
+    text = _run(command, stderr=False).strip()
     if text.startswith("["):
         return json.loads(text)
     return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
@@ -117,15 +111,16 @@ def batched_bench(bin_dir: Path, gguf: Path, threads: int, npl: list[int], npp: 
                       "-npl", ",".join(map(str, npl)), "--output-format", "jsonl"])
 
 
-def _run(command: list[str]) -> str:
-    """The tool's combined output; ConfigError with its last line when it fails."""
+def _run(command: list[str], stderr: bool = True) -> str:
+    """The tool's standard output (and, with ``stderr``, its standard error after it); ConfigError naming how it
+    ended and its last line of standard error when it fails."""
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:
         from kvcore.errors import ConfigError
 
-        raise ConfigError(f"{Path(command[0]).name} failed ({done.returncode}): "
-                          f"{(done.stderr or done.stdout).strip().splitlines()[-1:]}")
-    return done.stdout + done.stderr
+        why = f"signal {-done.returncode}" if done.returncode < 0 else f"exit code {done.returncode}"
+        raise ConfigError(f"{Path(command[0]).name} failed ({why}): {done.stderr.strip().splitlines()[-1:]}")
+    return done.stdout + (done.stderr if stderr else "")
 
 
 def dequantize_f32(bin_dir: Path, gguf: Path, out: Path, threads: int) -> Path:

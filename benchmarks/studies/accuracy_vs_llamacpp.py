@@ -30,7 +30,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
+from quant_accuracy import full_attention
 
 from kvcore import Engine, EngineConfig
 from kvcore.loaders import build_model, load_model
@@ -51,29 +51,13 @@ def chunks(ids: list[int], ctx: int, bos: int | None) -> list[list[int]]:
     return out
 
 
-def attend(layer_windows: list[int | None]):
-    """Causal attention over one whole chunk (no cache), each layer within its sliding window."""
-
-    def run(layer, q, k, v):
-        rep = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-        pos = torch.arange(q.shape[0])
-        mask = pos[None, :] <= pos[:, None]
-        if layer_windows[layer] is not None:
-            mask &= pos[:, None] - pos[None, :] < layer_windows[layer]
-        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask)
-        return out.transpose(0, 1)
-
-    return run
-
-
 def scored_logprobs(model, head, chunk: list[int]) -> torch.Tensor:
     """``[ctx - 1 - ctx // 2, V]`` float32 log-probabilities at the scored positions of one chunk (the LM head
     one row at a time, as decode steps run it)."""
     first = len(chunk) // 2
     windows = [model.config.layer_window(i) for i in range(model.config.num_hidden_layers)]
     with torch.no_grad():
-        hidden = model(torch.tensor(chunk), torch.arange(len(chunk)), attend(windows))
+        hidden = model(torch.tensor(chunk), torch.arange(len(chunk)), full_attention(windows))
         rows = hidden[first:len(chunk) - 1]
         return torch.cat([model.compute_logits(row, head) for row in rows.split(1)]).log_softmax(-1)
 
