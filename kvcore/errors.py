@@ -69,6 +69,9 @@ class KVCoreError(Exception):
 
     #: process exit code the CLI uses for this kind of error
     exit_code: int = 1
+    #: the CLI ends the process at once after reporting it (``os._exit``: no interpreter teardown), because
+    #: tearing down what failed could still abort the process and replace the documented exit code
+    end_process: bool = False
 
 
 class ConfigError(KVCoreError):
@@ -177,6 +180,9 @@ class TensorParallelError(KVCoreError):
     down (kvcore/distributed)."""
 
     exit_code = 7
+    # the aborted collective group's library threads may still be joinable: destroying them at interpreter exit
+    # calls std::terminate (SIGABRT)
+    end_process = True
 
 
 class OutputError(KVCoreError):

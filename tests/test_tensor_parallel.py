@@ -307,3 +307,23 @@ def test_cli_under_torchrun_matches_one_process():
     assert len(results) == 1  # rank 0 only
     assert results[0]["token_ids"] == json.loads(one.stdout.splitlines()[-1])["token_ids"]
     assert results[0]["tensor_parallel"]["launcher"] == "torchrun"
+
+
+def test_cli_ends_at_once_after_a_group_failure():
+    """After a TensorParallelError the CLI reports it and ends with its exit code without the interpreter's
+    teardown, which could otherwise destroy the aborted group's threads and abort the process (SIGABRT)."""
+    script = (
+        "import atexit, sys\n"
+        "from kvcore.cli import app\n"
+        "from kvcore.errors import TensorParallelError\n"
+        "atexit.register(lambda: print('teardown ran', flush=True))\n"
+        "def fail(argv, state):\n"
+        "    print('partial output', end='')\n"  # buffered: must still reach the reader
+        "    raise TensorParallelError('tensor-parallel group failed: rank 1 was killed')\n"
+        "app._dispatch = fail\n"
+        "sys.exit(app.main(['generate', 'hi']))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 7, done.stderr
+    assert done.stderr == "kvcore: error: tensor-parallel group failed: rank 1 was killed\n"
+    assert done.stdout == "partial output"  # flushed, and no teardown after it

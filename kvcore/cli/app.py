@@ -113,6 +113,8 @@ def _main(argv: list[str], sigint: _Sigint) -> int:
             print(f"kvcore: error: {exc}", file=sys.stderr)
             if isinstance(exc, OutputError):  # what is still buffered would fail again at exit, with a warning
                 _output_closed()
+            if exc.end_process:
+                _end_now(exc.exit_code)
             return exc.exit_code
     except KeyboardInterrupt:
         if debug:
@@ -128,6 +130,17 @@ def _main(argv: list[str], sigint: _Sigint) -> int:
         print(f"kvcore: internal error: {type(exc).__name__}: {exc} (rerun with --debug for a traceback)",
               file=sys.stderr)
         return EXIT_INTERNAL
+
+
+def _end_now(code: int) -> None:
+    """End the process with ``code`` without the interpreter's teardown (see ``KVCoreError.end_process``)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            if stream is not None:
+                stream.flush()
+        except (OSError, ValueError):  # a closed reader: nothing more can be written anyway
+            pass
+    os._exit(code)
 
 
 def _interrupted(state: RunState) -> int:

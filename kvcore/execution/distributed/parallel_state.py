@@ -111,6 +111,10 @@ def _nccl(store: dist.Store, prefix: str, rank: int, size: int, timeout: datetim
     return dist.ProcessGroupNCCL(dist.PrefixStore(prefix, store), rank, size, opts)
 
 
+#: the backends of every group this process aborted (see :meth:`RankGroup.abort`)
+_ABORTED: list = []
+
+
 class RankGroup:
     """This rank's handle on the group. Build it with :meth:`connect`."""
 
@@ -165,6 +169,9 @@ class RankGroup:
                 pg.abort()
             except (RuntimeError, AttributeError):
                 pass
+        # An aborted gloo group's threads can still be joinable; destroying the group then calls std::terminate.
+        # Kept until the process ends (the CLI ends it with os._exit: TensorParallelError.end_process).
+        _ABORTED.extend((self._compute, self._commands))
 
     # -- the command channel ---------------------------------------------------------------------------
     def send(self, message: Any) -> None:
