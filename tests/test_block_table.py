@@ -160,20 +160,30 @@ def test_a_quantized_model_holds_its_gguf_table_as_blocks_with_the_dense_tables_
 
 @needs_kernel
 def test_int8_head_runs_q8_0_blocks_as_stored():
-    """``lm_head = "int8"`` on a Q8_0 table: the blocks' own codes on the int8-group kernel (llama.cpp's head), the
-    same logits as that kernel on the codes; within the activations' int8 rounding of the dense head."""
+    """``lm_head = "int8"`` on a Q8_0 table: the blocks' own codes on the int8-group kernel (llama.cpp's head) score
+    the vocabulary, then each row's top 64 are rescored with the decoded rows; the tail keeps the kernel's scores,
+    within the activations' int8 rounding of the dense head."""
     from kvcore.kernels.group_quant import Int8GroupLinear
     from kvcore.model.lm_head import Int8Head
 
     blocks = _blocks(QType.Q8_0, 2048 + 64, 256, seed=2)
-    head = Int8Head(BlockTable(blocks, torch.bfloat16))
+    table = BlockTable(blocks, torch.bfloat16)
+    head = Int8Head(table)
     torch.manual_seed(0)
     hidden = torch.randn(3, 256).to(torch.bfloat16)
     got = head(hidden, widen=True)
     assert got.dtype == torch.float32 and head(hidden).dtype == torch.bfloat16
-    assert torch.equal(got, Int8GroupLinear(blocks.codes())(hidden).float())
+    scores = Int8GroupLinear(blocks.codes())(hidden)
+    top = scores.float().topk(64, dim=-1).indices
+    for r in range(3):  # the candidates: dense dot products, rounded to the model dtype
+        want = (hidden[r].float() @ table[top[r]].float().t()).to(torch.bfloat16).float()
+        assert torch.allclose(got[r, top[r]], want, rtol=1e-2, atol=1e-2), r
+    tail = torch.ones_like(got, dtype=torch.bool).scatter_(1, top, False)
+    assert torch.equal(got[tail], scores.float()[tail])  # outside the top 64: the kernel's own scores
+    assert not torch.equal(got, scores.float())  # the candidates were rescored
     dense = hidden.float() @ blocks.dequantize(torch.float32).t()
     assert float((got - dense).norm() / dense.norm()) < 0.01
+    assert torch.equal(got.argmax(-1), dense.argmax(-1))
 
 
 @needs_kernel

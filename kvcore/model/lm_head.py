@@ -18,8 +18,8 @@
   rescored top 64 stay exact.
 * ``int8``: the head's 8-bit codes per group of 32 (a GGUF table's Q8_0 blocks as stored; a dense head quantized
   symmetrically, as Q8_0 does) on kvcore's int8-activation kernel (:class:`~kvcore.kernels.group_quant.Int8GroupLinear`)
-  for up to :data:`A8_MAX_ROWS` rows: llama.cpp's own head for such a file, every logit carrying the same small error,
-  none rescored. It reads twice the int4 copy's bytes; its tail is far closer to the dense head's
+  for up to :data:`A8_MAX_ROWS` rows (llama.cpp's own head for such a file), then the top 64 rescored as for
+  ``int4``. It reads twice the int4 copy's bytes; its tail is far closer to the dense head's
   (benchmarks/results/accuracy-vs-llamacpp.md).
 """
 
@@ -41,7 +41,7 @@ LM_HEAD_FORMATS = {
     "auto": "int4 with quantized weights where it runs, else dense (kvcore.engine.defaults)",
     "dense": "the head in the model dtype (reference)",
     "int4": "int4 scores for the whole vocabulary, the top 64 rescored with the dense head",
-    "int8": "8-bit codes per group of 32 (a GGUF's Q8_0 blocks as stored), int8 activations",
+    "int8": "8-bit codes per group of 32 (a GGUF's Q8_0 blocks as stored), int8 activations, the top 64 rescored",
 }
 #: more rows than this run the dense head (see the module docstring)
 INT4_MAX_ROWS = 4
@@ -104,14 +104,20 @@ class RescoredInt4Head:
         """``[N, V]`` in the model dtype (as the dense head returns them); with ``widen``, those values as float32,
         written so by the rescoring kernel (bit for bit ``.float()`` of them, without that extra pass)."""
         hidden = hidden.contiguous()
-        ops = torch.ops.kvcore
-        if isinstance(self.weight, torch.Tensor):
-            rescore = ops.rescore_top_k_float if widen else ops.rescore_top_k
-            return rescore(self.int4(hidden), hidden, self.weight, self.top_k)
-        scores = self.int4(hidden)
-        index = ops.top_k_candidates(scores, self.top_k)  # [N, k]
-        rows = self.weight[index.view(-1)].view(*index.shape, -1)  # [N, k, d]: only the candidates decoded
-        return (ops.rescore_candidates_float if widen else ops.rescore_candidates)(scores, hidden, rows, index)
+        return rescore(self.int4(hidden), hidden, self.weight, self.top_k, widen)
+
+
+def rescore(
+    scores: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor | BlockTable, top_k: int, widen: bool
+) -> torch.Tensor:
+    """``scores [N, V]`` with each row's ``top_k`` best recomputed from ``hidden [N, d]`` and the dense rows of
+    ``weight`` (a :class:`BlockTable` decodes only the candidates' rows); float32 with ``widen``."""
+    ops = torch.ops.kvcore
+    if isinstance(weight, torch.Tensor):
+        return (ops.rescore_top_k_float if widen else ops.rescore_top_k)(scores, hidden, weight, top_k)
+    index = ops.top_k_candidates(scores, top_k)  # [N, k]
+    rows = weight[index.view(-1)].view(*index.shape, -1)  # [N, k, d]: only the candidates decoded
+    return (ops.rescore_candidates_float if widen else ops.rescore_candidates)(scores, hidden, rows, index)
 
 
 def int4a8_in_chunks(w: torch.Tensor | BlockTable, rows: int = 1024) -> Int4A8Linear:
@@ -137,12 +143,12 @@ class Int8Head:
 
     :param weight: the dense head ``[V, d]``, or the model's :class:`~kvcore.model.embedding.BlockTable` whose blocks
         have 8-bit codes (Q8_0): those are taken as stored; a dense head is quantized per group of 32 rows' columns
-        with ``d = max|w| / 127`` (Q8_0's rule).
+        with ``d = max|w| / 127`` (Q8_0's rule). Each row's ``top_k`` best are then rescored with the dense rows.
     """
 
     max_rows = A8_MAX_ROWS  # more rows run the dense head, as the int4a8 head does
 
-    def __init__(self, weight: torch.Tensor | BlockTable) -> None:
+    def __init__(self, weight: torch.Tensor | BlockTable, top_k: int = 64) -> None:
         vocab, width = weight.shape
         if not Int8GroupLinear.fits(vocab, width, 32):
             raise ConfigError(f"lm_head 'int8' cannot take this model's head: the int8-group kernel needs a vocabulary "
@@ -151,7 +157,11 @@ class Int8Head:
         codes = blocks.codes() if blocks is not None and hasattr(blocks, "codes") else None
         if codes is None or codes.bits > 8 or codes.group_size % 32:
             codes = q8_codes(weight[:])
+        from kvcore.kernels.cpu_kernels import load_kernels
+
+        load_kernels()
         self.linear = Int8GroupLinear(codes.regroup(32), weight.dtype)
+        self.weight, self.top_k = weight, min(top_k, vocab)
 
     @property
     def nbytes(self) -> int:
@@ -159,8 +169,8 @@ class Int8Head:
 
     def __call__(self, hidden: torch.Tensor, widen: bool = False) -> torch.Tensor:
         """``[N, V]`` in the model dtype (float32 with ``widen``)."""
-        logits = self.linear(hidden.contiguous())
-        return logits.float() if widen else logits
+        hidden = hidden.contiguous()
+        return rescore(self.linear(hidden), hidden, self.weight, self.top_k, widen)
 
 
 def q8_codes(w: torch.Tensor) -> GroupCodes:
