@@ -14,7 +14,9 @@ For each real-shape file (:mod:`kvcore_bench.real_size`), in one run, alternatin
 * **decode**: batch-1 tokens per second (64 tokens after a 1-token prompt) of the model started from its entry
   (weights mapped from the cache file) against the one built from the file (weights packed into huge pages), both
   in one process, alternating; with ``--llamacpp``, native ``llama-bench`` tg128 on the same file between them
-  (:mod:`kvcore_bench.native_llamacpp` builds it on first use), all at ``--threads``.
+  (:mod:`kvcore_bench.native_llamacpp` builds it on first use), all at ``--threads``;
+* **the floor**: the bytes a kvcore step streams (:mod:`kvcore_bench.floor`) times the mapped model's tok/s,
+  against the read bandwidth of a buffer that size measured between the decode repetitions.
 
 Run (a venv with kvcore and ``pip install -e ./benchmarks``)::
 
@@ -49,23 +51,30 @@ engine.generate([engine.tokenizer.encode("Hello")], SamplingParams(max_new_token
 print("ready", flush=True)
 sys.stdin.read()
 """
-# the model from its entry and built from the file, in one process: b1 decode of 64 tokens, alternating
+# the model from its entry and built from the file, in one process: b1 decode of 64 tokens, alternating, and the
+# read bandwidth of a buffer of the bytes a step streams between them (the floor, measured in the same minutes)
 _DECODE = """
 import json, statistics, sys, time
 import torch
 from kvcore import Engine, SamplingParams
-path, reps = sys.argv[1], int(sys.argv[2])
-torch.set_num_threads(int(sys.argv[3]))
+from kvcore_bench.floor import kvcore_bytes_per_token, read_bandwidth
+path, reps, threads = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+torch.set_num_threads(threads)
 engines = {"mapped": Engine.from_pretrained(path), "built": Engine.from_pretrained(path, model_cache=False)}
 ids, params = engines["built"].tokenizer.encode("Hello"), SamplingParams(max_new_tokens=64, ignore_eos=True)
+step_bytes = sum(kvcore_bytes_per_token(engines["mapped"]).values())
 speeds = {name: [] for name in engines}
+speeds["read GB/s"] = []
 for rep in range(reps + 1):
     for name, engine in engines.items():
         start = time.perf_counter()
         engine.generate([ids], params)
         if rep:  # the first rep warms up
             speeds[name].append(64 / (time.perf_counter() - start))
-print(json.dumps(speeds))
+    if rep:
+        speeds["read GB/s"].append(read_bandwidth(step_bytes, threads, seconds=1.0) / 1e9)
+        torch.set_num_threads(threads)
+print(json.dumps({"speeds": speeds, "step_bytes": step_bytes}))
 """
 
 
@@ -126,19 +135,22 @@ def _holders(path: Path) -> dict:
     return {"pss_first_mib": alone / 2**20, "pss_second_adds_mib": (both - alone) / 2**20}
 
 
-def _decode(path: Path, reps: int, threads: int, llamacpp: Path | None) -> dict[str, list[float]]:
-    """b1 decode tok/s: kvcore's mapped and built models, and llama-bench tg128 between repetitions."""
-    speeds: dict[str, list[float]] = {"mapped": [], "built": [], **({"llama.cpp tg128": []} if llamacpp else {})}
+def _decode(path: Path, reps: int, threads: int, llamacpp: Path | None) -> tuple[dict[str, list[float]], int]:
+    """b1 decode tok/s of kvcore's mapped and built models, the read bandwidth (GB/s) of a step's bytes, and
+    llama-bench tg128, between repetitions; and the bytes a kvcore step streams."""
+    speeds: dict[str, list[float]] = {"mapped": [], "built": [], "read GB/s": [],
+                                      **({"llama.cpp tg128": []} if llamacpp else {})}
     for _ in range(reps):
         command = [sys.executable, "-c", _DECODE, str(path), "1", str(threads)]
         done = subprocess.run(command, capture_output=True, text=True)
         if done.returncode:
             raise RuntimeError(f"the decode run on {path} failed:\n{done.stderr[-2000:]}")
-        for name, values in json.loads(done.stdout.strip().splitlines()[-1]).items():
+        run = json.loads(done.stdout.strip().splitlines()[-1])
+        for name, values in run["speeds"].items():
             speeds[name] += values
         if llamacpp:
             speeds["llama.cpp tg128"].append(float(llama_bench(llamacpp, path, threads)["avg_ts"]))
-    return speeds
+    return speeds, run["step_bytes"]
 
 
 def _forget(path: Path) -> None:
@@ -176,11 +188,11 @@ def measure(shape: str, qtype: str, reps: int, baseline: str | None, threads: in
             if memory.get("peak_rss_bytes") and memory.get("rss_before_load_bytes"):
                 above[name].append((memory["peak_rss_bytes"] - memory["rss_before_load_bytes"]) / 2**20)
     held = _holders(path)
-    decode = _decode(path, reps, threads, llamacpp)
+    decode, step_bytes = _decode(path, reps, threads, llamacpp)
     return {"shape": shape, "qtype": qtype, "file_mib": round(mib, 1), "read_from_disk_s": read_s,
             "first_start_s": firsts, "warm_start_s": walls,
             "warm_start_median_s": {n: statistics.median(w) for n, w in walls.items()},
-            "rss_above_import_mib": above, **held, "decode_tok_s": decode,
+            "rss_above_import_mib": above, **held, "decode_tok_s": decode, "step_bytes": step_bytes,
             "decode_median_tok_s": {n: statistics.median(s) for n, s in decode.items()},
             "loadavg_1m": os.getloadavg()[0]}
 
@@ -190,20 +202,22 @@ def _table(rows: list[dict]) -> str:
     lines = [f"CPU: {cpu} ({flags}); `python -m kvcore_bench.startup {' '.join(r['shape'] for r in rows)}`", "",
              "| shape | file MiB | read from disk s | first start s | warm start s, default | no model cache | "
              "baseline | RSS above import / file | 2nd process PSS / file | b1 decode tok/s, mapped / built | "
-             "llama.cpp tg128 | mapped / llama.cpp |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "llama.cpp tg128 | mapped / llama.cpp | step MiB | streamed GB/s (mapped) / read GB/s = of floor |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         med = r["warm_start_median_s"]
         rss = statistics.median(r["rss_above_import_mib"]["default"]) if r["rss_above_import_mib"]["default"] else 0
         dec = r["decode_median_tok_s"]
         lc = dec.get("llama.cpp tg128", float("nan"))
+        streamed = dec["mapped"] * r["step_bytes"] / 1e9
         lines.append(
             f"| {r['shape']} {r['qtype']} | {r['file_mib']:,.0f} | {r['read_from_disk_s']:.2f} | "
             f"{' / '.join(f'{s:.1f}' for s in r['first_start_s'])} | "
             f"{med['default']:.2f} ({', '.join(f'{s:.2f}' for s in r['warm_start_s']['default'])}) | "
             f"{med['no model cache']:.2f} | {med.get('baseline', float('nan')):.2f} | {rss / r['file_mib']:.2f} | "
             f"{r['pss_second_adds_mib'] / r['file_mib']:.2f} | {dec['mapped']:.1f} / {dec['built']:.1f} | "
-            f"{lc:.1f} | {dec['mapped'] / lc:.2f}x |")
+            f"{lc:.1f} | {dec['mapped'] / lc:.2f}x | {r['step_bytes'] / 2**20:,.0f} | "
+            f"{streamed:.1f} / {dec['read GB/s']:.1f} = {streamed / dec['read GB/s']:.0%} |")
     return "\n".join(lines)
 
 

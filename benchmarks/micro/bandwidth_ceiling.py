@@ -35,43 +35,11 @@ import torch
 from kvcore.engine.core import Engine, EngineConfig
 from kvcore.kernels.cpu import cpu_features
 from kvcore.loaders import DEFAULT_MODEL
-from kvcore.loaders.gguf_validate import validate_gguf
 from kvcore.loaders.model_cache import gguf_source
+from kvcore_bench.floor import kvcore_bytes_per_token, llamacpp_bytes_per_token, read_bandwidth
 from kvcore_bench.native_llamacpp import build_tools, llama_bench
 
 MIB = 2**20
-
-
-def kvcore_bytes_per_token(engine: Engine) -> dict[str, int]:
-    """What a batch-1 step of ``engine``'s model reads: its layer matmul weights and its LM head."""
-    model = engine.model
-    if model.weight_format == "float":
-        raise SystemExit(f"the default configuration here runs float weights ({engine.choice.describe()}): "
-                         "this bound is for the quantized one")
-    layers = sum(lin.nbytes for name in ("qkv", "o", "gate_up", "down") for lin in model.matmuls(1)[name])
-    head = engine.lm_head.nbytes if engine.lm_head is not None else model.lm_head.nbytes
-    return {"layer matmuls": layers, "LM head": head}
-
-
-def llamacpp_bytes_per_token(path: os.PathLike) -> dict[str, int]:
-    tensors = {t.name: t.nbytes for t in validate_gguf(path).tensors}
-    embed = tensors.pop("token_embd.weight")
-    out = {"layer tensors": sum(n for name, n in tensors.items() if name != "output.weight")}
-    out["LM head"] = tensors.get("output.weight", embed)  # tied: the embedding table is the output matrix
-    return out
-
-
-def read_bandwidth(nbytes: int, threads: int, seconds: float = 2.0) -> float:
-    """Median bytes/s of summing a buffer of ``nbytes`` on ``threads`` threads, read back to back."""
-    torch.set_num_threads(threads)
-    buf = torch.ones(nbytes // 4, dtype=torch.float32)
-    buf.sum()  # fault the pages in
-    times, end = [], time.perf_counter() + seconds
-    while time.perf_counter() < end or len(times) < 5:
-        t = time.perf_counter()
-        buf.sum()
-        times.append(time.perf_counter() - t)
-    return nbytes / statistics.median(times)
 
 
 SWEEP_MIB = (16, 32, 48, 64, 72, 80, 96, 128, 256)
