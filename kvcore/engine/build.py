@@ -5,7 +5,7 @@ steps, the LM head format)."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -18,12 +18,14 @@ from kvcore.interfaces.dtypes import dtype_name
 from kvcore.interfaces.kv_cache import CacheSpec, KVCache
 from kvcore.interfaces.layer_attention import LayerAttention
 from kvcore.model.config import ModelConfig
+from kvcore.model.decoder import LlamaModel
 from kvcore.model.embedding import head_rows
 from kvcore.model.layers import bind_variants
 from kvcore.plugins.registry import PluginEntry, PluginRegistry
 from kvcore.scheduling.kv_groups import KVGroups, group_layers
+from kvcore.text.tokenizer import Tokenizer
 
-__all__ = ["build_kv_cache", "check_model", "kv_groups", "local_execution", "serving_config",
+__all__ = ["build_kv_cache", "check_model", "kv_groups", "load_model", "local_execution", "serving_config",
            "tensor_parallel_runner", "variant_layers", "prefix_namespace"]
 
 
@@ -132,6 +134,24 @@ def local_execution(
         if a8:
             model.head_int4 = head.int4  # made once per model, however many engines run it
     return guards, compiled, head
+
+
+def load_model(
+    model: str, config: EngineConfig, model_cache: bool | None, request_tokens: Callable[[Tokenizer], int] | None,
+) -> tuple[LlamaModel, Tokenizer, EngineConfig]:
+    """Load ``model`` for an engine of ``config`` (see :meth:`~kvcore.engine.core.Engine.from_pretrained`): the
+    decoder, its tokenizer, and ``config`` with ``max_model_len`` sized to ``request_tokens`` when it has none."""
+    from kvcore.loaders.heap import trim_heap
+    from kvcore.loaders.model_cache import load_pretrained
+
+    decoder, tokenizer = load_pretrained(
+        model, parse_dtype(config.dtype), config.device, config.max_model_len, model_cache, config.weights
+    )
+    trim_heap()
+    if request_tokens is not None and config.max_model_len is None:
+        window = decoder.config.max_position_embeddings
+        config = dataclasses.replace(config, max_model_len=min(window, max(2, request_tokens(tokenizer))))
+    return decoder, tokenizer, config
 
 
 def check_model(model: Any, config: EngineConfig) -> str:

@@ -3,16 +3,19 @@ engine's limits, and the :class:`~kvcore.scheduling.request.GenerationResult` of
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 from kvcore.errors import ContextLengthError, InvalidRequestError
 from kvcore.interfaces.sampler import SamplingParams
 from kvcore.model.config import DEFAULT_MAX_MODEL_LEN, ModelConfig
+from kvcore.sampling.structured import GrammarCompiler
 from kvcore.scheduling.request import GenerationResult, Request, TokenEvent
-from kvcore.text.outputs import TextOutput
+from kvcore.text.outputs import StopStrings, TextOutput
 
-__all__ = ["prompt_batch", "prompt_token_ids", "request_result", "run_batch", "run_chat", "stream_events"]
+__all__ = ["new_requests", "prompt_batch", "prompt_token_ids", "request_result", "run_batch", "run_chat",
+           "stream_events"]
 
 
 def prompt_token_ids(
@@ -63,10 +66,29 @@ def _context_fix(max_model_len: int, model_config: ModelConfig) -> str:
             f"context window of {window} tokens{cap}")
 
 
-def request_result(req: Request, out: TextOutput, tokenizer: Any) -> GenerationResult:
-    """The state of request ``req`` (``out``: its streamed text); final once it finished."""
+def new_requests(
+    ids: list[str], prompt_ids: list[int], params: SamplingParams, eos_token_ids: frozenset[int], tokenizer: Any,
+    grammars: GrammarCompiler | None,
+) -> list[Request]:
+    """The requests of one added prompt, one per sample id of ``ids`` (sample ``i`` seeded ``params.seed + i``, or
+    from a seed drawn now), each with its text output and, for structured output, its grammar matcher."""
+    seed = params.seed if params.seed is not None else time.time_ns() % 2**63
+    if params.structured_output is not None and grammars is None:
+        raise InvalidRequestError("structured output needs a tokenizer; this engine has none")
+    reqs = [Request(rid, list(prompt_ids), params, eos_token_ids, seed=seed + i) for i, rid in enumerate(ids)]
+    for req in reqs:
+        if params.structured_output is not None:
+            req.matcher = grammars.matcher(params.structured_output)
+        req.metrics.num_prompt_tokens = len(prompt_ids)
+        decoder = tokenizer.stream_decoder() if tokenizer is not None else None
+        req.text_output = TextOutput(decoder, StopStrings(params.stop) if params.stop else None)
+    return reqs
+
+
+def request_result(req: Request, tokenizer: Any) -> GenerationResult:
+    """The state of request ``req``; final once it finished."""
     if req.params.stop or tokenizer is None:
-        text = out.text  # what was streamed: cut before a stop string
+        text = req.text_output.text  # what was streamed: cut before a stop string
     else:
         text = tokenizer.decode(req.output_ids)
     with_logprobs = req.params.logprobs is not None
