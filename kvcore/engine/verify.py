@@ -76,7 +76,7 @@ class Verifier:
         backend = e.decode_backend
         try:
             logits = e.runner.forward_positions(backend, e.kv.cache, self.forward.metadata(verify), input_ids,
-                                                range(len(reqs)), verify.query_lens)
+                                                range(len(reqs)), verify.query_lens, verify.copies)
         except Exception as exc:  # nothing is committed: every row goes back to its computed tokens
             e.scheduler.roll_back(reqs)
             if isinstance(exc, NonFiniteRowsError):  # the others run again next step

@@ -156,6 +156,13 @@ class Executor(Protocol):
         """``[B, V]`` float32 logits of each sequence's last token, or of the sequences ``rows`` only;
         ``copies``: the copy-on-write block copies this step's metadata already applied to ``cache``."""
 
+    def forward_positions(self, backend: AttentionBackend, cache: KVCache, meta: AttentionMetadata,
+                          input_ids: Sequence[int], rows: Sequence[int], num_positions: Sequence[int],
+                          copies: Sequence[tuple[int, int]] = ()) -> torch.Tensor:
+        """``[sum(num_positions), V]`` float32 logits of the last ``num_positions[j]`` tokens of sequence
+        ``rows[j]`` (:func:`position_logits`: what speculative verification scores), on the decode path;
+        ``copies`` as for :meth:`forward`."""
+
     def describe(self) -> dict[str, Any] | None:
         """What each process of the group runs (None: one process)."""
 
@@ -184,8 +191,7 @@ class ModelRunner:
         guard = self.guards.get(id(backend))
         return last_token_logits(self.model, backend, cache, meta, input_ids, rows, guard, self.compiled, self.head)
 
-    def forward_positions(self, backend, cache, meta, input_ids, rows, num_positions) -> torch.Tensor:
-        """Several positions' logits per row (:func:`position_logits`); one process only."""
+    def forward_positions(self, backend, cache, meta, input_ids, rows, num_positions, copies=()) -> torch.Tensor:
         guard = self.guards.get(id(backend))
         return position_logits(self.model, backend, cache, meta, input_ids, rows, num_positions, guard, self.head)
 

@@ -23,7 +23,7 @@ import os
 import signal
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -40,7 +40,7 @@ from kvcore.execution.distributed.parallel_state import (
 )
 from kvcore.execution.distributed.sharding import build_local_model, local_config, plan_shards, shard_state
 from kvcore.execution.distributed.worker import Components, Step, rank_device, run_worker, spawned_worker_main
-from kvcore.execution.runner import last_token_logits
+from kvcore.execution.runner import last_token_logits, position_logits
 from kvcore.interfaces.attention import AttentionBackend
 from kvcore.interfaces.kv_cache import KVCache
 from kvcore.interfaces.metadata import AttentionMetadata
@@ -118,10 +118,8 @@ class TensorParallelRunner:
             self._state.group = RankGroup.connect(endpoint, 0, self._state.store)
         except GroupFailure as exc:
             self._fail(str(exc))
-        self.model = build_local_model(
-            local_config(model.config, self.shards[0]), shard_state(model, self.shards[0], with_lm_head=True),
-            self._state.group.all_reduce, device,
-        )
+        self.model = build_local_model(local_config(model.config, self.shards[0]), shard_state(
+            model, self.shards[0], with_lm_head=True), self._state.group.all_reduce, device)
 
     # -- start-up ------------------------------------------------------------------------------------
     def _spawn(self, model: LlamaModel, config: Any, endpoint: Endpoint) -> None:
@@ -176,16 +174,13 @@ class TensorParallelRunner:
                 time.sleep(0.01)
         return [notes[r] for r in range(1, self.world_size)]
 
-    def start(self, prefill: AttentionBackend, decode: AttentionBackend, cache: KVCache, config: Any) -> None:
+    def start(self, prefill_backend: AttentionBackend, decode_backend: AttentionBackend, cache: KVCache,
+              config: Any) -> None:
         """Have every rank make the same backends and a KV cache like ``cache`` over its local heads."""
-        def options(table: dict, name: str) -> dict:
-            return dict(table.get(name) or {})
-
-        components = Components(
-            (type(prefill), options(config.backend_options, prefill.name)),
-            (type(decode), options(config.backend_options, decode.name)),
-            (type(cache), cache.spec, options(config.kv_cache_options, cache.name)),
-        )
+        backend_options, cache_options = config.backend_options, config.kv_cache_options
+        components = Components((type(prefill_backend), dict(backend_options.get(prefill_backend.name) or {})),
+                                (type(decode_backend), dict(backend_options.get(decode_backend.name) or {})),
+                                (type(cache), cache.spec, dict(cache_options.get(cache.name) or {})))
         self._send(("init", components))
         ready = self._await_notes("ready", "allocate its KV cache")
         rank0 = {"pid": os.getpid(), "device": str(cache.spec.device), "num_blocks": cache.num_blocks,
@@ -196,23 +191,28 @@ class TensorParallelRunner:
             self._fail(f"the ranks' KV caches hold different numbers of blocks ({sorted(blocks)})")
 
     # -- one step ------------------------------------------------------------------------------------
-    def forward(
-        self,
-        is_prefill: bool,
-        backend: AttentionBackend,
-        cache: KVCache,
-        meta: AttentionMetadata,
-        input_ids: Sequence[int],
-        copies: Sequence[tuple[int, int]] = (),
-        rows: Sequence[int] | None = None,
-    ) -> torch.Tensor:
+    def forward(self, is_prefill: bool, backend: AttentionBackend, cache: KVCache, meta: AttentionMetadata,
+                input_ids: Sequence[int], copies: Sequence[tuple[int, int]] = (), rows: Sequence[int] | None = None
+                ) -> torch.Tensor:
         """Run one step on every rank; ``[B, V]`` float32 logits of each sequence's last token (rank 0), or of
         the sequences ``rows`` only."""
+        return self._step(Step.of(is_prefill, input_ids, meta, copies),
+                          lambda ids: last_token_logits(self.model, backend, cache, meta, ids, rows))
+
+    def forward_positions(self, backend: AttentionBackend, cache: KVCache, meta: AttentionMetadata,
+                          input_ids: Sequence[int], rows: Sequence[int], num_positions: Sequence[int],
+                          copies: Sequence[tuple[int, int]] = ()) -> torch.Tensor:
+        """Run one decode step on every rank; rank 0's logits of the last ``num_positions[j]`` tokens of sequence
+        ``rows[j]`` (:func:`~kvcore.execution.runner.position_logits`)."""
+        return self._step(Step.of(False, input_ids, meta, copies),
+                          lambda ids: position_logits(self.model, backend, cache, meta, ids, rows, num_positions))
+
+    def _step(self, step: Step, logits_of: Callable[[list[int]], torch.Tensor]) -> torch.Tensor:
+        """Send ``step`` to the other ranks, run it here, and return ``logits_of`` its token ids (rank 0)."""
         self._check_workers()
-        step = Step.of(is_prefill, input_ids, meta, copies)
         self._send(("step", step))
         try:
-            logits = last_token_logits(self.model, backend, cache, meta, step.input_ids, rows)
+            logits = logits_of(step.input_ids)
             if logits.is_cuda:
                 self._await_device(logits.device)
             return logits
