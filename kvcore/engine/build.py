@@ -29,7 +29,7 @@ __all__ = ["build_kv_cache", "check_model", "kv_groups", "load_model", "local_ex
            "tensor_parallel_runner", "variant_layers", "prefix_namespace"]
 
 
-def variant_layers(registry: PluginRegistry, config: EngineConfig, model: Any) -> tuple[LayerAttention, ...]:
+def variant_layers(registry: PluginRegistry, config: EngineConfig, model: LlamaModel) -> tuple[LayerAttention, ...]:
     """The model's per-layer attention with ``config.attention_variants`` bound to each layer. The engine holds
     them, not the model: engines over one model object may select different variants."""
     if not config.attention_variants:
@@ -43,7 +43,9 @@ def variant_layers(registry: PluginRegistry, config: EngineConfig, model: Any) -
                          num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim)
 
 
-def prefix_namespace(model: Any, dtype: torch.dtype, weight_format: str, cache_name: str, config: EngineConfig) -> str:
+def prefix_namespace(
+    model: LlamaModel, dtype: torch.dtype, weight_format: str, cache_name: str, config: EngineConfig
+) -> str:
     """What prefix-cache keys name besides the tokens. One cache serves one engine, but a key never means the same
     tokens under another model, dtype, weight format, cache layout or attention-variant selection (with options)."""
     variants = [(n, sorted(config.variant_options.get(n, {}).items())) for n in config.attention_variants]
@@ -104,7 +106,7 @@ def build_kv_cache(
 
 
 def local_execution(
-    model: Any, config: EngineConfig, backends: Sequence[AttentionBackend], device: torch.device, *,
+    model: LlamaModel, config: EngineConfig, backends: Sequence[AttentionBackend], device: torch.device, *,
     tensor_parallel: bool,
 ) -> tuple[dict[int, BackendGuard], Any, Any]:
     """A one-process forward's guards (``id(backend)`` → its :class:`BackendGuard`), compiled decode steps
@@ -154,7 +156,7 @@ def load_model(
     return decoder, tokenizer, config
 
 
-def check_model(model: Any, config: EngineConfig) -> str:
+def check_model(model: LlamaModel, config: EngineConfig) -> str:
     """That ``model`` is what ``config`` asks for (dtype, weight format); returns its weight format."""
     dtype = parse_dtype(config.dtype)
     if model.dtype != dtype:
@@ -165,7 +167,7 @@ def check_model(model: Any, config: EngineConfig) -> str:
     return weight_format
 
 
-def tensor_parallel_runner(model: Any, config: EngineConfig) -> Any:
+def tensor_parallel_runner(model: LlamaModel, config: EngineConfig) -> Any:
     """With ``tensor_parallel_size > 1``, rank 0's side of the group (this process computes rank 0's shard;
     its ``model`` is that shard); else None."""
     if config.tensor_parallel_size == 1:

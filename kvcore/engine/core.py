@@ -59,6 +59,7 @@ from kvcore.scheduling.batch import ScheduledBatch
 from kvcore.scheduling.request import EngineGauges, EngineStats, FinishReason, GenerationResult, Request, TokenEvent
 from kvcore.scheduling.scheduler import Scheduler
 from kvcore.speculative.speculator import speculator_for
+from kvcore.text.tokenizer import Tokenizer
 
 __all__ = ["Engine", "EngineConfig", "parse_dtype"]
 
@@ -70,7 +71,7 @@ class Engine:
     def __init__(
         self,
         model: LlamaModel,
-        tokenizer: Any | None = None,
+        tokenizer: Tokenizer | None = None,
         config: EngineConfig | None = None,
         *,
         registry: PluginRegistry | None = None,

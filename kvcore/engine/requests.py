@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any
+from typing import Protocol
 
 from kvcore.errors import ContextLengthError, InvalidRequestError
 from kvcore.interfaces.sampler import SamplingParams
@@ -13,13 +13,15 @@ from kvcore.model.config import DEFAULT_MAX_MODEL_LEN, ModelConfig
 from kvcore.sampling.structured import GrammarCompiler
 from kvcore.scheduling.request import GenerationResult, Request, TokenEvent
 from kvcore.text.outputs import StopStrings, TextOutput
+from kvcore.text.tokenizer import Tokenizer
 
 __all__ = ["new_requests", "prompt_batch", "prompt_token_ids", "request_result", "run_batch", "run_chat",
            "stream_events"]
 
 
 def prompt_token_ids(
-    prompt: str | Sequence[int], params: SamplingParams, tokenizer: Any, model_config: ModelConfig, max_num_seqs: int,
+    prompt: str | Sequence[int], params: SamplingParams, tokenizer: Tokenizer | None, model_config: ModelConfig,
+    max_num_seqs: int,
     max_model_len: int,
 ) -> list[int]:
     """``prompt``'s token ids, after checking what a request can be refused for before it runs: an empty
@@ -67,8 +69,8 @@ def _context_fix(max_model_len: int, model_config: ModelConfig) -> str:
 
 
 def new_requests(
-    ids: list[str], prompt_ids: list[int], params: SamplingParams, eos_token_ids: frozenset[int], tokenizer: Any,
-    grammars: GrammarCompiler | None,
+    ids: list[str], prompt_ids: list[int], params: SamplingParams, eos_token_ids: frozenset[int],
+    tokenizer: Tokenizer | None, grammars: GrammarCompiler | None,
 ) -> list[Request]:
     """The requests of one added prompt, one per sample id of ``ids`` (sample ``i`` seeded ``params.seed + i``, or
     from a seed drawn now), each with its text output and, for structured output, its grammar matcher."""
@@ -85,7 +87,7 @@ def new_requests(
     return reqs
 
 
-def request_result(req: Request, tokenizer: Any) -> GenerationResult:
+def request_result(req: Request, tokenizer: Tokenizer | None) -> GenerationResult:
     """The state of request ``req``; final once it finished."""
     if req.params.stop or tokenizer is None:
         text = req.text_output.text  # what was streamed: cut before a stop string
@@ -130,10 +132,29 @@ def prompt_batch(
     return list(zip(prompts, per))
 
 
-# The conveniences below drive an engine through its public request API only (add_request, step, abort,
-# release), as any caller's own loop would.
+class RequestAPI(Protocol):
+    """What the conveniences below drive an engine through: its public request API only, as any caller's own
+    loop would (:class:`~kvcore.engine.core.Engine`'s)."""
 
-def run_batch(engine: Any, batch: list[tuple[str | Sequence[int], SamplingParams | None]]) -> list[GenerationResult]:
+    tokenizer: Tokenizer | None
+
+    def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str: ...
+
+    def sample_ids(self, request_id: str) -> list[str]: ...
+
+    def is_finished(self, request_id: str) -> bool: ...
+
+    def step(self) -> list[TokenEvent]: ...
+
+    def abort(self, request_id: str) -> None: ...
+
+    def release(self, request_id: str) -> GenerationResult: ...
+
+
+def run_batch(
+    engine: RequestAPI, batch: list[tuple[str | Sequence[int], SamplingParams | None]]
+) -> list[GenerationResult]:
     """Run ``batch`` to completion; results in order (with ``n > 1``, a prompt's samples in sample order).
     Interrupted, it aborts and forgets its requests, leaving the engine as it found it."""
     ids: list[str] = []
@@ -153,7 +174,8 @@ def run_batch(engine: Any, batch: list[tuple[str | Sequence[int], SamplingParams
     return [engine.release(r) for r in ids]
 
 
-def run_chat(engine: Any, messages: list[dict], params: SamplingParams | None, tools: list[dict] | None):
+def run_chat(engine: RequestAPI, messages: list[dict], params: SamplingParams | None, tools: list[dict] | None
+             ) -> GenerationResult:
     """One conversation rendered with the model's chat template, generated to completion (the first sample)."""
     if engine.tokenizer is None:
         raise InvalidRequestError("this engine has no tokenizer: chat needs one for the chat template")
@@ -161,7 +183,9 @@ def run_chat(engine: Any, messages: list[dict], params: SamplingParams | None, t
     return run_batch(engine, [(engine.tokenizer.encode(text, add_bos=False), params)])[0]
 
 
-def stream_events(engine: Any, prompt: str | Sequence[int], params: SamplingParams | None) -> Iterator[TokenEvent]:
+def stream_events(
+    engine: RequestAPI, prompt: str | Sequence[int], params: SamplingParams | None
+) -> Iterator[TokenEvent]:
     """The events of one request's tokens (of each sample, n > 1); released when the stream ends or closes."""
     ids = engine.sample_ids(engine.add_request(prompt, params))
     try:
@@ -173,7 +197,7 @@ def stream_events(engine: Any, prompt: str | Sequence[int], params: SamplingPara
         _drop(engine, ids)
 
 
-def _drop(engine: Any, ids: list[str]) -> None:
+def _drop(engine: RequestAPI, ids: list[str]) -> None:
     for rid in ids:
         try:
             engine.abort(rid)

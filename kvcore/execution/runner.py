@@ -19,7 +19,8 @@ from kvcore.interfaces.metadata import AttentionMetadata
 from kvcore.model.decoder import LlamaModel
 from kvcore.model.fused_layer import fused_layer_reasons
 
-__all__ = ["Executor", "ModelRunner", "decode_stack_reasons", "run_model", "last_token_logits", "position_logits"]
+__all__ = ["Executor", "ModelRunner", "RunConfig", "decode_stack_reasons", "run_model", "last_token_logits",
+           "position_logits"]
 
 
 def run_model(
@@ -143,11 +144,27 @@ def position_logits(
     return logits
 
 
+class RunConfig(Protocol):
+    """What an executor reads of the engine's configuration (an :class:`~kvcore.engine.config.EngineConfig`)."""
+
+    @property
+    def device(self) -> str: ...
+
+    @property
+    def tensor_parallel_size(self) -> int: ...
+
+    @property
+    def backend_options(self) -> dict[str, dict[str, Any]]: ...  # per backend name: its constructor options
+
+    @property
+    def kv_cache_options(self) -> dict[str, dict[str, Any]]: ...  # per KV cache name: its constructor options
+
+
 class Executor(Protocol):
     """Runs one scheduled forward wherever the model lives."""
 
     def start(self, prefill_backend: AttentionBackend, decode_backend: AttentionBackend, cache: KVCache,
-              config: Any) -> None:
+              config: RunConfig) -> None:
         """Called once the engine has its backends and cache, before the first step."""
 
     def forward(self, is_prefill: bool, backend: AttentionBackend, cache: KVCache, meta: AttentionMetadata,

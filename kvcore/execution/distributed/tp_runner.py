@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from kvcore.errors import ConfigError, TensorParallelError
 from kvcore.execution.distributed.parallel_state import (
@@ -40,7 +41,7 @@ from kvcore.execution.distributed.parallel_state import (
 )
 from kvcore.execution.distributed.sharding import build_local_model, local_config, plan_shards, shard_state
 from kvcore.execution.distributed.worker import Components, Step, rank_device, run_worker, spawned_worker_main
-from kvcore.execution.runner import last_token_logits, position_logits
+from kvcore.execution.runner import RunConfig, last_token_logits, position_logits
 from kvcore.interfaces.attention import AttentionBackend
 from kvcore.interfaces.kv_cache import KVCache
 from kvcore.interfaces.metadata import AttentionMetadata
@@ -56,7 +57,7 @@ class _Group:
         self.procs: list[Any] = []  # spawned workers (empty under torchrun)
         self.restore_threads = 0  # rank 0's intra-op thread count before the group took its share
         self.group: RankGroup | None = None
-        self.store: Any = None
+        self.store: dist.Store | None = None
         self.closed = False
 
     def shutdown(self, graceful: bool) -> None:
@@ -87,7 +88,7 @@ class TensorParallelRunner:
     cache from its config). Call :meth:`start` once the backends and rank 0's cache exist.
     """
 
-    def __init__(self, model: LlamaModel, config: Any) -> None:
+    def __init__(self, model: LlamaModel, config: RunConfig) -> None:
         n = config.tensor_parallel_size
         self.world_size = n
         self.shards = plan_shards(model.config, n)
@@ -122,7 +123,7 @@ class TensorParallelRunner:
             model, self.shards[0], with_lm_head=True), self._state.group.all_reduce, device)
 
     # -- start-up ------------------------------------------------------------------------------------
-    def _spawn(self, model: LlamaModel, config: Any, endpoint: Endpoint) -> None:
+    def _spawn(self, model: LlamaModel, config: RunConfig, endpoint: Endpoint) -> None:
         import torch.multiprocessing as mp  # registers the shared-memory pickling of tensors
 
         ctx = mp.get_context("spawn")
@@ -142,7 +143,7 @@ class TensorParallelRunner:
             self._state.procs.append(proc)
 
     @staticmethod
-    def _serve_as_worker(model: LlamaModel, config: Any, rank: int, endpoint: Endpoint) -> int:
+    def _serve_as_worker(model: LlamaModel, config: RunConfig, rank: int, endpoint: Endpoint) -> int:
         device = rank_device(config.device, rank)
         if device.type == "cuda":
             torch.cuda.set_device(device)
@@ -175,7 +176,7 @@ class TensorParallelRunner:
         return [notes[r] for r in range(1, self.world_size)]
 
     def start(self, prefill_backend: AttentionBackend, decode_backend: AttentionBackend, cache: KVCache,
-              config: Any) -> None:
+              config: RunConfig) -> None:
         """Have every rank make the same backends and a KV cache like ``cache`` over its local heads."""
         backend_options, cache_options = config.backend_options, config.kv_cache_options
         components = Components((type(prefill_backend), dict(backend_options.get(prefill_backend.name) or {})),
@@ -202,8 +203,7 @@ class TensorParallelRunner:
     def forward_positions(self, backend: AttentionBackend, cache: KVCache, meta: AttentionMetadata,
                           input_ids: Sequence[int], rows: Sequence[int], num_positions: Sequence[int],
                           copies: Sequence[tuple[int, int]] = ()) -> torch.Tensor:
-        """Run one decode step on every rank; rank 0's logits of the last ``num_positions[j]`` tokens of sequence
-        ``rows[j]`` (:func:`~kvcore.execution.runner.position_logits`)."""
+        """Run one decode step on every rank; rank 0's logits of several positions per row (:func:`position_logits`)."""
         return self._step(Step.of(False, input_ids, meta, copies),
                           lambda ids: position_logits(self.model, backend, cache, meta, ids, rows, num_positions))
 
