@@ -1,5 +1,6 @@
 """The executor seam: :class:`~kvcore.execution.runner.Executor` names every method the engine calls on its
-runner, and both runners (one process, tensor-parallel) implement each with the protocol's parameters."""
+runner, and both runners (one process, tensor-parallel) implement each with the protocol's parameters, the
+verification forward included."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import inspect
 from pathlib import Path
 
 import pytest
+import torch
 
+from kvcore import Engine, EngineConfig, SamplingParams
 from kvcore.execution.distributed.tp_runner import TensorParallelRunner
 from kvcore.execution.runner import Executor, ModelRunner
 
@@ -57,3 +60,26 @@ def test_nothing_outside_execution_calls_a_runner_method_the_protocol_lacks():
 def test_a_call_outside_the_protocol_is_seen():
     planted = "def step(engine):\n    engine.runner.forward(1)\n    return engine.runner.warm_up()\n"
     assert runner_calls(planted) - PROTOCOL == {"warm_up"}
+
+
+def _verification_logits(model, config: EngineConfig) -> torch.Tensor:
+    """The logits of a verification row ``[last token, two drafts]`` after a prefill, as ``config``'s runner
+    scores them (the scheduler reserves the row with its drafts, as a speculative step does)."""
+    engine = Engine(model, None, config)
+    try:
+        engine.add_request([5, 6, 7, 8, 9], SamplingParams(max_new_tokens=8, ignore_eos=True))
+        engine.step()  # the prefill: the request now decodes
+        batch = engine.scheduler.schedule().batch
+        verify = engine.scheduler.add_drafts(batch, [2])
+        ids = [batch.requests[0].output_ids[-1], 11, 12]
+        return engine.runner.forward_positions(engine.decode_backend, engine.kv.cache, engine.forward.metadata(verify),
+                                               ids, [0], verify.query_lens, verify.copies)
+    finally:
+        engine.close()
+
+
+def test_tensor_parallel_forward_positions_scores_what_one_process_does(random_model):
+    one = _verification_logits(random_model, EngineConfig(backend="sdpa"))
+    two = _verification_logits(random_model, EngineConfig(backend="sdpa", tensor_parallel_size=2))
+    assert one.shape == (3, random_model.config.vocab_size)
+    torch.testing.assert_close(two, one, rtol=1e-4, atol=1e-4)
