@@ -71,13 +71,13 @@ def test_float16_cache_passes_held_to_its_unit_roundoff(proposer):
 
 def _shift_logprobs(monkeypatch, delta: float) -> None:
     """Plant a bug: every logprob a verification emits is off by ``delta``."""
-    real = verify.SpeculativeStep._verified
+    real = verify.Verifier._verified
 
     def shifted(self, logits, views, reqs, proposals):
         rows = real(self, logits, views, reqs, proposals)
         return [[(t, None if lp is None else (lp[0] + delta, lp[1])) for t, lp in row] for row in rows]
 
-    monkeypatch.setattr(verify.SpeculativeStep, "_verified", shifted)
+    monkeypatch.setattr(verify.Verifier, "_verified", shifted)
 
 
 @pytest.mark.parametrize("kv_cache, delta, caught", [

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-import kvcore.engine.step
 import kvcore.execution.runner
+import kvcore.scheduling.scheduler
 from kvcore import Engine, EngineConfig, FinishReason, SamplingParams
 
 WORKLOAD = [
@@ -45,21 +45,21 @@ def baseline(random_model):
     return {r: res.token_ids for r, res in results.items()}
 
 
-STAGES = ["schedule", "prepare", "forward", "commit", "logprobs", "sample", "fork", "advance", "finish", "free"]
+STAGES = ["schedule", "reserve", "forward", "commit", "logprobs", "sample", "fork", "advance", "finish", "free"]
 
 
 def stages(engine: Engine) -> dict[str, tuple[object, str]]:
     """Every stage of a step: (object, attribute) to wrap."""
     return {
         "schedule": (engine.scheduler, "schedule"),
-        "prepare": (engine.kv, "prepare"),
+        "reserve": (engine.kv, "reserve"),
         "forward": (kvcore.execution.runner, "last_token_logits"),  # what the step's runner calls
         "commit": (engine.kv.blocks, "commit"),
         "logprobs": (engine.sampler, "logprobs"),
         "sample": (engine.sampler, "sample"),
-        "fork": (engine, "_fork"),
-        "advance": (engine, "_advance"),
-        "finish": (engine, "_finish"),
+        "fork": (engine.scheduler, "fork"),
+        "advance": (kvcore.scheduling.scheduler, "emit"),  # one sampled token into its request
+        "finish": (engine.scheduler, "finish"),
         "free": (engine.kv, "free_sequence"),
     }
 
@@ -129,7 +129,7 @@ def test_interrupted_generate_and_stream_leave_nothing_behind(random_model, base
     engine = Engine(random_model, None, EngineConfig(**CONFIG))
     prompts, params = zip(*WORKLOAD)
     want = [baseline[r] for r in baseline]
-    inject(monkeypatch, engine.kv, "prepare", 3, False, KeyboardInterrupt)
+    inject(monkeypatch, engine.kv, "reserve", 3, False, KeyboardInterrupt)
     with pytest.raises(KeyboardInterrupt):
         engine.generate(prompts, list(params))
     assert not engine._requests and not engine.has_unfinished()

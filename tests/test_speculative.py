@@ -82,13 +82,13 @@ def test_planted_kv_not_rolled_back_is_caught(monkeypatch):
 
 
 def test_planted_bonus_token_dropped_is_caught(monkeypatch):
-    real = verify.SpeculativeStep._verified
+    real = verify.Verifier._verified
 
     def drop_bonus(self, logits, views, reqs, proposals):
         out = real(self, logits, views, reqs, proposals)
         return [t[:-1] if len(t) == len(p.token_ids) + 1 and p.token_ids else t for t, p in zip(out, proposals)]
 
-    monkeypatch.setattr(verify.SpeculativeStep, "_verified", drop_bonus)
+    monkeypatch.setattr(verify.Verifier, "_verified", drop_bonus)
     result = run_case("sdpa", ORACLE, "greedy")
     assert result.status == FAIL and "bonus" in result.detail
 

@@ -112,7 +112,7 @@ def test_a_planted_difference_is_caught(model, monkeypatch, bug):
     if bug.startswith("verification attention"):
         monkeypatch.setattr(cpu_decode, "SHORT_ROWS", 0)
     else:
-        monkeypatch.setattr(ModelRunner, "forward_positions", lambda self, backend, cache, meta, ids, rows, num:
+        monkeypatch.setattr(ModelRunner, "forward_positions", lambda self, backend, cache, meta, ids, rows, num, *_:
                             position_logits(self.model, backend, cache, meta, ids, rows, num))
     found = _differences(model, _prompts(1, 300), Oracle.name)
     assert found and all("logprobs" in f or "token_ids" in f or "acceptance" in f for f in found), found

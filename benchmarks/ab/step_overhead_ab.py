@@ -33,7 +33,7 @@ import torch
 
 from kvcore import Engine, EngineConfig, SamplingParams
 from kvcore.backends.sdpa import SDPABackend, SDPAPlan
-from kvcore.engine.step import EngineStep
+from kvcore.engine.forward import Forward
 from kvcore.execution import backend_check
 from kvcore.loaders import gguf_blocks
 from kvcore.model.lm_head import RescoredInt4Head
@@ -41,16 +41,17 @@ from kvcore.model.rope import RotaryEmbedding
 from kvcore.sampling import processors
 
 _HEAD_CALL = RescoredInt4Head.__call__
-_SUPPRESS_EOS = EngineStep._suppress_eos
+_SUPPRESS_EOS = Forward.suppress_eos
 
 
 def _old_eos(self, reqs, logits):
-    """What ``_suppress_eos`` did before where every row ignores EOS (other batches: unchanged)."""
-    if not (self.eos_token_ids and all(r.params.ignore_eos for r in reqs)):
+    """What ``suppress_eos`` did before where every row ignores EOS (other batches: unchanged)."""
+    eos = self.engine.eos_token_ids
+    if not (eos and all(r.params.ignore_eos for r in reqs)):
         return _SUPPRESS_EOS(self, reqs, logits)
     cols = self.__dict__.get("_old_eos_columns")
     if cols is None:
-        cols = self._old_eos_columns = torch.tensor(sorted(self.eos_token_ids), device=logits.device)
+        cols = self._old_eos_columns = torch.tensor(sorted(eos), device=logits.device)
     logits[:, cols] = float("-inf")
 
 
@@ -93,7 +94,7 @@ def _before(change: str):
     if change in ("argmax", "all"):
         patch(processors, "kernels_loaded", lambda: False)
     if change in ("eos", "all"):
-        patch(EngineStep, "_suppress_eos", _old_eos)
+        patch(Forward, "suppress_eos", _old_eos)
     if change in ("plan", "all"):
         patch(SDPABackend, "plan", _old_plan)
     if change in ("rope", "all"):

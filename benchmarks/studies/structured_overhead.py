@@ -23,7 +23,8 @@ import time
 
 import torch
 
-import kvcore.engine.step
+import kvcore.engine.forward
+import kvcore.scheduling.outputs
 from kvcore import Engine, EngineConfig, SamplingParams, StructuredOutput
 
 SCHEMA = {
@@ -42,7 +43,7 @@ class GrammarClock:
 
     def __init__(self, engine: Engine) -> None:
         self.seconds = 0.0
-        mask, accept = kvcore.engine.step.apply_grammar_masks, engine._accept
+        mask, accept = kvcore.engine.forward.apply_grammar_masks, kvcore.scheduling.outputs._refused
 
         def timed(fn):
             def run(*a, **kw):
@@ -53,8 +54,8 @@ class GrammarClock:
                     self.seconds += time.perf_counter() - start
             return run
 
-        kvcore.engine.step.apply_grammar_masks = timed(mask)
-        engine._accept = timed(accept)
+        kvcore.engine.forward.apply_grammar_masks = timed(mask)
+        kvcore.scheduling.outputs._refused = timed(accept)
 
 
 def decode_steps(engine: Engine, prompts: list[list[int]], params: SamplingParams, steps: int) -> list[float]:

@@ -5,7 +5,7 @@ steps, the LM head format)."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -18,16 +18,18 @@ from kvcore.interfaces.dtypes import dtype_name
 from kvcore.interfaces.kv_cache import CacheSpec, KVCache
 from kvcore.interfaces.layer_attention import LayerAttention
 from kvcore.model.config import ModelConfig
+from kvcore.model.decoder import LlamaModel
 from kvcore.model.embedding import head_rows
 from kvcore.model.layers import bind_variants
 from kvcore.plugins.registry import PluginEntry, PluginRegistry
 from kvcore.scheduling.kv_groups import KVGroups, group_layers
+from kvcore.text.tokenizer import Tokenizer
 
-__all__ = ["build_kv_cache", "check_model", "kv_groups", "local_execution", "serving_config",
+__all__ = ["build_kv_cache", "check_model", "kv_groups", "load_model", "local_execution", "serving_config",
            "tensor_parallel_runner", "variant_layers", "prefix_namespace"]
 
 
-def variant_layers(registry: PluginRegistry, config: EngineConfig, model: Any) -> tuple[LayerAttention, ...]:
+def variant_layers(registry: PluginRegistry, config: EngineConfig, model: LlamaModel) -> tuple[LayerAttention, ...]:
     """The model's per-layer attention with ``config.attention_variants`` bound to each layer. The engine holds
     them, not the model: engines over one model object may select different variants."""
     if not config.attention_variants:
@@ -41,7 +43,9 @@ def variant_layers(registry: PluginRegistry, config: EngineConfig, model: Any) -
                          num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim)
 
 
-def prefix_namespace(model: Any, dtype: torch.dtype, weight_format: str, cache_name: str, config: EngineConfig) -> str:
+def prefix_namespace(
+    model: LlamaModel, dtype: torch.dtype, weight_format: str, cache_name: str, config: EngineConfig
+) -> str:
     """What prefix-cache keys name besides the tokens. One cache serves one engine, but a key never means the same
     tokens under another model, dtype, weight format, cache layout or attention-variant selection (with options)."""
     variants = [(n, sorted(config.variant_options.get(n, {}).items())) for n in config.attention_variants]
@@ -102,7 +106,7 @@ def build_kv_cache(
 
 
 def local_execution(
-    model: Any, config: EngineConfig, backends: Sequence[AttentionBackend], device: torch.device, *,
+    model: LlamaModel, config: EngineConfig, backends: Sequence[AttentionBackend], device: torch.device, *,
     tensor_parallel: bool,
 ) -> tuple[dict[int, BackendGuard], Any, Any]:
     """A one-process forward's guards (``id(backend)`` → its :class:`BackendGuard`), compiled decode steps
@@ -134,7 +138,25 @@ def local_execution(
     return guards, compiled, head
 
 
-def check_model(model: Any, config: EngineConfig) -> str:
+def load_model(
+    model: str, config: EngineConfig, model_cache: bool | None, request_tokens: Callable[[Tokenizer], int] | None,
+) -> tuple[LlamaModel, Tokenizer, EngineConfig]:
+    """Load ``model`` for an engine of ``config`` (see :meth:`~kvcore.engine.core.Engine.from_pretrained`): the
+    decoder, its tokenizer, and ``config`` with ``max_model_len`` sized to ``request_tokens`` when it has none."""
+    from kvcore.loaders.heap import trim_heap
+    from kvcore.loaders.model_cache import load_pretrained
+
+    decoder, tokenizer = load_pretrained(
+        model, parse_dtype(config.dtype), config.device, config.max_model_len, model_cache, config.weights
+    )
+    trim_heap()
+    if request_tokens is not None and config.max_model_len is None:
+        window = decoder.config.max_position_embeddings
+        config = dataclasses.replace(config, max_model_len=min(window, max(2, request_tokens(tokenizer))))
+    return decoder, tokenizer, config
+
+
+def check_model(model: LlamaModel, config: EngineConfig) -> str:
     """That ``model`` is what ``config`` asks for (dtype, weight format); returns its weight format."""
     dtype = parse_dtype(config.dtype)
     if model.dtype != dtype:
@@ -145,7 +167,7 @@ def check_model(model: Any, config: EngineConfig) -> str:
     return weight_format
 
 
-def tensor_parallel_runner(model: Any, config: EngineConfig) -> Any:
+def tensor_parallel_runner(model: LlamaModel, config: EngineConfig) -> Any:
     """With ``tensor_parallel_size > 1``, rank 0's side of the group (this process computes rank 0's shard;
     its ``model`` is that shard); else None."""
     if config.tensor_parallel_size == 1:

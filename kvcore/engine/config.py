@@ -13,6 +13,7 @@ import torch
 from kvcore.engine.fields import EngineFields
 from kvcore.errors import BackendUnavailableError, ConfigError, PluginError, reject_unknown_keywords
 from kvcore.interfaces.attention import AttentionBackend
+from kvcore.interfaces.kv_cache import CacheSpec, KVCache
 from kvcore.interfaces.layer_attention import VARIANTS
 from kvcore.interfaces.setting import check_declared
 from kvcore.kernels.quant import check_runnable, check_weight_format
@@ -102,7 +103,7 @@ def check_memory(what: str, num_bytes: int, device: torch.device, hint: str) -> 
         )
 
 
-def check_cache_memory(cls: type, spec: Any, options: dict[str, Any] | None) -> None:
+def check_cache_memory(cls: type[KVCache], spec: CacheSpec, options: dict[str, Any] | None) -> None:
     """A KV cache (class ``cls``, sizes ``spec``) bigger than the device's memory is a ConfigError naming the
     settings to lower, raised before allocating."""
     if cls.paged and (options or {}).get("block_size") is not None:

@@ -2,26 +2,22 @@
 
 One :meth:`Engine.step` is::
 
-    schedule  →  metadata (once)  →  backend plan (once)  →  model  →  sampler  →  post-process
-    Scheduler    KVCacheManager       AttentionBackend         LlamaModel  Sampler    Engine
-                 .prepare              .plan                                          (stop checks, events)
+    schedule   →  execute                    →  sample   →  update_from_output
+    Scheduler     Forward (or Verifier):         Sampler     Scheduler
+    (KV room)     metadata, backend plan, model              (tokens, stop checks, forks, finishes, frees)
 
-The scheduler fills one forward with rows (see :mod:`kvcore.scheduling.scheduler`): decode rows of the running
-requests and, with chunked prefill, prompt chunks in the same call. Rows that complete their sequence
-are sampled; a partly prefilled request produces no token until its last chunk. A step with any prefill
-row runs on the prefill backend, a pure decode step on the decode backend. Requests leave the batch the
-step they finish, giving their KV blocks back.
+The scheduler fills one forward with rows and reserves their KV room (:mod:`kvcore.scheduling.scheduler`):
+decode rows and, with chunked prefill, prompt chunks; a partly prefilled request produces no token until its
+last chunk. A step with a prefill row runs on the prefill backend, else on the decode backend
+(:mod:`kvcore.engine.forward`); with a proposer, a decode step scores drafts (:mod:`kvcore.engine.verify`).
 
-``n > 1``: :meth:`Engine.add_request` returns the group id ``rid``; its samples are requests
-``f"{rid}:{i}"`` (:meth:`Engine.sample_ids`). Sample 0 prefills the prompt once; its last position's
-logits give every sample's first token, then the others fork its KV blocks (copy-on-write). Sample
-``i`` uses seed ``seed + i``.
+``n > 1``: :meth:`Engine.add_request` returns the group id ``rid``; its samples are requests ``f"{rid}:{i}"``
+(:meth:`Engine.sample_ids`). Sample 0 prefills the prompt once; its last position's logits give every sample's
+first token, then the others fork its KV blocks (copy-on-write). Sample ``i`` uses seed ``seed + i``.
 
-Failures and interruptions: an error of a forward or sampler fails the requests of that forward only
-(a forward mixing decode and prefill rows is retried split by phase first, so a failing prefill cannot
-take the running streams down). An exception or KeyboardInterrupt anywhere inside :meth:`Engine.step`
-leaves every request either untouched, re-queued for recomputation (same stream), or failed, and no
-KV block leaked; events made before the interruption come with the next step.
+Failures: an error of a forward or sampler fails the requests of that forward only. An exception or
+KeyboardInterrupt anywhere inside :meth:`Engine.step` leaves every request untouched, re-queued for recomputation
+(same stream), or failed, and no KV block leaked; events made before it come with the next step.
 
 Threading: an ``Engine`` is not thread-safe. Call every method from one thread (a serving front owns
 the engine in one loop and talks to it through queues).
@@ -29,57 +25,53 @@ the engine in one loop and talks to it through queues).
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
-import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
 
-from kvcore.engine.build import (
-    build_kv_cache,
-    check_model,
-    kv_groups,
-    local_execution,
-    prefix_namespace,
-    serving_config,
-    tensor_parallel_runner,
-    variant_layers,
-)
-from kvcore.engine.config import EngineConfig, parse_dtype, select_components
+from kvcore.engine.assembly import assemble
+from kvcore.engine.build import load_model, serving_config
+from kvcore.engine.config import EngineConfig, parse_dtype
 from kvcore.engine.defaults import DefaultChoice, choose_defaults, file_facts, model_facts
-from kvcore.engine.requests import prompt_batch, prompt_token_ids, request_result, run_batch, run_chat, stream_events
+from kvcore.engine.forward import Forward
+from kvcore.engine.requests import (
+    new_requests,
+    prompt_batch,
+    prompt_token_ids,
+    request_result,
+    run_batch,
+    run_chat,
+    stream_events,
+)
 from kvcore.engine.settings import Settings, prepare_run
-from kvcore.engine.step import EngineStep
-from kvcore.errors import InvalidRequestError, RequestAbortedError
-from kvcore.execution.runner import Executor, ModelRunner
-from kvcore.interfaces.layer_attention import variants_of
+from kvcore.engine.verify import Verifier
+from kvcore.errors import InvalidRequestError, KVCoreError, ModelFileChangedError, RequestAbortedError
+from kvcore.execution.runner import Executor
+from kvcore.interfaces.kv_cache import KVCache
 from kvcore.interfaces.sampler import Sampler, SamplingParams
-from kvcore.model.config import check_max_model_len
+from kvcore.loaders.watched import model_file_problem
 from kvcore.model.decoder import LlamaModel
 from kvcore.plugins.registry import PluginRegistry, get_registry
 from kvcore.sampling.structured import GrammarCompiler
-from kvcore.scheduling.kv_manager import KVCacheManager
+from kvcore.scheduling.batch import ScheduledBatch
 from kvcore.scheduling.request import EngineGauges, EngineStats, FinishReason, GenerationResult, Request, TokenEvent
 from kvcore.scheduling.scheduler import Scheduler
 from kvcore.speculative.speculator import speculator_for
-from kvcore.text.outputs import StopStrings, TextOutput
+from kvcore.text.tokenizer import Tokenizer
 
 __all__ = ["Engine", "EngineConfig", "parse_dtype"]
 
 
-class Engine(EngineStep):
-    """Runs requests through a model with the configured backends, KV cache and sampler.
-
-    Use :meth:`add_request` + :meth:`step` (a serving loop), or the conveniences :meth:`generate` and
-    :meth:`stream`.
-    """
+class Engine:
+    """Runs requests through a model with the configured backends, KV cache and sampler. Use :meth:`add_request`
+    + :meth:`step` (a serving loop), or the conveniences :meth:`generate` and :meth:`stream`."""
 
     def __init__(
         self,
         model: LlamaModel,
-        tokenizer: Any | None = None,
+        tokenizer: Tokenizer | None = None,
         config: EngineConfig | None = None,
         *,
         registry: PluginRegistry | None = None,
@@ -91,52 +83,33 @@ class Engine(EngineStep):
         self.choice = choice or choose_defaults(config or EngineConfig(), model_facts(model), registry)
         self.config = config = self.choice.apply(config or EngineConfig())
         self.model, self.tokenizer = model, tokenizer
-        mc = model.config
         self.dtype, self.device = parse_dtype(config.dtype), torch.device(config.device)
-        weight_format = check_model(model, config)
+        parts = assemble(registry, config, model, sampler, self.dtype, self.device)
         #: each layer's attention as this engine runs it: the model's, with config.attention_variants bound
-        self.attention_layers = variant_layers(registry, config, model)
-        tp_runner = tensor_parallel_runner(model, config)
-        if tp_runner is not None:
-            mc = tp_runner.model.config  # local heads: backends and the KV cache see only this rank's
-        heads = dict(num_heads=mc.num_attention_heads, num_kv_heads=mc.num_key_value_heads)
-        chosen = select_components(registry, config, head_dim=mc.head_dim, variants=variants_of(self.attention_layers),
-                                   **heads)
-        self.prefill_backend, self.decode_backend = chosen.prefill_backend, chosen.decode_backend
-        backends = (self.prefill_backend, self.decode_backend)
-        guards, self.compiled_decode, self.lm_head = local_execution(
-            model, config, backends, self.device, tensor_parallel=tp_runner is not None
-        )
+        self.attention_layers = parts.attention_layers
+        self.prefill_backend, self.decode_backend = parts.prefill_backend, parts.decode_backend
+        self.compiled_decode, self.lm_head = parts.compiled_decode, parts.lm_head
         #: runs each step's forward: here, or on every rank of the tensor-parallel group
-        self.runner: Executor = tp_runner or ModelRunner(model, guards, self.compiled_decode, self.lm_head)
-        self.sampler = sampler or registry.create_sampler(config.sampler, config.sampler_options.get(config.sampler))
-        window = mc.max_position_embeddings
-        check_max_model_len(config.max_model_len, window)
-        self.max_model_len = config.max_model_len or min(window, EngineConfig.DEFAULT_MAX_MODEL_LEN)
-        groups, window_pool = kv_groups(self.attention_layers, mc.num_hidden_layers, config, chosen.kv_cache,
-                                        self.max_model_len)
-        cache, self.kv_cache_name = build_kv_cache(registry, chosen.kv_cache, config, mc, self.max_model_len, groups)
-        cache_name = self.kv_cache_name
-        self.runner.start(self.prefill_backend, self.decode_backend, cache, config)
-        namespace = prefix_namespace(model, self.dtype, weight_format, cache_name, config)
-        self.kv = KVCacheManager(cache, enable_prefix_caching=config.enable_prefix_caching, namespace=namespace,
-                                 groups=groups, window_pool=window_pool)
+        self.runner: Executor = parts.runner
+        self.sampler, self.max_model_len = parts.sampler, parts.max_model_len
+        self.kv, self.kv_cache_name = parts.kv, parts.kv_cache_name
+        mc = parts.model_config
         #: counters since construction (prefill / cached / decode / generated tokens, preemptions, ...)
         self.stats = EngineStats()
-        self.scheduler = Scheduler(
-            self.kv, config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill, self.stats
-        )
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.enable_chunked_prefill, self.stats, self.max_model_len)
         eos = set(mc.eos_token_ids) | set(getattr(tokenizer, "eos_token_ids", None) or [])
         self.eos_token_ids = frozenset(eos)
         self._requests: dict[str, Request] = {}
         self._groups: dict[str, list[str]] = {}  # n > 1: group id -> its sample ids
-        self._outputs: dict[str, TextOutput] = {}
-        self._events: list[TokenEvent] = []
+        self._events: list[TokenEvent] = []  # made by the current step (or an interrupted one), not yet returned
         self._ids = itertools.count()
         #: compiles structured-output constraints (cached per grammar); None without a tokenizer
         self.grammars = GrammarCompiler(tokenizer, mc.vocab_size, sorted(eos)) if tokenizer is not None else None
         #: speculative decoding (config.proposer): the proposer and its counters; None = off
         self.speculator = speculator_for(self, registry)
+        self.forward = Forward(self)  # runs a batch: metadata, the executor's forward, the sampler
+        self.verifier = Verifier(self, self.speculator, self.forward, self.max_model_len) if self.speculator else None
 
     def serving_config(self) -> dict[str, Any]:
         """What serves requests: backends, KV cache, sampler, dtype, weights, device and limits (the start-up
@@ -148,7 +121,7 @@ class Engine(EngineStep):
         self.runner.close()
 
     @property
-    def cache(self):
+    def cache(self) -> KVCache:
         """The KV cache (storage); its blocks are addressed through ``self.kv``."""
         return self.kv.cache
 
@@ -171,20 +144,12 @@ class Engine(EngineStep):
             tokenizer, the tokens it needs (prompt + new tokens). Without ``max_model_len`` the KV cache is then
             sized to it instead of to the model's window.
         """
-        from kvcore.loaders.heap import load_scope, trim_heap
-        from kvcore.loaders.model_cache import load_pretrained
+        from kvcore.loaders.heap import load_scope
 
         config = config or EngineConfig()
         choice = choose_defaults(config, file_facts(model), kwargs.get("registry"))
-        config = choice.apply(config)
         with load_scope():  # what loading frees goes back to the system (the LM head is packed in the engine)
-            decoder, tokenizer = load_pretrained(
-                model, parse_dtype(config.dtype), config.device, config.max_model_len, model_cache, config.weights
-            )
-            trim_heap()
-            if request_tokens is not None and config.max_model_len is None:
-                window = decoder.config.max_position_embeddings
-                config = dataclasses.replace(config, max_model_len=min(window, max(2, request_tokens(tokenizer))))
+            decoder, tokenizer, config = load_model(model, choice.apply(config), model_cache, request_tokens)
             return cls(decoder, tokenizer, config, choice=choice, **kwargs)
 
     @classmethod
@@ -203,26 +168,15 @@ class Engine(EngineStep):
         """Queue a request; returns its id (with ``params.n > 1`` the group id, see :meth:`sample_ids`).
         Invalid requests raise and leave the engine untouched."""
         params = params or SamplingParams()
-        prompt_ids = prompt_token_ids(
-            prompt, params, self.tokenizer, self.model.config, self.config.max_num_seqs, self.max_model_len
-        )
+        prompt_ids = prompt_token_ids(prompt, params, self.tokenizer, self.model.config, self.config.max_num_seqs,
+                                      self.max_model_len)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         ids = [request_id] if params.n == 1 else [f"{request_id}:{i}" for i in range(params.n)]
         taken = [r for r in (request_id, *ids) if r in self._requests or r in self._groups]
         if taken:
             raise InvalidRequestError(f"request id '{taken[0]}' is already in use")
-        seed = params.seed if params.seed is not None else time.time_ns() % 2**63
-        reqs = [Request(rid, list(prompt_ids), params, self.eos_token_ids, seed=seed + i) for i, rid in enumerate(ids)]
-        if params.structured_output is not None:
-            if self.grammars is None:
-                raise InvalidRequestError("structured output needs a tokenizer; this engine has none")
-            for req in reqs:
-                req.matcher = self.grammars.matcher(params.structured_output)
-        for req in reqs:
-            req.metrics.num_prompt_tokens = len(prompt_ids)
-            decoder = self.tokenizer.stream_decoder() if self.tokenizer is not None else None
-            self._outputs[req.request_id] = TextOutput(decoder, StopStrings(params.stop) if params.stop else None)
-            self._requests[req.request_id] = req
+        reqs = new_requests(ids, prompt_ids, params, self.eos_token_ids, self.tokenizer, self.grammars)
+        self._requests.update((req.request_id, req) for req in reqs)
         if params.n > 1:
             self._groups[request_id] = ids
         reqs[0].pending_samples = reqs[1:]  # they fork sample 0's prompt blocks once it is computed
@@ -242,7 +196,7 @@ class Engine(EngineStep):
             if req is None or req.is_finished:
                 continue
             # The caller asked for it, so no event: the previous step's event list stays as it was returned.
-            self._finish(req, FinishReason.ABORT, RequestAbortedError(f"request '{rid}' was aborted"), emit=False)
+            self._fail([(req, RequestAbortedError(f"request '{rid}' was aborted"))], FinishReason.ABORT, emit=False)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -253,25 +207,21 @@ class Engine(EngineStep):
 
     def result(self, request_id: str) -> GenerationResult:
         """The state of one request (a sample id for ``n > 1``); final once it finished."""
-        return request_result(self._requests[request_id], self._outputs[request_id], self.tokenizer)
+        return request_result(self._requests[request_id], self.tokenizer)
 
     def release(self, request_id: str) -> GenerationResult:
         """Result of a finished request, then forget it."""
         result = self.result(request_id)
         if self._requests[request_id].is_finished:
             del self._requests[request_id]
-            self._outputs.pop(request_id, None)
             group = request_id.rpartition(":")[0]
             if group in self._groups and not any(r in self._requests for r in self._groups[group]):
                 del self._groups[group]
         return result
 
     # -- conveniences --------------------------------------------------------------------------------
-    def generate(
-        self,
-        prompts: str | Iterable[str | Sequence[int]],
-        params: SamplingParams | Sequence[SamplingParams] | None = None,
-    ) -> list[GenerationResult]:
+    def generate(self, prompts: str | Iterable[str | Sequence[int]],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[GenerationResult]:
         """Run a batch of prompts (any lengths) to completion; results in prompt order (with ``n > 1``,
         a prompt's n samples in sample order). A single string is one prompt (as in vLLM); so is a flat
         list of token ids. Interrupted, it aborts and forgets its requests."""
@@ -295,4 +245,54 @@ class Engine(EngineStep):
         it did since it was made)."""
         return EngineGauges(len(self.scheduler.running), len(self.scheduler.waiting), len(self._requests),
                             self.kv.num_blocks, self.kv.num_free_blocks)
+
+    # -- one step --------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self) -> list[TokenEvent]:
+        """Run one forward of the scheduled rows; returns the events it made (one per sampled token, and one
+        per request that failed)."""
+        try:
+            scheduled = self.scheduler.schedule()
+            self._fail(scheduled.failed)
+            if scheduled.batch is not None:
+                self.stats.num_steps += 1
+                self._run(scheduled.batch)
+        except BaseException:
+            self.scheduler.recover(self._requests.values())
+            raise
+        events, self._events = self._events, []
+        return events
+
+    def model_problem(self) -> str | None:
+        """Why the model can no longer run, or None: a file its weights are read from as it runs was truncated or
+        written to in place (:mod:`kvcore.loaders.watched`). One ``fstat`` per such file; any thread."""
+        return model_file_problem(self.model)
+
+    def _run(self, batch: ScheduledBatch) -> None:
+        """Execute and sample one reserved batch, then have the scheduler settle it."""
+        problem = self.model_problem()
+        if problem is not None:  # the weights are no longer those loaded, or no longer there: run nothing on them
+            return self._fail([(req, ModelFileChangedError(problem)) for req in batch.requests])
+        ran = self.verifier.run(batch) if self.verifier is not None else None
+        ran = ran or self.forward.run(batch)
+        self._fail(ran.failed)
+        if ran.output is not None:
+            num_emitted, first = [len(r.output_ids) for r in ran.output.batch.requests], len(self._events)
+            self.scheduler.update_from_output(ran.output, self._events)
+            if self.verifier is not None:
+                ended = [self._requests[e.request_id] for e in self._events[first:] if e.finish_reason is not None]
+                self._fail(self.verifier.settled(ran.output, num_emitted, ended))
+        for part in ran.retry:  # a failed mixed batch, one phase at a time
+            failed = self.scheduler.reserve(part)
+            self._fail(failed) if failed else self._run(part)
+
+    def _fail(self, failed: list[tuple[Request, KVCoreError]], reason: FinishReason = FinishReason.ERROR,
+              emit: bool = True) -> None:
+        """End each request of ``failed`` with its error (an event says so, unless not ``emit``)."""
+        for req, error in failed:
+            self.scheduler.finish(req, reason, error)
+            if self.speculator is not None:
+                self.speculator.finish(req)
+            if emit:
+                self._events.append(TokenEvent(req.request_id, None, "", reason, error))
 

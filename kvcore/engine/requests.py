@@ -3,20 +3,25 @@ engine's limits, and the :class:`~kvcore.scheduling.request.GenerationResult` of
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any
+from typing import Protocol
 
 from kvcore.errors import ContextLengthError, InvalidRequestError
 from kvcore.interfaces.sampler import SamplingParams
 from kvcore.model.config import DEFAULT_MAX_MODEL_LEN, ModelConfig
+from kvcore.sampling.structured import GrammarCompiler
 from kvcore.scheduling.request import GenerationResult, Request, TokenEvent
-from kvcore.text.outputs import TextOutput
+from kvcore.text.outputs import StopStrings, TextOutput
+from kvcore.text.tokenizer import Tokenizer
 
-__all__ = ["prompt_batch", "prompt_token_ids", "request_result", "run_batch", "run_chat", "stream_events"]
+__all__ = ["new_requests", "prompt_batch", "prompt_token_ids", "request_result", "run_batch", "run_chat",
+           "stream_events"]
 
 
 def prompt_token_ids(
-    prompt: str | Sequence[int], params: SamplingParams, tokenizer: Any, model_config: ModelConfig, max_num_seqs: int,
+    prompt: str | Sequence[int], params: SamplingParams, tokenizer: Tokenizer | None, model_config: ModelConfig,
+    max_num_seqs: int,
     max_model_len: int,
 ) -> list[int]:
     """``prompt``'s token ids, after checking what a request can be refused for before it runs: an empty
@@ -63,10 +68,29 @@ def _context_fix(max_model_len: int, model_config: ModelConfig) -> str:
             f"context window of {window} tokens{cap}")
 
 
-def request_result(req: Request, out: TextOutput, tokenizer: Any) -> GenerationResult:
-    """The state of request ``req`` (``out``: its streamed text); final once it finished."""
+def new_requests(
+    ids: list[str], prompt_ids: list[int], params: SamplingParams, eos_token_ids: frozenset[int],
+    tokenizer: Tokenizer | None, grammars: GrammarCompiler | None,
+) -> list[Request]:
+    """The requests of one added prompt, one per sample id of ``ids`` (sample ``i`` seeded ``params.seed + i``, or
+    from a seed drawn now), each with its text output and, for structured output, its grammar matcher."""
+    seed = params.seed if params.seed is not None else time.time_ns() % 2**63
+    if params.structured_output is not None and grammars is None:
+        raise InvalidRequestError("structured output needs a tokenizer; this engine has none")
+    reqs = [Request(rid, list(prompt_ids), params, eos_token_ids, seed=seed + i) for i, rid in enumerate(ids)]
+    for req in reqs:
+        if params.structured_output is not None:
+            req.matcher = grammars.matcher(params.structured_output)
+        req.metrics.num_prompt_tokens = len(prompt_ids)
+        decoder = tokenizer.stream_decoder() if tokenizer is not None else None
+        req.text_output = TextOutput(decoder, StopStrings(params.stop) if params.stop else None)
+    return reqs
+
+
+def request_result(req: Request, tokenizer: Tokenizer | None) -> GenerationResult:
+    """The state of request ``req``; final once it finished."""
     if req.params.stop or tokenizer is None:
-        text = out.text  # what was streamed: cut before a stop string
+        text = req.text_output.text  # what was streamed: cut before a stop string
     else:
         text = tokenizer.decode(req.output_ids)
     with_logprobs = req.params.logprobs is not None
@@ -108,10 +132,29 @@ def prompt_batch(
     return list(zip(prompts, per))
 
 
-# The conveniences below drive an engine through its public request API only (add_request, step, abort,
-# release), as any caller's own loop would.
+class RequestAPI(Protocol):
+    """What the conveniences below drive an engine through: its public request API only, as any caller's own
+    loop would (:class:`~kvcore.engine.core.Engine`'s)."""
 
-def run_batch(engine: Any, batch: list[tuple[str | Sequence[int], SamplingParams | None]]) -> list[GenerationResult]:
+    tokenizer: Tokenizer | None
+
+    def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str: ...
+
+    def sample_ids(self, request_id: str) -> list[str]: ...
+
+    def is_finished(self, request_id: str) -> bool: ...
+
+    def step(self) -> list[TokenEvent]: ...
+
+    def abort(self, request_id: str) -> None: ...
+
+    def release(self, request_id: str) -> GenerationResult: ...
+
+
+def run_batch(
+    engine: RequestAPI, batch: list[tuple[str | Sequence[int], SamplingParams | None]]
+) -> list[GenerationResult]:
     """Run ``batch`` to completion; results in order (with ``n > 1``, a prompt's samples in sample order).
     Interrupted, it aborts and forgets its requests, leaving the engine as it found it."""
     ids: list[str] = []
@@ -131,7 +174,8 @@ def run_batch(engine: Any, batch: list[tuple[str | Sequence[int], SamplingParams
     return [engine.release(r) for r in ids]
 
 
-def run_chat(engine: Any, messages: list[dict], params: SamplingParams | None, tools: list[dict] | None):
+def run_chat(engine: RequestAPI, messages: list[dict], params: SamplingParams | None, tools: list[dict] | None
+             ) -> GenerationResult:
     """One conversation rendered with the model's chat template, generated to completion (the first sample)."""
     if engine.tokenizer is None:
         raise InvalidRequestError("this engine has no tokenizer: chat needs one for the chat template")
@@ -139,7 +183,9 @@ def run_chat(engine: Any, messages: list[dict], params: SamplingParams | None, t
     return run_batch(engine, [(engine.tokenizer.encode(text, add_bos=False), params)])[0]
 
 
-def stream_events(engine: Any, prompt: str | Sequence[int], params: SamplingParams | None) -> Iterator[TokenEvent]:
+def stream_events(
+    engine: RequestAPI, prompt: str | Sequence[int], params: SamplingParams | None
+) -> Iterator[TokenEvent]:
     """The events of one request's tokens (of each sample, n > 1); released when the stream ends or closes."""
     ids = engine.sample_ids(engine.add_request(prompt, params))
     try:
@@ -151,7 +197,7 @@ def stream_events(engine: Any, prompt: str | Sequence[int], params: SamplingPara
         _drop(engine, ids)
 
 
-def _drop(engine: Any, ids: list[str]) -> None:
+def _drop(engine: RequestAPI, ids: list[str]) -> None:
     for rid in ids:
         try:
             engine.abort(rid)

@@ -19,7 +19,8 @@ from kvcore.interfaces.metadata import AttentionMetadata
 from kvcore.model.decoder import LlamaModel
 from kvcore.model.fused_layer import fused_layer_reasons
 
-__all__ = ["Executor", "ModelRunner", "decode_stack_reasons", "run_model", "last_token_logits", "position_logits"]
+__all__ = ["Executor", "ModelRunner", "RunConfig", "decode_stack_reasons", "run_model", "last_token_logits",
+           "position_logits"]
 
 
 def run_model(
@@ -143,11 +144,27 @@ def position_logits(
     return logits
 
 
+class RunConfig(Protocol):
+    """What an executor reads of the engine's configuration (an :class:`~kvcore.engine.config.EngineConfig`)."""
+
+    @property
+    def device(self) -> str: ...
+
+    @property
+    def tensor_parallel_size(self) -> int: ...
+
+    @property
+    def backend_options(self) -> dict[str, dict[str, Any]]: ...  # per backend name: its constructor options
+
+    @property
+    def kv_cache_options(self) -> dict[str, dict[str, Any]]: ...  # per KV cache name: its constructor options
+
+
 class Executor(Protocol):
     """Runs one scheduled forward wherever the model lives."""
 
     def start(self, prefill_backend: AttentionBackend, decode_backend: AttentionBackend, cache: KVCache,
-              config: Any) -> None:
+              config: RunConfig) -> None:
         """Called once the engine has its backends and cache, before the first step."""
 
     def forward(self, is_prefill: bool, backend: AttentionBackend, cache: KVCache, meta: AttentionMetadata,
@@ -155,6 +172,13 @@ class Executor(Protocol):
                 rows: Sequence[int] | None = None) -> torch.Tensor:
         """``[B, V]`` float32 logits of each sequence's last token, or of the sequences ``rows`` only;
         ``copies``: the copy-on-write block copies this step's metadata already applied to ``cache``."""
+
+    def forward_positions(self, backend: AttentionBackend, cache: KVCache, meta: AttentionMetadata,
+                          input_ids: Sequence[int], rows: Sequence[int], num_positions: Sequence[int],
+                          copies: Sequence[tuple[int, int]] = ()) -> torch.Tensor:
+        """``[sum(num_positions), V]`` float32 logits of the last ``num_positions[j]`` tokens of sequence
+        ``rows[j]`` (:func:`position_logits`: what speculative verification scores), on the decode path;
+        ``copies`` as for :meth:`forward`."""
 
     def describe(self) -> dict[str, Any] | None:
         """What each process of the group runs (None: one process)."""
@@ -184,8 +208,7 @@ class ModelRunner:
         guard = self.guards.get(id(backend))
         return last_token_logits(self.model, backend, cache, meta, input_ids, rows, guard, self.compiled, self.head)
 
-    def forward_positions(self, backend, cache, meta, input_ids, rows, num_positions) -> torch.Tensor:
-        """Several positions' logits per row (:func:`position_logits`); one process only."""
+    def forward_positions(self, backend, cache, meta, input_ids, rows, num_positions, copies=()) -> torch.Tensor:
         guard = self.guards.get(id(backend))
         return position_logits(self.model, backend, cache, meta, input_ids, rows, num_positions, guard, self.head)
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch import nn
 
 __all__ = ["BlockTable", "hold_blocks", "dense_embedding", "eager_under_compile", "head_rows"]
 
@@ -67,7 +68,7 @@ def eager_under_compile() -> None:
         BlockTable.__call__._kvcore_eager = True
 
 
-def hold_blocks(model: Any, weights: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:
+def hold_blocks(model: nn.Module, weights: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:
     """Give ``model`` its token table as blocks (``model.embedding``; ``model.embed_tokens`` left empty) when
     ``weights`` has it as GGUF blocks (read from the file per lookup where they are a range of it, else held);
     returns the weights still to copy into the model."""
@@ -79,14 +80,14 @@ def hold_blocks(model: Any, weights: dict[str, Any], dtype: torch.dtype) -> dict
     return {n: v for n, v in weights.items() if n != EMBEDDING}
 
 
-def dense_embedding(model: Any) -> None:
+def dense_embedding(model: nn.Module) -> None:
     """Make a model whose tied head is held as blocks hold the dense table instead (its dense head needs it)."""
     if model.embedding is not None and model.lm_head is model.embed_tokens:
         model.embed_tokens.data = model.embedding.dense()
         model.embedding = None
 
 
-def head_rows(model: Any) -> torch.Tensor | BlockTable:
+def head_rows(model: nn.Module) -> torch.Tensor | BlockTable:
     """The LM head ``[V, d]``: the dense tensor, or the :class:`BlockTable` when the tied table is held as blocks."""
     table = getattr(model, "embedding", None)
     return table if table is not None and model.lm_head is model.embed_tokens else model.lm_head

@@ -33,7 +33,7 @@ from kvcore.kernels.huge_pages import HugePageArena
 from kvcore.kernels.quant import Int4A8Linear, Int4Groups, Int4Linear, quantized_reasons
 from kvcore.model.embedding import BlockTable
 
-__all__ = ["LM_HEAD_FORMATS", "INT4_MAX_ROWS", "A8_MAX_ROWS", "RescoredInt4Head", "Int8Head", "check_lm_head",
+__all__ = ["LM_HEAD_FORMATS", "INT4_MAX_ROWS", "A8_MAX_ROWS", "LMHead", "RescoredInt4Head", "Int8Head", "check_lm_head",
            "int4a8_in_chunks"]
 
 #: every value of ``EngineConfig.lm_head`` with what it means
@@ -181,3 +181,7 @@ def q8_codes(w: torch.Tensor) -> GroupCodes:
     d = g.abs().amax(-1) / 127
     q = torch.where(d[..., None] > 0, g / d[..., None], torch.zeros_like(g)).round().clamp(-127, 127) + 128
     return GroupCodes(q.to(torch.uint8).view(n, k), d, -128 * d, 8)
+
+
+#: a packed LM head format (None in its place: the dense head)
+LMHead = RescoredInt4Head | Int8Head

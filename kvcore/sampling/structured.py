@@ -23,6 +23,7 @@ import torch
 
 from kvcore.errors import GrammarError, InvalidRequestError
 from kvcore.interfaces.structured import StructuredOutput
+from kvcore.text.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     import llguidance
@@ -88,7 +89,8 @@ class GrammarCompiler:
         a constrained output once it is complete.
     """
 
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int], max_cached: int = 128) -> None:
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_token_ids: Sequence[int], max_cached: int = 128
+                 ) -> None:
         self._tokenizer, self.vocab_size = tokenizer, vocab_size
         self._eos = sorted(eos_token_ids)
         self._lltokenizer: llguidance.LLTokenizer | None = None

@@ -1,8 +1,9 @@
 """The core's handle on one KV cache: the layout's storage plus the block tables that address it.
 
-:meth:`KVCacheManager.prepare` is where a forward call's addressing is made, once per step: reserve
-room for the new tokens (all or nothing), have the cache make the copy-on-write copies, and build the
-:class:`~kvcore.interfaces.attention.AttentionMetadata` every layer and backend reads.
+:meth:`KVCacheManager.reserve` makes room for a forward call's new tokens (all or nothing) and has the cache
+make the copy-on-write copies; :meth:`KVCacheManager.metadata` then builds the
+:class:`~kvcore.interfaces.attention.AttentionMetadata` every layer and backend reads, once per step
+(:meth:`KVCacheManager.prepare` does both).
 """
 
 from __future__ import annotations
@@ -54,7 +55,6 @@ class KVCacheManager:
         if self.groups.layer_storage != cache.spec.layer_storage:
             raise ConfigError("KV cache manager: the cache's layer_storage must be its groups' layer_storage")
         self.window_pool = window_pool  # "on", or why off (the capacity report says it)
-        self.last_copies: list[tuple[int, int]] = []  # the copy-on-write copies the latest prepare() made
         self.blocks = BlockManager(
             cache.num_blocks,
             cache.block_size,
@@ -110,11 +110,22 @@ class KVCacheManager:
 
         All or nothing: when the batch does not fit, nothing is reserved and the error names it.
         """
-        context_lens = [self.blocks.seq_len(s) for s in seq_ids]
+        self.reserve(seq_ids, query_lens)
+        return self.metadata(seq_ids, query_lens, scale, layers)
+
+    def reserve(self, seq_ids: Sequence[int], query_lens: Sequence[int]) -> list[tuple[int, int]]:
+        """Make room for ``query_lens[i]`` more tokens of each sequence (all or nothing) and have the cache make
+        the copy-on-write copies that takes; returns them as ``(src, dst)`` block pairs."""
         copies = self.blocks.reserve(seq_ids, query_lens)
-        self.last_copies = copies  # tensor parallelism repeats them on the other ranks' caches
         if copies:
             self.cache.copy_blocks(copies)
+        return copies
+
+    def metadata(
+        self, seq_ids: Sequence[int], query_lens: Sequence[int], scale: float, layers: Sequence[LayerAttention] = ()
+    ) -> AttentionMetadata:
+        """Describe a forward of the last ``query_lens[i]`` reserved tokens of each sequence."""
+        context_lens = [self.blocks.seq_len(s) - n for s, n in zip(seq_ids, query_lens)]
         tables = [[self.blocks.block_table(s, g) for s in seq_ids] for g in range(self.blocks.num_groups)]
         meta = AttentionMetadata.build(
             list(query_lens), context_lens, tables[0], self.cache.block_size, scale, self.cache.spec.device, layers

@@ -9,6 +9,7 @@ from typing import Any
 
 from kvcore.errors import KVCoreError
 from kvcore.interfaces.sampler import SamplingParams
+from kvcore.text.outputs import TextOutput
 
 __all__ = ["FinishReason", "RequestMetrics", "Request", "TokenEvent", "GenerationResult", "EngineStats", "EngineGauges"]
 
@@ -117,6 +118,8 @@ class Request:
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     #: with params.structured_output: this request's grammar matcher (kvcore.sampling.structured), fed every output id
     matcher: Any = None
+    #: the caller's text of the output ids (incremental detokenising, stop strings); None: no text
+    text_output: TextOutput | None = None
 
     @property
     def is_finished(self) -> bool:

@@ -20,20 +20,26 @@ Sliding windows: each step first has every running request's window groups give 
 query cannot read (:meth:`~kvcore.scheduling.block_manager.BlockManager.slide`, from its committed tokens, so
 a rollback never needs them back).
 
-The scheduler owns the request lifecycle: admission, preemption, forks, finishing, rollback and recovery.
+The scheduler owns the request lifecycle: admission, preemption, the KV room of each step (reserved in
+:meth:`Scheduler.schedule`, with the drafts of a speculative step in :meth:`Scheduler.add_drafts`), then in
+:meth:`Scheduler.update_from_output` what the forward gave: computed tokens committed, sampled tokens appended
+with their stop checks, forks, a verification's rejected drafts given back, finished requests freed. Also
+failures, rollback and recovery.
 """
 
 from __future__ import annotations
 
 import itertools
+import time
 from collections import deque
 from collections.abc import Iterable
 
-from kvcore.errors import ContextLengthError, OutOfBlocksError
-from kvcore.scheduling.batch import ScheduledBatch, SchedulerOutput
+from kvcore.errors import KVCoreError, OutOfBlocksError
+from kvcore.scheduling.admission import Admission, Rows, add_chunk, free, too_big
+from kvcore.scheduling.batch import ModelOutput, Sampled, ScheduledBatch, SchedulerOutput
 from kvcore.scheduling.kv_manager import KVCacheManager
-from kvcore.scheduling.prefix import shares_inflight_prefix
-from kvcore.scheduling.request import EngineStats, Request
+from kvcore.scheduling.outputs import emit
+from kvcore.scheduling.request import EngineStats, FinishReason, Request, TokenEvent
 
 __all__ = ["Scheduler"]
 
@@ -46,8 +52,10 @@ class Scheduler:
         max_num_batched_tokens: int,
         enable_chunked_prefill: bool = False,
         stats: EngineStats | None = None,
+        max_model_len: int | None = None,
     ) -> None:
         self.kv = kv
+        self.max_model_len = max_model_len or kv.max_seq_len  # a request ends with CONTEXT there
         self.stats = stats if stats is not None else EngineStats()  # counts cache hits and preemptions
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -55,6 +63,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._seq_ids = itertools.count()
+        self.admission = Admission(kv, self.stats, max_num_seqs, self.new_seq_id)
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -71,11 +80,14 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        self._free(req)
+        free(self.kv, req)
 
-    def finish(self, req: Request) -> None:
+    def finish(self, req: Request, reason: FinishReason, error: KVCoreError | None = None) -> None:
         """``req`` ended (finished, failed or aborted): out of the queues, its blocks back; its ``n > 1``
         samples that waited for its prefill now prefill on their own, first in the queue."""
+        req.finish_reason, req.error = reason, error
+        req.metrics.finish_time = time.perf_counter()
+        self.stats.num_finished_requests += 1
         self.remove(req)
         for child in reversed(req.pending_samples):
             if not child.is_finished:
@@ -101,6 +113,70 @@ class Scheduler:
         its computed tokens."""
         for req in reqs:
             self.kv.blocks.truncate(req.seq_id, req.num_computed_tokens)
+
+    def add_drafts(self, batch: ScheduledBatch, num_drafts: list[int]) -> ScheduledBatch | None:
+        """``batch`` (decode rows, reserved) with ``num_drafts[i]`` draft tokens after row ``i``'s last token and
+        their room reserved; None when there are none or they do not fit (the batch then runs as it is)."""
+        rows = [i for i, n in enumerate(num_drafts) if n > 0]
+        seq_ids, lens = [batch.requests[i].seq_id for i in rows], [num_drafts[i] for i in rows]
+        if not rows or not self.kv.can_reserve(seq_ids, lens):
+            return None
+        copies = self.kv.reserve(seq_ids, lens)
+        return ScheduledBatch(batch.requests, [1 + n for n in num_drafts], batch.is_decode, batch.copies + copies)
+
+    def draft_budgets(self, wanted: list[int]) -> list[int]:
+        """How many drafts each decode row may score this step: ``wanted[i]``, while the step's token budget
+        lasts (earlier rows first)."""
+        budgets, room = [], self.max_num_batched_tokens - len(wanted)
+        for n in wanted:
+            budgets.append(min(n, room))
+            room -= budgets[-1]
+        return budgets
+
+    def update_from_output(self, output: ModelOutput, events: list[TokenEvent]) -> None:
+        """Settle one forward: the K/V its rows wrote are computed (prefix-cached), their tokens appended with
+        their stop checks, ``n > 1`` samples forked, a verification's rejected drafts given back, the requests
+        that ended freed. Each token's event (or a failure's) goes to ``events`` as it is made, so an interrupted
+        update loses none."""
+        batch = output.batch
+        self.stats.num_prefill_tokens += sum(n for n, d in zip(batch.query_lens, batch.is_decode) if not d)
+        self.stats.num_decode_tokens += sum(batch.is_decode)
+        if output.num_drafts is None:
+            self.commit(batch.requests, batch.query_lens)
+            for req, n, tokens in zip(batch.requests, batch.query_lens, output.tokens):
+                if req.pending_samples and tokens:  # before the leader's token: it may finish and free its blocks
+                    self._fork_samples(req, n, output.forks, events)
+                if tokens:
+                    self._emit(req, n, tokens[0], events)
+                else:
+                    req.num_computed_tokens += n
+            return
+        for req, tokens in zip(batch.requests, output.tokens):
+            for token in tokens:  # one by one: a stop ends the stream exactly where it would without drafts
+                if not req.is_finished:
+                    self._emit(req, 1, token, events)
+            if not req.is_finished:
+                self.roll_back([req])  # the cache keeps the last token and the kept drafts only
+                self.commit([req], [0])
+
+    def _emit(self, req: Request, num_computed: int, sampled: Sampled, events: list[TokenEvent]) -> None:
+        kv_bytes = self.kv.kv_bytes_in_use(req.seq_id)
+        event = emit(req, num_computed, sampled, self.stats, self.max_model_len, kv_bytes, events)
+        if event.finish_reason is not None:
+            self.finish(req, event.finish_reason, event.error)
+
+    def _fork_samples(self, leader: Request, num_new: int, forks: dict[str, Sampled], events: list[TokenEvent]
+                      ) -> None:
+        """Give the leader's samples 1..n-1 its prompt blocks (shared, copy-on-write) and their first tokens."""
+        children, leader.pending_samples = leader.pending_samples, []
+        num_cached = leader.num_computed_tokens + num_new
+        for child in children:
+            if child.is_finished or child.request_id not in forks:
+                continue
+            self.fork(leader, child)
+            child.metrics.num_cached_tokens = num_cached
+            self.stats.num_cached_tokens += num_cached
+            self._emit(child, num_cached, forks[child.request_id], events)
 
     def recover(self, requests: Iterable[Request]) -> None:
         """Restore the invariants after an exception escaped a step: every unfinished request of ``requests``
@@ -136,25 +212,15 @@ class Scheduler:
         for req in requests:
             if req.is_finished:
                 req.seq_id, req.pending_samples = None, []
+                req.metrics.finish_time = req.metrics.finish_time or time.perf_counter()
 
     def preempt(self, req: Request) -> None:
         """Give ``req``'s blocks back and queue it first; it is recomputed from its tokens so far."""
         if req in self.running:
             self.running.remove(req)
-        self._free(req)
+        free(self.kv, req)
         if req not in self.waiting:
             self.waiting.appendleft(req)
-
-    def _free(self, req: Request) -> None:
-        if req.seq_id is not None:
-            seq_id, req.seq_id = req.seq_id, None
-            if self.kv.blocks.has_sequence(seq_id):
-                self.kv.free_sequence(seq_id)
-        req.num_computed_tokens = 0
-
-    def _room(self, req: Request) -> int:
-        """Running sequences ``req`` (with n > 1 its samples) will occupy once admitted."""
-        return 1 + len(req.pending_samples)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -162,19 +228,19 @@ class Scheduler:
             for req in self.running:
                 self.kv.blocks.slide(req.seq_id, req.num_computed_tokens)
         if not self.enable_chunked_prefill:
-            rows = self._admit(out, self.max_num_batched_tokens, chunked=False)
+            rows = self.admission.admit(self.waiting, self.running, out, self.max_num_batched_tokens, chunked=False)
             if rows:
                 return self._batch(out, rows, [False] * len(rows[0]))
         while True:
             self._make_room(out)
             decodes = [r for r in self.running if r.is_decoding]
-            rows: tuple[list[Request], list[int]] = (decodes, [1] * len(decodes))
+            rows: Rows = (decodes, [1] * len(decodes))
             if self.enable_chunked_prefill:
                 budget = self.max_num_batched_tokens - len(decodes)
                 for req in self.running:  # partly prefilled requests continue, oldest first
                     if not req.is_decoding and budget > 0:
-                        budget -= self._add_chunk(rows, req, budget)
-                new = self._admit(out, budget, chunked=True, rows=rows)
+                        budget -= add_chunk(self.kv, rows, req, budget)
+                new = self.admission.admit(self.waiting, self.running, out, budget, chunked=True, rows=rows)
                 self.running.extend(new)
             if rows[0] or not self.running:
                 break
@@ -183,8 +249,8 @@ class Scheduler:
             # alone with the whole pool to itself and still no room, it can never run.
             victim = self.running.pop()
             if not self.running and self.enable_chunked_prefill:
-                self._free(victim)
-                out.failed.append((victim, self._too_big(victim)))
+                free(self.kv, victim)
+                out.failed.append((victim, too_big(victim, self.kv.max_seq_len)))
                 break
             self.preempt(victim)
             victim.metrics.num_preemptions += 1
@@ -193,95 +259,23 @@ class Scheduler:
             return out
         return self._batch(out, rows, [r.is_decoding and n == 1 for r, n in zip(*rows)])
 
-    @staticmethod
-    def _batch(out: SchedulerOutput, rows: tuple[list[Request], list[int]], is_decode: list[bool]) -> SchedulerOutput:
-        out.batch = ScheduledBatch(list(rows[0]), list(rows[1]), is_decode)
+    def _batch(self, out: SchedulerOutput, rows: Rows, is_decode: list[bool]
+               ) -> SchedulerOutput:
+        """The step's batch, its KV room reserved (all or nothing: a batch that cannot have it fails)."""
+        batch = ScheduledBatch(list(rows[0]), list(rows[1]), is_decode)
+        failed = self.reserve(batch)
+        out.failed += failed
+        out.batch = None if failed else batch
         return out
 
-    def _add_chunk(self, rows: tuple[list[Request], list[int]], req: Request, budget: int) -> int:
-        """Schedule the largest chunk (at most ``budget`` tokens) of ``req``'s uncomputed tokens that the free
-        blocks hold next to ``rows``; returns its length (0: none fits)."""
-        blocks = self.kv.blocks
-        seq_ids = [r.seq_id for r in rows[0]]
-        free_after = blocks.num_free_blocks - blocks.num_blocks_needed(seq_ids, rows[1])
-        seq_len = blocks.seq_len(req.seq_id)
-        fits = blocks.num_tokens_fitting(req.seq_id, free_after)
-        n = min(req.num_tokens - req.num_computed_tokens, budget, fits, blocks.max_seq_len - seq_len)
-        if n <= 0 or not blocks.can_reserve(seq_ids + [req.seq_id], rows[1] + [n]):
-            return 0
-        rows[0].append(req)
-        rows[1].append(n)
-        return n
-
-    def _too_big(self, req: Request) -> OutOfBlocksError | ContextLengthError:
-        if req.num_tokens > self.kv.blocks.max_seq_len:
-            # The engine never lets a sequence past the limit: a plugin changed the request's tokens.
-            # Recomputed, it would be preempted at the limit and admitted again, forever.
-            return ContextLengthError(
-                f"request '{req.request_id}' holds {req.num_tokens} tokens, past the context limit of "
-                f"{self.kv.blocks.max_seq_len}: its tokens were changed outside the engine (by a plugin that "
-                "wrote into the request it was shown?)")
-        return OutOfBlocksError(
-            f"request '{req.request_id}' needs {req.num_tokens} tokens of KV cache, more than the whole "
-            "cache holds; raise num_blocks or shorten the prompt"
-        )
-
-    def _admit(
-        self, out: SchedulerOutput, budget: int, *, chunked: bool, rows: tuple[list[Request], list[int]] | None = None
-    ) -> list[Request] | tuple[list[Request], list[int]]:
-        """Admit waiting requests; chunked: append their first chunks to ``rows`` and return the admitted,
-        else return the whole-prompt prefill rows."""
-        rows = rows if rows is not None else ([], [])
-        admitted: list[Request] = []
-        blocks = self.kv.blocks
-        # what the running and admitted requests occupy once their n > 1 samples fork, not one sequence each
-        occupied = sum(self._room(r) for r in self.running)
-        while self.waiting and budget > 0:
-            req = self.waiting[0]
-            if occupied + self._room(req) > self.max_num_seqs:
-                break
-            if not self.kv.can_add_sequence():
-                break
-            # even alone it never fits (or its tokens grew past the context limit outside the engine)
-            if req.num_tokens > blocks.max_seq_len or blocks.min_blocks_for(req.num_tokens) > blocks.num_blocks:
-                self.waiting.popleft()
-                out.failed.append((req, self._too_big(req)))
-                continue
-            seq_id = self.new_seq_id()
-            tokens = req.all_ids  # a preempted request re-enters with prompt + generated so far
-            cached = self.kv.add_sequence(seq_id, tokens, req.params.cache_salt)
-            if shares_inflight_prefix(blocks, req, tokens, cached, [*self.running, *rows[0]]):
-                self.kv.free_sequence(seq_id)  # its prefix is being computed: admitted next, as a cache hit
-                break
-            req.seq_id, req.num_computed_tokens = seq_id, cached
-            if chunked:
-                n = self._add_chunk(rows, req, budget)
-                ok = n > 0
-            else:
-                n = len(tokens) - cached
-                over_budget = sum(rows[1]) + n > budget and rows[0]
-                # Count the whole prefill batch together: each may fit alone but not all at once.
-                ok = not over_budget and self.kv.can_reserve([r.seq_id for r in rows[0]] + [seq_id], rows[1] + [n])
-                if ok:
-                    rows[0].append(req)
-                    rows[1].append(n)
-            if not ok:
-                self._free(req)
-                if not chunked and not self.running and not rows[0]:  # alone and still too big: never runs
-                    self.waiting.popleft()
-                    out.failed.append((req, self._too_big(req)))
-                    continue
-                break
-            budget -= n if chunked else 0
-            req.metrics.num_cached_tokens = max(req.metrics.num_cached_tokens, cached)
-            self.stats.num_cached_tokens += cached
-            self.waiting.popleft()
-            admitted.append(req)
-            occupied += self._room(req)
-        if chunked:
-            return admitted
-        self.running.extend(admitted)
-        return rows if rows[0] else None
+    def reserve(self, batch: ScheduledBatch) -> list[tuple[Request, KVCoreError]]:
+        """Make room for ``batch``'s rows in the KV cache, all or nothing; returns the rows' requests with why
+        not when it cannot ([]: reserved)."""
+        try:
+            batch.copies = self.kv.reserve([r.seq_id for r in batch.requests], batch.query_lens)
+        except KVCoreError as exc:
+            return [(req, exc) for req in batch.requests]
+        return []
 
     def _make_room(self, out: SchedulerOutput) -> None:
         """Preempt the newest running requests until every decoding one can append a token."""
@@ -291,7 +285,7 @@ class Scheduler:
                 return
             victim = self.running.pop()
             if not self.running:  # alone and still no room: it fails, its blocks are back in the pool
-                self._free(victim)
+                free(self.kv, victim)
                 out.failed.append((victim, OutOfBlocksError(
                     f"request '{victim.request_id}' ran out of KV-cache blocks at {victim.num_tokens} tokens")))
                 return

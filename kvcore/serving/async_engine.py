@@ -21,8 +21,8 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Sequence
-from typing import Any
 
+from kvcore.engine.core import Engine
 from kvcore.errors import ConfigError, KVCoreError
 from kvcore.interfaces.sampler import SamplingParams
 from kvcore.scheduling.request import TokenEvent
@@ -58,7 +58,7 @@ class AsyncEngine:
 
     def __init__(
         self,
-        engine: Any,
+        engine: Engine,
         *,
         max_queue_len: int = 256,
         metrics: ServingMetrics | None = None,

@@ -130,7 +130,7 @@ async def merge_streams(streams: list[RequestStream], n: int) -> AsyncIterator[t
             task.cancel()
 
 
-def sse_event(obj: Any) -> str:
+def sse_event(obj: dict[str, Any]) -> str:
     """One server-sent event carrying ``obj`` as compact JSON."""
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 

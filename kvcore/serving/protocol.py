@@ -39,6 +39,7 @@ from kvcore.serving.fields import (
     with_param,
 )
 from kvcore.serving.tools import ToolRequest, parse_tools
+from kvcore.text.tokenizer import Tokenizer
 
 __all__ = [
     "GenerationJob", "parse_completion", "parse_chat", "parse_tokenize", "parse_detokenize", "structured_output",
@@ -53,7 +54,7 @@ CHARS_PER_TOKEN_SLACK = 4
 JSON_BYTES_PER_CHAR = 6
 
 
-def max_prompt_chars(tokenizer: Any, max_model_len: int) -> int:
+def max_prompt_chars(tokenizer: Tokenizer, max_model_len: int) -> int:
     """Characters past which a prompt cannot fit into ``max_model_len`` tokens: no token covers more
     than ``tokenizer.max_token_chars`` of them. Longer prompts are refused before they are tokenised."""
     return max_model_len * tokenizer.max_token_chars * CHARS_PER_TOKEN_SLACK
@@ -262,7 +263,7 @@ def parse_chat(
     )
 
 
-def parse_tokenize(body: Mapping, tokenizer: Any, max_prompt_chars: int) -> list[int]:
+def parse_tokenize(body: Mapping, tokenizer: Tokenizer, max_prompt_chars: int) -> list[int]:
     """``POST /tokenize`` (vLLM's): ``prompt`` (text; ``add_special_tokens`` adds the BOS the model wants) or
     chat ``messages`` (rendered with the chat template; ``add_generation_prompt``, default true). Text that
     cannot fit the model's context is refused from its length before any tokenizer work, as for completions."""

@@ -9,6 +9,7 @@ from typing import Any
 from kvcore.scheduling.request import TokenEvent
 from kvcore.serving.protocol import GenerationJob, usage
 from kvcore.serving.tools import split_tool_calls
+from kvcore.text.tokenizer import Tokenizer
 
 __all__ = ["Choice", "CompletionFormat", "ChatFormat", "TokenTexts", "finish_reason"]
 
@@ -23,7 +24,7 @@ def finish_reason(event: TokenEvent) -> str | None:
 class TokenTexts:
     """The text of single token ids (what logprobs report), decoded once per id."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Tokenizer) -> None:
         self._tokenizer = tokenizer
         self._cache: dict[int, str] = {}
 

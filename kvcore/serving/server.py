@@ -9,6 +9,9 @@ import time
 from dataclasses import fields
 from typing import Any
 
+from starlette.types import ASGIApp
+
+from kvcore.engine.core import Engine
 from kvcore.errors import ConfigError
 
 __all__ = ["build_engine", "run_server", "banner", "ServerThread", "uvicorn_config", "DEFAULT_MAX_NUM_SEQS"]
@@ -67,7 +70,7 @@ def _timed_h11_protocol(header_timeout_s: float) -> type:
     return TimedH11Protocol
 
 
-def uvicorn_config(app: Any, *, header_timeout_s: float = HEADER_TIMEOUT_S, **options: Any):
+def uvicorn_config(app: ASGIApp, *, header_timeout_s: float = HEADER_TIMEOUT_S, **options: Any):
     """The uvicorn settings every kvcore server runs with: h11 with a header deadline, a short keep-alive."""
     import uvicorn
 
@@ -109,7 +112,7 @@ def _bind(host: str, port: int) -> socket.socket:
 
 
 def run_server(
-    engine: Any,
+    engine: Engine,
     *,
     model_name: str,
     host: str = "127.0.0.1",
@@ -175,7 +178,7 @@ class ServerThread:
     """
 
     def __init__(
-        self, app: Any, host: str = "127.0.0.1", port: int = 0, startup_timeout_s: float = 30.0,
+        self, app: ASGIApp, host: str = "127.0.0.1", port: int = 0, startup_timeout_s: float = 30.0,
         header_timeout_s: float = HEADER_TIMEOUT_S,
     ) -> None:
         import uvicorn

@@ -21,6 +21,7 @@ from typing import Any
 from kvcore.errors import InvalidRequestError
 from kvcore.interfaces.structured import StructuredOutput
 from kvcore.sampling.structured import JSON_OPTIONS
+from kvcore.text.tokenizer import Tokenizer
 
 __all__ = ["ToolRequest", "parse_tools", "split_tool_calls", "CALL_OPEN", "CALL_CLOSE"]
 
@@ -65,7 +66,7 @@ class ToolRequest:
         return StructuredOutput(grammar="\n".join(lines))
 
 
-def parse_tools(body: Mapping, tokenizer: Any) -> ToolRequest | None:
+def parse_tools(body: Mapping, tokenizer: Tokenizer) -> ToolRequest | None:
     """``tools``, ``tool_choice`` and ``parallel_tool_calls`` of a chat body; None when no tool may be called."""
     tools = body.get("tools")
     choice = body.get("tool_choice")

@@ -10,7 +10,7 @@ without speculation. See docs/speculative.md.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -19,6 +19,7 @@ from kvcore.errors import ConfigError, PluginError
 from kvcore.interfaces.attention import AttentionBackend
 from kvcore.interfaces.proposer import Proposal, Proposer, ProposerTarget
 from kvcore.loaders.model_cache import load_pretrained
+from kvcore.plugins.registry import PluginRegistry
 from kvcore.scheduling.request import EngineStats, Request
 
 __all__ = ["Speculator", "speculator_for"]
@@ -26,7 +27,7 @@ __all__ = ["Speculator", "speculator_for"]
 logger = logging.getLogger(__name__)
 
 
-def reasons_refused(config: Any, backends: tuple[AttentionBackend, ...], tensor_parallel: bool) -> list[str]:
+def reasons_refused(backends: tuple[AttentionBackend, ...], tensor_parallel: bool) -> list[str]:
     """Why this engine cannot verify draft tokens ([] = it can)."""
     reasons = [f"backend '{b.name}' does not declare multi-token decode (capabilities.multi_token_decode)"
                for b in dict.fromkeys(backends) if not b.capabilities.multi_token_decode]
@@ -35,14 +36,14 @@ def reasons_refused(config: Any, backends: tuple[AttentionBackend, ...], tensor_
     return reasons
 
 
-def speculator_for(engine: Any, registry: Any) -> Speculator | None:
+def speculator_for(engine: Any, registry: PluginRegistry) -> Speculator | None:
     """The engine's :class:`Speculator` (None without ``config.proposer``); a ConfigError with every reason
     when the engine or the proposer cannot do it."""
     config = engine.config
     if config.proposer is None:
         return None
     name = config.proposer
-    reasons = reasons_refused(config, (engine.prefill_backend, engine.decode_backend), config.tensor_parallel_size > 1)
+    reasons = reasons_refused((engine.prefill_backend, engine.decode_backend), config.tensor_parallel_size > 1)
     proposer = registry.create_proposer(name, config.proposer_options.get(name))
     if not reasons:
         target = ProposerTarget(
@@ -143,7 +144,7 @@ class Speculator:
             except PluginError as exc:
                 logger.warning("%s", exc)
 
-    def _call(self, what: str, method: Any, *args: Any) -> None:
+    def _call(self, what: str, method: Callable[..., None], *args: str | int) -> None:
         try:
             method(*args)
         except Exception as exc:

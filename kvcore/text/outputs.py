@@ -9,7 +9,8 @@ after it are never returned.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+
+from kvcore.text.stream_decoder import StreamDecoder
 
 __all__ = ["StopStrings", "TextOutput"]
 
@@ -48,7 +49,7 @@ class StopStrings:
 class TextOutput:
     """The text side of one request: its stream decoder (None without a tokenizer) and stop strings."""
 
-    decoder: Any | None
+    decoder: StreamDecoder | None
     stop: StopStrings | None = None
     text: str = ""  # everything returned so far
 

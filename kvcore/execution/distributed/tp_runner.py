@@ -23,10 +23,11 @@ import os
 import signal
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from kvcore.errors import ConfigError, TensorParallelError
 from kvcore.execution.distributed.parallel_state import (
@@ -40,7 +41,7 @@ from kvcore.execution.distributed.parallel_state import (
 )
 from kvcore.execution.distributed.sharding import build_local_model, local_config, plan_shards, shard_state
 from kvcore.execution.distributed.worker import Components, Step, rank_device, run_worker, spawned_worker_main
-from kvcore.execution.runner import last_token_logits
+from kvcore.execution.runner import RunConfig, last_token_logits, position_logits
 from kvcore.interfaces.attention import AttentionBackend
 from kvcore.interfaces.kv_cache import KVCache
 from kvcore.interfaces.metadata import AttentionMetadata
@@ -56,7 +57,7 @@ class _Group:
         self.procs: list[Any] = []  # spawned workers (empty under torchrun)
         self.restore_threads = 0  # rank 0's intra-op thread count before the group took its share
         self.group: RankGroup | None = None
-        self.store: Any = None
+        self.store: dist.Store | None = None
         self.closed = False
 
     def shutdown(self, graceful: bool) -> None:
@@ -87,7 +88,7 @@ class TensorParallelRunner:
     cache from its config). Call :meth:`start` once the backends and rank 0's cache exist.
     """
 
-    def __init__(self, model: LlamaModel, config: Any) -> None:
+    def __init__(self, model: LlamaModel, config: RunConfig) -> None:
         n = config.tensor_parallel_size
         self.world_size = n
         self.shards = plan_shards(model.config, n)
@@ -118,13 +119,11 @@ class TensorParallelRunner:
             self._state.group = RankGroup.connect(endpoint, 0, self._state.store)
         except GroupFailure as exc:
             self._fail(str(exc))
-        self.model = build_local_model(
-            local_config(model.config, self.shards[0]), shard_state(model, self.shards[0], with_lm_head=True),
-            self._state.group.all_reduce, device,
-        )
+        self.model = build_local_model(local_config(model.config, self.shards[0]), shard_state(
+            model, self.shards[0], with_lm_head=True), self._state.group.all_reduce, device)
 
     # -- start-up ------------------------------------------------------------------------------------
-    def _spawn(self, model: LlamaModel, config: Any, endpoint: Endpoint) -> None:
+    def _spawn(self, model: LlamaModel, config: RunConfig, endpoint: Endpoint) -> None:
         import torch.multiprocessing as mp  # registers the shared-memory pickling of tensors
 
         ctx = mp.get_context("spawn")
@@ -144,7 +143,7 @@ class TensorParallelRunner:
             self._state.procs.append(proc)
 
     @staticmethod
-    def _serve_as_worker(model: LlamaModel, config: Any, rank: int, endpoint: Endpoint) -> int:
+    def _serve_as_worker(model: LlamaModel, config: RunConfig, rank: int, endpoint: Endpoint) -> int:
         device = rank_device(config.device, rank)
         if device.type == "cuda":
             torch.cuda.set_device(device)
@@ -176,16 +175,13 @@ class TensorParallelRunner:
                 time.sleep(0.01)
         return [notes[r] for r in range(1, self.world_size)]
 
-    def start(self, prefill: AttentionBackend, decode: AttentionBackend, cache: KVCache, config: Any) -> None:
+    def start(self, prefill_backend: AttentionBackend, decode_backend: AttentionBackend, cache: KVCache,
+              config: RunConfig) -> None:
         """Have every rank make the same backends and a KV cache like ``cache`` over its local heads."""
-        def options(table: dict, name: str) -> dict:
-            return dict(table.get(name) or {})
-
-        components = Components(
-            (type(prefill), options(config.backend_options, prefill.name)),
-            (type(decode), options(config.backend_options, decode.name)),
-            (type(cache), cache.spec, options(config.kv_cache_options, cache.name)),
-        )
+        backend_options, cache_options = config.backend_options, config.kv_cache_options
+        components = Components((type(prefill_backend), dict(backend_options.get(prefill_backend.name) or {})),
+                                (type(decode_backend), dict(backend_options.get(decode_backend.name) or {})),
+                                (type(cache), cache.spec, dict(cache_options.get(cache.name) or {})))
         self._send(("init", components))
         ready = self._await_notes("ready", "allocate its KV cache")
         rank0 = {"pid": os.getpid(), "device": str(cache.spec.device), "num_blocks": cache.num_blocks,
@@ -196,23 +192,27 @@ class TensorParallelRunner:
             self._fail(f"the ranks' KV caches hold different numbers of blocks ({sorted(blocks)})")
 
     # -- one step ------------------------------------------------------------------------------------
-    def forward(
-        self,
-        is_prefill: bool,
-        backend: AttentionBackend,
-        cache: KVCache,
-        meta: AttentionMetadata,
-        input_ids: Sequence[int],
-        copies: Sequence[tuple[int, int]] = (),
-        rows: Sequence[int] | None = None,
-    ) -> torch.Tensor:
+    def forward(self, is_prefill: bool, backend: AttentionBackend, cache: KVCache, meta: AttentionMetadata,
+                input_ids: Sequence[int], copies: Sequence[tuple[int, int]] = (), rows: Sequence[int] | None = None
+                ) -> torch.Tensor:
         """Run one step on every rank; ``[B, V]`` float32 logits of each sequence's last token (rank 0), or of
         the sequences ``rows`` only."""
+        return self._step(Step.of(is_prefill, input_ids, meta, copies),
+                          lambda ids: last_token_logits(self.model, backend, cache, meta, ids, rows))
+
+    def forward_positions(self, backend: AttentionBackend, cache: KVCache, meta: AttentionMetadata,
+                          input_ids: Sequence[int], rows: Sequence[int], num_positions: Sequence[int],
+                          copies: Sequence[tuple[int, int]] = ()) -> torch.Tensor:
+        """Run one decode step on every rank; rank 0's logits of several positions per row (:func:`position_logits`)."""
+        return self._step(Step.of(False, input_ids, meta, copies),
+                          lambda ids: position_logits(self.model, backend, cache, meta, ids, rows, num_positions))
+
+    def _step(self, step: Step, logits_of: Callable[[list[int]], torch.Tensor]) -> torch.Tensor:
+        """Send ``step`` to the other ranks, run it here, and return ``logits_of`` its token ids (rank 0)."""
         self._check_workers()
-        step = Step.of(is_prefill, input_ids, meta, copies)
         self._send(("step", step))
         try:
-            logits = last_token_logits(self.model, backend, cache, meta, step.input_ids, rows)
+            logits = logits_of(step.input_ids)
             if logits.is_cuda:
                 self._await_device(logits.device)
             return logits

@@ -19,11 +19,11 @@ import os
 import signal
 import sys
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from kvcore.execution.distributed.parallel_state import Endpoint, GroupFailure, RankGroup, set_note
 from kvcore.execution.distributed.sharding import build_local_model
@@ -149,7 +149,8 @@ def spawned_worker_main(
     sys.exit(run_worker(rank, endpoint, store, make, torch.device(device)))
 
 
-def run_worker(rank: int, endpoint: Endpoint, store: Any, make_model, device: torch.device) -> int:
+def run_worker(rank: int, endpoint: Endpoint, store: dist.Store, make_model: Callable[[RankGroup], LlamaModel],
+               device: torch.device) -> int:
     """Join the group, build the shard (``make_model(group)``) and serve; on failure note the error for
     rank 0 and return 1 (0 after a clean stop)."""
     try:
