@@ -79,7 +79,8 @@ async def _read_chunked(reader: asyncio.StreamReader):
 
 
 async def stream_completion(port: int, model: str, out: Outcome, timeout: float) -> Outcome:
-    body = json.dumps({"model": model, "prompt": out.prompt if isinstance(out.prompt, str) else list(out.prompt), "max_tokens": out.max_tokens, "temperature": 0,
+    prompt = out.prompt if isinstance(out.prompt, str) else list(out.prompt)
+    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": out.max_tokens, "temperature": 0,
                        "stream": True, "ignore_eos": True}).encode()
     out.start = time.perf_counter()
     reader, writer = await asyncio.open_connection(HOST, port)
@@ -218,9 +219,11 @@ async def run(args: argparse.Namespace, port: int, pid: int) -> dict:
         async with gate:
             return await stream_completion(port, model, o, args.request_timeout)
 
-    # Warm-up at full concurrency, so the baseline includes what the first batches of each shape allocate
-    # (kernel workspaces, allocator arenas); what grows after it is what the requests leave behind.
-    await asyncio.gather(*(client(Outcome(fresh()[0], args.max_tokens, None)) for i in range(args.warmup)))
+    # Warm-up at full concurrency with the load's own mix (poisoned prompts included: the longest prefill
+    # chunks), so the baseline includes what the first batches of each shape allocate (kernel workspaces,
+    # allocator arenas); what grows after it is what the requests leave behind.
+    warm = [job(i) for i in range(args.warmup)]
+    await asyncio.gather(*(client(Outcome(o.prompt, args.max_tokens, None, o.is_poisoned)) for o in warm))
     idle = await wait_idle(port, 30)
     base = {"rss_mib": rss_mib(pid), "kv_blocks_in_use": gauge(idle, "kvcore_kv_blocks_in_use"),
             "kv_blocks_total": gauge(idle, "kvcore_kv_blocks_total")}

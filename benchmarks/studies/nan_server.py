@@ -5,8 +5,9 @@ checked finite on load), yet a NaN from a backend, a kernel or bad weights is wh
 request: fail it, leave nothing in the KV slot it held, touch no other request. So this server runs the
 backend it is told to (``--nan-inner``, default ``cpu_decode``: SmolLM2's default on CPU) for every request,
 and for a *marked* one also feeds NaN keys and values into it: the cache is written with NaN and the
-attention output turns NaN, as a request whose model state went bad would. A request is marked by its length:
-a prefill chunk that brings its sequence to exactly ``--nan-prompt-tokens`` tokens. The load test
+attention output turns NaN, as a request whose model state went bad would; the rows its earlier prompt chunks
+wrote are overwritten with NaN too, so the slot or blocks it leaves hold NaN over its whole length. A request is
+marked by its length: a prefill chunk that brings its sequence to exactly ``--nan-prompt-tokens`` tokens. The load test
 (``load_test.py --nan-fraction``) sends such prompts and keeps every other request shorter than that.
 
     python benchmarks/studies/nan_server.py --nan-prompt-tokens 256 serve --model smollm2 --port 0
@@ -18,19 +19,24 @@ backend itself, so the decode path is the default one.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 
+import torch
+
 from kvcore.cli import main
 from kvcore.hookspecs import hookimpl
+from kvcore.interfaces.metadata import AttentionMetadata
 from kvcore.plugins.registry import get_registry
 
 NAME = "nan-marked"
 
 
 def marked_backend(inner: type, num_tokens: int) -> type:
-    """A subclass of backend class ``inner`` named ``nan-marked``: the rows of every sequence that a call brings
-    to exactly ``num_tokens`` tokens get NaN keys and values before ``inner`` writes and attends them."""
+    """A subclass of backend class ``inner`` named ``nan-marked``: every sequence that a call brings to exactly
+    ``num_tokens`` tokens gets NaN keys and values, in this call's rows (before ``inner`` writes and attends them)
+    and in the rows its earlier prompt chunks wrote to the cache, so that its whole length is poisoned."""
 
     class NaNMarked(inner):
         name = NAME
@@ -40,23 +46,36 @@ def marked_backend(inner: type, num_tokens: int) -> type:
             starts = [0]
             for n in meta.query_lens:
                 starts.append(starts[-1] + n)
-            self._marked = [(starts[i], starts[i + 1]) for i, (c, n) in enumerate(zip(meta.context_lens,
-                                                                                       meta.query_lens))
-                            if c + n == num_tokens]
+            marked = [i for i, (c, n) in enumerate(zip(meta.context_lens, meta.query_lens)) if c + n == num_tokens]
+            self._rows = [(starts[i], starts[i + 1]) for i in marked]  # in this call's packed [T] rows
+            self._earlier = [earlier_rows(meta, i) for i in marked if meta.context_lens[i]]
             return super().plan(meta, cache)
 
         def decode_stack(self, plan, cache):
-            return None if self._marked else super().decode_stack(plan, cache)
+            return None if self._rows else super().decode_stack(plan, cache)
 
         def forward(self, layer_idx, q, k, v, cache, plan):
-            if self._marked:  # [T, H_kv, D]: the marked sequences' rows
+            if self._rows:  # k, v: [T, H_kv, D]
                 k, v = k.clone(), v.clone()
-                for start, end in self._marked:
+                for start, end in self._rows:
                     k[start:end] = float("nan")
                     v[start:end] = float("nan")
+                for rows in self._earlier:
+                    nan = torch.full((rows.positions.numel(), *k.shape[1:]), float("nan"), dtype=k.dtype,
+                                     device=k.device)
+                    cache.write(layer_idx, nan, nan, rows.for_layer(layer_idx))
             return super().forward(layer_idx, q, k, v, cache, plan)
 
     return NaNMarked
+
+
+def earlier_rows(meta: AttentionMetadata, i: int) -> AttentionMetadata:
+    """``meta`` addressing the rows sequence ``i`` already holds (its positions ``[0, context_len)``), for a write."""
+    size, table = meta.block_size, meta.block_tables[i]
+    positions = range(meta.context_lens[i])
+    slots = [table[p // size] * size + p % size for p in positions]
+    return dataclasses.replace(meta, positions=torch.tensor(list(positions), device=meta.positions.device),
+                               slot_mapping=torch.tensor(slots, device=meta.slot_mapping.device))
 
 
 def serve(argv: list[str]) -> int:
