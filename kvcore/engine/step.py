@@ -240,6 +240,8 @@ class EngineStep(SpeculativeStep):
         return False
 
     def _finish(self, req: Request, reason: FinishReason, error: KVCoreError | None = None, emit: bool = True) -> None:
+        if error is not None:  # kept for its message: its traceback's frames hold the step's batch and requests, req
+            error.__traceback__ = None  # among them, a cycle that would keep them until a full garbage collection
         req.finish_reason, req.error = reason, error
         req.metrics.finish_time = time.perf_counter()
         self.stats.num_finished_requests += 1
