@@ -31,6 +31,7 @@ import json
 import os
 import random
 import re
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -358,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
     log.flush()
     summary, ok = report(args, result, Path(log.name).read_text(errors="replace"))
     args_given = argv if argv is not None else sys.argv[1:]
-    summary["command"] = " ".join(["python", "benchmarks/studies/load_test.py", *args_given])
+    summary["command"] = shlex.join(["python", "benchmarks/studies/load_test.py", *args_given])
     summary.update(machine, load_average_after=os.getloadavg())
     text = json.dumps(summary, indent=2)
     print(text)
