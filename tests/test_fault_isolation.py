@@ -4,12 +4,14 @@ run past the watchdog (over loopback)."""
 
 from __future__ import annotations
 
+import gc
 import http.client
 import json
 import os
 import signal
 import threading
 import time
+import weakref
 
 import pytest
 import torch
@@ -69,6 +71,26 @@ def test_a_nan_decode_row_fails_only_its_request(random_model):
         else:
             assert res.error is None and res.token_ids == expected[i], i
     assert engine.kv.blocks.num_tokens_in_use == 0
+
+
+def test_a_failed_requests_error_is_freed_with_its_result(random_model):
+    """The error a failed request carries holds no reference cycle (its traceback's frames hold the batch, the
+    request and the error itself): it goes with the result, not at some later run of the cyclic collector.
+    A soak of NaN requests grew the server's memory by each batch's logits and activations otherwise."""
+    engine = Engine(random_model, None, EngineConfig(backend="sdpa", max_model_len=64, max_num_seqs=6))
+    backend = NaNOnce(at=len(PROMPTS[TARGET]) + NTH_DECODE - 1)
+    engine.decode_backend = backend
+    engine.runner.guards[id(backend)] = BackendGuard(backend)
+    gc.collect()
+    gc.disable()
+    try:
+        results = engine.generate(PROMPTS, GREEDY)
+        assert isinstance(results[TARGET].error, BackendOutputError)
+        error = weakref.ref(results[TARGET].error)
+        del results
+        assert error() is None, gc.get_referrers(error())
+    finally:
+        gc.enable()
 
 
 # -- /health --------------------------------------------------------------------------------------------

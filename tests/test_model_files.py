@@ -1,11 +1,13 @@
 """A model file changed in place under a running model (kvcore/loaders/watched.py): requests fail with
 ModelFileChangedError (HTTP 503), ``/health`` says which file and how, and a truncated mapped cache entry does not
-kill the server with SIGBUS, since nothing reads its pages any more. The truncation runs in a subprocess: were
+kill the server with SIGBUS, since nothing reads its pages any more. The same holds for the entry of a draft
+model that speculative decoding loaded. The truncation runs in a subprocess: were
 the check missing, the next forward would fault on the mapped pages and take the test process down with it."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -15,6 +17,7 @@ import pytest
 
 from kvcore.errors import ModelFileChangedError
 from kvcore.loaders.watched import WatchedFile
+from kvcore.paths import cache_root
 
 pytest.importorskip("transformers")
 TESTS = Path(__file__).parent
@@ -42,17 +45,18 @@ def test_a_watched_file_tells_replaced_written_and_truncated_apart(tmp_path):
 
 
 _SERVE_AND_CHANGE = """
-import http.client, json, os, sys
+import http.client, json, os, shutil, sys
 from tiny_checkpoints import build_hf, write_gguf
 from kvcore import Engine, EngineConfig, SamplingParams
 from kvcore.serving import AsyncEngine, build_app
 from kvcore.serving.server import ServerThread
 
 gguf = write_gguf(build_hf("llama"), "llama", os.path.join(sys.argv[1], "m.gguf"))
-config = EngineConfig(backend="sdpa", max_model_len=64, max_num_seqs=2)
-Engine.from_pretrained(str(gguf), config)  # writes the prepared-model cache entry
-engine = Engine.from_pretrained(str(gguf), config)  # maps it
-(entry,) = [f.path for f in engine.model.mapped_files]
+draft = shutil.copy(gguf, os.path.join(sys.argv[1], "draft.gguf"))  # a file, and an entry, of its own
+config = EngineConfig(backend="sdpa", max_model_len=64, max_num_seqs=2, **SPECULATION)
+Engine.from_pretrained(str(gguf), config)  # writes the prepared-model cache entries
+engine = Engine.from_pretrained(str(gguf), config)  # maps them
+(entry,) = [f.path for f in WATCHED.mapped_files]
 params = SamplingParams(max_new_tokens=4, ignore_eos=True)
 assert engine.generate([[5, 6, 7]], params)[0].error is None
 
@@ -70,19 +74,29 @@ with ServerThread(build_app(AsyncEngine(engine), model_name="m")) as srv:
     assert call(srv, "POST", "/v1/completions", completion)[0] == 200
     CHANGE
     status, body = call(srv, "GET", "/health")
-    print("health", status, body["error"]["message"])
+    print("health", status, body.get("error", {}).get("message", body))
     status, body = call(srv, "POST", "/v1/completions", completion)
-    print("completion", status, body["error"]["message"])
+    print("completion", status, body.get("error", {}).get("message", body))
 """
 
 
+@pytest.mark.parametrize("model, speculation", [
+    ("engine.model", "{}"),
+    ("engine.speculator.proposer.model", "dict(proposer='draft', proposer_options={'draft': {'model': draft}})"),
+], ids=["target", "draft"])
 @pytest.mark.parametrize("change, how", [
     ("os.truncate(entry, os.path.getsize(entry) // 2)", "was truncated while in use"),
     ("f = open(entry, 'r+b'); f.seek(4096); f.write(b'x'); f.close()", "was written to while in use"),
-])
-def test_a_mapped_entry_changed_in_place_fails_health_and_requests_not_the_server(tmp_path, change, how):
-    script = _SERVE_AND_CHANGE.replace("CHANGE", change)
-    env = {**os.environ, "KVCORE_CACHE_DIR": str(tmp_path / "cache"), "KVCORE_MODEL_CACHE": "1",
+], ids=["truncated", "written"])
+def test_a_mapped_entry_changed_in_place_fails_health_and_requests_not_the_server(tmp_path, change, how, model,
+                                                                                  speculation):
+    script = (_SERVE_AND_CHANGE.replace("CHANGE", change).replace("WATCHED", model)
+              .replace("**SPECULATION", f"**{speculation}"))
+    cache = tmp_path / "cache"
+    cache.mkdir(mode=0o700)
+    if (cache_root() / "kernels").is_dir():  # a draft runs on cpu_decode: its kernels, not built a second time
+        shutil.copytree(cache_root() / "kernels", cache / "kernels")
+    env = {**os.environ, "KVCORE_CACHE_DIR": str(cache), "KVCORE_MODEL_CACHE": "1",
            "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
     run = subprocess.run([sys.executable, "-c", textwrap.dedent(script), str(tmp_path)], env=env,
                          capture_output=True, text=True, timeout=300)

@@ -394,6 +394,26 @@ def test_load_test_script_small_run(tmp_path):
     assert summary["kv_blocks_in_use_after"] == [0]
 
 
+def test_load_test_script_with_nan_requests_mixed_in(tmp_path):
+    """load_test.py --nan-fraction, bounded small: requests whose keys and values turn NaN in the server's test
+    backend each fail with a clean error, and every other stream still equals its run alone, /health stays 200,
+    no block stays in use."""
+    script = Path(__file__).parents[1] / "benchmarks" / "studies" / "load_test.py"
+    out = tmp_path / "summary.json"
+    # four slots for eight clients: a slot a poisoned request held is soon given to another one, which then
+    # decodes beside longer ones (sdpa reads every slot up to the longest: a stale NaN there would spread)
+    argv = ["--model", str(TINY), "--requests", "48", "--concurrency", "8", "--max-num-seqs", "4", "--max-tokens", "12",
+            "--max-prompt-words", "8", "--nan-fraction", "0.25", "--nan-prompt-tokens", "200", "--nan-inner", "sdpa",
+            "--prompt-pool", "16", "--warmup", "8", "--rounds", "2", "--time-limit", "120", "--json", str(out)]
+    proc = subprocess.run([sys.executable, str(script), *argv], capture_output=True, text=True, timeout=180)
+    summary = json.loads(out.read_text())[str(TINY)]
+    assert proc.returncode == 0 and summary["passed"], (summary, proc.stderr[-2000:])
+    assert summary["poisoned_requests"] > 0 and summary["poisoned_failed_cleanly"] == summary["poisoned_requests"]
+    assert summary["server_errors"] == 0 and summary["greedy_mismatches"] == 0 and summary["completed"] > 0
+    assert summary["health_checks"] > 0 and summary["health_not_200"] == 0
+    assert summary["kv_blocks_in_use_after"] == [0, 0]
+
+
 def test_prefix_cache_hits_show_in_usage_and_metrics():
     front = AsyncEngine(tiny_engine(max_num_seqs=2, enable_prefix_caching=True))
     with ServerThread(build_app(front, model_name=NAME)) as srv:

@@ -2,11 +2,18 @@
 
 Starts `kvcore serve` on 127.0.0.1 (a free port), warms it up, then runs ``--requests`` streaming
 completions from ``--concurrency`` clients at once, with random prompt and output lengths; ``--disconnect``
-of them hang up mid-stream. Afterwards it checks:
+of them hang up mid-stream. With ``--nan-fraction``, that fraction of the requests are poisoned: the server
+runs with a test backend (``nan_server.py``) that turns a marked request's keys and values into NaN, and the
+request is marked by its length (``--nan-prompt-tokens`` token ids of random words, more than any other request
+reaches).
+``--duration`` repeats rounds until the load has run that long (a soak). Afterwards it checks:
 
-- no server errors (HTTP 5xx, error events in a stream, broken connections the client did not cause);
+- no server errors (HTTP 5xx, error events in a stream, broken connections the client did not cause) on any
+  request but the poisoned ones, and each poisoned one failed with a one-line error naming the NaN (an error
+  event or a typed error body, never ``internal_error``); no traceback in the server's log;
 - every completed greedy stream equals the same request run alone (one at a time, same server), and every
   disconnected one is a prefix of it;
+- ``/health`` (polled all through the load) answered 200 every time;
 - the KV blocks in use return to 0 and the server's RSS returns to its level after a warm-up round;
 
 and reports requests/s, output tokens/s, TTFT and TPOT percentiles (client side). It stops by itself:
@@ -24,11 +31,13 @@ import json
 import os
 import random
 import re
+import shlex
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -39,9 +48,10 @@ WORDS = ("the of and to in is was for on that with as by at from his her an be w
 
 @dataclass
 class Outcome:
-    prompt: str
+    prompt: str | tuple[int, ...]  # text, or token ids (a poisoned request)
     max_tokens: int
     hang_up_after: int | None  # chunks read before disconnecting, or None
+    is_poisoned: bool = False
     text: str = ""
     status: int = 0
     error: str | None = None
@@ -70,7 +80,8 @@ async def _read_chunked(reader: asyncio.StreamReader):
 
 
 async def stream_completion(port: int, model: str, out: Outcome, timeout: float) -> Outcome:
-    body = json.dumps({"model": model, "prompt": out.prompt, "max_tokens": out.max_tokens, "temperature": 0,
+    prompt = out.prompt if isinstance(out.prompt, str) else list(out.prompt)
+    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": out.max_tokens, "temperature": 0,
                        "stream": True, "ignore_eos": True}).encode()
     out.start = time.perf_counter()
     reader, writer = await asyncio.open_connection(HOST, port)
@@ -114,12 +125,40 @@ async def stream_completion(port: int, model: str, out: Outcome, timeout: float)
     return out
 
 
-async def get(port: int, path: str) -> str:
+async def get(port: int, path: str) -> tuple[int, str]:
+    """``(status, body)`` of ``GET path``."""
     reader, writer = await asyncio.open_connection(HOST, port)
     writer.write(f"GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n".encode())
     raw = await reader.read()
     writer.close()
-    return raw.split(b"\r\n\r\n", 1)[1].decode()
+    head, _, body = raw.partition(b"\r\n\r\n")
+    return int(head.split()[1]), body.decode()
+
+
+async def tokenize(port: int, text: str) -> list[int]:
+    body = json.dumps({"prompt": text}).encode()
+    reader, writer = await asyncio.open_connection(HOST, port)
+    writer.write(b"POST /tokenize HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+                 b"Connection: close\r\n" + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    raw = await reader.read()
+    writer.close()
+    return json.loads(raw.partition(b"\r\n\r\n")[2])["tokens"]
+
+
+async def poll_health(port: int, answers: list[tuple[int, str]], period: float = 0.25) -> None:
+    """``GET /health`` every ``period`` seconds until cancelled, each answer appended to ``answers``."""
+    while True:
+        try:
+            answers.append(await get(port, "/health"))
+        except OSError as exc:
+            answers.append((0, f"{type(exc).__name__}: {exc}"))
+        await asyncio.sleep(period)
+
+
+def clean_nan_error(o: Outcome) -> bool:
+    """A poisoned request failed as it should: an error naming the NaN, in a stream's error event or a typed
+    error body (not ``internal_error``)."""
+    return o.error is not None and "NaN" in o.error and "internal_error" not in o.error
 
 
 def gauge(metrics_text: str, name: str) -> float:
@@ -133,6 +172,11 @@ def rss_mib(pid: int) -> float:
     return kib / 1024
 
 
+def cpu_name() -> str:
+    with open("/proc/cpuinfo") as f:
+        return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "unknown")
+
+
 def pct(values: list[float], q: float) -> float:
     values = sorted(values)
     return values[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))] if values else float("nan")
@@ -141,7 +185,7 @@ def pct(values: list[float], q: float) -> float:
 async def wait_idle(port: int, timeout: float) -> str:
     deadline = time.monotonic() + timeout
     while True:
-        text = await get(port, "/metrics")
+        text = (await get(port, "/metrics"))[1]
         busy = gauge(text, "kvcore_kv_blocks_in_use") + gauge(text, "kvcore_num_requests_running")
         if busy == 0 or time.monotonic() > deadline:
             return text
@@ -152,10 +196,23 @@ async def run(args: argparse.Namespace, port: int, pid: int) -> dict:
     rng = random.Random(args.seed)
     model = args.served_model_name
 
+    def fresh() -> tuple[str, int]:
+        return " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, args.max_prompt_words))), \
+            rng.randint(1, args.max_tokens)
+
+    pool = [fresh() for _ in range(args.prompt_pool)]  # the alone oracle then runs each once
+    num_poison = args.nan_prompt_tokens
+    # every word is at least one token: a poisoned prompt is a window of this text's ids, fresh enough per request
+    words = " ".join(rng.choice(WORDS) for _ in range(4 * num_poison)) if args.nan_fraction else ""
+    poison_ids = await tokenize(port, words) if words else []
+
     def job(i: int) -> Outcome:
-        prompt = " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, args.max_prompt_words)))
+        if rng.random() < args.nan_fraction:
+            start = rng.randrange(len(poison_ids) - num_poison)
+            return Outcome(tuple(poison_ids[start:start + num_poison]), args.max_tokens, None, is_poisoned=True)
+        prompt, max_tokens = rng.choice(pool) if pool else fresh()
         hang_up = rng.randint(1, 4) if rng.random() < args.disconnect else None
-        return Outcome(prompt, rng.randint(1, args.max_tokens), hang_up)
+        return Outcome(prompt, max_tokens, hang_up)
 
     gate = asyncio.Semaphore(args.concurrency)
 
@@ -163,14 +220,18 @@ async def run(args: argparse.Namespace, port: int, pid: int) -> dict:
         async with gate:
             return await stream_completion(port, model, o, args.request_timeout)
 
-    # Warm-up at full concurrency, so the baseline includes what the first batches of each shape allocate
-    # (kernel workspaces, allocator arenas); what grows after it is what the requests leave behind.
-    await asyncio.gather(*(client(Outcome(job(i).prompt, args.max_tokens, None)) for i in range(args.warmup)))
+    # Warm-up at full concurrency with the load's own mix (poisoned prompts included: the longest prefill
+    # chunks), so the baseline includes what the first batches of each shape allocate (kernel workspaces,
+    # allocator arenas); what grows after it is what the requests leave behind.
+    warm = [job(i) for i in range(args.warmup)]
+    await asyncio.gather(*(client(Outcome(o.prompt, args.max_tokens, None, o.is_poisoned)) for o in warm))
     idle = await wait_idle(port, 30)
     base = {"rss_mib": rss_mib(pid), "kv_blocks_in_use": gauge(idle, "kvcore_kv_blocks_in_use"),
             "kv_blocks_total": gauge(idle, "kvcore_kv_blocks_total")}
-    rounds = []
-    for _ in range(args.rounds):
+    rounds: list[dict] = []
+    health: list[tuple[int, str]] = []
+    poller = asyncio.create_task(poll_health(port, health))
+    while len(rounds) < args.rounds or sum(rd["wall_s"] for rd in rounds) < args.duration:
         jobs = [job(i) for i in range(args.requests)]
 
         t0 = time.perf_counter()
@@ -179,11 +240,12 @@ async def run(args: argparse.Namespace, port: int, pid: int) -> dict:
         idle = await wait_idle(port, 30)
         rounds.append({"outcomes": done, "wall_s": wall, "rss_mib": rss_mib(pid),
                        "kv_blocks_in_use": gauge(idle, "kvcore_kv_blocks_in_use")})
+    poller.cancel()
     # The oracle: every request again, alone.
     checked = mismatches = 0
     alone_cache: dict[tuple[str, int], str] = {}
     for o in [o for rd in rounds for o in rd["outcomes"]][: args.verify_limit]:
-        if o.error is not None:
+        if o.error is not None or o.is_poisoned:
             continue
         key = (o.prompt, o.max_tokens)
         if key not in alone_cache:
@@ -192,15 +254,18 @@ async def run(args: argparse.Namespace, port: int, pid: int) -> dict:
         ok = alone_cache[key].startswith(o.text) if o.hang_up_after is not None else o.text == alone_cache[key]
         checked += 1
         mismatches += not ok
-    return {"base": base, "rounds": rounds, "checked": checked, "mismatches": mismatches}
+    return {"base": base, "rounds": rounds, "checked": checked, "mismatches": mismatches, "health": health}
 
 
-def report(args: argparse.Namespace, result: dict) -> tuple[dict, bool]:
+def report(args: argparse.Namespace, result: dict, server_log: str) -> tuple[dict, bool]:
     base, rounds = result["base"], result["rounds"]
-    outcomes = [o for rd in rounds for o in rd["outcomes"]]
+    poisoned = [o for rd in rounds for o in rd["outcomes"] if o.is_poisoned]
+    outcomes = [o for rd in rounds for o in rd["outcomes"] if not o.is_poisoned]
     completed = [o for o in outcomes if o.error is None and o.hang_up_after is None]
     hung_up = [o for o in outcomes if o.hang_up_after is not None and o.error is None]
     server_errors = [o for o in outcomes if o.error is not None]
+    poison_unclean = [o for o in poisoned if not clean_nan_error(o)]
+    unhealthy = [h for h in result["health"] if h[0] != 200]
     wall = sum(rd["wall_s"] for rd in rounds)
     ttft = [o.ttft for o in completed if o.ttft is not None]
     tpot = [o.tpot for o in completed if o.tpot is not None]
@@ -208,6 +273,12 @@ def report(args: argparse.Namespace, result: dict) -> tuple[dict, bool]:
     summary = {
         "requests": len(outcomes), "completed": len(completed), "disconnected": len(hung_up),
         "server_errors": len(server_errors), "first_errors": sorted({o.error for o in server_errors})[:3],
+        "poisoned_requests": len(poisoned), "poisoned_failed_cleanly": len(poisoned) - len(poison_unclean),
+        "poisoned_statuses": {str(k): n for k, n in sorted(Counter(o.status for o in poisoned).items())},
+        "poisoned_errors": sorted({re.sub(r"\d+", "N", o.error or "no error") for o in poisoned})[:3],
+        "health_checks": len(result["health"]), "health_not_200": len(unhealthy),
+        "first_unhealthy": sorted({f"{s} {b[:200]}" for s, b in unhealthy})[:3],
+        "server_log_tracebacks": server_log.count("Traceback"),
         "greedy_streams_checked": result["checked"], "greedy_mismatches": result["mismatches"],
         "requests_per_s": len(outcomes) / wall, "output_tokens_per_s": tokens / wall, "wall_s": wall,
         "ttft_s": {f"p{q}": pct(ttft, q) for q in (50, 90, 99)},
@@ -217,8 +288,9 @@ def report(args: argparse.Namespace, result: dict) -> tuple[dict, bool]:
         "rss_mib_after_warmup": base["rss_mib"], "rss_mib_after_each_round": [rd["rss_mib"] for rd in rounds],
     }
     rss_growth = max(summary["rss_mib_after_each_round"]) - base["rss_mib"]
-    ok = (not server_errors and result["mismatches"] == 0 and all(v == 0 for v in summary["kv_blocks_in_use_after"])
-          and rss_growth <= args.rss_tolerance_mib)
+    ok = (not server_errors and not poison_unclean and not unhealthy and result["mismatches"] == 0
+          and all(v == 0 for v in summary["kv_blocks_in_use_after"]) and rss_growth <= args.rss_tolerance_mib
+          and summary["server_log_tracebacks"] == 0)
     summary["rss_growth_mib"] = rss_growth
     summary["passed"] = ok
     return summary, ok
@@ -236,6 +308,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=64, help="output lengths are uniform in [1, this]")
     p.add_argument("--disconnect", type=float, default=0.10, help="fraction of clients that hang up mid-stream")
     p.add_argument("--max-num-seqs", type=int, default=16)
+    p.add_argument("--duration", type=float, default=0.0,
+                   help="run rounds (at least --rounds) until the load has run this many seconds: a soak")
+    p.add_argument("--prompt-pool", type=int, default=0,
+                   help="draw requests from this many (prompt, length) pairs, each checked alone once; 0: all fresh")
+    p.add_argument("--nan-fraction", type=float, default=0.0,
+                   help="fraction of requests whose keys and values the server's test backend turns to NaN")
+    p.add_argument("--nan-prompt-tokens", type=int, default=256,
+                   help="a poisoned request's prompt length, its mark: more tokens than any other request reaches")
+    p.add_argument("--nan-inner", default="cpu_decode", help="the backend the NaN test server runs every request on")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--verify-limit", type=int, default=10**9, help="check at most this many streams alone")
     p.add_argument("--request-timeout", type=float, default=300.0)
@@ -243,11 +324,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rss-tolerance-mib", type=float, default=32.0)
     p.add_argument("--server-arg", action="append", default=[], help="extra `kvcore serve` argument (repeatable)")
     p.add_argument("--json", default=None,
-                   help="also write the summary into this JSON file, under the model's name (other models' runs kept)")
+                   help="also write the summary into this JSON file, under --json-key (other runs kept)")
+    p.add_argument("--json-key", default=None, help="the summary's key in --json (default: the model)")
     args = p.parse_args(argv)
 
+    machine = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpu": cpu_name(),
+               "num_cpus": os.cpu_count(), "load_average_before": os.getloadavg()}
     log = tempfile.NamedTemporaryFile("w+", prefix="kvcore-serve-", suffix=".log", delete=False)
-    cmd = [sys.executable, "-m", "kvcore.cli", "serve", "--model", args.model, "--host", HOST, "--port", "0",
+    launcher = ["-m", "kvcore.cli"] if not args.nan_fraction else [
+        str(Path(__file__).with_name("nan_server.py")), "--nan-prompt-tokens", str(args.nan_prompt_tokens),
+        "--nan-inner", args.nan_inner]
+    cmd = [sys.executable, *launcher, "serve", "--model", args.model, "--host", HOST, "--port", "0",
            "--served-model-name", args.served_model_name, "--max-num-seqs", str(args.max_num_seqs),
            "--log-level", "warning", *args.server_arg]
     server = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=log, text=True)
@@ -269,15 +356,17 @@ def main(argv: list[str] | None = None) -> int:
         except subprocess.TimeoutExpired:
             server.kill()
         print(f"load_test: server log: {log.name}", file=sys.stderr)
-    summary, ok = report(args, result)
+    log.flush()
+    summary, ok = report(args, result, Path(log.name).read_text(errors="replace"))
     args_given = argv if argv is not None else sys.argv[1:]
-    summary["command"] = " ".join(["python", "benchmarks/studies/load_test.py", *args_given])
+    summary["command"] = shlex.join(["python", "benchmarks/studies/load_test.py", *args_given])
+    summary.update(machine, load_average_after=os.getloadavg())
     text = json.dumps(summary, indent=2)
     print(text)
     if args.json:
         path = Path(args.json)
         runs = json.loads(path.read_text()) if path.is_file() else {}
-        runs[args.model] = summary
+        runs[args.json_key or args.model] = summary
         path.write_text(json.dumps(runs, indent=2) + "\n")
     print("PASS" if ok else "FAIL", file=sys.stderr)
     return 0 if ok else 1

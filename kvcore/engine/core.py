@@ -264,9 +264,10 @@ class Engine:
         return events
 
     def model_problem(self) -> str | None:
-        """Why the model can no longer run, or None: a file its weights are read from as it runs was truncated or
-        written to in place (:mod:`kvcore.loaders.watched`). One ``fstat`` per such file; any thread."""
-        return model_file_problem(self.model)
+        """Why the model can no longer run, or None: a file its weights, or a draft model's, are read from as it
+        runs was truncated or written to in place (:mod:`kvcore.loaders.watched`). One ``fstat`` per such file;
+        any thread."""
+        return model_file_problem(self.model, *(self.speculator.models if self.speculator is not None else ()))
 
     def _run(self, batch: ScheduledBatch) -> None:
         """Execute and sample one reserved batch, then have the scheduler settle it."""

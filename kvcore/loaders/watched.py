@@ -2,10 +2,11 @@
 
 Two kinds of weights stay in their file after loading: a prepared-model cache entry's tensors are pages of
 ``model.pt`` mapped with ``torch.load(mmap=True)`` (:mod:`kvcore.loaders.model_cache`), and a quantized token table
-is read row by row from the GGUF file (:mod:`kvcore.loaders.file_rows`). Replacing such a file (``mv``, an editor's
-save, kvcore's own cache rebuild) is harmless: the open descriptor and the mapping keep the old file. Changing it
-in place is not: written to, the model would run on other weights; truncated, a read of a mapped page past the
-new end is a SIGBUS that kills the process (Python cannot turn a fault inside C code into an exception).
+is read row by row from the GGUF file (:mod:`kvcore.loaders.file_rows`); so do a draft model's that speculative
+decoding loads (:attr:`kvcore.speculative.speculator.Speculator.models`). Replacing such a file (``mv``, an
+editor's save, kvcore's own cache rebuild) is harmless: the open descriptor and the mapping keep the old file.
+Changing it in place is not: written to, the model would run on other weights; truncated, a read of a mapped page
+past the new end is a SIGBUS that kills the process (Python cannot turn a fault inside C code into an exception).
 
 :class:`WatchedFile` compares the open file with what was loaded (one ``fstat``): the engine asks before every
 forward and fails the step's requests with :class:`~kvcore.errors.ModelFileChangedError`, and the server's
@@ -53,10 +54,12 @@ class WatchedFile:
             raise ModelFileChangedError(problem)
 
 
-def model_file_problem(model) -> str | None:
-    """How a file ``model`` reads weights from as it runs has changed, or None: the files its loader mapped
-    (``model.mapped_files``) and the one its token table is read from (a GGUF table kept as blocks)."""
-    table = getattr(model, "embedding", None)
-    table_file = getattr(getattr(table, "blocks", None), "source_file", None)
-    files = [*getattr(model, "mapped_files", ()), *([table_file] if table_file is not None else [])]
+def model_file_problem(*models) -> str | None:
+    """How a file one of ``models`` reads weights from as it runs has changed, or None: the files its loader
+    mapped (``model.mapped_files``) and the one its token table is read from (a GGUF table kept as blocks)."""
+    files = []
+    for model in models:
+        table = getattr(model, "embedding", None)
+        table_file = getattr(getattr(table, "blocks", None), "source_file", None)
+        files += [*getattr(model, "mapped_files", ()), *([table_file] if table_file is not None else [])]
     return next((p for p in (f.problem() for f in files) if p is not None), None)

@@ -85,6 +85,8 @@ class Scheduler:
     def finish(self, req: Request, reason: FinishReason, error: KVCoreError | None = None) -> None:
         """``req`` ended (finished, failed or aborted): out of the queues, its blocks back; its ``n > 1``
         samples that waited for its prefill now prefill on their own, first in the queue."""
+        if error is not None:  # kept for its message: its traceback's frames hold the step's batch and requests, req
+            error.__traceback__ = None  # among them, a cycle that would keep them until a full garbage collection
         req.finish_reason, req.error = reason, error
         req.metrics.finish_time = time.perf_counter()
         self.stats.num_finished_requests += 1

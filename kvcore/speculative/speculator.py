@@ -43,15 +43,21 @@ def speculator_for(engine: Any, registry: PluginRegistry) -> Speculator | None:
     if config.proposer is None:
         return None
     name = config.proposer
+    loaded: list[Any] = []  # the decoders the proposer loads: the engine watches their files as the target's
+
+    def load_model(spec: str, weights: str | None = None) -> tuple[Any, Any]:
+        model, tokenizer = load_pretrained(spec, engine.dtype, engine.device, engine.max_model_len, None,
+                                           weights or config.weights)
+        loaded.append(model)
+        return model, tokenizer
+
     reasons = reasons_refused((engine.prefill_backend, engine.decode_backend), config.tensor_parallel_size > 1)
     proposer = registry.create_proposer(name, config.proposer_options.get(name))
     if not reasons:
         target = ProposerTarget(
             vocab_size=engine.model.config.vocab_size, dtype=engine.dtype, device=engine.device,
             max_model_len=engine.max_model_len, max_num_seqs=config.max_num_seqs, model=engine.model,
-            tokenizer=engine.tokenizer, load_model=lambda spec, weights=None: load_pretrained(
-                spec, engine.dtype, engine.device, engine.max_model_len, None, weights or config.weights),
-            lm_head=engine.lm_head,
+            tokenizer=engine.tokenizer, load_model=load_model, lm_head=engine.lm_head,
         )
         try:
             reasons = list(proposer.bind(target))
@@ -61,14 +67,17 @@ def speculator_for(engine: Any, registry: PluginRegistry) -> Speculator | None:
             raise PluginError(f"proposer '{name}' failed to bind: {type(exc).__name__}: {exc}") from exc
     if reasons:
         raise ConfigError(f"speculative decoding with proposer '{name}' cannot run: {'; '.join(reasons)}")
-    return Speculator(proposer, config.num_speculative_tokens, engine.stats)
+    return Speculator(proposer, config.num_speculative_tokens, engine.stats, loaded)
 
 
 class Speculator:
     """The engine's side of a proposer: the per-request lifecycle, the draft budget, the counters."""
 
-    def __init__(self, proposer: Proposer, num_tokens: int, stats: EngineStats) -> None:
+    def __init__(self, proposer: Proposer, num_tokens: int, stats: EngineStats, models: list[Any]) -> None:
         self.proposer = proposer
+        #: the decoders the proposer loaded (:attr:`ProposerTarget.load_model`), e.g. a draft model: their weight
+        #: files are watched as the target's (:meth:`kvcore.engine.core.Engine.model_problem`)
+        self.models = models
         self.num_tokens = num_tokens  # K: drafts per request and step, at most
         self.stats = stats
         self._started: dict[str, int] = {}  # request id -> its preemptions when the proposer started it
