@@ -22,8 +22,8 @@ blocks through ``gather_blocks`` (the rows no query sees zeroed, as ``paged`` do
 
 Option (``[backends.flex]``): ``compile`` (default true); false runs FlexAttention eagerly, which materialises
 each call's scores (the fast test tier runs that way), so it pads only to the tile, and float16 on CPU runs in
-float32. Compiled, inductor's caches live under kvcore's cache
-folder (:func:`~kvcore.backends.flex_mods.use_kvcore_inductor_cache`), so a second process reuses the kernels.
+float32. Compiled, inductor's caches live under kvcore's cache folder
+(:func:`~kvcore.backends.flex_mods.use_kvcore_inductor_cache`), so a second process reuses the kernels.
 """
 
 from __future__ import annotations
