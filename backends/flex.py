@@ -21,8 +21,9 @@ batch size still compiles once. Keys are read per the layout's contract: a conti
 blocks through ``gather_blocks`` (the rows no query sees zeroed, as ``paged`` does: stale rows may hold NaN).
 
 Option (``[backends.flex]``): ``compile`` (default true); false runs FlexAttention eagerly, which materialises
-each call's scores (the fast test tier runs that way). Compiled, inductor's caches live under kvcore's cache
-folder (:func:`~kvcore.backends.flex_mods.use_kvcore_inductor_cache`), so a second process reuses the kernels.
+each call's scores (the fast test tier runs that way), so it pads only to the tile, and float16 on CPU runs in
+float32. Compiled, inductor's caches live under kvcore's cache folder
+(:func:`~kvcore.backends.flex_mods.use_kvcore_inductor_cache`), so a second process reuses the kernels.
 """
 
 from __future__ import annotations
@@ -103,6 +104,8 @@ class FlexBackend(AttentionBackend[FlexPlan]):
             raise ConfigError(f"backend 'flex': compile must be true or false, got {compile!r}")
         #: what attends: flex_attention compiled, or eager
         self.kernel = _eager_flex
+        #: whether calls are padded to the few sizes a compiled kernel is specialised on (:func:`bucket`)
+        self.compiled = compile
         if compile:
             from torch.nn.attention.flex_attention import flex_attention
 
@@ -116,7 +119,7 @@ class FlexBackend(AttentionBackend[FlexPlan]):
 
     def plan(self, meta: AttentionMetadata, cache: KVCache) -> FlexPlan:
         device = meta.positions.device
-        q_len = 1 if meta.max_query_len == 1 else bucket(meta.max_query_len, MIN_QUERY_ROWS)
+        q_len = 1 if meta.max_query_len == 1 else bucket(meta.max_query_len, MIN_QUERY_ROWS, compiled=self.compiled)
         rows = None
         if q_len > 1:
             rows = torch.tensor([b * q_len + i for b, n in enumerate(meta.query_lens) for i in range(n)])
@@ -125,14 +128,14 @@ class FlexBackend(AttentionBackend[FlexPlan]):
         common = dict(meta=meta, q_len=q_len, context_lens=lens[0], query_lens=lens[1],
                       rows=rows_t[0] if rows_t else None)
         if cache.layout == "contiguous":
-            kv_len = bucket(meta.max_seq_len, MIN_KEYS, most=cache.block_size)
+            kv_len = bucket(meta.max_seq_len, MIN_KEYS, most=cache.block_size, compiled=self.compiled)
             slots = meta.slots
             consecutive = slots == list(range(slots[0], slots[0] + len(slots)))
             slots_t = None if consecutive else host_to_device([torch.tensor(slots)], device)[0]
             plan = FlexPlan(**common, kv_len=kv_len, slots=slots_t)
         else:
             bs = cache.block_size
-            num_blocks = -(-bucket(meta.max_seq_len, MIN_KEYS) // bs)
+            num_blocks = -(-bucket(meta.max_seq_len, MIN_KEYS, compiled=self.compiled) // bs)
             kv_len = num_blocks * bs
             tables = torch.tensor([(t + [0] * num_blocks)[:num_blocks] for t in meta.block_tables]).flatten()
             # a decode row sees only its window's keys; rows of a longer call see different windows, so only the
@@ -168,10 +171,13 @@ class FlexBackend(AttentionBackend[FlexPlan]):
         qs = qs.transpose(1, 2)  # [B, H, q_len, D]
         args = dict(score_mod=score_mod(layer, plan.context_lens), block_mask=self._block_mask(plan, layer, num_heads),
                     scale=layer.scale, enable_gqa=keys.shape[1] != num_heads)
+        kernel = self.kernel if layer.sinks is None or q.device.type == "cuda" else _eager_flex  # see the docstring
+        if kernel is _eager_flex and q.dtype == torch.float16 and q.device.type == "cpu":
+            # the CPU has no fast float16 GEMM; eager FlexAttention accumulates in float32 anyway
+            qs, keys, values = qs.float(), keys.float(), values.float()
         if layer.sinks is None:
-            out = self.kernel(qs, keys, values, **args)
+            out = kernel(qs, keys, values, **args).to(q.dtype)
         else:
-            kernel = self.kernel if q.device.type == "cuda" else _eager_flex  # see the module docstring
             out, aux = kernel(qs, keys, values, **args, return_aux=AuxRequest(lse=True))
             sinks = layer.sinks.to(device=q.device, dtype=torch.float32).view(1, -1, 1)  # [1, H, 1]
             out = (out.float() * torch.sigmoid(aux.lse - sinks)[..., None]).to(q.dtype)

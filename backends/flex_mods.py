@@ -29,10 +29,12 @@ __all__ = ["MIN_KEYS", "block_mask", "bucket", "mask_key", "mask_mod", "score_mo
 MIN_KEYS = 128
 
 
-def bucket(n: int, least: int = 1, most: int | None = None) -> int:
-    """``n`` rounded up to a power of two (at least ``least``, at most ``most`` when ``n`` fits it): the padded
-    sizes a compiled kernel is specialised on, a handful per octave of lengths rather than one per length."""
-    size = max(least, 1 << max(n - 1, 0).bit_length())
+def bucket(n: int, least: int = 1, most: int | None = None, *, compiled: bool = True) -> int:
+    """``n`` rounded up (at most to ``most`` when ``n`` fits it): for a ``compiled`` kernel to a power of two, at
+    least ``least``, the sizes it is specialised on, one per octave of lengths rather than one per length; eager,
+    where no kernel is reused and every padded row and key costs its share of the dense scores, to a multiple of
+    ``least``."""
+    size = max(least, 1 << max(n - 1, 0).bit_length()) if compiled else -(-max(n, 1) // least) * least
     return max(n, min(size, most)) if most is not None else size
 
 

@@ -29,16 +29,17 @@ Scenarios
     ``long4k``      up to 4,096 keys (the engine's default context limit), in chunks of 1,024 queries.
 
 The matrix (:func:`op_cases`) is the *legacy* corner set (MHA 8/8, GQA 8/2, MQA 8/1 × head_dim 32, 64,
-128 × ``ragged``, ``continue``, ``long``, ``fragmented`` at block size 16; ``--quick``: 14 of them) plus a
-seeded **pairwise covering array** over ``LAYOUTS × HEAD_SIZES × BLOCK_SIZES × SHORT_SCENARIOS``: every
-pair of values of any two dimensions appears in at least one case (a greedy AETG-style construction with
-a fixed seed, so the list is the same on every machine), plus long contexts: three hand-picked
-``long2k`` rows (non-power-of-two groups, head sizes that are not multiples of 32, block sizes 12, 1
-and 64). Full adds a ``long2k`` row with head_dim 256, a second pairwise array (another seed),
-``long2k`` with every layout, head size and block size at least once, the legacy ``long`` cases and
-three ``long4k`` rows. Each reduced precision
-runs a smaller array in which each value of each dimension appears at least once, plus one ``long2k``
-row (``long4k`` too in full), so rounding over long reductions is covered.
+128 × ``ragged``, ``continue``, ``long``, ``fragmented`` at block size 16; ``--quick``: 14 of them) plus
+seeded **covering arrays** over ``LAYOUTS × HEAD_SIZES × BLOCK_SIZES × SHORT_SCENARIOS`` (a greedy
+AETG-style construction with a fixed seed, so the list is the same on every machine): in full two pairwise
+ones, where every pair of values of any two dimensions appears in at least one case; in ``--quick`` one in
+which every value of every dimension appears, so quick covers each dimension and leaves their combinations
+to full. Long contexts: hand-picked ``long2k`` rows (a non-power-of-two group, a head size that is not a
+multiple of 32, block size 12; full adds rows with block sizes 1 and 64 and one with head_dim 256),
+and in full ``long2k`` with every layout, head size and block size at least once, the legacy ``long``
+cases and three ``long4k`` rows. Each reduced precision runs a smaller array in which each value of each
+dimension appears at least once, plus one ``long2k`` row (``long4k`` too in full), so rounding over long
+reductions is covered.
 """
 
 from __future__ import annotations
@@ -88,10 +89,11 @@ REDUCED_DTYPES = (torch.bfloat16, torch.float16)
 LEGACY_SCENARIOS = ("ragged", "continue", "long", "fragmented")
 #: the scenarios of the pairwise arrays (cheap: at most 70 tokens per sequence)
 SHORT_SCENARIOS = ("ragged", "continue", "fragmented", "mixed", "fork")
-#: long contexts, each a few seconds per case: hand-picked rows in --quick, one row per value in full
-LONG_QUICK = (("gqa6x2", 80, "long2k", 12), ("gqa10x2", 72, "long2k", 1), ("mqa", 40, "long2k", 64))
-#: full: a wide long-context row too (the heaviest: 10 heads of 256 over 2,100 keys)
-LONG_FULL = (("gqa10x2", 256, "long2k", 1),)
+#: long contexts, each a few seconds per case: a hand-picked row in --quick (and in each reduced precision), one
+#: row per value in full
+LONG_QUICK = (("gqa6x2", 80, "long2k", 12),)
+#: full: more hand-picked rows, the widest last (the heaviest: 10 heads of 256 over 2,100 keys)
+LONG_FULL = (("gqa10x2", 72, "long2k", 1), ("mqa", 40, "long2k", 64), ("gqa10x2", 256, "long2k", 1))
 LONG4K = (("gqa", 128, "long4k", 16), ("gqa12x2", 72, "long4k", 12), ("mqa6x1", 112, "long4k", 1))
 
 
@@ -199,10 +201,12 @@ def _dedupe(cases: list[OpCase]) -> list[OpCase]:
 
 
 def base_cases(quick: bool) -> list[OpCase]:
-    """The float32 case list (before the per-cache expansion)."""
+    """The float32 case list (before the per-cache expansion): in ``quick`` every value of every dimension once
+    and one long context, each dimension covered rather than its combinations; full, the pairwise arrays and the
+    long rows."""
     if quick:
         legacy = [OpCase(layout, d, s) for s, layout, d in QUICK_LEGACY]
-        return _dedupe(legacy + _array(SHORT_SCENARIOS, seed=0) + _picks(LONG_QUICK))
+        return _dedupe(legacy + _array(SHORT_SCENARIOS, seed=0, strength=1) + _picks(LONG_QUICK))
     legacy = [OpCase(layout, d, s) for s in LEGACY_SCENARIOS for layout in HEAD_LAYOUTS for d in HEAD_DIMS]
     pairwise = _array(SHORT_SCENARIOS, seed=0) + _array(SHORT_SCENARIOS, seed=1)
     longs = _picks(LONG_QUICK + LONG_FULL) + _array(("long2k",), seed=4, strength=1) + _picks(LONG4K)
@@ -212,7 +216,7 @@ def base_cases(quick: bool) -> list[OpCase]:
 def reduced_cases(quick: bool) -> list[OpCase]:
     """The cases each reduced precision runs: every value of every dimension at least once, plus a
     long reduction (``long2k``; full: also ``long4k``) at a grouped layout."""
-    rows = _array(SHORT_SCENARIOS, seed=2, strength=1) + _picks(LONG_QUICK[:1])
+    rows = _array(SHORT_SCENARIOS, seed=2, strength=1) + _picks(LONG_QUICK)
     if not quick:
         rows += _array(SHORT_SCENARIOS, seed=3, strength=1) + _picks(LONG4K[:1])
     return _dedupe(rows)

@@ -62,18 +62,31 @@ def test_full_matrix_covers_layouts_head_dims_and_scenarios():
     assert max(max(c.final_lens) for c in quick) > 2048  # split-KV / tiled paths in --quick
 
 
-@pytest.mark.parametrize("quick", [True, False])
-def test_every_pair_of_dimension_values_is_covered(quick):
+DIMS = {"layout": set(LAYOUTS), "head_dim": set(HEAD_SIZES), "block_size": set(BLOCK_SIZES),
+        "scenario": set(SHORT_SCENARIOS)}
+
+
+def test_quick_covers_every_value_of_every_dimension_once_over():
+    """--quick: each value of each dimension (layout, head size, block size, scenario) in some case, in float32 and
+    in each reduced precision, and few cases beyond that: the dimensions, not their combinations (full's job)."""
+    cases = op_cases(quick=True, dtypes=(torch.float32, torch.bfloat16, torch.float16))
+    for dtype in (None, torch.bfloat16, torch.float16):
+        rows = [c for c in cases if c.dtype == dtype or (dtype is None and c.dtype == torch.float32)]
+        for name, values in DIMS.items():
+            assert {getattr(c, name) for c in rows} >= values, (dtype, name)
+    fp32 = [c for c in cases if c.dtype == torch.float32]
+    assert len(fp32) < len(op_cases(quick=False)) / 4 and sum(c.scenario == "long2k" for c in fp32) == 1
+
+
+def test_full_covers_every_pair_of_dimension_values():
     """Pairwise: any two values of any two dimensions (layout, head size, block size, scenario) meet in
     at least one case, so a bug needing one value of each of two dimensions is reached."""
-    cases = op_cases(quick=quick)
-    dims = {"layout": set(LAYOUTS), "head_dim": set(HEAD_SIZES), "block_size": set(BLOCK_SIZES),
-            "scenario": set(SHORT_SCENARIOS)}
+    cases = op_cases(quick=False)
+    dims = DIMS
     rows = {(c.layout, c.head_dim, c.block_size, c.scenario) for c in cases}
-    if not quick:  # long contexts with every layout, head size and block size
-        long2k = [c for c in cases if c.scenario == "long2k"]
-        assert {c.layout for c in long2k} == dims["layout"] and {c.head_dim for c in long2k} == dims["head_dim"]
-        assert {c.block_size for c in long2k} == dims["block_size"]
+    long2k = [c for c in cases if c.scenario == "long2k"]  # long contexts with every layout, head size, block size
+    assert {c.layout for c in long2k} == dims["layout"] and {c.head_dim for c in long2k} == dims["head_dim"]
+    assert {c.block_size for c in long2k} == dims["block_size"]
     names = list(dims)
     for i, a in enumerate(names):
         for b in names[i + 1:]:

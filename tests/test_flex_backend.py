@@ -176,6 +176,17 @@ def test_decode_keys_are_bucketed():
     assert lens == {128, 256}
 
 
+def test_eager_calls_are_padded_to_the_tile_only():
+    """Eager FlexAttention reuses no kernel and computes every padded row and key, so a call is padded to the tile,
+    not to a power of two (a 2,101-key call would compute 4,096 keys)."""
+    assert [bucket(n, 128, compiled=False) for n in (1, 128, 129, 257)] == [128, 128, 256, 384]
+    assert bucket(300, 128, most=290, compiled=False) == 300
+    h = Harness("paged", "softcap")
+    h.add(0)
+    plan = h.step([0], [260])
+    assert (plan.q_len, plan.kv_len) == (272, 384)  # compiled: 512 and 512
+
+
 @pytest.mark.parametrize("window", [None, 1, 5, 127, 128, 129, 300])
 def test_counted_block_masks_equal_create_block_mask(window):
     """The tiles counted from positions visit exactly the tiles ``create_block_mask`` finds by evaluating the mask:
