@@ -106,6 +106,7 @@ def load_engine(args: argparse.Namespace, request_ids: Callable[[Any], list[int]
 
     s = resolve_settings(args)  # before torch loads: a config file's error answers at once
 
+    from kvcore.engine.config import check_option_tables
     from kvcore.engine.core import Engine, EngineConfig
     from kvcore.plugins.registry import get_registry
 
@@ -119,6 +120,7 @@ def load_engine(args: argparse.Namespace, request_ids: Callable[[Any], list[int]
     if s["plugin_options"]:
         registry.configure(s["plugin_options"])
     config = EngineConfig(**{f.name: s[f.name] for f in fields(EngineConfig) if s.get(f.name) is not None})
+    check_option_tables(registry, config)  # as the engine does, but before the model loads
     for name in {s["backend"], s["prefill_backend"], s["decode_backend"]} - {None}:
         registry.create(name, s["backend_options"].get(name))
     needed = None if request_ids is None else (lambda tok: len(request_ids(tok)) + params.max_new_tokens)

@@ -49,6 +49,7 @@ from kvcore.engine.build import (
 )
 from kvcore.engine.config import EngineConfig, parse_dtype, select_components
 from kvcore.engine.defaults import DefaultChoice, choose_defaults, file_facts, model_facts
+from kvcore.engine.file_config import errors_located
 from kvcore.engine.requests import prompt_batch, prompt_token_ids, request_result, run_batch, run_chat, stream_events
 from kvcore.engine.settings import Settings, prepare_run
 from kvcore.engine.step import EngineStep
@@ -193,8 +194,9 @@ class Engine(EngineStep):
         :func:`~kvcore.engine.settings.load_settings`): :func:`~kvcore.engine.settings.prepare_run` (threads, plugin
         option tables), then :meth:`from_pretrained` with its model and engine config. Requests take
         ``settings.sampling``."""
-        registry = prepare_run(settings, registry)
-        return cls.from_pretrained(settings.model, settings.engine, registry=registry, **kwargs)
+        with errors_located(settings.config_file):  # e.g. an option a plugin rejects: the file's line
+            registry = prepare_run(settings, registry)
+            return cls.from_pretrained(settings.model, settings.engine, registry=registry, **kwargs)
 
     # -- request API ---------------------------------------------------------------------------------
     def add_request(
