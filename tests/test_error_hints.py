@@ -214,6 +214,22 @@ def test_greedy_warns_only_for_sampling_flags_given_now(capsys, tmp_path):
         "kvcore: warning: --seed has no effect at temperature 0 (greedy); set --temperature"]
 
 
+def test_chat_seed_is_no_greedy_warning(capsys):
+    """chat samples by default (its defaults fill in the temperature): a --seed is used, no warning; with
+    --temperature 0 it is not, and the warning says so."""
+    from pathlib import Path
+
+    from helpers import run_cli
+
+    tiny = Path(__file__).parent / "data" / "tiny-llama"
+    base = ["chat", "--model", str(tiny), "--backend", "sdpa", "--max-new-tokens", "2", "--seed", "4"]
+    rc, _, err = run_cli(capsys, *base, "hi")
+    assert rc == 0 and err == ""
+    rc, _, err = run_cli(capsys, *base, "--temperature", "0", "hi")
+    assert rc == 0 and err.strip() == ("kvcore: warning: --seed has no effect at temperature 0 (greedy); "
+                                       "set --temperature")
+
+
 def test_pytest_plugin_hides_only_torchs_script_method_deprecation():
     import warnings
 
