@@ -168,6 +168,22 @@ def test_default_cap_is_not_mistaken_for_the_model_window():
         engine.add_request([1] * 4096, SamplingParams(max_new_tokens=1))
 
 
+def test_context_limit_names_the_files_window_not_the_loaded_tables():
+    """A loaded model's RoPE tables stop at max_model_len; the fix still names the file's own window."""
+    from pathlib import Path
+
+    from kvcore.engine.core import Engine
+    from kvcore.errors import ContextLengthError
+
+    tiny = Path(__file__).parent / "data" / "tiny-llama"
+    engine = Engine.from_pretrained(str(tiny), EngineConfig(backend="sdpa", max_model_len=32), model_cache=False)
+    window = engine.model.context_window
+    assert engine.model.config.max_position_embeddings == 32 < window
+    with pytest.raises(ContextLengthError, match=rf"raise max_model_len \(--max-model-len\) up to the model's "
+                                                 rf"context window of {window} tokens$"):
+        engine.generate([1] * 40, SamplingParams(max_new_tokens=1))
+
+
 @pytest.fixture
 def torch_threads():
     import torch

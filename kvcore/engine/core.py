@@ -206,7 +206,7 @@ class Engine(EngineStep):
         Invalid requests raise and leave the engine untouched."""
         params = params or SamplingParams()
         prompt_ids = prompt_token_ids(
-            prompt, params, self.tokenizer, self.model.config, self.config.max_num_seqs, self.max_model_len
+            prompt, params, self.tokenizer, self.model, self.config.max_num_seqs, self.max_model_len
         )
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         ids = [request_id] if params.n == 1 else [f"{request_id}:{i}" for i in range(params.n)]
