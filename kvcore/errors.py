@@ -75,9 +75,15 @@ class KVCoreError(Exception):
 
 
 class ConfigError(KVCoreError):
-    """A configuration file, option or dataclass field has a bad value."""
+    """A configuration file, option or dataclass field has a bad value. ``key``: where a config file would give
+    the value at fault (``("backends", "sdpa", "blok_size")``), so that the file's line can be named
+    (:func:`kvcore.engine.file_config.located`); ``()`` when no one key is."""
 
     exit_code = 2
+
+    def __init__(self, message: str = "", *, key: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.key = key
 
 
 class InvalidRequestError(ConfigError):

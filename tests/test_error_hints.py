@@ -40,6 +40,12 @@ def test_strict_keywords_keep_the_dataclass_behaviour():
     ('backend = "sdpa"\n[sdpa]\nx = 1\n', r"'CFG', line 2: unknown section \[sdpa\] \(sections: \[backends.<name>\], "),
     ('backend = "sdpa"\nmax_num_seqs = "x"\n', r"'CFG', line 2: key 'max_num_seqs' must be int, got 'x'$"),
     ('max_num_seqs = \n', r"'CFG' is not valid TOML: .*line 1"),
+    ('dtype = "float32"\n# sampling\nmax_new_tokns = 8\n',
+     r"'CFG', line 3: unknown key 'max_new_tokns' \(known: .*\); did you mean 'max_new_tokens'"),
+    ('backend = "sdpa"\nmax_new_tokens = 0\n', r"'CFG', line 2: max_new_tokens must be a positive integer, got 0$"),
+    ('temperature = 0.7\n  top_p = 3.0  # nucleus\n', r"'CFG', line 2: top_p must be in \(0, 1\], got 3.0$"),
+    ('weights = "int3"\n', r"'CFG', line 1: weights must be one of: auto, .*; got 'int3'; did you mean 'int8'"),
+    ('backends = "sdpa"\n', r"'CFG', line 1: 'backends' must hold tables like \[backends.<name>\]$"),
 ])
 def test_config_file_errors_name_the_file_line_and_fix(tmp_path, toml, expected):
     from kvcore.engine.file_config import load_config
@@ -48,6 +54,56 @@ def test_config_file_errors_name_the_file_line_and_fix(tmp_path, toml, expected)
     path.write_text(toml)
     with pytest.raises(ConfigError, match=expected.replace("CFG", re.escape(str(path)))):
         load_config(path)
+
+
+@pytest.mark.parametrize(("toml", "line", "expected"), [
+    # an option the plugin's constructor does not take: what it takes, and the closest
+    ('backend = "paged"\n\n[kv_caches.paged]\nblok_size = 32\n', 4,
+     r"KV cache 'paged' got unknown options: blok_size in \[kv_caches.paged\] \(it takes: block_size\); did you "
+     r"mean 'block_size'\?"),
+    ('backend = "sdpa"\n[backends.sdpa]\n# none\nblok_size = 16\n', 4,
+     r"backend 'sdpa' got unknown options: blok_size in \[backends.sdpa\] \(it takes none\)"),
+    ('backend = "sdpa"\nbackends.sdpa.blok_size = 16\n', 2, r"backend 'sdpa' got unknown options: blok_size"),
+    ('backend = "sdpa"\nbackends = { sdpa = { blok_size = 16 } }\n', 2, r"backend 'sdpa' got unknown options"),
+    # an option's value the plugin rejects
+    ('backend = "paged"\n[kv_caches.paged]\nblock_size = -16\n', 3,
+     r"cache: block_size must be a positive integer, got -16$"),
+    # a section whose name no plugin of its kind has
+    ('backend = "sdpa"\n[backends.pagd]\nx = 1\n', 2,
+     r"\[backends.pagd\] names no registered backend \(registered: .*\); did you mean 'paged'\?"),
+    ('backend = "sdpa"\n[samplers.defualt]\n', 2, r"\[samplers.defualt\] names no registered sampler .*did you mean "
+                                                   r"'default'\?"),
+])
+def test_plugin_option_errors_name_the_config_file_and_line(capsys, tmp_path, toml, line, expected):
+    """The CLI and the API (``load_settings`` → ``Engine.from_settings``) name the same file and line."""
+    from pathlib import Path
+
+    from helpers import run_cli
+
+    from kvcore.engine.core import Engine
+    from kvcore.engine.settings import load_settings
+
+    tiny = Path(__file__).parent / "data" / "tiny-llama"
+    config = tmp_path / "kvcore.toml"
+    config.write_text(toml)
+    located = rf"config file '{re.escape(str(config))}', line {line}: {expected}"
+    rc, _, err = run_cli(capsys, "generate", "--config", str(config), "--model", str(tiny), "--max-new-tokens", "2",
+                         "--no-model-cache", "hi")
+    assert rc == 2 and err.count("\n") == 1 and re.match(rf"kvcore: error: {located}", err), err
+    with pytest.raises(ConfigError, match=rf"^{located}"):
+        Engine.from_settings(load_settings(config, model=str(tiny)), model_cache=False)
+
+
+def test_plugin_option_errors_name_no_file_without_one():
+    """Options given to the API directly (no config file): the same message, no file, no line."""
+    from pathlib import Path
+
+    from kvcore.engine.core import Engine
+
+    tiny = Path(__file__).parent / "data" / "tiny-llama"
+    config = EngineConfig(backend="paged", kv_cache_options={"paged": {"blok_size": 32}})
+    with pytest.raises(ConfigError, match=r"^KV cache 'paged' got unknown options: blok_size in \[kv_caches.paged\]"):
+        Engine.from_pretrained(str(tiny), config, model_cache=False)
 
 
 def test_unknown_plugin_option_lists_what_it_takes_and_suggests():
@@ -112,6 +168,22 @@ def test_default_cap_is_not_mistaken_for_the_model_window():
         engine.add_request([1] * 4096, SamplingParams(max_new_tokens=1))
 
 
+def test_context_limit_names_the_files_window_not_the_loaded_tables():
+    """A loaded model's RoPE tables stop at max_model_len; the fix still names the file's own window."""
+    from pathlib import Path
+
+    from kvcore.engine.core import Engine
+    from kvcore.errors import ContextLengthError
+
+    tiny = Path(__file__).parent / "data" / "tiny-llama"
+    engine = Engine.from_pretrained(str(tiny), EngineConfig(backend="sdpa", max_model_len=32), model_cache=False)
+    window = engine.model.context_window
+    assert engine.model.config.max_position_embeddings == 32 < window
+    with pytest.raises(ContextLengthError, match=rf"raise max_model_len \(--max-model-len\) up to the model's "
+                                                 rf"context window of {window} tokens$"):
+        engine.generate([1] * 40, SamplingParams(max_new_tokens=1))
+
+
 @pytest.fixture
 def torch_threads():
     import torch
@@ -156,6 +228,22 @@ def test_greedy_warns_only_for_sampling_flags_given_now(capsys, tmp_path):
     rc, _, err = run_cli(capsys, *base, "--seed", "5", "hello")
     assert rc == 0 and err.strip().splitlines() == [
         "kvcore: warning: --seed has no effect at temperature 0 (greedy); set --temperature"]
+
+
+def test_chat_seed_is_no_greedy_warning(capsys):
+    """chat samples by default (its defaults fill in the temperature): a --seed is used, no warning; with
+    --temperature 0 it is not, and the warning says so."""
+    from pathlib import Path
+
+    from helpers import run_cli
+
+    tiny = Path(__file__).parent / "data" / "tiny-llama"
+    base = ["chat", "--model", str(tiny), "--backend", "sdpa", "--max-new-tokens", "2", "--seed", "4"]
+    rc, _, err = run_cli(capsys, *base, "hi")
+    assert rc == 0 and err == ""
+    rc, _, err = run_cli(capsys, *base, "--temperature", "0", "hi")
+    assert rc == 0 and err.strip() == ("kvcore: warning: --seed has no effect at temperature 0 (greedy); "
+                                       "set --temperature")
 
 
 def test_pytest_plugin_hides_only_torchs_script_method_deprecation():

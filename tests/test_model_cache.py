@@ -73,6 +73,17 @@ def test_cached_model_is_the_built_model(ggufs, cache, monkeypatch, family):
     assert _greedy(cached, tok) == _greedy(fresh, fresh_tok) == _greedy(first, fresh_tok)
 
 
+def test_cached_model_keeps_the_files_window(ggufs, cache, monkeypatch):
+    """RoPE tables built shorter than the window (max_model_len): a cached load still knows the file's window,
+    which a context-limit error names."""
+    path = str(ggufs[FAMILIES[0]])
+    fresh, _ = load_pretrained(path, max_model_len=16)
+    assert fresh.config.max_position_embeddings == 16 < fresh.context_window
+    _no_loader(monkeypatch)
+    cached, _ = load_pretrained(path, max_model_len=16)
+    assert (cached.config, cached.context_window) == (fresh.config, fresh.context_window)
+
+
 def test_options_and_file_versions_get_their_own_entries(ggufs, cache, tmp_path):
     path = tmp_path / "model.gguf"
     path.write_bytes(ggufs["llama"].read_bytes())

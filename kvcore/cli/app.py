@@ -34,8 +34,14 @@ def _one_line_warning(message, category, filename, lineno, file=None, line=None)
 
 def _dispatch(argv: list[str], state: RunState) -> int:
     from kvcore.cli.parser import parse_args
+    from kvcore.engine.file_config import errors_located
 
     args = parse_args(argv)
+    with errors_located(getattr(args, "config", None)):  # e.g. an option a plugin rejected: the file's line
+        return _run(args, state)
+
+
+def _run(args, state: RunState) -> int:
     if args.command in _WRITES_STDOUT and sys.stdout is None:  # started with stdout closed (`>&-`)
         return EXIT_OUTPUT_CLOSED
     if args.command == "generate":

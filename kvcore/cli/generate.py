@@ -40,15 +40,21 @@ class Loaded:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def sampling_params(s: dict[str, Any], flags: Collection[str] = ()):
-    """The request's SamplingParams from the resolved settings; one stderr line names the sampling options among
-    ``flags`` (given on the command line) that have no effect because decoding is greedy."""
+def sampling_params(s: dict[str, Any]):
+    """The request's SamplingParams from the resolved settings."""
     from dataclasses import fields
 
     from kvcore.interfaces.sampler import SamplingParams
 
     keys = {f.name for f in fields(SamplingParams)}
-    params = SamplingParams(**{k: v for k, v in s.items() if k in keys and v is not None})
+    return SamplingParams(**{k: v for k, v in s.items() if k in keys and v is not None})
+
+
+def warn_unused_sampling(params, flags: Collection[str]) -> None:
+    """One stderr line naming the sampling options among ``flags`` (given on the command line) that have no
+    effect because ``params`` (chat's defaults filled in) decode greedily."""
+    from kvcore.interfaces.sampler import SamplingParams
+
     # Only a draw reads these; penalties and stop strings still apply to greedy decoding.
     defaults = SamplingParams()
     # A config file's values are standing defaults for every run (a shipped one sets seed = 0), not this
@@ -60,7 +66,6 @@ def sampling_params(s: dict[str, Any], flags: Collection[str] = ()):
         verb = "has" if len(unused) == 1 else "have"
         print(f"kvcore: warning: {names} {verb} no effect at temperature 0 (greedy); set --temperature",
               file=sys.stderr)
-    return params
 
 
 def chat_params(params, s: dict[str, Any], tokenizer, verbose: bool = False):
@@ -106,12 +111,13 @@ def load_engine(args: argparse.Namespace, request_ids: Callable[[Any], list[int]
 
     s = resolve_settings(args)  # before torch loads: a config file's error answers at once
 
+    from kvcore.engine.config import check_option_tables
     from kvcore.engine.core import Engine, EngineConfig
     from kvcore.plugins.registry import get_registry
 
     threads = apply_threads(s.get("threads"))
     before_load = peak_rss_bytes()  # python, torch and kvcore imported: what the model adds comes on top
-    params = sampling_params(s, {k for k in vars(args) if getattr(args, k) is not None})
+    params = sampling_params(s)
     structured = structured_output(args)
     if structured is not None:
         params = dataclasses.replace(params, structured_output=structured)
@@ -119,6 +125,7 @@ def load_engine(args: argparse.Namespace, request_ids: Callable[[Any], list[int]
     if s["plugin_options"]:
         registry.configure(s["plugin_options"])
     config = EngineConfig(**{f.name: s[f.name] for f in fields(EngineConfig) if s.get(f.name) is not None})
+    check_option_tables(registry, config)  # as the engine does, but before the model loads
     for name in {s["backend"], s["prefill_backend"], s["decode_backend"]} - {None}:
         registry.create(name, s["backend_options"].get(name))
     needed = None if request_ids is None else (lambda tok: len(request_ids(tok)) + params.max_new_tokens)
@@ -128,6 +135,7 @@ def load_engine(args: argparse.Namespace, request_ids: Callable[[Any], list[int]
         engine.grammars.matcher(structured)  # a malformed schema or grammar fails here, before any prompt
     if chat:
         params = chat_params(params, s, engine.tokenizer, getattr(args, "verbose", False))
+    warn_unused_sampling(params, {k for k in vars(args) if getattr(args, k) is not None})
     if getattr(args, "verbose", False):
         print(f"kvcore: {engine.choice.describe()}", file=sys.stderr)
     return Loaded(engine, engine.config, s, params, {"threads": threads, "rss_before_load_bytes": before_load})

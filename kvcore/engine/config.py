@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from kvcore.engine.fields import EngineFields
+from kvcore.engine.file_config import OPTION_TABLES
 from kvcore.errors import BackendUnavailableError, ConfigError, PluginError, reject_unknown_keywords
 from kvcore.interfaces.attention import AttentionBackend
 from kvcore.interfaces.kv_cache import CacheSpec, KVCache
@@ -22,7 +23,7 @@ from kvcore.model.lm_head import check_lm_head
 from kvcore.plugins.registry import KV_CACHE, PluginEntry, PluginRegistry
 
 __all__ = ["AUTO", "EngineConfig", "Components", "parse_dtype", "select_components", "check_device", "check_memory",
-           "check_cache_memory", "DTYPES"]
+           "check_cache_memory", "check_option_tables", "DTYPES"]
 
 #: a setting left to kvcore (kvcore.engine.defaults decides it)
 AUTO = "auto"
@@ -107,12 +108,21 @@ def check_cache_memory(cls: type[KVCache], spec: CacheSpec, options: dict[str, A
     """A KV cache (class ``cls``, sizes ``spec``) bigger than the device's memory is a ConfigError naming the
     settings to lower, raised before allocating."""
     if cls.paged and (options or {}).get("block_size") is not None:
-        spec = dataclasses.replace(spec, block_size=options["block_size"])
+        try:
+            spec = dataclasses.replace(spec, block_size=options["block_size"])
+        except ConfigError as exc:  # the table's value: the config file's line is that option's
+            exc.key = ("kv_caches", cls.name, "block_size")
+            raise
     block_size, num_blocks = cls.geometry(spec)
     size = cls.token_bytes(spec) * block_size * num_blocks
     hint = "lower num_blocks, kv_cache_bytes or block_size" if cls.paged else "lower max_num_seqs or max_model_len"
     unit = "blocks" if cls.paged else "sequence slots"
     check_memory(f"the '{cls.name}' KV cache ({num_blocks:,} {unit} of {block_size:,} tokens)", size, spec.device, hint)
+
+
+def check_option_tables(registry: PluginRegistry, config: EngineConfig) -> None:
+    """Each ``[backends.<name>]``, ``[kv_caches.<name>]`` ... section of ``config`` names a registered plugin."""
+    registry.check_tables({table: getattr(config, name) for table, name in OPTION_TABLES.items()})
 
 
 @dataclass(frozen=True)
@@ -133,6 +143,7 @@ def select_components(
 ) -> Components:
     """Resolve the prefill and decode backends and the KV cache they share, or raise with the reason;
     ``variants``: the attention variants the model's layers use (each backend must serve them in its phase)."""
+    check_option_tables(registry, config)
     device, dtype = torch.device(config.device), parse_dtype(config.dtype)
     shape = dict(device=device, dtype=dtype, head_dim=head_dim, num_heads=num_heads, num_kv_heads=num_kv_heads)
 

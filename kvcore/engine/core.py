@@ -35,6 +35,7 @@ from kvcore.engine.assembly import assemble
 from kvcore.engine.build import load_model, serving_config
 from kvcore.engine.config import EngineConfig, parse_dtype
 from kvcore.engine.defaults import DefaultChoice, choose_defaults, file_facts, model_facts
+from kvcore.engine.file_config import errors_located
 from kvcore.engine.forward import Forward
 from kvcore.engine.requests import (
     new_requests,
@@ -154,12 +155,12 @@ class Engine:
 
     @classmethod
     def from_settings(cls, settings: Settings, *, registry: PluginRegistry | None = None, **kwargs: Any) -> Engine:
-        """The engine a :class:`~kvcore.engine.settings.Settings` describes (e.g. from
-        :func:`~kvcore.engine.settings.load_settings`): :func:`~kvcore.engine.settings.prepare_run` (threads, plugin
-        option tables), then :meth:`from_pretrained` with its model and engine config. Requests take
-        ``settings.sampling``."""
-        registry = prepare_run(settings, registry)
-        return cls.from_pretrained(settings.model, settings.engine, registry=registry, **kwargs)
+        """The engine a :class:`~kvcore.engine.settings.Settings` describes (e.g. from ``load_settings``):
+        :func:`~kvcore.engine.settings.prepare_run` (threads, plugin option tables), then :meth:`from_pretrained`
+        with its model and engine config. Requests take ``settings.sampling``."""
+        with errors_located(settings.config_file):  # e.g. an option a plugin rejects: the file's line
+            registry = prepare_run(settings, registry)
+            return cls.from_pretrained(settings.model, settings.engine, registry=registry, **kwargs)
 
     # -- request API ---------------------------------------------------------------------------------
     def add_request(
@@ -168,7 +169,7 @@ class Engine:
         """Queue a request; returns its id (with ``params.n > 1`` the group id, see :meth:`sample_ids`).
         Invalid requests raise and leave the engine untouched."""
         params = params or SamplingParams()
-        prompt_ids = prompt_token_ids(prompt, params, self.tokenizer, self.model.config, self.config.max_num_seqs,
+        prompt_ids = prompt_token_ids(prompt, params, self.tokenizer, self.model, self.config.max_num_seqs,
                                       self.max_model_len)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         ids = [request_id] if params.n == 1 else [f"{request_id}:{i}" for i in range(params.n)]

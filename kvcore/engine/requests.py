@@ -9,7 +9,8 @@ from typing import Protocol
 
 from kvcore.errors import ContextLengthError, InvalidRequestError
 from kvcore.interfaces.sampler import SamplingParams
-from kvcore.model.config import DEFAULT_MAX_MODEL_LEN, ModelConfig
+from kvcore.model.config import DEFAULT_MAX_MODEL_LEN
+from kvcore.model.decoder import DecoderModel
 from kvcore.sampling.structured import GrammarCompiler
 from kvcore.scheduling.request import GenerationResult, Request, TokenEvent
 from kvcore.text.outputs import StopStrings, TextOutput
@@ -20,14 +21,14 @@ __all__ = ["new_requests", "prompt_batch", "prompt_token_ids", "request_result",
 
 
 def prompt_token_ids(
-    prompt: str | Sequence[int], params: SamplingParams, tokenizer: Tokenizer | None, model_config: ModelConfig,
+    prompt: str | Sequence[int], params: SamplingParams, tokenizer: Tokenizer | None, model: DecoderModel,
     max_num_seqs: int,
     max_model_len: int,
 ) -> list[int]:
     """``prompt``'s token ids, after checking what a request can be refused for before it runs: an empty
     prompt, ids outside the vocabulary (prompt or ``logit_bias``), stop strings without a tokenizer, more
     samples than run together, a prompt plus ``max_new_tokens`` past ``max_model_len``."""
-    vocab_size = model_config.vocab_size
+    vocab_size = model.config.vocab_size
     if isinstance(prompt, str):
         if tokenizer is None:
             raise InvalidRequestError("this engine has no tokenizer: pass prompt token ids")
@@ -51,15 +52,15 @@ def prompt_token_ids(
     if total > max_model_len:
         raise ContextLengthError(
             f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({params.max_new_tokens}) = {total} exceeds "
-            f"the context limit of {max_model_len} tokens; {_context_fix(max_model_len, model_config)}"
+            f"the context limit of {max_model_len} tokens; {_context_fix(max_model_len, model.context_window)}"
         )
     return prompt_ids
 
 
-def _context_fix(max_model_len: int, model_config: ModelConfig) -> str:
+def _context_fix(max_model_len: int, window: int) -> str:
     """How to make a request fit: past kvcore's cap (which reads like the model's window) name the setting
-    that raises it and how far; at the model's own window, say there is no more."""
-    window = model_config.max_position_embeddings
+    that raises it and how far (``window``: the model's own context window); at that window, say there is no
+    more."""
     if max_model_len >= window:
         return f"shorten the prompt or lower max_new_tokens ({window} tokens is the model's whole context window)"
     cap = (f" ({DEFAULT_MAX_MODEL_LEN} is kvcore's default cap, not the model's)"

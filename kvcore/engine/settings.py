@@ -9,6 +9,7 @@ the CLI flags (:mod:`kvcore.cli.parser`) are derived from their declared fields 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,7 @@ from typing import Any
 from kvcore.engine.config import EngineConfig
 from kvcore.engine.file_config import file_keys, load_config
 from kvcore.engine.threads import apply_threads
-from kvcore.errors import ConfigError
+from kvcore.errors import ConfigError, did_you_mean
 from kvcore.interfaces.sampler import SamplingParams
 from kvcore.loaders import DEFAULT_MODEL
 from kvcore.plugins.registry import PluginRegistry, get_registry
@@ -38,6 +39,8 @@ class Settings:
     threads: int | None = None
     #: ``[plugins.<name>]`` tables, for :meth:`~kvcore.plugins.registry.PluginRegistry.configure`
     plugin_options: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: the config file these came from (:func:`load_settings`): a ConfigError then names its line
+    config_file: Path | None = None
 
 
 def settings_from(values: dict[str, Any]) -> Settings:
@@ -47,7 +50,8 @@ def settings_from(values: dict[str, Any]) -> Settings:
     known = file_keys()
     unknown = sorted(set(values) - set(known))
     if unknown:
-        raise ConfigError(f"unknown setting '{unknown[0]}' (known: {', '.join(sorted(known))})")
+        raise ConfigError(f"unknown setting '{unknown[0]}' (known: {', '.join(sorted(known))})"
+                          f"{did_you_mean(unknown[0], known)}")
     given = {known[k].name: dict(v) if known[k].kind is dict else v for k, v in values.items() if v is not None}
     return Settings(
         model=given.get("model", DEFAULT_MODEL),
@@ -64,7 +68,7 @@ def load_settings(path: str | Path, **overrides: Any) -> Settings:
     file_cfg = load_config(path)
     values = {key: getattr(file_cfg, key) for key in file_keys()}
     values.update({k: v for k, v in overrides.items() if v is not None or k not in values})
-    return settings_from(values)
+    return dataclasses.replace(settings_from(values), config_file=Path(path))
 
 
 def prepare_run(settings: Settings, registry: PluginRegistry | None = None) -> PluginRegistry:

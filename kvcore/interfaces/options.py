@@ -36,4 +36,5 @@ def unknown_options_error(what: str, name: str, table: str, cls: type, unknown: 
     accepted = accepted_options(cls)
     takes = f"it takes: {', '.join(accepted)}" if accepted else "it takes none"
     hint = next((h for h in (did_you_mean(u, accepted) for u in unknown) if h), "")
-    return ConfigError(f"{what} '{name}' got unknown options: {', '.join(unknown)} in [{table}.{name}] ({takes}){hint}")
+    return ConfigError(f"{what} '{name}' got unknown options: {', '.join(unknown)} in [{table}.{name}] ({takes}){hint}",
+                       key=(table, name, unknown[0]))

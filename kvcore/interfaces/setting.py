@@ -15,6 +15,8 @@ import typing
 from dataclasses import MISSING, dataclass
 from typing import Any
 
+from kvcore.errors import did_you_mean
+
 __all__ = ["Setting", "Declared", "setting", "declared", "check_declared"]
 
 _KEY = "kvcore.setting"
@@ -91,10 +93,13 @@ def _kind(cls: type, name: str, annotation: Any) -> type:
 
 
 def check_declared(obj: Any, error: type[Exception]) -> None:
-    """Raise ``error`` naming the first declared bool or integer field of ``obj`` whose value has the wrong
-    type or is below its ``min`` (None passes where the field's default is None)."""
+    """Raise ``error`` naming the first declared field of ``obj`` whose value has the wrong type (bool, int), is
+    below its ``min`` or is none of its ``choices`` (None passes where the field's default is None)."""
     for d in declared(type(obj)):
         value = getattr(obj, d.name)
+        if d.setting.choices and value not in d.setting.choices:
+            raise error(f"{d.name} must be one of: {', '.join(d.setting.choices)}; got {value!r}"
+                        f"{did_you_mean(str(value), d.setting.choices)}")
         if d.kind is bool and not isinstance(value, bool):
             raise error(f"{d.name} must be true or false, got {value!r}")
         if d.kind is int and d.setting.min is not None and not (value is None and d.default is None):

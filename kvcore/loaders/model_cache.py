@@ -52,7 +52,7 @@ __all__ = ["CACHE_FORMAT", "MAX_ENTRIES", "cache_dir", "cache_root", "cache_enab
            "load_pretrained"]
 
 #: bumped whenever what an entry holds or how the decoder stores its weights changes
-CACHE_FORMAT = 3
+CACHE_FORMAT = 4
 #: entries kept (each holds a whole model's weights as it runs them)
 MAX_ENTRIES = 4
 _HEADER_BYTES = 1 << 20
@@ -212,7 +212,8 @@ def _write(entry: Path, model: nn.Module, tokenizer: Tokenizer, info: dict[str, 
     tensors.update(runtime[0])
     meta = {
         "format": CACHE_FORMAT,
-        "config": _config_to_json(model.config),
+        # the file's config, window included (model.config reports the RoPE tables' length, "max_positions")
+        "config": _config_to_json(dataclasses.replace(model.config, max_position_embeddings=model.context_window)),
         "dtype": str(model.dtype),
         "max_positions": model.config.max_position_embeddings,
         "tokenizer": _tokenizer_to_json(tokenizer),

@@ -44,7 +44,7 @@ class DecoderModel(nn.Module):
 
     :param max_positions: the longest sequence this instance serves (RoPE table length); None: the
         config's ``max_position_embeddings``. ``model.config.max_position_embeddings`` reports it, so an
-        engine never schedules past the tables.
+        engine never schedules past the tables; ``model.context_window`` keeps the config's.
     """
 
     def __init__(
@@ -55,6 +55,8 @@ class DecoderModel(nn.Module):
         max_positions = min(max_positions or c.max_position_embeddings, c.max_position_embeddings)
         self.attention_layers = attention_layers(c, max_positions)
         self.config = dataclasses.replace(c, max_position_embeddings=max_positions)
+        #: the model's own context window (tokens), which ``config`` reports no further than ``max_positions``
+        self.context_window = c.max_position_embeddings
         L, d = c.num_hidden_layers, c.hidden_size
         q_size, kv_size = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
         self.q_size, self.kv_size = q_size, kv_size

@@ -93,6 +93,10 @@ def construct(entry: PluginEntry, args: tuple, options: dict[str, Any] | None) -
     """``entry.cls(*args, **options)``; a constructor that rejects the options' names is a ConfigError."""
     try:
         return entry.cls(*args, **(options or {}))
+    except ConfigError as exc:  # a value of its options: the config file's line is its table's
+        if options and not exc.key:
+            exc.key = (entry.kind.table, entry.name)
+        raise
     except TypeError as exc:
         if not options or "argument" not in str(exc):
             raise
@@ -101,7 +105,8 @@ def construct(entry: PluginEntry, args: tuple, options: dict[str, Any] | None) -
         if unknown:  # a constructor with named parameters only: Python's TypeError names no alternative
             raise unknown_options_error(label(entry.kind), entry.name, entry.kind.table, entry.cls, unknown) from None
         table = f"[{entry.kind.table}.{entry.name}]"
-        raise ConfigError(f"{label(entry.kind)} '{entry.name}' rejected its options {table}: {exc}") from None
+        raise ConfigError(f"{label(entry.kind)} '{entry.name}' rejected its options {table}: {exc}",
+                          key=(entry.kind.table, entry.name)) from None
 
 
 def validated_entry(kind: Kind, cls: Any, name: str | None, plugin: str) -> PluginEntry:

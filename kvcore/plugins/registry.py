@@ -205,7 +205,8 @@ class PluginRegistry:
         for name in plugin_options:
             if name not in known:
                 loaded = ", ".join(sorted(known))
-                raise ConfigError(f"config: [plugins.{name}] names no loaded plugin (loaded: {loaded})")
+                raise ConfigError(f"[plugins.{name}] names no loaded plugin (loaded: {loaded})"
+                                  f"{did_you_mean(name, known)}", key=("plugins", name))
         for impl in self.pm.hook.kvcore_configure.get_hookimpls():
             try:
                 impl.function(options=dict(plugin_options.get(impl.plugin_name, {})))
@@ -215,6 +216,17 @@ class PluginRegistry:
                 self.unregister_plugin(impl.plugin_name)
 
     # -- lookup --------------------------------------------------------------------------------------
+    def check_tables(self, tables: dict[str, dict[str, Any]]) -> None:
+        """A ConfigError for a ``[<table>.<name>]`` options section (``tables``: by table name) whose name no
+        registered plugin of that table's kind has: its options would otherwise be ignored without a word."""
+        for kind in KINDS:
+            entries = self.entries(kind)
+            for name in tables.get(kind.table) or {}:
+                if name not in entries and (kind.key, name) not in self.conflicts:
+                    known = ", ".join(sorted(entries)) or "none"
+                    raise ConfigError(f"[{kind.table}.{name}] names no registered {label(kind)} (registered: {known})"
+                                      f"{did_you_mean(name, entries)}", key=(kind.table, name))
+
     def get(self, name: str, kind: Kind = BACKEND) -> PluginEntry:
         entries = self.entries(kind)
         if (kind.key, name) in self.conflicts:
