@@ -116,12 +116,13 @@ class Int4Groups:
         groups = k // group_size
         out = cls(torch.empty(n, k, dtype=torch.uint8), torch.empty(n, groups), torch.empty(n, groups))
         for a in range(0, n, _QUANTIZE_ROWS):  # row chunks: a big head's float32 temporaries stay small
-            g = w[a : a + _QUANTIZE_ROWS].detach().float().reshape(-1, groups, group_size)
-            lo, hi = g.amin(-1), g.amax(-1)
+            # a copy of its own (also of a float32 weight): the codes are computed in it, in place
+            g = w[a : a + _QUANTIZE_ROWS].detach().to(torch.float32, copy=True).reshape(-1, groups, group_size)
+            lo, hi = torch.aminmax(g, dim=-1)
             scales = ((hi - lo) / 15).clamp(min=1e-12).to(dtype).float()  # constant group: any scale, z = its value
             zeros = (lo + 8 * scales).to(dtype).float()
-            q = ((g - zeros[..., None]) / scales[..., None]).round_().add_(8).clamp_(0, 15)
-            out.q[a : a + _QUANTIZE_ROWS] = q.reshape(-1, k)
+            g.sub_(zeros[..., None]).div_(scales[..., None]).round_().add_(8).clamp_(0, 15)
+            out.q[a : a + _QUANTIZE_ROWS] = g.reshape(-1, k)
             out.scales[a : a + _QUANTIZE_ROWS], out.zeros[a : a + _QUANTIZE_ROWS] = scales, zeros
         return out
 
