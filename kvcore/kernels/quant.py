@@ -243,21 +243,27 @@ class Int4A8Linear:
 A8_GROUP = 32
 
 
-def pack_int4a8(groups) -> tuple[torch.Tensor, torch.Tensor]:
+def pack_int4a8(groups, out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(codes [N / 16, K / 32, 256] uint8, dm [N / 16, K / 32, 2, 16])`` in the int4a8 kernel's layout:
     per block of 16 output rows and group of 32 columns, byte ``64 j + 4 row + i`` holds code ``4 j + i`` of that
     row in its low nibble and code ``16 + 4 j + i`` in its high one; then ``d`` and ``m`` of the 16 rows
     (``W = d q + m``, ``groups.d_and_m``): float16 for :class:`Int4Groups` (their values are float16 or bfloat16
-    ones, or rounded so at load), for other codes float16 where every value is exactly a float16, else float32."""
+    ones, or rounded so at load), for other codes float16 where every value is exactly a float16, else float32.
+    ``out``: contiguous tensors of those shapes to write them into (and return), ``dm`` in the dtype just named
+    (a head made in row chunks writes each chunk into its rows)."""
     n, k = groups.shape
     q = groups.q.view(n // 16, 16, k // A8_GROUP, 2, 4, 4)  # block, row, group, half, j, i
     q = q.permute(0, 2, 3, 4, 1, 5)  # block, group, half, j, row, i
-    codes = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(n // 16, k // A8_GROUP, 256).contiguous()
     d, m = groups.d_and_m
     dm = torch.stack([t.view(n // 16, 16, -1).permute(0, 2, 1) for t in (d, m)], dim=2).float()
-    half = dm.to(torch.float16)
-    exact = isinstance(groups, Int4Groups) or torch.equal(half.float(), dm)
-    return codes, (half if exact else dm).contiguous()
+    if out is None:
+        half = dm.to(torch.float16)
+        exact = isinstance(groups, Int4Groups) or torch.equal(half.float(), dm)
+        out = torch.empty((n // 16, k // A8_GROUP, 256), dtype=torch.uint8), (half if exact else dm).contiguous()
+    else:
+        out[1].copy_(dm)
+    torch.bitwise_or(q[:, :, 0], q[:, :, 1] << 4, out=out[0].view(n // 16, k // A8_GROUP, 4, 16, 4))
+    return out
 
 
 #: the CPU int4 kernel's packed layouts (torch 2.13): blocks of R output rows, R = 64 where torch runs its AVX-512
