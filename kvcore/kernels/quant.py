@@ -31,11 +31,9 @@ import torch
 from kvcore.errors import ConfigError
 from kvcore.interfaces.dtypes import dtype_name
 
-__all__ = [
-    "WEIGHT_FORMATS", "QUANTIZED_FORMATS", "DEFAULT_GROUP_SIZE", "Int4Groups", "Int4Linear",
-    "check_weight_format", "check_runnable", "quantized_reasons", "unpack_codes", "int4_dense", "pack_rows",
-    "Int4A8Linear", "pack_int4a8",
-]
+__all__ = ["WEIGHT_FORMATS", "QUANTIZED_FORMATS", "DEFAULT_GROUP_SIZE", "Int4Groups", "Int4Linear",
+           "check_weight_format", "check_runnable", "quantized_reasons", "unpack_codes", "int4_dense", "pack_rows",
+           "Int4A8Linear", "pack_int4a8"]
 
 #: every value of ``EngineConfig.weights`` with what it means (the CLI help and errors list them)
 WEIGHT_FORMATS = {
@@ -109,14 +107,13 @@ class Int4Groups:
     def from_float(
         cls, w: torch.Tensor, group_size: int = DEFAULT_GROUP_SIZE, dtype: torch.dtype = torch.bfloat16
     ) -> Int4Groups:
-        """Asymmetric min/max quantization per group (gpt-fast's ``group_quantize_tensor``), against the
-        scales and offsets rounded to ``dtype`` as the kernel will read them: every weight is off by at most
-        half a step, plus the offset's rounding (``|z| 2^-9`` in bfloat16) at the group's extremes."""
+        """Asymmetric min/max quantization per group (gpt-fast's ``group_quantize_tensor``), against the scales and
+        offsets rounded to ``dtype`` as the kernel reads them: every weight is off by at most half a step, plus the
+        offset's rounding (``|z| 2^-9`` in bfloat16) at the group's extremes."""
         n, k = w.shape
         groups = k // group_size
         out = cls(torch.empty(n, k, dtype=torch.uint8), torch.empty(n, groups), torch.empty(n, groups))
-        for a in range(0, n, _QUANTIZE_ROWS):  # row chunks: a big head's float32 temporaries stay small
-            # a copy of its own (also of a float32 weight): the codes are computed in it, in place
+        for a in range(0, n, _QUANTIZE_ROWS):  # row chunks of a float32 copy, worked in place: small temporaries
             g = w[a : a + _QUANTIZE_ROWS].detach().to(torch.float32, copy=True).reshape(-1, groups, group_size)
             lo, hi = torch.aminmax(g, dim=-1)
             scales = ((hi - lo) / 15).clamp(min=1e-12).to(dtype).float()  # constant group: any scale, z = its value
@@ -249,8 +246,7 @@ def pack_int4a8(groups, out: tuple[torch.Tensor, torch.Tensor] | None = None) ->
     row in its low nibble and code ``16 + 4 j + i`` in its high one; then ``d`` and ``m`` of the 16 rows
     (``W = d q + m``, ``groups.d_and_m``): float16 for :class:`Int4Groups` (their values are float16 or bfloat16
     ones, or rounded so at load), for other codes float16 where every value is exactly a float16, else float32.
-    ``out``: contiguous tensors of those shapes to write them into (and return), ``dm`` in the dtype just named
-    (a head made in row chunks writes each chunk into its rows)."""
+    ``out``: contiguous tensors of those shapes (``dm`` of that dtype) to write them into, and return."""
     n, k = groups.shape
     q = groups.q.view(n // 16, 16, k // A8_GROUP, 2, 4, 4)  # block, row, group, half, j, i
     q = q.permute(0, 2, 3, 4, 1, 5)  # block, group, half, j, row, i
@@ -259,9 +255,8 @@ def pack_int4a8(groups, out: tuple[torch.Tensor, torch.Tensor] | None = None) ->
     if out is None:
         half = dm.to(torch.float16)
         exact = isinstance(groups, Int4Groups) or torch.equal(half.float(), dm)
-        out = torch.empty((n // 16, k // A8_GROUP, 256), dtype=torch.uint8), (half if exact else dm).contiguous()
-    else:
-        out[1].copy_(dm)
+        out = torch.empty((n // 16, k // A8_GROUP, 256), dtype=torch.uint8), torch.empty_like(half if exact else dm)
+    out[1].copy_(dm)
     torch.bitwise_or(q[:, :, 0], q[:, :, 1] << 4, out=out[0].view(n // 16, k // A8_GROUP, 4, 16, 4))
     return out
 
