@@ -103,12 +103,16 @@ class Relocatable(Protocol):
         """Replace each of the object's weight tensors ``t`` by ``take(t)`` (a copy elsewhere), one at a time."""
 
 
-def move_into_huge_pages(objects: Sequence[Relocatable]) -> HugePageArena | None:
-    """Move the weights of ``objects`` into one :class:`HugePageArena` (their tensors' bytes, in order); returns it,
-    or None where :func:`huge_page_reason` says it would be plain memory (the weights then stay where they are)."""
-    if huge_page_reason() is not None or not objects:
+def move_into_huge_pages(
+    objects: Sequence[Relocatable], room: Iterable[tuple[tuple[int, ...], torch.dtype]] = ()
+) -> HugePageArena | None:
+    """Move the weights of ``objects`` into one :class:`HugePageArena` (their tensors' bytes, in order), leaving
+    room after them for tensors of the ``(shape, dtype)`` in ``room`` (weights then made in place, with
+    :meth:`HugePageArena.empty`); returns it, or None where :func:`huge_page_reason` says it would be plain memory
+    (the weights then stay where they are)."""
+    specs: list[tuple[tuple[int, ...], torch.dtype]] = list(room)
+    if huge_page_reason() is not None or not (objects or specs):
         return None
-    specs: list[tuple[tuple[int, ...], torch.dtype]] = []
 
     def measure(t: torch.Tensor) -> torch.Tensor:
         specs.append((tuple(t.shape), t.dtype))

@@ -31,11 +31,9 @@ import torch
 from kvcore.errors import ConfigError
 from kvcore.interfaces.dtypes import dtype_name
 
-__all__ = [
-    "WEIGHT_FORMATS", "QUANTIZED_FORMATS", "DEFAULT_GROUP_SIZE", "Int4Groups", "Int4Linear",
-    "check_weight_format", "check_runnable", "quantized_reasons", "unpack_codes", "int4_dense", "pack_rows",
-    "Int4A8Linear", "pack_int4a8",
-]
+__all__ = ["WEIGHT_FORMATS", "QUANTIZED_FORMATS", "DEFAULT_GROUP_SIZE", "Int4Groups", "Int4Linear",
+           "check_weight_format", "check_runnable", "quantized_reasons", "unpack_codes", "int4_dense", "pack_rows",
+           "Int4A8Linear", "pack_int4a8"]
 
 #: every value of ``EngineConfig.weights`` with what it means (the CLI help and errors list them)
 WEIGHT_FORMATS = {
@@ -109,19 +107,19 @@ class Int4Groups:
     def from_float(
         cls, w: torch.Tensor, group_size: int = DEFAULT_GROUP_SIZE, dtype: torch.dtype = torch.bfloat16
     ) -> Int4Groups:
-        """Asymmetric min/max quantization per group (gpt-fast's ``group_quantize_tensor``), against the
-        scales and offsets rounded to ``dtype`` as the kernel will read them: every weight is off by at most
-        half a step, plus the offset's rounding (``|z| 2^-9`` in bfloat16) at the group's extremes."""
+        """Asymmetric min/max quantization per group (gpt-fast's ``group_quantize_tensor``), against the scales and
+        offsets rounded to ``dtype`` as the kernel reads them: every weight is off by at most half a step, plus the
+        offset's rounding (``|z| 2^-9`` in bfloat16) at the group's extremes."""
         n, k = w.shape
         groups = k // group_size
         out = cls(torch.empty(n, k, dtype=torch.uint8), torch.empty(n, groups), torch.empty(n, groups))
-        for a in range(0, n, _QUANTIZE_ROWS):  # row chunks: a big head's float32 temporaries stay small
-            g = w[a : a + _QUANTIZE_ROWS].detach().float().reshape(-1, groups, group_size)
-            lo, hi = g.amin(-1), g.amax(-1)
+        for a in range(0, n, _QUANTIZE_ROWS):  # row chunks of a float32 copy, worked in place: small temporaries
+            g = w[a : a + _QUANTIZE_ROWS].detach().to(torch.float32, copy=True).reshape(-1, groups, group_size)
+            lo, hi = torch.aminmax(g, dim=-1)
             scales = ((hi - lo) / 15).clamp(min=1e-12).to(dtype).float()  # constant group: any scale, z = its value
             zeros = (lo + 8 * scales).to(dtype).float()
-            q = ((g - zeros[..., None]) / scales[..., None]).round_().add_(8).clamp_(0, 15)
-            out.q[a : a + _QUANTIZE_ROWS] = q.reshape(-1, k)
+            g.sub_(zeros[..., None]).div_(scales[..., None]).round_().add_(8).clamp_(0, 15)
+            out.q[a : a + _QUANTIZE_ROWS] = g.reshape(-1, k)
             out.scales[a : a + _QUANTIZE_ROWS], out.zeros[a : a + _QUANTIZE_ROWS] = scales, zeros
         return out
 
@@ -242,21 +240,25 @@ class Int4A8Linear:
 A8_GROUP = 32
 
 
-def pack_int4a8(groups) -> tuple[torch.Tensor, torch.Tensor]:
+def pack_int4a8(groups, out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(codes [N / 16, K / 32, 256] uint8, dm [N / 16, K / 32, 2, 16])`` in the int4a8 kernel's layout:
     per block of 16 output rows and group of 32 columns, byte ``64 j + 4 row + i`` holds code ``4 j + i`` of that
     row in its low nibble and code ``16 + 4 j + i`` in its high one; then ``d`` and ``m`` of the 16 rows
     (``W = d q + m``, ``groups.d_and_m``): float16 for :class:`Int4Groups` (their values are float16 or bfloat16
-    ones, or rounded so at load), for other codes float16 where every value is exactly a float16, else float32."""
+    ones, or rounded so at load), for other codes float16 where every value is exactly a float16, else float32.
+    ``out``: contiguous tensors of those shapes (``dm`` of that dtype) to write them into, and return."""
     n, k = groups.shape
     q = groups.q.view(n // 16, 16, k // A8_GROUP, 2, 4, 4)  # block, row, group, half, j, i
     q = q.permute(0, 2, 3, 4, 1, 5)  # block, group, half, j, row, i
-    codes = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(n // 16, k // A8_GROUP, 256).contiguous()
     d, m = groups.d_and_m
     dm = torch.stack([t.view(n // 16, 16, -1).permute(0, 2, 1) for t in (d, m)], dim=2).float()
-    half = dm.to(torch.float16)
-    exact = isinstance(groups, Int4Groups) or torch.equal(half.float(), dm)
-    return codes, (half if exact else dm).contiguous()
+    if out is None:
+        half = dm.to(torch.float16)
+        exact = isinstance(groups, Int4Groups) or torch.equal(half.float(), dm)
+        out = torch.empty((n // 16, k // A8_GROUP, 256), dtype=torch.uint8), torch.empty_like(half if exact else dm)
+    out[1].copy_(dm)
+    torch.bitwise_or(q[:, :, 0], q[:, :, 1] << 4, out=out[0].view(n // 16, k // A8_GROUP, 4, 16, 4))
+    return out
 
 
 #: the CPU int4 kernel's packed layouts (torch 2.13): blocks of R output rows, R = 64 where torch runs its AVX-512

@@ -183,10 +183,12 @@ class GGUFBlocks:
             raise ValueError(f"{self.qtype.name} blocks have no exact code form")
         return group_codes(self.qtype, self.data, self.shape, gguf.GGML_QUANT_SIZES[self.qtype][1])
 
-    def int4a8_layout(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def int4a8_layout(
+        self, out: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """These rows in the int4a8 kernel's layout without decoding them (Q4_0 / Q4_1;
-        :func:`~kvcore.loaders.gguf_codes.int4a8_layout`), else None."""
-        return int4a8_layout(self.qtype, self.data, self.shape)
+        :func:`~kvcore.loaders.gguf_codes.int4a8_layout`, written into ``out`` when given), else None."""
+        return int4a8_layout(self.qtype, self.data, self.shape, out)
 
     def int4_groups(self) -> Int4Groups:
         """4-bit rows (Q4_0, Q4_1, Q4_K) as int4 codes, scales and offsets in groups of 32."""

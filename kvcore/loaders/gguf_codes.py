@@ -134,10 +134,14 @@ def group_codes(qtype: QType, data: np.ndarray, shape: tuple[int, int], type_siz
                       torch.from_numpy(np.ascontiguousarray(m, dtype=np.float32).reshape(rows, groups)), bits)
 
 
-def int4a8_layout(qtype: QType, data: np.ndarray, shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor] | None:
+def int4a8_layout(
+    qtype: QType, data: np.ndarray, shape: tuple[int, int], out: tuple[torch.Tensor, torch.Tensor] | None = None
+) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Q4_0 / Q4_1 blocks ``data`` ``[rows, bytes per row]`` straight in the int4a8 kernel's layout, the
     ``(codes, dm)`` :func:`kvcore.kernels.quant.pack_int4a8` makes of their :func:`group_codes`, bit for bit; None
-    for other types, shapes the kernel cannot take, or a Q4_0 offset ``-8 d`` float16 cannot hold.
+    (nothing written) for other types, shapes the kernel cannot take, or a Q4_0 offset ``-8 d`` float16 cannot hold.
+    ``out``: contiguous ``(codes [rows / 16, columns / 32, 256] uint8, dm [rows / 16, columns / 32, 2, 16]
+    float16)`` to write them into (and return), such as the place the weight ends in: the blocks are copied once.
 
     No code is decoded: a block's byte ``i`` holds codes ``i`` (low nibble) and ``16 + i`` (high), which is the pair
     the kernel's byte ``64 j + 4 row + i'`` holds for ``i = 4 j + i'``; so the codes are the blocks' bytes reordered
@@ -152,7 +156,6 @@ def int4a8_layout(qtype: QType, data: np.ndarray, shape: tuple[int, int]) -> tup
     # the 4 bytes of codes (4 j .. 4 j + 3) that stay together move as one uint32: one strided copy of words
     words = b[..., scale_bytes:].view(np.uint32).transpose(0, 2, 3, 1)  # [rows / 16, groups, j, row]
     scales = b[..., :scale_bytes].view(np.float16).transpose(0, 2, 3, 1)  # [rows / 16, groups, d | m, row]
-    codes = np.ascontiguousarray(words).view(np.uint8).reshape(rows // 16, cols // 32, 256)
     d = scales[:, :, 0]
     if qtype == QType.Q4_1:
         m = scales[:, :, 1]
@@ -161,5 +164,11 @@ def int4a8_layout(qtype: QType, data: np.ndarray, shape: tuple[int, int]) -> tup
             m = (-8 * d.astype(np.float32)).astype(np.float16)
         if not np.array_equal(m.astype(np.float32), -8 * d.astype(np.float32)):
             return None  # pack_int4a8 keeps such scales in float32
-    dm = np.stack([d, m], axis=2)  # [rows / 16, groups, 2, 16]
-    return torch.from_numpy(codes), torch.from_numpy(dm)
+    if out is None:
+        out = (torch.empty((rows // 16, cols // 32, 256), dtype=torch.uint8),
+               torch.empty((rows // 16, cols // 32, 2, 16), dtype=torch.float16))
+    codes, dm = (t.numpy() for t in out)
+    np.copyto(codes.view(np.uint32).reshape(words.shape), words)
+    np.copyto(dm[:, :, 0], d)  # dm: [rows / 16, groups, d | m, row]
+    np.copyto(dm[:, :, 1], m)
+    return out

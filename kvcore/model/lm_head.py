@@ -30,7 +30,7 @@ import torch
 from kvcore.errors import ConfigError
 from kvcore.kernels.group_quant import GroupCodes, Int8GroupLinear
 from kvcore.kernels.huge_pages import HugePageArena
-from kvcore.kernels.quant import Int4A8Linear, Int4Groups, Int4Linear, quantized_reasons
+from kvcore.kernels.quant import A8_GROUP, Int4A8Linear, Int4Groups, Int4Linear, pack_int4a8, quantized_reasons
 from kvcore.model.embedding import BlockTable
 
 __all__ = ["LM_HEAD_FORMATS", "INT4_MAX_ROWS", "A8_MAX_ROWS", "LMHead", "RescoredInt4Head", "Int8Head", "check_lm_head",
@@ -122,20 +122,18 @@ def rescore(
 
 def int4a8_in_chunks(w: torch.Tensor | BlockTable, rows: int = 1024) -> Int4A8Linear:
     """``Int4A8Linear(Int4Groups.from_float(w, 32, w.dtype), w.dtype)`` built ``rows`` output rows at a time (a
-    multiple of 16): the kernel's layout is per block of 16 rows, so the parts stack, and a big head's unpacked
-    codes never exist whole (nor, for a :class:`BlockTable`, its dense rows)."""
+    multiple of 16), each part packed straight into its rows (the kernel's layout is per block of 16 rows) of one
+    huge-page arena: a big head's unpacked codes never exist whole (nor, for a :class:`BlockTable`, its dense rows)."""
     n, k = w.shape
-    out = Int4A8Linear(Int4Groups.from_float(w[:rows], 32, w.dtype), w.dtype)
-    if n > rows:
-        codes, dm = out.codes, out.dm
-        shapes = [((n // 16, *codes.shape[1:]), codes.dtype), ((n // 16, *dm.shape[1:]), dm.dtype)]
-        arena = HugePageArena(HugePageArena.bytes_for(shapes))  # each decode step streams the whole head
-        out.codes, out.dm = (arena.empty(*s) for s in shapes)
-        out.codes[: rows // 16], out.dm[: rows // 16], out.shape = codes, dm, (n, k)
-        for a in range(rows, n, rows):
-            part = Int4A8Linear(Int4Groups.from_float(w[a : a + rows], 32, w.dtype), w.dtype)
-            out.codes[a // 16 : (a + rows) // 16], out.dm[a // 16 : (a + rows) // 16] = part.codes, part.dm
-    return out
+    if not Int4A8Linear.fits(n, k, A8_GROUP):
+        raise ValueError(f"int4a8 kernel cannot take a [{n}, {k}] weight in groups of {A8_GROUP}")
+    shapes = [((n // 16, k // A8_GROUP, 256), torch.uint8), ((n // 16, k // A8_GROUP, 2, 16), torch.float16)]
+    arena = HugePageArena(HugePageArena.bytes_for(shapes))  # each decode step streams the whole head
+    codes, dm = (arena.empty(*s) for s in shapes)
+    for a in range(0, n, rows):
+        part = slice(a // 16, (a + rows) // 16)
+        pack_int4a8(Int4Groups.from_float(w[a : a + rows], A8_GROUP, w.dtype), (codes[part], dm[part]))
+    return Int4A8Linear.from_layout(codes, dm, w.dtype)
 
 
 class Int8Head:

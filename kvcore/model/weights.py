@@ -94,22 +94,51 @@ def quantized_linears(
     if fmt not in ("int4", "int4a8", "int8", "gguf"):
         raise ValueError(f"not a quantized weight format: {fmt!r}")
     out: dict[str, list] = {name: [] for name in LINEAR_PARTS}
+    reordered = []  # (name, layer, values) of Q4_0 / Q4_1 blocks, written once, straight where they end
     for i in range(config.num_hidden_layers):
         for name, parts in LINEAR_PARTS.items():
             values = [weights[f"model.layers.{i}.{part}"] for part in parts]
-            out[name].append(_quantize(values, fmt, dtype, group_size))
+            if fmt in ("int4a8", "gguf") and _layout_specs(values):
+                reordered.append((name, i, values))
+                out[name].append(None)
+            else:
+                out[name].append(_quantize(values, fmt, dtype, group_size))
     # one region in huge pages for every kvcore-kernel weight: a decode step streams them all (kernels/huge_pages.py)
-    move_into_huge_pages([f for fns in out.values() for f in fns if isinstance(f, Relocatable)])
+    arena = move_into_huge_pages([f for fns in out.values() for f in fns if isinstance(f, Relocatable)],
+                                 [spec for _, _, values in reordered for spec in _layout_specs(values)])
+    empty = arena.empty if arena is not None else lambda shape, dtype: torch.empty(shape, dtype=dtype)
+    for name, i, values in reordered:
+        out[name][i] = _from_layouts(values, dtype, empty) or _quantize(values, fmt, dtype, group_size)
     return out
+
+
+def _layout_specs(values: list[Any]) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    """The ``(shape, dtype)`` of the int4a8 ``(codes, dm)`` of ``values`` stacked, when every one is Q4_0 / Q4_1 blocks
+    in whole blocks of 16 rows (their codes are then the kernel's, reordered: nothing decoded), else ``[]``."""
+    rows, cols = sum(v.shape[0] for v in values), values[0].shape[1]
+    if not all(getattr(v, "int4_exact", False) and v.shape[0] % 16 == 0 for v in values):
+        return []
+    if not Int4A8Linear.fits(rows, cols, A8_GROUP):
+        return []
+    blocks = (rows // 16, cols // A8_GROUP)
+    return [((*blocks, 256), torch.uint8), ((*blocks, 2, 16), torch.float16)]
+
+
+def _from_layouts(values: list[Any], dtype: torch.dtype, empty: Callable) -> Int4A8Linear | None:
+    """``values`` (:func:`_layout_specs`) as one :class:`Int4A8Linear` whose tensors ``empty(shape, dtype)`` makes,
+    each part's blocks reordered into its rows; None when a Q4_0 offset ``-8 d`` has no float16 value."""
+    codes, dm = (empty(shape, dt) for shape, dt in _layout_specs(values))
+    at = 0
+    for v in values:
+        n = v.shape[0] // 16
+        if v.int4a8_layout((codes[at : at + n], dm[at : at + n])) is None:
+            return None  # its room in the arena stays unused; _quantize packs it from its codes
+        at += n
+    return Int4A8Linear.from_layout(codes, dm, dtype)
 
 
 def _quantize(values: list[Any], fmt: str, dtype: torch.dtype, group_size: int):
     rows, cols = sum(v.shape[0] for v in values), values[0].shape[1]
-    if fmt in ("int4a8", "gguf") and all(hasattr(v, "int4a8_layout") for v in values):
-        # Q4_0 / Q4_1 blocks: already the kernel's codes, reordered (nothing decoded, the same bits)
-        layouts = [v.int4a8_layout() for v in values]
-        if None not in layouts and Int4A8Linear.fits(rows, cols, A8_GROUP):
-            return Int4A8Linear.from_layout(*(p[0] if len(p) == 1 else torch.cat(p) for p in zip(*layouts)), dtype)
     bits = [getattr(v, "code_bits", None) for v in values]  # None: a float tensor or a type without codes
     codes = GroupCodes.cat([v.codes() for v in values]) if None not in bits and fmt != "int8" else None
     four_bit = codes is not None and codes.bits == 4 and codes.group_size == A8_GROUP
