@@ -5,7 +5,7 @@ declared fields of kvcore.engine.fields.SETTINGS) and docs/design.md's layer tab
     .venv/bin/python scripts/gen_tables.py --check   # exit 1 when a page's table is stale
 
 Each table stands between ``<!-- generated: NAME -->`` and ``<!-- end: NAME -->``; the prose around it is
-the page's own. tests/test_docs.py fails while a table is stale.
+the page's own. tests/e2e/test_docs.py fails while a table is stale.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ all-reduce; tensor parallelism over more GPUs than there are refused in one line
 ``--flash-sdist``: a reduced flash-attn build, sm90 and the kernels kvcore calls, in the background from
 the start, under a time cap) → ``flash_real`` (the built flash-attn vs naive).
 
-``--emulate`` runs the same stages on the CPU against tests/kernel_emulation.py (tests/test_gpu_check.py
+``--emulate`` runs the same stages on the CPU against tests/kernel_emulation.py (tests/e2e/test_gpu_check.py
 runs it in the normal suite, so a change of a backend's plan or cache API breaks it there).
 
 At most 8 files land in ``--out`` (default ``$OUT``, else /tmp/kvcore-gpu-check): one log per stage
@@ -485,7 +485,7 @@ def stage_flex(emulate: bool) -> tuple[str, str]:
     from kvcore.backends.flex import FlexBackend
 
     device, layouts = _device(emulate), FlexBackend.capabilities.kv_layouts
-    if emulate:  # the CPU's compiled path is the test suite's (tests/test_flex_backend.py)
+    if emulate:  # the CPU's compiled path is the test suite's (tests/backends/test_flex_backend.py)
         return _verdict(*compare(lambda: FlexBackend(compile=False), layouts[1:], [torch.float32], (64,), device,
                                  heads=((8, 2),)), "; eager")
     reason = FlexBackend.availability()

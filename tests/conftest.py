@@ -54,7 +54,7 @@ def pytest_configure(config: pytest.Config) -> None:
     if any(config.getoption(option, None) for option, _, _ in TARGET_OPTIONS):
         return
     os.environ.setdefault("KVCORE_LOAD_PLUGINS", "")
-    # Tests never write prepared models under the user's cache folder (tests/test_model_cache.py turns the
+    # Tests never write prepared models under the user's cache folder (tests/loaders/test_model_cache.py turns the
     # cache on in a temporary one).
     os.environ.setdefault("KVCORE_MODEL_CACHE", "0")
 

@@ -1,6 +1,6 @@
 """CPU emulations of the GPU attention kernels that ``flash_attn2`` and ``xformers`` call.
 
-A testing module, not part of the kvcore runtime package: ``tests/test_gpu_backends_emulated.py`` and
+A testing module, not part of the kvcore runtime package: ``tests/backends/test_gpu_backends_emulated.py`` and
 ``scripts/gpu_check.py --emulate`` import it from ``tests/`` and pass ``FLASH_KERNELS`` /
 ``XFORMERS_KERNELS`` to the backends as ``kernels=``.
 

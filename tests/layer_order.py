@@ -1,6 +1,6 @@
 """kvcore's layers, lowest first: a module imports only its own package and packages of a lower rank.
 
-Data only, read by tests/test_layers.py (which enforces the order) and scripts/gen_tables.py (which writes
+Data only, read by tests/e2e/test_layers.py (which enforces the order) and scripts/gen_tables.py (which writes
 docs/design.md's layer table from it): change the order or a description here, then run the script.
 """
 

@@ -2,7 +2,7 @@
 
 :mod:`kvcore_bench.plugin` adds the command to the ``kvcore`` CLI through the ``kvcore_register_commands``
 hook (entry point ``bench`` in the ``kvcore`` group), declaring it from :mod:`kvcore_bench.cli`;
-:mod:`kvcore_bench.bench` runs it. The modules import downwards only (tests/test_layers.py checks it):
+:mod:`kvcore_bench.bench` runs it. The modules import downwards only (tests/e2e/test_layers.py checks it):
 
 * no kvcore_bench imports: ``cli`` (the flags), ``common`` (prompt text, machine, kernels, ``--engine-option``),
   ``runs`` (one timed run on kvcore or transformers), ``native_llamacpp``, ``llamacpp_runner``, ``real_size``;

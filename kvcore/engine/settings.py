@@ -4,7 +4,7 @@ and the plugins' option tables.
 
 The dataclasses are the one definition of every setting: the TOML keys (:mod:`kvcore.engine.file_config`) and
 the CLI flags (:mod:`kvcore.cli.parser`) are derived from their declared fields (:mod:`kvcore.engine.fields`);
-``tests/test_settings.py`` keeps the HTTP fields in step with them.
+``tests/engine/test_settings.py`` keeps the HTTP fields in step with them.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ Only a backend that declares ``capabilities.compilable`` can be compiled (tracea
 first change of the number of keys, then of the batch size, recompiles with that size dynamic, and a
 ragged batch (key-padding mask) compiles once more: a handful of compiles per process, not one per step.
 They cost tens of seconds each on a cold Inductor cache and much less once torch's on-disk cache holds
-them (measured in the README). float32 streams equal the eager ones (tests/test_fast_decode.py); bfloat16
+them (measured in the README). float32 streams equal the eager ones (tests/e2e/test_fast_decode.py); bfloat16
 keeps the eager rounding between ops, but fused reductions sum in another order, so a stream can part from
 the eager one at a near-tie. Compiling stays opt-in: the eager float32 path is the reference.
 """

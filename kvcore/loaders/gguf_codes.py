@@ -1,6 +1,6 @@
 """llama.cpp's quantized blocks decoded into :class:`~kvcore.kernels.group_quant.GroupCodes` (``W = d q + m`` per
 group, unsigned codes), exactly: every value :meth:`GroupCodes.dequantize` gives equals the ``gguf`` package's
-reference dequantization bit for bit (tests/test_gguf_codes.py checks each type).
+reference dequantization bit for bit (tests/kernels/test_gguf_codes.py checks each type).
 
 Per type (``q`` unsigned, ``d`` / ``dmin`` float16, ``sc`` / ``mn`` the K-quants' integer sub-scales):
 

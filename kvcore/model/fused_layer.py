@@ -5,14 +5,14 @@ and product) cost a Python and ATen dispatch each, together more than the int4a8
 ``torch.ops.kvcore.fused_qkv`` runs the residual add, the input norm, the Q/K/V matmul and RoPE; the backend's
 attention follows as in the eager path; ``torch.ops.kvcore.fused_mlp`` runs the output projection, the residual
 add, the second norm, the gated MLP. Every value is rounded where the eager ops round it, by the same functions,
-so the hidden states are the eager path's bit for bit (tests/test_fused_layer.py).
+so the hidden states are the eager path's bit for bit (tests/kernels/test_fused_layer.py).
 
 A call whose attention the backend can describe as data (a :class:`~kvcore.interfaces.decode_stack.DecodeStack`:
 ``cpu_decode``'s decode batches and short rows after a cache) goes further: layer 0 runs as above, its attention
 through the backend (so the backend check still observes and verifies it), and layers 1.. run as one operator,
 ``torch.ops.kvcore.decode_stack`` (``csrc/decode_stack.cpp``): the same functions in the same order with the
 backend's cache writes and ``cached_decode_attention`` kernel between them, bit for bit the per-layer path
-(tests/test_decode_stack.py), with no Python, dispatch or allocation per layer.
+(tests/kernels/test_decode_stack.py), with no Python, dispatch or allocation per layer.
 
 :func:`fused_layer_reasons` says where this runs: the layers the two operators spell out and nothing else (no
 biases, no Q/K norms, no sandwich norms, SiLU gates, one rank), every matmul on the int4a8 kernel.

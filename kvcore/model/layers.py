@@ -22,7 +22,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
     One ``F.rms_norm`` call computes ``x * rsqrt(mean(x²) + eps)`` (on CPU ATen runs the same elementwise
     ops from C++, without a Python dispatch between each); in float32 (weight included) it gives bitwise
-    the values of spelling the ops out (tests/test_model_ops.py). A narrower dtype keeps Hugging Face's
+    the values of spelling the ops out (tests/model/test_model_ops.py). A narrower dtype keeps Hugging Face's
     rounding: normalised in float32, rounded to the dtype, then scaled by the weight."""
     shape = (x.shape[-1],)
     if x.dtype == torch.float32 and weight.dtype == torch.float32:

@@ -3,7 +3,7 @@
 A scheme only changes the per-dimension inverse frequencies ``inv_freq [D/2]`` and a factor applied to
 ``cos``/``sin`` (YaRN's and LongRoPE's attention factor); the rotation itself is always the "rotate half"
 layout of Hugging Face (dims ``[0, D/2)`` pair with ``[D/2, D)``). :func:`inv_freq_and_factor` follows
-transformers' ``ROPE_INIT_FUNCTIONS`` (tests/test_rope.py checks every scheme against them).
+transformers' ``ROPE_INIT_FUNCTIONS`` (tests/model/test_rope.py checks every scheme against them).
 
 Schemes whose frequencies depend on the sequence length (``dynamic`` NTK, ``longrope``'s short/long
 factors) are evaluated once, for the longest sequence the tables serve (the engine's ``max_model_len``):

@@ -1,7 +1,7 @@
 """A corpus of hostile model files: malformed or adversarial GGUF files, Hugging Face directories and chat
 templates, each with what kvcore must do with it (a typed error, or load and run correctly).
 
-``python tests/hostile/make_corpus.py DIR`` writes every case under ``DIR``; tests/test_hostile.py builds
+``python tests/hostile/make_corpus.py DIR`` writes every case under ``DIR``; tests/e2e/test_hostile.py builds
 the corpus in a temporary directory and runs each case under a memory and time limit
 (tests/hostile/run_cases.py). Files are written byte by byte here (not with the ``gguf`` package's
 writer), so every count, length, type and offset can be made to lie.

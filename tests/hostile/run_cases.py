@@ -1,4 +1,4 @@
-"""Child process of tests/test_hostile.py: run hostile corpus cases one after the other under a memory
+"""Child process of tests/e2e/test_hostile.py: run hostile corpus cases one after the other under a memory
 limit and a per-case alarm, printing one JSON line per case.
 
     python tests/hostile/run_cases.py CORPUS_DIR CASE [CASE ...]
