@@ -50,7 +50,7 @@ from .contiguous import ALL_DTYPES
 __all__ = ["PagedKVCache", "PagedBackend", "PagedPlan", "block_size_option"]
 
 
-def block_size_option(spec: CacheSpec, block_size: Any, cache: str) -> CacheSpec:
+def block_size_option(spec: CacheSpec, block_size: object, cache: str) -> CacheSpec:
     """``spec`` with the ``block_size`` option of a paged cache applied (``None`` keeps the engine's)."""
     if block_size is None:
         return spec

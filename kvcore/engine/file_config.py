@@ -110,7 +110,7 @@ def load_config(path: str | Path) -> FileConfig:
     return _file_config(_keys(known))(**values)
 
 
-def _check_key(key: str, value: Any, known: dict[str, Declared], tables: list[str]) -> None:
+def _check_key(key: str, value: object, known: dict[str, Declared], tables: list[str]) -> None:
     """A ConfigError (its ``key`` set) unless top-level ``key`` is a declared setting and ``value`` one it takes:
     the TOML type, then the setting's own checks (ranges, choices) on this value alone, before any model loads."""
     if isinstance(value, dict) and key not in tables:  # a [section] whose name is no table's

@@ -31,7 +31,7 @@ SAMPLING_FEATURES = frozenset({
 })
 
 
-def _is_number(x: Any) -> bool:
+def _is_number(x: object) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
@@ -152,7 +152,7 @@ class SamplingParams:
         )
 
 
-def _checked_logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
+def _checked_logit_bias(value: object) -> tuple[tuple[int, float], ...]:
     """``{id: bias}`` or ``((id, bias), ...)`` → sorted pairs; ids may be decimal strings (JSON object keys)."""
     try:
         pairs = list(value.items()) if isinstance(value, Mapping) else [tuple(p) for p in value]

@@ -86,7 +86,7 @@ def _tensor_names(files: list[Path]) -> list[str]:
     return names
 
 
-def _eos_ids(value: Any) -> list[int]:
+def _eos_ids(value: object) -> list[int]:
     if value is None:
         return []
     return [int(v) for v in value] if isinstance(value, list) else [int(value)]

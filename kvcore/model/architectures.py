@@ -210,7 +210,7 @@ def layer_types_window(cfg: dict[str, Any], default_all: bool) -> dict[str, Any]
     return {"sliding_window": window_size(window)} if default_all else {}
 
 
-def window_size(window: Any, where: str = "config.json") -> int:
+def window_size(window: object, where: str = "config.json") -> int:
     """A ``sliding_window``: an integer in 1 .. the largest context kvcore takes (``Infinity``, ``4096.5`` or
     ``"4k"``: ModelLoadError naming the key and the range, not an internal error)."""
     return checked_int("sliding_window", window, where, 1, SIZE_LIMITS["max_position_embeddings"])

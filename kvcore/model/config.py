@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
 
 from kvcore.errors import ConfigError, ModelLoadError
 from kvcore.model.rope import RopeScaling
@@ -30,7 +29,7 @@ SIZE_LIMITS = {
 MAX_PARAMETERS = 1 << 42
 
 
-def checked_size(name: str, value: Any, where: str = "model config", limit: str | None = None) -> int:
+def checked_size(name: str, value: object, where: str = "model config", limit: str | None = None) -> int:
     """``value`` as a size field ``name``: an integer in ``1 .. SIZE_LIMITS[limit or name]``; ModelLoadError
     naming ``where`` and the field otherwise."""
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
@@ -40,7 +39,7 @@ def checked_size(name: str, value: Any, where: str = "model config", limit: str 
     return value
 
 
-def checked_number(name: str, value: Any, where: str = "model config", positive: bool = True) -> float:
+def checked_number(name: str, value: object, where: str = "model config", positive: bool = True) -> float:
     """``value`` as a finite float (``> 0`` when ``positive``); ModelLoadError naming the field otherwise."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise ModelLoadError(f"{where}: {name} must be a finite number, got {_short(value)}")
@@ -49,7 +48,7 @@ def checked_number(name: str, value: Any, where: str = "model config", positive:
     return float(value)
 
 
-def checked_int(name: str, value: Any, where: str, lo: int, hi: int) -> int:
+def checked_int(name: str, value: object, where: str, lo: int, hi: int) -> int:
     """``value`` as an integer in ``lo .. hi`` (JSON's ``Infinity``, a float, a string: ModelLoadError naming
     ``where``, the field and the range)."""
     if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
@@ -57,7 +56,7 @@ def checked_int(name: str, value: Any, where: str, lo: int, hi: int) -> int:
     return value
 
 
-def _short(value: Any) -> str:
+def _short(value: object) -> str:
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
 

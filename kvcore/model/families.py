@@ -221,7 +221,7 @@ def _every_nth_global(pattern: int, layers: int) -> list[str]:
     return ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)]
 
 
-def _alternating(window: Any, layer_types: list[str] | None, layers: int, where: str) -> dict[str, Any]:
+def _alternating(window: object, layer_types: list[str] | None, layers: int, where: str) -> dict[str, Any]:
     """Gemma's windows: on the layers ``layer_types`` marks, else every even layer (0, 2, ...; Gemma 2)."""
     if not window:
         return {}

@@ -41,7 +41,7 @@ def for_hf_config(cfg: dict[str, Any], where: str, registry: PluginRegistry | No
     raise _no_match(registry, f"'{where}': unsupported architecture '{what}' (supported: {supported})")
 
 
-def for_gguf_arch(name: Any, where: str, registry: PluginRegistry | None = None) -> type[Architecture]:
+def for_gguf_arch(name: object, where: str, registry: PluginRegistry | None = None) -> type[Architecture]:
     """The architecture of a GGUF ``general.architecture``; ModelLoadError naming the supported ones otherwise."""
     archs = {a.gguf_arch: a for a in architectures(registry).values() if a.gguf_arch}
     if name not in archs:

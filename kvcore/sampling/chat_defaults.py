@@ -67,7 +67,7 @@ class ChatDefaults:
             return dict(given)
         return {**given, **{k: v for k, v in self.settings().items() if given.get(k) is None}}
 
-    def unset_fields(self, temperature: Any) -> dict[str, Any]:
+    def unset_fields(self, temperature: object) -> dict[str, Any]:
         """What a chat completion request with ``temperature`` (None: not given) gets for each sampling field it
         leaves unset: these defaults, or :data:`OPENAI_DEFAULTS` (nothing added) when it asks for greedy."""
         return {**OPENAI_DEFAULTS, **self.fill({"temperature": temperature})}

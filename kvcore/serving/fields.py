@@ -23,7 +23,7 @@ __all__ = [
 MAX_STOP = 4
 
 
-def bad_field(name: str, what: str, value: Any) -> InvalidRequestError:
+def bad_field(name: str, what: str, value: object) -> InvalidRequestError:
     exc = InvalidRequestError(f"'{name}' must be {what}, got {value!r}")
     exc.param = name  # type: ignore[attr-defined]
     return exc
@@ -60,7 +60,7 @@ def bool_field(body: Mapping, name: str, default: bool) -> bool:
     return value
 
 
-def refuse_field(body: Mapping, name: str, why: str, allowed: Any = None) -> None:
+def refuse_field(body: Mapping, name: str, why: str, allowed: object = None) -> None:
     value = body.get(name)
     if value is not None and value != allowed and value != [] and value != {}:
         exc = InvalidRequestError(f"'{name}' is not supported: {why}")

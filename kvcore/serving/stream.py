@@ -67,7 +67,7 @@ class RequestStream:
         self._loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue[Any] = asyncio.Queue()
 
-    def _put(self, item: Any) -> bool:
+    def _put(self, item: object) -> bool:
         """Called from the engine loop thread; False when the caller's event loop is gone."""
         try:
             self._loop.call_soon_threadsafe(self._queue.put_nowait, item)

@@ -16,7 +16,6 @@ import re
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 from kvcore.errors import InvalidRequestError
 from kvcore.interfaces.structured import StructuredOutput
@@ -29,7 +28,7 @@ CALL_OPEN, CALL_CLOSE = "<tool_call>\n", "\n</tool_call>"
 _CALL = re.compile(re.escape(CALL_OPEN) + r"(.*?)" + re.escape(CALL_CLOSE), re.S)
 
 
-def _bad(name: str, what: str, value: Any) -> InvalidRequestError:
+def _bad(name: str, what: str, value: object) -> InvalidRequestError:
     exc = InvalidRequestError(f"'{name}' must be {what}, got {value!r}")
     exc.param = name  # type: ignore[attr-defined]
     return exc

@@ -54,11 +54,11 @@ def _too_big(what: str, size: int) -> ChatTemplateError:
     )
 
 
-def _size(value: Any) -> int:
+def _size(value: object) -> int:
     return len(value) if isinstance(value, (str, list, tuple, dict)) else 0
 
 
-def _check_value(value: Any, what: str) -> None:
+def _check_value(value: object, what: str) -> None:
     if _size(value) > MAX_TEMPLATE_CHARS:
         raise _too_big(what, _size(value))
 
@@ -81,7 +81,7 @@ def _check_widths_in(numbers: Iterable[str]) -> None:
             raise _too_big("formats a field to a width", int(digits[:12]))
 
 
-def _check_percent_format(spec: str, args: Any) -> None:
+def _check_percent_format(spec: str, args: object) -> None:
     """Widths and precisions of ``spec % args`` (literal digits elsewhere in the text are no widths); a
     ``*`` takes them from ``args``."""
     numbers = [n for m in _PERCENT_FIELD.finditer(spec) for n in m.groups() if n]
@@ -102,7 +102,7 @@ def _check_str_format(spec: str, args: tuple, kwargs: dict) -> None:
         _check_widths("a nested format width", args, kwargs)
 
 
-def _check_binop(operator: str, left: Any, right: Any) -> None:
+def _check_binop(operator: str, left: object, right: object) -> None:
     if operator == "*":
         for seq, count in ((left, right), (right, left)):
             if isinstance(count, int) and _size(seq) * count > MAX_TEMPLATE_CHARS:
@@ -118,7 +118,7 @@ def _check_binop(operator: str, left: Any, right: Any) -> None:
 class _BoundedNamespace(Namespace):
     """``namespace()`` whose attributes stay within the size limit (a loop can grow one without bound)."""
 
-    def __setitem__(self, name: str, value: Any) -> None:
+    def __setitem__(self, name: str, value: object) -> None:
         _check_value(value, f"stores in namespace attribute '{name}' a value")
         super().__setitem__(name, value)
 
@@ -128,7 +128,7 @@ class _BoundedEnvironment(ImmutableSandboxedEnvironment):
 
     intercepted_binops = frozenset({"*", "+", "%", "**"})
 
-    def call_binop(self, context: jinja2.runtime.Context, operator: str, left: Any, right: Any) -> Any:
+    def call_binop(self, context: jinja2.runtime.Context, operator: str, left: object, right: object) -> Any:
         _check_binop(operator, left, right)
         return super().call_binop(context, operator, left, right)
 
@@ -148,7 +148,7 @@ class _BoundedEnvironment(ImmutableSandboxedEnvironment):
                     raise _too_big("joins to a size", len(owner) * len(args[0]))
         return super().call(context, obj, *args, **kwargs)
 
-    def wrap_str_format(self, value: Any) -> Any:
+    def wrap_str_format(self, value: object) -> Any:
         # the sandbox replaces ``str.format`` / ``format_map`` at attribute access: check the spec there
         if isinstance(getattr(value, "__self__", None), str) and getattr(value, "__name__", "") in (
             "format", "format_map"

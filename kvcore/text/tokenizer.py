@@ -35,7 +35,7 @@ _END_OF_TURN_TOKENS = (
     "<|end_of_turn|>",
 )
 
-def _token_content(value: Any) -> str | None:
+def _token_content(value: object) -> str | None:
     """A special token as tokenizer_config.json spells it: a string or an AddedToken dict."""
     if isinstance(value, Mapping):
         value = value.get("content")

@@ -174,7 +174,7 @@ class RankGroup:
         _ABORTED.extend((self._compute, self._commands))
 
     # -- the command channel ---------------------------------------------------------------------------
-    def send(self, message: Any) -> None:
+    def send(self, message: object) -> None:
         """Rank 0: broadcast ``message`` (any picklable object) to every other rank."""
         payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
         self._broadcast(torch.tensor([len(payload)], dtype=torch.int64))
@@ -197,7 +197,7 @@ class RankGroup:
             raise GroupFailure(f"command broadcast failed on rank {self.rank}: {_first_line(exc)}") from exc
 
     # -- the store (out-of-band notes: readiness, a worker's last error) --------------------------------
-    def note(self, key: str, value: Any) -> None:
+    def note(self, key: str, value: object) -> None:
         set_note(self.store, key, value)
 
     def read_note(self, key: str) -> Any | None:
@@ -215,7 +215,7 @@ def read_note(store: dist.Store, key: str) -> Any | None:
         return None
 
 
-def set_note(store: dist.Store, key: str, value: Any) -> None:
+def set_note(store: dist.Store, key: str, value: object) -> None:
     store.set(f"kvcore/note/{key}", pickle.dumps(value))
 
 

@@ -238,7 +238,7 @@ class TensorParallelRunner:
                 raise GroupFailure(f"a step's GPU collectives timed out after {collective_timeout():g} s")
             time.sleep(0.0002)
 
-    def _send(self, message: Any) -> None:
+    def _send(self, message: object) -> None:
         if self._broken:
             raise TensorParallelError(self._broken)
         try:
