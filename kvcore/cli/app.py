@@ -110,7 +110,11 @@ def _main(argv: list[str], sigint: _Sigint) -> int:
                 warnings.simplefilter("ignore", category)
             warnings.showwarning = _one_line_warning
         try:
-            return _dispatch(argv, state)
+            code = _dispatch(argv, state)
+            if state.end_process is not None:
+                state.end_process()
+                _end_now(code)
+            return code
         except KVCoreError as exc:
             if sigint.count and not debug:  # a Ctrl-C that a library turned into this error
                 return _interrupted(state)

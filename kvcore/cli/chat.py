@@ -53,6 +53,7 @@ def run_chat(args: argparse.Namespace, state: RunState, stdin=None) -> int:
         raise InvalidRequestError("no message: give it as an argument, or chat on standard input (closed here)")
     tty = stdin.isatty()
     loaded = load_engine(args, chat=True)
+    state.end_process = loaded.engine.close if loaded.config.tensor_parallel_size > 1 else None
     history = _start_history() if tty and stdin is sys.stdin else None
     system = [{"role": "system", "content": args.system}] if args.system else []
     if tty:

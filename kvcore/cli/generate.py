@@ -29,6 +29,10 @@ class RunState:
 
     json: bool = False
     partial: Callable[[], dict[str, Any]] | None = None
+    #: set when the run holds a tensor-parallel group: the engine's close (the other ranks stop), after which the
+    #: CLI ends with ``os._exit`` once its output is flushed, since tearing the group's collective backends down
+    #: at interpreter exit can abort the process (SIGABRT)
+    end_process: Callable[[], None] | None = None
 
 
 @dataclass
@@ -259,6 +263,7 @@ def run_generate(args: argparse.Namespace, state: RunState, chat: bool = False, 
         return tokenizer.encode(prompt)
 
     loaded = load_engine(args, request_ids, chat=chat)
+    state.end_process = loaded.engine.close if loaded.config.tensor_parallel_size > 1 else None
     result = stream_reply(loaded, request_ids(loaded.engine.tokenizer), state)
     if args.json:
         write_out(json.dumps(result_payload(loaded, result)) + "\n")
