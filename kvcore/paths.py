@@ -8,12 +8,12 @@ Rules, as ssh and pip apply them to their own files:
   or others, and must not be a symbolic link (checked with ``lstat``, never followed); otherwise
   :class:`~kvcore.errors.CacheTrustError` names the folder and how to fix it. The root itself may be
   a link (``~/.cache`` often is), its target is checked the same way;
-* an *entry* is a folder kvcore wrote whole and renamed into place; it holds :data:`MARKER`, a JSON file
-  with the SHA-256 of every other file in it, and the identity (inode, size, modification time) each file had
-  when it was checked. Only folders with a marker are ever deleted (eviction, clearing, damage), so a user's own
-  folder inside the cache survives. A file still of the identity it was checked with is not read again (a
-  model's weights are not hashed on every start); any other is hashed, and a checksum that does not match
-  makes the entry damaged: it is deleted and rebuilt.
+* an *entry* is a folder kvcore wrote whole and renamed into place; it holds :data:`MARKER`, a JSON file with a
+  checksum of every other file in it (SHA-256, of the file's pieces in parallel), and the identity (inode, size,
+  modification time) each file had when it was checked. Only folders with a marker are ever deleted (eviction,
+  clearing, damage), so a user's own folder inside the cache survives. A file still of the identity it was checked
+  with is not read again (a model's weights are not hashed on every start); any other is hashed, and a checksum that
+  does not match makes the entry damaged: it is deleted and rebuilt.
 
 A folder that cannot be created or written (read-only, full disk) is an ``OSError`` for the caller, who
 then runs without the cache and says so in one warning line.
@@ -30,6 +30,7 @@ import stat
 import tempfile
 import warnings
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from kvcore.errors import CacheTrustError
@@ -48,8 +49,10 @@ def cache_root() -> Path:
     return Path(root)
 
 
-#: the file that makes a folder a kvcore cache entry: the SHA-256 of each of its other files
+#: the file that makes a folder a kvcore cache entry: the checksum of each of its other files
 MARKER = ".kvcore-entry"
+#: bytes of a file hashed as one piece of its checksum (:func:`_piece_digest`)
+PIECE = 64 << 20
 
 
 def _fix(path: Path) -> str:
@@ -94,8 +97,31 @@ def private_dir(path: Path, root: Path) -> Path:
 
 
 def _digest(path: Path) -> str:
+    """The file's SHA-256 (how entries written before :func:`_piece_digest` were checked)."""
     with path.open("rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _piece_digest(path: Path) -> str:
+    """SHA-256 over the SHA-256 of each :data:`PIECE` bytes of the file, the pieces hashed on every CPU at once:
+    a model entry is as large as the model, and one thread hashing it would be a large part of its first start."""
+    size = os.path.getsize(path)
+
+    def piece(offset: int) -> bytes:
+        with path.open("rb", buffering=0) as f:
+            f.seek(offset)
+            h, left = hashlib.sha256(), min(PIECE, size - offset)
+            buf = memoryview(bytearray(min(left, 8 << 20)))
+            while left:
+                n = f.readinto(buf[: min(left, len(buf))])
+                if not n:
+                    raise OSError(f"{path} shrank while it was hashed")
+                h.update(buf[:n])  # hashlib releases the GIL on large buffers: the threads run in parallel
+                left -= n
+        return h.digest()
+
+    with ThreadPoolExecutor(max_workers=max(1, min(os.cpu_count() or 1, -(-size // PIECE)))) as pool:
+        return hashlib.sha256(b"".join(pool.map(piece, range(0, size, PIECE)))).hexdigest()
 
 
 def _identity(path: Path) -> list[int]:
@@ -109,7 +135,11 @@ def _whole(path: Path, record) -> bool:
     if not stat.S_ISREG(check_trusted(path).st_mode):
         return False
     if isinstance(record, dict):
-        return record.get("identity") == _identity(path) or _digest(path) == record.get("sha256")
+        if record.get("identity") == _identity(path):
+            return True
+        if "sha256-pieces" in record:
+            return _piece_digest(path) == record["sha256-pieces"]
+        return _digest(path) == record.get("sha256")
     return isinstance(record, str) and _digest(path) == record  # an entry written before identities were kept
 
 
@@ -124,7 +154,7 @@ def write_entry(parent: Path, name: str, fill: Callable[[Path], None]) -> Path:
         files = [p for p in sorted(tmp.iterdir()) if p.name != MARKER]
         for p in files:
             p.chmod(0o600)  # whatever the umask: check_trusted refuses files others can write
-        sums = {p.name: {"sha256": _digest(p), "identity": _identity(p)} for p in files}
+        sums = {p.name: {"sha256-pieces": _piece_digest(p), "identity": _identity(p)} for p in files}
         (tmp / MARKER).write_text(json.dumps(sums))
         try:
             os.rename(tmp, parent / name)

@@ -18,6 +18,7 @@ so (:class:`~kvcore.errors.ModelFileChangedError`) instead of returning other by
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -42,13 +43,28 @@ class FileRange:
         out = np.empty(self.nbytes, dtype=np.uint8)
         with open(self.path, "rb", buffering=0) as f:
             f.seek(self.offset)
-            view, done = memoryview(out), 0
-            while done < self.nbytes:
-                n = f.readinto(view[done:])
-                if not n:
-                    raise OSError(f"'{self.path}' ended inside a tensor (truncated?)")
-                done += n
+            self._fill(f, out)
         return out
+
+    def pieces(self, size: int) -> Iterator[np.ndarray]:
+        """The bytes in order, ``size`` at a time (the last piece may be shorter), each read into the same buffer:
+        a view valid until the next piece is read. A pass that only looks at the bytes needs no memory the size of
+        the range (nor the page faults of filling it)."""
+        buffer = np.empty(min(size, self.nbytes), dtype=np.uint8)
+        with open(self.path, "rb", buffering=0) as f:
+            f.seek(self.offset)
+            for start in range(0, self.nbytes, size):
+                piece = buffer[: min(size, self.nbytes - start)]
+                self._fill(f, piece)
+                yield piece
+
+    def _fill(self, f, out: np.ndarray) -> None:
+        view, done = memoryview(out), 0
+        while done < out.nbytes:
+            n = f.readinto(view[done:])
+            if not n:
+                raise OSError(f"'{self.path}' ended inside a tensor (truncated?)")
+            done += n
 
     def rows(self, num_rows: int, cache_rows: int = CACHE_ROWS) -> FileRows:
         """This range as ``num_rows`` equal rows, read per lookup (keeping up to ``cache_rows`` of them)."""

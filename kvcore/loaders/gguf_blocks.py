@@ -32,6 +32,8 @@ __all__ = ["GGUFBlocks", "INT4_TYPES", "CODE_TYPES", "file_blocks"]
 INT4_TYPES = (QType.Q4_0, QType.Q4_1)
 #: rows dequantized per ``gguf`` call (it makes several temporaries the size of its input)
 _DEQUANT_ROWS = 1024
+#: blocks read at a time by a pass over a tensor in the file (:meth:`GGUFBlocks.is_finite`)
+_SCAN_BLOCKS = 1 << 18
 #: bytes of a Q8_0 block: a float16 scale and 32 signed codes
 _Q8_0_BYTES = 34
 
@@ -169,13 +171,19 @@ class GGUFBlocks:
     def is_finite(self) -> bool:
         """Whether every value is finite: for coded types, whether every block's float16 scales are (the codes and
         the K-quants' integer sub-scales cannot be anything else), read without decoding."""
-        data = self.data
         if not self.has_codes:
+            data = self.data
             return all(np.isfinite(gguf.quants.dequantize(data[a : a + _DEQUANT_ROWS], self.qtype).sum())
                        for a in range(0, self.shape[0], _DEQUANT_ROWS))
-        blocks = data.reshape(-1, gguf.GGML_QUANT_SIZES[self.qtype][1])
-        halves = np.concatenate([blocks[:, at:at + 2] for at in SCALE_OFFSETS[self.qtype]], axis=1)
-        return bool(np.isfinite(halves.view(np.float16)).all())
+        size = gguf.GGML_QUANT_SIZES[self.qtype][1]
+        # blocks as stored are read a piece at a time: this pass keeps nothing
+        pieces = self._file.pieces(_SCAN_BLOCKS * size) if self._file is not None else (self.data,)
+        for piece in pieces:
+            blocks = piece.reshape(-1, size)
+            # a little-endian float16 is inf or NaN when its high byte holds the five exponent bits all set
+            if any(((blocks[:, at + 1] & 0x7C) == 0x7C).any() for at in SCALE_OFFSETS[self.qtype]):
+                return False
+        return True
 
     def codes(self) -> GroupCodes:
         """The rows as :class:`GroupCodes` (exact: see :mod:`kvcore.loaders.gguf_codes`)."""

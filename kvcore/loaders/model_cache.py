@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.serialization import config as serialization_config
 
 from kvcore.kernels.huge_pages import advise_huge_pages
 from kvcore.loaders.load import build_model, load_model
@@ -222,7 +223,10 @@ def _write(entry: Path, model: nn.Module, tokenizer: Tokenizer, info: dict[str, 
     }
 
     def fill(folder: Path) -> None:
-        torch.save({n: t.detach() for n, t in tensors.items()}, folder / "model.pt")
+        # no zip CRC per record: it is a slow single-threaded pass over every byte, and the entry's own checksum
+        # (kvcore.paths) already guards the file
+        with serialization_config.patch({"save.compute_crc32": False}):
+            torch.save({n: t.detach() for n, t in tensors.items()}, folder / "model.pt")
         (folder / "meta.json").write_text(json.dumps(meta))
 
     try:

@@ -17,7 +17,8 @@ from kvcore.engine.defaults import ModelFacts, choose_defaults, file_facts
 from kvcore.kernels.cpu_kernels import int4a8_reasons
 from kvcore.kernels.group_quant import GroupCodes, Int8GroupLinear
 from kvcore.kernels.quant import Int4A8Linear
-from kvcore.loaders.gguf_blocks import CODE_TYPES, GGUFBlocks
+from kvcore.loaders import gguf_blocks
+from kvcore.loaders.gguf_blocks import CODE_TYPES, GGUFBlocks, file_blocks
 from kvcore.loaders.gguf_codes import SCALE_OFFSETS
 
 needs_kernel = pytest.mark.skipif(bool(int4a8_reasons()), reason="; ".join(int4a8_reasons()))
@@ -63,6 +64,25 @@ def test_a_non_finite_scale_is_found(qtype):
         blocks.data.reshape(-1, type_size)[3, at:at + 2] = np.array([np.nan], np.float16).view(np.uint8)
         assert not blocks.is_finite()
         assert not bool(torch.isfinite(_reference(blocks)).all())
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_a_non_finite_scale_in_a_later_piece_of_the_file_is_found(tmp_path, monkeypatch, bad):
+    """Blocks as stored in a file are checked a piece at a time: a bad scale past the first piece is still found,
+    and the largest finite float16 scales are not taken for infinities."""
+    monkeypatch.setattr(gguf_blocks, "_SCAN_BLOCKS", 4)  # pieces of 4 blocks: the bad one lies in the fourth
+    type_size = gguf.GGML_QUANT_SIZES[QType.Q4_1][1]
+    data = _random_blocks(QType.Q4_1, rows=4, blocks_per_row=4, seed=2).data.reshape(-1, type_size)
+    data[:, 0:2] = np.array([65504.0], np.float16).view(np.uint8)  # d: the largest finite value
+    data[:, 2:4] = np.array([-65504.0], np.float16).view(np.uint8)  # m
+    path = tmp_path / "blocks.bin"
+    path.write_bytes(b"\0" * 24 + data.tobytes())
+    def stored():
+        return GGUFBlocks(QType.Q4_1, file_blocks(path, 24, data.nbytes), (4, 4 * 32))
+    assert stored().is_finite()
+    data[14, 2:4] = np.array([bad], np.float16).view(np.uint8)
+    path.write_bytes(b"\0" * 24 + data.tobytes())
+    assert not stored().is_finite()
 
 
 @pytest.mark.parametrize("qtype", CODE_TYPES, ids=lambda t: t.name)

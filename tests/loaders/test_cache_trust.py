@@ -22,6 +22,7 @@ from tiny_checkpoints import build_hf, write_gguf
 
 import kvcore.kernels.cpu_kernels as ck
 import kvcore.loaders.model_cache as mc
+import kvcore.paths
 from kvcore.errors import BackendUnavailableError, CacheTrustError, KernelBuildError
 from kvcore.paths import MARKER, is_entry, private_dir, remove_entry, verify_entry, write_entry
 
@@ -91,6 +92,27 @@ def test_entries_carry_checksums_and_a_flipped_byte_is_caught(root):
     with pytest.warns(RuntimeWarning, match="damaged"):
         assert not verify_entry(entry)
     assert not entry.exists()  # deleted: the caller rebuilds it
+
+
+def test_a_large_file_is_checked_in_pieces_and_older_whole_file_checksums_still_count(root, monkeypatch):
+    """A file of several pieces: rewritten unchanged (a new identity) it is hashed again and kept; a byte flipped in
+    its last piece is caught. A marker of an older kvcore (one SHA-256 of the whole file) is still honoured."""
+    monkeypatch.setattr(kvcore.paths, "PIECE", 512)
+    folder = private_dir(root / "things", root)
+    content = bytes(range(256)) * 9  # four and a half pieces
+    entry = write_entry(folder, "e", lambda p: (p / "data").write_bytes(content))
+    (entry / "data").write_bytes(content)  # same bytes, new modification time
+    assert verify_entry(entry)
+    (entry / "data").write_bytes(content[:-1] + b"\x00")
+    with pytest.warns(RuntimeWarning, match="damaged"):
+        assert not verify_entry(entry)
+    older = write_entry(folder, "older", lambda p: (p / "data").write_bytes(content))
+    (older / MARKER).write_text(json.dumps({"data": {"sha256": hashlib.sha256(content).hexdigest(),
+                                                     "identity": [0, 0, 0]}}))
+    assert verify_entry(older)
+    (older / "data").write_bytes(content[:-1] + b"\x00")
+    with pytest.warns(RuntimeWarning, match="damaged"):
+        assert not verify_entry(older)
 
 
 def test_only_marked_folders_are_ever_removed(root, tmp_path):
