@@ -19,6 +19,9 @@ The kernels:
 * ``torch.ops.kvcore.all_finite`` and ``torch.ops.kvcore.argmax_rows`` (``csrc/logits.cpp``): the backend check's
   finiteness flag and greedy decoding's argmax, one operator each instead of several ATen ops;
 * ``torch.ops.kvcore.q8_0_rows`` (``csrc/q8_0_rows.cpp``): a Q8_0 token table's rows decoded in one call;
+* ``torch.ops.kvcore.q4_blocks_to_int4a8`` and ``torch.ops.kvcore.int4a8_quantize`` (``csrc/int4a8_pack.cpp``):
+  ``int4a8`` weights made in one pass, as a model file is first prepared: a GGUF file's Q4_0 / Q4_1 blocks
+  rewritten in the kernel's layout, and float rows (the int4 LM head's) quantized and packed;
 * ``torch.ops.kvcore.rms_norm`` (``csrc/rms_norm.cpp``): a bfloat16 residual add and RMSNorm in one operator, for
   the decoder of an ``int4a8`` model (:func:`kvcore.model.layers.add_rms_norm`);
 * ``torch.ops.kvcore.fused_qkv`` and ``torch.ops.kvcore.fused_mlp`` (``csrc/fused_layer.cpp``): a bfloat16 ``int4a8``
@@ -69,8 +72,8 @@ __all__ = ["bf16_linear_ready", "cxx_compiler", "extension_reasons", "int4a8_rea
            "kernel_reasons", "kernels_built", "kernels_loaded", "load_kernels", "vector_isa"]
 
 _SOURCES = ("bf16_linear.cpp", "decode_attention.cpp", "decode_stack.cpp", "fused_layer.cpp", "int4_linear.cpp",
-            "int8_group_linear.cpp", "isa.cpp", "logits.cpp", "prefill_attention.cpp", "q8_0_rows.cpp",
-            "rescore_top_k.cpp", "rms_norm.cpp")
+            "int4a8_pack.cpp", "int8_group_linear.cpp", "isa.cpp", "logits.cpp", "prefill_attention.cpp",
+            "q8_0_rows.cpp", "rescore_top_k.cpp", "rms_norm.cpp")
 # included by the sources: in the cache key
 _HEADERS = ("decode_attention.h", "fused_layer.h", "group_matmul.h", "int4a8.h", "isa.h", "quantize_rows.h",
             "rms_norm.h")

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as QType
 
+from kvcore.kernels.cpu_kernels import load_kernels
 from kvcore.kernels.group_quant import GroupCodes
 
 __all__ = ["CODE_BITS", "CODE_TYPES", "SCALE_OFFSETS", "group_codes", "int4a8_layout"]
@@ -139,36 +140,21 @@ def int4a8_layout(
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Q4_0 / Q4_1 blocks ``data`` ``[rows, bytes per row]`` straight in the int4a8 kernel's layout, the
     ``(codes, dm)`` :func:`kvcore.kernels.quant.pack_int4a8` makes of their :func:`group_codes`, bit for bit; None
-    (nothing written) for other types, shapes the kernel cannot take, or a Q4_0 offset ``-8 d`` float16 cannot hold.
-    ``out``: contiguous ``(codes [rows / 16, columns / 32, 256] uint8, dm [rows / 16, columns / 32, 2, 16]
-    float16)`` to write them into (and return), such as the place the weight ends in: the blocks are copied once.
+    for other types, shapes the kernel cannot take, or a Q4_0 offset ``-8 d`` float16 cannot hold (``out`` may then
+    be partly written). ``out``: contiguous ``(codes [rows / 16, columns / 32, 256] uint8, dm [rows / 16,
+    columns / 32, 2, 16] float16)`` to write them into (and return), such as the place the weight ends in: the
+    blocks are copied once.
 
-    No code is decoded: a block's byte ``i`` holds codes ``i`` (low nibble) and ``16 + i`` (high), which is the pair
-    the kernel's byte ``64 j + 4 row + i'`` holds for ``i = 4 j + i'``; so the codes are the blocks' bytes reordered
-    by 16 rows at a time, and ``d`` and ``m`` are their float16 scales."""
+    No code is decoded: the codes are the blocks' bytes reordered by 16 rows at a time, and ``d`` and ``m`` are their
+    float16 scales (``torch.ops.kvcore.q4_blocks_to_int4a8``, one pass over the blocks)."""
     if qtype not in (QType.Q4_0, QType.Q4_1):
         return None
     rows, cols = shape
     if rows % 16 or cols % 32:
         return None
-    scale_bytes = 2 if qtype == QType.Q4_0 else 4
-    b = np.ascontiguousarray(data).reshape(rows // 16, 16, cols // 32, scale_bytes + 16)
-    # the 4 bytes of codes (4 j .. 4 j + 3) that stay together move as one uint32: one strided copy of words
-    words = b[..., scale_bytes:].view(np.uint32).transpose(0, 2, 3, 1)  # [rows / 16, groups, j, row]
-    scales = b[..., :scale_bytes].view(np.float16).transpose(0, 2, 3, 1)  # [rows / 16, groups, d | m, row]
-    d = scales[:, :, 0]
-    if qtype == QType.Q4_1:
-        m = scales[:, :, 1]
-    else:
-        with np.errstate(over="ignore"):  # an overflow is caught just below
-            m = (-8 * d.astype(np.float32)).astype(np.float16)
-        if not np.array_equal(m.astype(np.float32), -8 * d.astype(np.float32)):
-            return None  # pack_int4a8 keeps such scales in float32
     if out is None:
         out = (torch.empty((rows // 16, cols // 32, 256), dtype=torch.uint8),
                torch.empty((rows // 16, cols // 32, 2, 16), dtype=torch.float16))
-    codes, dm = (t.numpy() for t in out)
-    np.copyto(codes.view(np.uint32).reshape(words.shape), words)
-    np.copyto(dm[:, :, 0], d)  # dm: [rows / 16, groups, d | m, row]
-    np.copyto(dm[:, :, 1], m)
-    return out
+    load_kernels()
+    blocks = torch.from_numpy(np.ascontiguousarray(data)).view(rows, -1)
+    return out if torch.ops.kvcore.q4_blocks_to_int4a8(blocks, qtype == QType.Q4_1, *out) else None

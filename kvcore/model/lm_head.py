@@ -28,9 +28,10 @@ from __future__ import annotations
 import torch
 
 from kvcore.errors import ConfigError
+from kvcore.kernels.cpu_kernels import load_kernels
 from kvcore.kernels.group_quant import GroupCodes, Int8GroupLinear
 from kvcore.kernels.huge_pages import HugePageArena
-from kvcore.kernels.quant import A8_GROUP, Int4A8Linear, Int4Groups, Int4Linear, pack_int4a8, quantized_reasons
+from kvcore.kernels.quant import A8_GROUP, Int4A8Linear, Int4Groups, Int4Linear, quantized_reasons
 from kvcore.model.embedding import BlockTable
 
 __all__ = ["LM_HEAD_FORMATS", "INT4_MAX_ROWS", "A8_MAX_ROWS", "LMHead", "RescoredInt4Head", "Int8Head", "check_lm_head",
@@ -85,8 +86,6 @@ class RescoredInt4Head:
             raise ConfigError(f"lm_head 'int4' cannot take this model's head: the int4 kernel needs a vocabulary "
                               f"in multiples of 16 and a hidden size in multiples of {group_size}, got "
                               f"[{vocab}, {width}]")
-        from kvcore.kernels.cpu_kernels import load_kernels
-
         load_kernels()
         self.weight, self.top_k = weight, min(top_k, vocab)
         # a8 (the model's weights are int4a8): scores from kvcore's int8-activation kernel, up to its row limit
@@ -122,17 +121,19 @@ def rescore(
 
 def int4a8_in_chunks(w: torch.Tensor | BlockTable, rows: int = 1024) -> Int4A8Linear:
     """``Int4A8Linear(Int4Groups.from_float(w, 32, w.dtype), w.dtype)`` built ``rows`` output rows at a time (a
-    multiple of 16), each part packed straight into its rows (the kernel's layout is per block of 16 rows) of one
-    huge-page arena: a big head's unpacked codes never exist whole (nor, for a :class:`BlockTable`, its dense rows)."""
+    multiple of 16), each part quantized and packed in one pass (``torch.ops.kvcore.int4a8_quantize``, bit for bit
+    the same) straight into its rows (the kernel's layout is per block of 16 rows) of one huge-page arena: a big
+    head's codes never exist unpacked (nor, for a :class:`BlockTable`, its dense rows whole)."""
     n, k = w.shape
     if not Int4A8Linear.fits(n, k, A8_GROUP):
         raise ValueError(f"int4a8 kernel cannot take a [{n}, {k}] weight in groups of {A8_GROUP}")
+    load_kernels()
     shapes = [((n // 16, k // A8_GROUP, 256), torch.uint8), ((n // 16, k // A8_GROUP, 2, 16), torch.float16)]
     arena = HugePageArena(HugePageArena.bytes_for(shapes))  # each decode step streams the whole head
     codes, dm = (arena.empty(*s) for s in shapes)
     for a in range(0, n, rows):
         part = slice(a // 16, (a + rows) // 16)
-        pack_int4a8(Int4Groups.from_float(w[a : a + rows], A8_GROUP, w.dtype), (codes[part], dm[part]))
+        torch.ops.kvcore.int4a8_quantize(w[a : a + rows].contiguous(), codes[part], dm[part])
     return Int4A8Linear.from_layout(codes, dm, w.dtype)
 
 
@@ -155,8 +156,6 @@ class Int8Head:
         codes = blocks.codes() if blocks is not None and hasattr(blocks, "codes") else None
         if codes is None or codes.bits > 8 or codes.group_size % 32:
             codes = q8_codes(weight[:])
-        from kvcore.kernels.cpu_kernels import load_kernels
-
         load_kernels()
         self.linear = Int8GroupLinear(codes.regroup(32), weight.dtype)
         self.weight, self.top_k = weight, min(top_k, vocab)

@@ -1,5 +1,7 @@
-"""Q4_0 / Q4_1 blocks reordered straight into the int4a8 kernel's layout (kvcore.loaders.gguf_codes.int4a8_layout):
-the same bytes as decoding their codes and packing them, for the embedded SmolLM2 file and real-shape files."""
+"""int4a8 weights made in one native pass (kvcore/kernels/csrc/int4a8_pack.cpp): Q4_0 / Q4_1 blocks reordered
+straight into the kernel's layout (kvcore.loaders.gguf_codes.int4a8_layout), the same bytes as decoding their codes
+and packing them, for the embedded SmolLM2 file and real-shape files; and float rows quantized and packed
+(``int4a8_quantize``, the int4 LM head), the same bytes as ``Int4Groups.from_float`` then ``pack_int4a8``."""
 
 from __future__ import annotations
 
@@ -8,7 +10,8 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as QType
 
-from kvcore.kernels.quant import pack_int4a8
+from kvcore.kernels.cpu_kernels import load_kernels
+from kvcore.kernels.quant import Int4Groups, pack_int4a8
 from kvcore.loaders import load_model
 from kvcore.loaders.gguf_blocks import GGUFBlocks
 from kvcore_bench.real_size import Shape, write_gguf
@@ -53,3 +56,44 @@ def test_other_blocks_have_no_layout():
     big[:, 0:2] = np.frombuffer(np.float16(60000).tobytes(), dtype=np.uint8)  # -8 d overflows float16
     assert GGUFBlocks(QType.Q4_0, big, (16, 32)).int4a8_layout() is None
     assert pack_int4a8(GGUFBlocks(QType.Q4_0, big, (16, 32)).codes())[1].dtype == torch.float32
+
+
+def _quantized_natively(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    load_kernels()
+    n, k = w.shape
+    codes = torch.full((n // 16, k // 32, 256), 0xAA, dtype=torch.uint8)  # every byte must be written
+    dm = torch.full((n // 16, k // 32, 2, 16), float("nan"), dtype=torch.float16)
+    torch.ops.kvcore.int4a8_quantize(w, codes, dm)
+    return codes, dm
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+def test_float_rows_quantize_to_the_same_bytes_as_from_float_and_pack(dtype):
+    """Random rows of every magnitude, plus the cases rounding gets wrong first: constant groups (scale clamped),
+    values exactly halfway between two steps (ties to even), and a group of a single outlier."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(64, 256, generator=g) * 10.0 ** torch.randint(-4, 3, (64, 1), generator=g)
+    w[3, :32] = 0.25  # constant group
+    w[5, :32] = torch.arange(32) * 0.5  # evenly spaced
+    w[7, 32:64] = 0.0
+    w[7, 40] = 3.0  # one outlier
+    # s = 1 and z = 8 exactly: k + 0.5 lies halfway between two codes (even and odd ones: ties go to even)
+    w[9, 64:96] = torch.tensor([0.0, 15.0] + [k + 0.5 for k in range(15)] * 2)
+    w = w.to(dtype)
+    steps = (w[9, 64:96].float() - 8) / 1
+    assert (steps - steps.floor() == 0.5).sum() == 30  # the ties are there in every dtype
+    codes, dm = _quantized_natively(w.contiguous())
+    want_codes, want_dm = pack_int4a8(Int4Groups.from_float(w, 32, dtype))
+    assert want_dm.dtype == torch.float16
+    assert torch.equal(codes, want_codes)
+    assert torch.equal(dm.view(torch.int16), want_dm.view(torch.int16))
+
+
+def test_the_smollm2_head_quantizes_to_the_same_bytes():
+    """The head the default configuration builds (SmolLM2's Q8_0 token table in bfloat16), all of its rows."""
+    loaded = load_model("smollm2", keep_quantized=True)
+    table = loaded.weights["model.embed_tokens.weight"]
+    w = table.dequantize(torch.bfloat16)
+    codes, dm = _quantized_natively(w)
+    want_codes, want_dm = pack_int4a8(Int4Groups.from_float(w, 32, torch.bfloat16))
+    assert torch.equal(codes, want_codes) and torch.equal(dm.view(torch.int16), want_dm.view(torch.int16))
