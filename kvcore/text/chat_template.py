@@ -15,11 +15,9 @@ building a 1 GB string. :func:`render_template` bounds both:
 
 from __future__ import annotations
 
-import ctypes
 import json
 import re
 import string
-import threading
 from collections.abc import Iterable, Sized
 from datetime import datetime
 from typing import Any
@@ -29,6 +27,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from jinja2.utils import Namespace
 
 from kvcore.errors import ChatTemplateError, KVCoreError
+from kvcore.text.watchdog import Watchdog
 
 __all__ = ["TemplateRaised", "compile_template", "render_template", "RENDER_TIMEOUT_S", "MAX_TEMPLATE_CHARS"]
 
@@ -222,7 +221,7 @@ def render_template(template: jinja2.Template, timeout_s: float = RENDER_TIMEOUT
     and jinja2.TemplateError pass through for the caller to classify.
     """
     timeout = ChatTemplateError(f"the model's chat template did not finish rendering in {timeout_s:g} s")
-    watchdog = _Watchdog(timeout, timeout_s)
+    watchdog = Watchdog(timeout, timeout_s)
     try:
         with watchdog:
             parts, size = [], 0
@@ -240,53 +239,3 @@ def render_template(template: jinja2.Template, timeout_s: float = RENDER_TIMEOUT
         raise ChatTemplateError("the model's chat template ran out of memory") from None
     except Exception as exc:  # the template is code from the model file: any failure is the template's
         raise ChatTemplateError(f"the model's chat template failed: {type(exc).__name__}: {exc}") from None
-
-
-class _Watchdog:
-    """Raises ``error`` in the thread that entered the block once ``timeout_s`` have passed, unless the
-    block has left by then. A pending, undelivered exception is withdrawn on exit."""
-
-    def __init__(self, error: BaseException, timeout_s: float) -> None:
-        self._error, self._timeout_s = error, timeout_s
-        self._lock = threading.Lock()
-        self._active = False
-        self._fired = False
-
-    def __enter__(self) -> None:
-        self._thread_id = threading.get_ident()
-        self._active = True
-        self._timer = threading.Timer(self._timeout_s, self._fire)
-        self._timer.daemon = True
-        self._timer.start()
-
-    def _fire(self) -> None:
-        with self._lock:
-            if self._active:
-                self._fired = True
-                # the exception type is set; Python instantiates it at delivery, so the message rides on a subclass
-                _set_async_exc(self._thread_id, _timeout_class(self._error))
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        self._timer.cancel()
-        with self._lock:
-            self._active = False
-            if self._fired:
-                _set_async_exc(self._thread_id, None)  # withdraw it if not delivered yet
-        if self._fired and (exc_type is None or not issubclass(exc_type, ChatTemplateError)):
-            raise self._error from None
-
-
-def _set_async_exc(thread_id: int, exc_type: type[BaseException] | None) -> None:
-    """Schedule ``exc_type`` in thread ``thread_id`` (None: cancel a scheduled one; C's NULL)."""
-    exc = ctypes.py_object(exc_type) if exc_type is not None else None
-    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread_id), exc)
-
-
-def _timeout_class(error: BaseException) -> type[ChatTemplateError]:
-    message = str(error)
-
-    class TemplateTimeout(ChatTemplateError):
-        def __init__(self, *args: Any) -> None:
-            super().__init__(message)
-
-    return TemplateTimeout

@@ -81,6 +81,47 @@ def test_a_finished_render_is_never_interrupted_later() -> None:
         pass
 
 
+def test_the_timeout_never_lands_in_a_garbage_collectors_callback(monkeypatch) -> None:
+    """The deadline's exception is raised in the rendering thread at whatever it runs: a garbage collection started
+    by the render's allocations would run other code's weakref callbacks there, and the exception would end up in
+    them (lost, their clean-up cut short) instead of in the render."""
+    import gc
+    import sys
+    import weakref
+
+    class Node:
+        pass
+
+    def slow_callback(_ref) -> None:
+        end = time.perf_counter() + 0.001
+        while time.perf_counter() < end:
+            pass
+
+    refs = []
+
+    def garbage() -> str:  # other code's cyclic garbage, made while the template renders
+        cycle = Node()
+        cycle.self = cycle
+        refs.append(weakref.ref(cycle, slow_callback))
+        return ""
+
+    lost = []
+    monkeypatch.setattr(sys, "unraisablehook", lost.append)
+    template = compile_template("{% for i in range(50) %}{{ garbage() }}{% endfor %}")
+    threshold = gc.get_threshold()
+    gc.set_threshold(5)  # a collection every few allocations
+    try:
+        for _ in range(20):
+            try:
+                render_template(template, timeout_s=0.005, messages=MESSAGES, garbage=garbage)
+            except ChatTemplateError:
+                pass
+    finally:
+        gc.set_threshold(*threshold)
+        gc.collect()
+    assert not lost, f"{len(lost)} timeouts landed in a weakref callback: {lost[0].exc_type}"
+
+
 def test_template_errors_are_typed() -> None:
     with pytest.raises(ChatTemplateError, match="recursed too deeply"):
         render_template(compile_template("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}"), messages=MESSAGES)
