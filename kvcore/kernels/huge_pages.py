@@ -15,17 +15,36 @@ import ctypes
 import functools
 import mmap
 import sys
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["HUGE_PAGE", "HugePageArena", "Relocatable", "advise_huge_pages", "huge_page_reason", "move_into_huge_pages"]
+__all__ = ["HUGE_PAGE", "HugePageArena", "Relocatable", "advise_huge_pages", "huge_page_reason", "move_into_huge_pages",
+           "plain_pages"]
 
 HUGE_PAGE = 2 << 20  # bytes of a transparent huge page over 4 KiB pages (x86-64, most arm64 kernels)
 _ALIGN = 64  # each tensor's first byte: a cache line, as the kernels' vector loads want
 _THP_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+#: set inside :func:`plain_pages`
+_PLAIN_PAGES: ContextVar[bool] = ContextVar("kvcore_plain_pages", default=False)
+
+
+@contextmanager
+def plain_pages() -> Iterator[None]:
+    """Arenas made inside (in this thread or task) take plain pages: for weights that are written to a file and then
+    used from its mapping, so that nothing streams them from the arena. Where memory is fragmented, a huge page is
+    made by compacting memory first, which costs far more than faulting in plain pages."""
+    token = _PLAIN_PAGES.set(True)
+    try:
+        yield
+    finally:
+        _PLAIN_PAGES.reset(token)
 
 
 @functools.cache
@@ -62,7 +81,7 @@ class HugePageArena:
         self._start = -self._buffer.data_ptr() % HUGE_PAGE
         self._end = self._start + nbytes
         self._used = self._start
-        self.huge = huge_page_reason() is None
+        self.huge = huge_page_reason() is None and not _PLAIN_PAGES.get()
         if self.huge:
             try:
                 self._map.madvise(mmap.MADV_HUGEPAGE, self._start, size)
@@ -108,10 +127,10 @@ def move_into_huge_pages(
 ) -> HugePageArena | None:
     """Move the weights of ``objects`` into one :class:`HugePageArena` (their tensors' bytes, in order), leaving
     room after them for tensors of the ``(shape, dtype)`` in ``room`` (weights then made in place, with
-    :meth:`HugePageArena.empty`); returns it, or None where :func:`huge_page_reason` says it would be plain memory
-    (the weights then stay where they are)."""
+    :meth:`HugePageArena.empty`); returns it, or None where it would be plain memory (:func:`huge_page_reason`,
+    :func:`plain_pages`: the weights then stay where they are)."""
     specs: list[tuple[tuple[int, ...], torch.dtype]] = list(room)
-    if huge_page_reason() is not None or not (objects or specs):
+    if huge_page_reason() is not None or _PLAIN_PAGES.get() or not (objects or specs):
         return None
 
     def measure(t: torch.Tensor) -> torch.Tensor:

@@ -39,9 +39,11 @@ import torch
 from torch import nn
 from torch.utils.serialization import config as serialization_config
 
-from kvcore.kernels.huge_pages import advise_huge_pages
-from kvcore.loaders.load import build_model, load_model
-from kvcore.loaders.prepared import prepare_head, restore_runtime, runtime_state
+from kvcore.errors import KVCoreError
+from kvcore.kernels.huge_pages import advise_huge_pages, plain_pages
+from kvcore.loaders.load import DEFAULT_MODEL, build_model, load_model
+from kvcore.loaders.prepared import into_huge_pages, prepare_head, restore_runtime, runtime_state
+from kvcore.loaders.resolve import smollm2_path
 from kvcore.loaders.watched import WatchedFile
 from kvcore.model.config import ModelConfig, check_max_model_len
 from kvcore.model.rope import RopeScaling
@@ -111,19 +113,18 @@ def load_pretrained(
     hit = _read(entry)
     if hit is not None:
         return hit
-    loaded, model = load()
-    _write(entry, model, loaded.tokenizer, {"source": str(source), "stamp": stamp, "options": options})
-    return model, loaded.tokenizer
+    with plain_pages():  # built to be written, then run from the entry's mapping as every later start runs it
+        loaded, model = load()
+    written = _write(entry, model, loaded.tokenizer, {"source": str(source), "stamp": stamp, "options": options})
+    hit = _read(entry) if written else None
+    if hit is None:
+        into_huge_pages(model)  # runs as built after all
+    return hit or (model, loaded.tokenizer)
 
 
 def gguf_source(spec: str) -> Path | None:
     """The GGUF file ``spec`` names, or None (a directory, a missing file: not cached)."""
-    from kvcore.errors import KVCoreError
-    from kvcore.loaders import DEFAULT_MODEL
-
     if str(spec).strip().lower() == DEFAULT_MODEL:
-        from kvcore.loaders.resolve import smollm2_path
-
         try:
             return smollm2_path().resolve()
         except KVCoreError:
@@ -200,14 +201,15 @@ def _assemble(config: ModelConfig, dtype: str, max_positions: int, tensors: dict
 
 
 # -- writing --------------------------------------------------------------------------------------------
-def _write(entry: Path, model: nn.Module, tokenizer: Tokenizer, info: dict[str, Any]) -> None:
-    """Save ``model`` and ``tokenizer`` as ``entry`` (atomically: a folder renamed into place). A cache that
-    cannot be written (read-only or full disk) is skipped with a warning: it only ever saves time; nor is a
-    model holding a weight with no saved form (:func:`~kvcore.loaders.prepared.runtime_state`)."""
-    prepare_head(model)  # made now, where a later start would make it again
+def _write(entry: Path, model: nn.Module, tokenizer: Tokenizer, info: dict[str, Any]) -> bool:
+    """Save ``model`` and ``tokenizer`` as ``entry`` (atomically: a folder renamed into place); whether it was. A
+    cache that cannot be written (read-only or full disk) is skipped with a warning: it only ever saves time; nor is
+    a model holding a weight with no saved form (:func:`~kvcore.loaders.prepared.runtime_state`)."""
+    with plain_pages():
+        prepare_head(model)  # made now, where a later start would make it again
     runtime = runtime_state(model)
     if runtime is None:
-        return
+        return False
     tensors = dict(model.named_parameters(remove_duplicate=False))
     tensors.update({n: t for n, t in model.named_buffers()})
     tensors.update(runtime[0])
@@ -234,6 +236,8 @@ def _write(entry: Path, model: nn.Module, tokenizer: Tokenizer, info: dict[str, 
         _evict(entry, info["source"], info["stamp"])
     except OSError as exc:  # a full disk, a read-only folder
         warn_no_cache("model", entry.parent, exc)
+        return False
+    return True
 
 
 def _evict(keep: Path, source: str, stamp: str) -> None:

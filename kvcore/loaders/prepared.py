@@ -19,6 +19,7 @@ from gguf import GGMLQuantizationType as QType
 
 from kvcore.kernels.cpu_kernels import kernel_reasons, load_kernels
 from kvcore.kernels.group_quant import Int8GroupLinear
+from kvcore.kernels.huge_pages import Relocatable, move_into_huge_pages
 from kvcore.kernels.quant import Int4A8Linear, Int4Linear
 from kvcore.loaders.gguf_blocks import GGUFBlocks, file_blocks
 from kvcore.model.embedding import BlockTable, head_rows
@@ -26,7 +27,7 @@ from kvcore.model.fused_layer import fused_layer_reasons
 from kvcore.model.lm_head import int4a8_in_chunks
 from kvcore.model.weights import LINEAR_PARTS
 
-__all__ = ["SAVED_FORMATS", "prepare_head", "runtime_state", "restore_runtime"]
+__all__ = ["SAVED_FORMATS", "into_huge_pages", "prepare_head", "runtime_state", "restore_runtime"]
 
 #: the matmul weight classes an entry may hold, by name, with the attributes holding their tensors
 SAVED_FORMATS: dict[str, tuple[type, tuple[str, ...]]] = {
@@ -46,6 +47,15 @@ def prepare_head(model: torch.nn.Module) -> None:
     if kernel_reasons() or not Int4Linear.fits(*rows.shape, 32):
         return
     model.head_int4 = int4a8_in_chunks(rows)
+
+
+def into_huge_pages(model: torch.nn.Module) -> None:
+    """Move the model's packed weights (layer matmuls, int4 head) into one huge-page arena: for a model built under
+    :func:`~kvcore.kernels.huge_pages.plain_pages` to be saved whose entry was not written after all."""
+    objects = [f for fns in (model._quantized or {}).values() for f in fns if isinstance(f, Relocatable)]
+    if isinstance(model.head_int4, Relocatable):
+        objects.append(model.head_int4)
+    move_into_huge_pages(objects)
 
 
 def _linear_state(obj: Any, prefix: str, tensors: dict[str, torch.Tensor]) -> dict[str, Any] | None:

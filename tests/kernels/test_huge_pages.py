@@ -19,6 +19,7 @@ from kvcore.kernels.huge_pages import (
     advise_huge_pages,
     huge_page_reason,
     move_into_huge_pages,
+    plain_pages,
 )
 from kvcore.kernels.quant import Int4A8Linear
 from kvcore.model.lm_head import int4a8_in_chunks
@@ -101,6 +102,21 @@ def test_a_quantized_model_holds_its_kernel_weights_in_one_huge_page_region_with
     for f in fns:  # back into plain allocations of their own: the kernels read the same values
         f.relocate(lambda t: t.clone())
     assert torch.equal(model.compute_logits(model(ids, pos, full_attention)), logits)
+
+
+@needs_thp
+@needs_kernel
+def test_arenas_made_under_plain_pages_are_plain_and_nothing_moves_into_them():
+    """Weights made to be written to a file take plain pages (no compaction for huge ones); the setting ends with
+    its block."""
+    w = (torch.randn(1024, 64, generator=torch.Generator().manual_seed(1)) * 0.1).to(torch.bfloat16)
+    with plain_pages():
+        arena = HugePageArena(1 << 20)
+        head = int4a8_in_chunks(w, rows=512)
+        assert move_into_huge_pages([head]) is None
+    assert not arena.huge and "hg" not in _vm_flags(arena.empty((64,), torch.uint8).data_ptr())
+    assert "hg" not in _vm_flags(head.codes.data_ptr())
+    assert HugePageArena(1 << 20).huge
 
 
 @needs_thp

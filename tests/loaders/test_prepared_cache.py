@@ -14,6 +14,7 @@ import kvcore.loaders.model_cache as mc
 import kvcore.model.lm_head
 from kvcore import Engine, EngineConfig, SamplingParams
 from kvcore.kernels.cpu_kernels import kernel_reasons
+from kvcore.kernels.huge_pages import huge_page_reason
 from kvcore.kernels.quant import Int4A8Linear
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(bool(kernel_reasons()), reason="kvcore's CPU kernels cannot run")]
@@ -69,6 +70,47 @@ def test_quantized_start_maps_its_prepared_weights(cache, monkeypatch):
         ranges = _mapped_ranges(str(entry / "model.pt"))
         weights = [model.head_int4.codes, *(f.codes for fns in model._quantized.values() for f in fns)]
         assert ranges and all(any(lo <= w.data_ptr() < hi for lo, hi in ranges) for w in weights)
+
+
+def test_the_first_start_runs_from_the_entry_it_wrote(cache):
+    """Built once to be written (plain pages), then run from the entry's mapping as later starts are: the packed
+    weights are the file's pages, not the build's."""
+    engine = Engine.from_pretrained("smollm2", EngineConfig())
+    (entry,) = [p for p in cache.iterdir() if p.is_dir()]
+    model = engine.model
+    weights = [model.head_int4.codes, *(f.codes for fns in model._quantized.values() for f in fns)]
+    if sys.platform.startswith("linux"):
+        ranges = _mapped_ranges(str(entry / "model.pt"))
+        assert ranges and all(any(lo <= w.data_ptr() < hi for lo, hi in ranges) for w in weights)
+
+
+def test_a_first_start_whose_entry_cannot_be_written_runs_on_huge_pages(cache, monkeypatch):
+    """The build made for an entry that then cannot be written (a full disk here) moves its packed weights into
+    huge pages, as a build without the cache makes them."""
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(mc, "write_entry", full)
+    with pytest.warns(RuntimeWarning):
+        engine = Engine.from_pretrained("smollm2", EngineConfig())
+    model = engine.model
+    tensors = [model.head_int4.codes, *(f.codes for fns in model._quantized.values() for f in fns)]
+    assert len({t.untyped_storage().data_ptr() for t in tensors}) == 1  # one arena
+    if huge_page_reason() is None:
+        with open("/proc/self/smaps") as f:
+            assert "hg" in _flags_of(f.read(), tensors[0].data_ptr())
+
+
+def _flags_of(smaps: str, address: int) -> list[str]:
+    inside = False
+    for line in smaps.splitlines():
+        head = line.split(maxsplit=1)[0]
+        if "-" in head and ":" not in head:
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= address < hi
+        elif inside and line.startswith("VmFlags:"):
+            return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
 
 
 def test_a_format_without_a_saved_form_is_not_written(cache):
