@@ -8,12 +8,12 @@ Rules, as ssh and pip apply them to their own files:
   or others, and must not be a symbolic link (checked with ``lstat``, never followed); otherwise
   :class:`~kvcore.errors.CacheTrustError` names the folder and how to fix it. The root itself may be
   a link (``~/.cache`` often is), its target is checked the same way;
-* an *entry* is a folder kvcore wrote whole and renamed into place; it holds :data:`MARKER`, a JSON file with a
-  checksum of every other file in it (SHA-256, of the file's pieces in parallel), and the identity (inode, size,
-  modification time) each file had when it was checked. Only folders with a marker are ever deleted (eviction,
-  clearing, damage), so a user's own folder inside the cache survives. A file still of the identity it was checked
-  with is not read again (a model's weights are not hashed on every start); any other is hashed, and a checksum that
-  does not match makes the entry damaged: it is deleted and rebuilt.
+* an *entry* is a folder kvcore wrote whole and renamed into place; it holds :data:`MARKER`, a JSON file with the
+  identity (inode, size, modification time) each of its other files had when written and, for entries that keep
+  them (the kernel library's), their checksums (SHA-256, of each file's pieces in parallel). Only folders with a
+  marker are ever deleted (eviction, clearing, damage), so a user's own folder inside the cache survives. A file
+  still of its identity is not read again (a model's weights are not hashed on every start); any other is hashed,
+  and one whose checksum does not match, or that has none, makes the entry damaged: it is deleted and rebuilt.
 
 A folder that cannot be created or written (read-only, full disk) is an ``OSError`` for the caller, who
 then runs without the cache and says so in one warning line.
@@ -139,14 +139,18 @@ def _whole(path: Path, record) -> bool:
             return True
         if "sha256-pieces" in record:
             return _piece_digest(path) == record["sha256-pieces"]
-        return _digest(path) == record.get("sha256")
+        return "sha256" in record and _digest(path) == record["sha256"]  # without a checksum: changed is damaged
     return isinstance(record, str) and _digest(path) == record  # an entry written before identities were kept
 
 
-def write_entry(parent: Path, name: str, fill: Callable[[Path], None]) -> Path:
+def write_entry(parent: Path, name: str, fill: Callable[[Path], None], checksums: bool = True) -> Path:
     """Entry ``parent / name``: ``fill(folder)`` writes its files into a private temporary folder, which
     gets the marker and is renamed into place (atomically). When another process put the entry there
-    first, that one stays. Raises ``OSError`` when the disk refuses."""
+    first, that one stays. Raises ``OSError`` when the disk refuses.
+
+    Without ``checksums`` the marker keeps only each file's identity: a file that is no longer the one written is
+    then damaged (rebuilt) rather than hashed again, and writing costs no read of the files (a prepared model's
+    entry is as large as the model)."""
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=parent))  # mode 0700
     try:
         (tmp / MARKER).write_text("{}")  # marked from the start: a crash leaves a folder kvcore may delete
@@ -154,7 +158,8 @@ def write_entry(parent: Path, name: str, fill: Callable[[Path], None]) -> Path:
         files = [p for p in sorted(tmp.iterdir()) if p.name != MARKER]
         for p in files:
             p.chmod(0o600)  # whatever the umask: check_trusted refuses files others can write
-        sums = {p.name: {"sha256-pieces": _piece_digest(p), "identity": _identity(p)} for p in files}
+        sums = {p.name: {"identity": _identity(p), **({"sha256-pieces": _piece_digest(p)} if checksums else {})}
+                for p in files}
         (tmp / MARKER).write_text(json.dumps(sums))
         try:
             os.rename(tmp, parent / name)

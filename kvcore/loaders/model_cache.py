@@ -12,7 +12,7 @@ is read from the model file itself, as on a cold start. The entry's file is watc
 (:mod:`kvcore.loaders.watched`): truncated or written to in place, the engine refuses to use it.
 
 Where: ``$KVCORE_CACHE_DIR/models``, else ``$XDG_CACHE_HOME/kvcore/models``, else
-``~/.cache/kvcore/models``; one folder per entry (``model.pt`` + ``meta.json`` + the checksums of both, see
+``~/.cache/kvcore/models``; one folder per entry (``model.pt`` + ``meta.json`` + the identity of both, see
 :mod:`kvcore.paths`: folders others could write are refused, a damaged entry is rebuilt, and only
 folders kvcore wrote are ever deleted; a cache that cannot be written is skipped with a warning). An
 entry's key covers the source file (path, size, mtime and a hash of its first MiB), kvcore's and torch's versions,
@@ -232,7 +232,7 @@ def _write(entry: Path, model: nn.Module, tokenizer: Tokenizer, info: dict[str, 
         (folder / "meta.json").write_text(json.dumps(meta))
 
     try:
-        write_entry(entry.parent, entry.name, fill)
+        write_entry(entry.parent, entry.name, fill, checksums=False)
         _evict(entry, info["source"], info["stamp"])
     except OSError as exc:  # a full disk, a read-only folder
         warn_no_cache("model", entry.parent, exc)

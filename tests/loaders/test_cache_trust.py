@@ -94,6 +94,13 @@ def test_entries_carry_checksums_and_a_flipped_byte_is_caught(root):
     assert not entry.exists()  # deleted: the caller rebuilds it
 
 
+def _rewrite(path: Path, content: bytes) -> None:
+    """``path`` written again, its modification time moved on (file times tick coarser than two quick writes)."""
+    before = os.stat(path).st_mtime_ns
+    path.write_bytes(content)
+    os.utime(path, ns=(before, max(os.stat(path).st_mtime_ns, before + 1_000_000)))
+
+
 def test_a_large_file_is_checked_in_pieces_and_older_whole_file_checksums_still_count(root, monkeypatch):
     """A file of several pieces: rewritten unchanged (a new identity) it is hashed again and kept; a byte flipped in
     its last piece is caught. A marker of an older kvcore (one SHA-256 of the whole file) is still honoured."""
@@ -101,18 +108,31 @@ def test_a_large_file_is_checked_in_pieces_and_older_whole_file_checksums_still_
     folder = private_dir(root / "things", root)
     content = bytes(range(256)) * 9  # four and a half pieces
     entry = write_entry(folder, "e", lambda p: (p / "data").write_bytes(content))
-    (entry / "data").write_bytes(content)  # same bytes, new modification time
+    _rewrite(entry / "data", content)  # same bytes, new modification time
     assert verify_entry(entry)
-    (entry / "data").write_bytes(content[:-1] + b"\x00")
+    _rewrite(entry / "data", content[:-1] + b"\x00")
     with pytest.warns(RuntimeWarning, match="damaged"):
         assert not verify_entry(entry)
     older = write_entry(folder, "older", lambda p: (p / "data").write_bytes(content))
     (older / MARKER).write_text(json.dumps({"data": {"sha256": hashlib.sha256(content).hexdigest(),
                                                      "identity": [0, 0, 0]}}))
     assert verify_entry(older)
-    (older / "data").write_bytes(content[:-1] + b"\x00")
+    _rewrite(older / "data", content[:-1] + b"\x00")
     with pytest.warns(RuntimeWarning, match="damaged"):
         assert not verify_entry(older)
+
+
+def test_an_entry_without_checksums_is_damaged_once_its_file_changes(root):
+    """A model-sized entry is written without a checksum pass: its marker keeps identities only, so any change to a
+    file (even a rewrite with the same bytes: nothing can tell) makes it damaged, never silently accepted."""
+    folder = private_dir(root / "things", root)
+    content = bytes(range(256)) * 4
+    entry = write_entry(folder, "e", lambda p: (p / "data").write_bytes(content), checksums=False)
+    assert set(json.loads((entry / MARKER).read_text())["data"]) == {"identity"}
+    assert verify_entry(entry)
+    _rewrite(entry / "data", content)
+    with pytest.warns(RuntimeWarning, match="damaged"):
+        assert not verify_entry(entry)
 
 
 def test_only_marked_folders_are_ever_removed(root, tmp_path):
