@@ -9,11 +9,11 @@ Rules, as ssh and pip apply them to their own files:
   :class:`~kvcore.errors.CacheTrustError` names the folder and how to fix it. The root itself may be
   a link (``~/.cache`` often is), its target is checked the same way;
 * an *entry* is a folder kvcore wrote whole and renamed into place; it holds :data:`MARKER`, a JSON file with the
-  identity (inode, size, modification time) each of its other files had when written and, for entries that keep
-  them (the kernel library's), their checksums (SHA-256, of each file's pieces in parallel). Only folders with a
-  marker are ever deleted (eviction, clearing, damage), so a user's own folder inside the cache survives. A file
-  still of its identity is not read again (a model's weights are not hashed on every start); any other is hashed,
-  and one whose checksum does not match, or that has none, makes the entry damaged: it is deleted and rebuilt.
+  identity (inode, size, modification time) each of its other files had when written and, for entries that keep them
+  (the kernel library's), their SHA-256 checksums. Only folders with a marker are ever deleted (eviction, clearing,
+  damage), so a user's own folder inside the cache survives. A file still of its identity is not read again (a model's
+  weights are not hashed on every start); any other is hashed, and one whose checksum does not match, or that has
+  none, makes the entry damaged: it is deleted and rebuilt.
 
 A folder that cannot be created or written (read-only, full disk) is an ``OSError`` for the caller, who
 then runs without the cache and says so in one warning line.
@@ -30,7 +30,6 @@ import stat
 import tempfile
 import warnings
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from kvcore.errors import CacheTrustError
@@ -51,8 +50,6 @@ def cache_root() -> Path:
 
 #: the file that makes a folder a kvcore cache entry: the checksum of each of its other files
 MARKER = ".kvcore-entry"
-#: bytes of a file hashed as one piece of its checksum (:func:`_piece_digest`)
-PIECE = 64 << 20
 
 
 def _fix(path: Path) -> str:
@@ -97,31 +94,8 @@ def private_dir(path: Path, root: Path) -> Path:
 
 
 def _digest(path: Path) -> str:
-    """The file's SHA-256 (how entries written before :func:`_piece_digest` were checked)."""
     with path.open("rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
-
-
-def _piece_digest(path: Path) -> str:
-    """SHA-256 over the SHA-256 of each :data:`PIECE` bytes of the file, the pieces hashed on every CPU at once:
-    a model entry is as large as the model, and one thread hashing it would be a large part of its first start."""
-    size = os.path.getsize(path)
-
-    def piece(offset: int) -> bytes:
-        with path.open("rb", buffering=0) as f:
-            f.seek(offset)
-            h, left = hashlib.sha256(), min(PIECE, size - offset)
-            buf = memoryview(bytearray(min(left, 8 << 20)))
-            while left:
-                n = f.readinto(buf[: min(left, len(buf))])
-                if not n:
-                    raise OSError(f"{path} shrank while it was hashed")
-                h.update(buf[:n])  # hashlib releases the GIL on large buffers: the threads run in parallel
-                left -= n
-        return h.digest()
-
-    with ThreadPoolExecutor(max_workers=max(1, min(os.cpu_count() or 1, -(-size // PIECE)))) as pool:
-        return hashlib.sha256(b"".join(pool.map(piece, range(0, size, PIECE)))).hexdigest()
 
 
 def _identity(path: Path) -> list[int]:
@@ -137,8 +111,6 @@ def _whole(path: Path, record) -> bool:
     if isinstance(record, dict):
         if record.get("identity") == _identity(path):
             return True
-        if "sha256-pieces" in record:
-            return _piece_digest(path) == record["sha256-pieces"]
         return "sha256" in record and _digest(path) == record["sha256"]  # without a checksum: changed is damaged
     return isinstance(record, str) and _digest(path) == record  # an entry written before identities were kept
 
@@ -158,7 +130,7 @@ def write_entry(parent: Path, name: str, fill: Callable[[Path], None], checksums
         files = [p for p in sorted(tmp.iterdir()) if p.name != MARKER]
         for p in files:
             p.chmod(0o600)  # whatever the umask: check_trusted refuses files others can write
-        sums = {p.name: {"identity": _identity(p), **({"sha256-pieces": _piece_digest(p)} if checksums else {})}
+        sums = {p.name: {"identity": _identity(p), **({"sha256": _digest(p)} if checksums else {})}
                 for p in files}
         (tmp / MARKER).write_text(json.dumps(sums))
         try:

@@ -22,7 +22,6 @@ from tiny_checkpoints import build_hf, write_gguf
 
 import kvcore.kernels.cpu_kernels as ck
 import kvcore.loaders.model_cache as mc
-import kvcore.paths
 from kvcore.errors import BackendUnavailableError, CacheTrustError, KernelBuildError
 from kvcore.paths import MARKER, is_entry, private_dir, remove_entry, verify_entry, write_entry
 
@@ -101,25 +100,17 @@ def _rewrite(path: Path, content: bytes) -> None:
     os.utime(path, ns=(before, max(os.stat(path).st_mtime_ns, before + 1_000_000)))
 
 
-def test_a_large_file_is_checked_in_pieces_and_older_whole_file_checksums_still_count(root, monkeypatch):
-    """A file of several pieces: rewritten unchanged (a new identity) it is hashed again and kept; a byte flipped in
-    its last piece is caught. A marker of an older kvcore (one SHA-256 of the whole file) is still honoured."""
-    monkeypatch.setattr(kvcore.paths, "PIECE", 512)
+def test_a_file_of_a_new_identity_is_hashed_again_and_kept_when_whole(root):
+    """Rewritten with the same bytes (a new identity), a file with a checksum is hashed again and kept; one byte
+    changed, it is damaged."""
     folder = private_dir(root / "things", root)
-    content = bytes(range(256)) * 9  # four and a half pieces
+    content = bytes(range(256)) * 9
     entry = write_entry(folder, "e", lambda p: (p / "data").write_bytes(content))
-    _rewrite(entry / "data", content)  # same bytes, new modification time
+    _rewrite(entry / "data", content)
     assert verify_entry(entry)
     _rewrite(entry / "data", content[:-1] + b"\x00")
     with pytest.warns(RuntimeWarning, match="damaged"):
         assert not verify_entry(entry)
-    older = write_entry(folder, "older", lambda p: (p / "data").write_bytes(content))
-    (older / MARKER).write_text(json.dumps({"data": {"sha256": hashlib.sha256(content).hexdigest(),
-                                                     "identity": [0, 0, 0]}}))
-    assert verify_entry(older)
-    _rewrite(older / "data", content[:-1] + b"\x00")
-    with pytest.warns(RuntimeWarning, match="damaged"):
-        assert not verify_entry(older)
 
 
 def test_an_entry_without_checksums_is_damaged_once_its_file_changes(root):
