@@ -77,7 +77,7 @@ def test_quantized_start_maps_its_prepared_weights(cache, monkeypatch):
 
 
 def test_the_first_start_runs_from_the_entry_it_wrote(cache):
-    """Built once to be written (plain pages), then run from the entry's mapping as later starts are: the packed
+    """Built once straight into the entry's files, then run from the entry's mapping as later starts are: the packed
     weights are the file's pages, not the build's."""
     engine = Engine.from_pretrained("smollm2", EngineConfig())
     (entry,) = [p for p in cache.iterdir() if p.is_dir()]
