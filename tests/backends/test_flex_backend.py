@@ -321,14 +321,13 @@ def decode_graphs(h: Harness) -> tuple[int, int]:
     return before, dynamo_utils.counters["stats"]["unique_graphs"]
 
 
-def test_compiled_flex_keeps_compiling_new_shapes_instead_of_falling_back_to_eager(cache_dir, monkeypatch):
+def test_compiled_flex_keeps_compiling_new_shapes_instead_of_falling_back_to_eager(cache_dir):
     """Past dynamo's recompile limits (per function, and over all functions) every later shape would run through
     its eager fallback: a conformance run meets hundreds of shapes, so the compiled backend raises both."""
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)  # torch's defaults
-    monkeypatch.setattr(torch._dynamo.config, "accumulated_recompile_limit", 256)
-    FlexBackend()
-    assert torch._dynamo.config.recompile_limit == RECOMPILE_LIMIT
-    assert torch._dynamo.config.accumulated_recompile_limit == RECOMPILE_LIMIT
+    config = torch._dynamo.config
+    with config.patch(recompile_limit=8, accumulated_recompile_limit=256):  # torch's defaults, restored after
+        FlexBackend()
+        assert config.recompile_limit == config.accumulated_recompile_limit == RECOMPILE_LIMIT
 
 
 def test_decode_steps_in_one_bucket_trace_no_new_graph():
