@@ -29,11 +29,11 @@ masked keys); its ``mask_mod`` punches holes in the second layer only (off by on
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
-from kvcore.conformance.cases import BLOCK_SIZE, OpCase, dtype_suffix
+from kvcore.conformance.cases import BLOCK_SIZE, OpCase, dtype_suffix, on_caches
 from kvcore.interfaces.layer_attention import LayerAttention, variants_of
 from kvcore.interfaces.variants import AttentionVariant, BoundVariant, LayerShape
 from kvcore.model.layers import bind_variants
@@ -152,7 +152,7 @@ def variant_cases(
     """The variant rows (the same in quick and full runs: few, and all but the long ones short) in the run's
     first dtype, plus the long windowed row of each of ``dtypes`` (:data:`LONG_ROWS`) and the :data:`MOD_ROWS`
     of the :class:`Probe` and of each ``selected`` variant (the run's registered ones); once per cache under
-    test when there are several."""
+    test when there are several (:func:`~kvcore.conformance.cases.on_caches`)."""
     rows = [VariantOpCase(layout, d, s, block_size=bs, pattern=p) for layout, d, s, bs, p in ROWS]
     for variant in (Probe(), *selected):
         rows += [VariantOpCase(layout, d, s, block_size=bs, pattern=p, variants=(variant,))
@@ -161,6 +161,4 @@ def variant_cases(
         layout, d, s, bs, p = LONG_ROWS.get(dtype, LONG_ROWS[torch.float32])
         tag = None if len(dtypes) == 1 else dtype  # one dtype: the run's own, as op_cases tags it
         rows.append(VariantOpCase(layout, d, s, block_size=bs, dtype=tag, pattern=p))
-    if not kv_caches or len(kv_caches) < 2:
-        return rows
-    return [replace(c, kv_cache=name) for name in kv_caches for c in rows]
+    return on_caches(rows, kv_caches)

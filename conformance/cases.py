@@ -56,7 +56,7 @@ from kvcore.interfaces.dtypes import dtype_name
 
 __all__ = [
     "OpCase", "Fork", "HEAD_LAYOUTS", "HEAD_DIMS", "LAYOUTS", "HEAD_SIZES", "BLOCK_SIZES", "SCENARIOS",
-    "op_cases", "base_cases", "reduced_cases", "covering_array", "BLOCK_SIZE", "REDUCED_DTYPES", "dtype_suffix",
+    "op_cases", "on_caches", "base_cases", "reduced_cases", "covering_array", "BLOCK_SIZE", "REDUCED_DTYPES", "dtype_suffix",
 ]
 
 BLOCK_SIZE = 16  # default block size of paged caches (the engine's)
@@ -228,13 +228,29 @@ def op_cases(
     dtypes: Sequence[torch.dtype] = (torch.float32,),
 ) -> list[OpCase]:
     """The case list. ``kv_caches`` (the caches under test): with more than one, every case runs once per
-    cache; with one (or None) the target's first cache is used. ``dtypes``: float32 runs the full matrix
+    cache (:func:`on_caches`); with one (or None) the target's first cache is used. ``dtypes``: float32 runs the full matrix
     (:func:`base_cases`), each reduced precision :func:`reduced_cases`."""
     base: list[OpCase] = []
     for dtype in dtypes:
         rows = base_cases(quick) if dtype == torch.float32 else reduced_cases(quick)
         tag = None if len(dtypes) == 1 else dtype
         base += [replace(c, dtype=tag) for c in rows]
+    return on_caches(base, kv_caches)
+
+
+def on_caches(cases: Sequence[OpCase], kv_caches: tuple[str, ...] | None, quick: bool = False) -> list[OpCase]:
+    """``cases`` over the caches under test: with one (or None) as they are (the target's first cache); with
+    several, in full every case once per cache; in ``quick`` each case once, the caches taking turns among the
+    cases of each scenario and precision, so every cache meets every scenario (long contexts included) and
+    precision that has a case per cache, and the cache dimension is covered rather than crossed."""
     if not kv_caches or len(kv_caches) < 2:
-        return base
-    return [replace(c, kv_cache=name) for name in kv_caches for c in base]
+        return list(cases)
+    if not quick:
+        return [replace(c, kv_cache=name) for name in kv_caches for c in cases]
+    turns: dict[tuple, int] = {}
+    spread = []
+    for c in cases:
+        precision = None if c.dtype == torch.float32 else c.dtype  # a run's first dtype is float32 or its only one
+        turn = turns[c.scenario, precision] = turns.get((c.scenario, precision), -1) + 1
+        spread.append(replace(c, kv_cache=kv_caches[turn % len(kv_caches)]))
+    return spread

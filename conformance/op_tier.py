@@ -15,7 +15,7 @@ import torch
 from kvcore.backends.contiguous import ContiguousKVCache
 from kvcore.backends.naive import NaiveBackend
 from kvcore.conformance.attention_cases import case_layers, case_variants, variant_cases
-from kvcore.conformance.cases import NUM_LAYERS, OpCase, op_cases
+from kvcore.conformance.cases import NUM_LAYERS, OpCase, on_caches, op_cases
 from kvcore.conformance.compare import compare
 from kvcore.conformance.results import FAIL, CaseResult
 from kvcore.conformance.scenarios import Fork
@@ -37,9 +37,11 @@ _LONG_V_MEAN = 1.0  # magnitude of the K/V the fragmenting sequences leave behin
 
 
 def cases(target: Target, cfg: SuiteConfig) -> list[OpCase]:
+    """The op matrix and the variant rows, over the caches under test: in ``quick`` each case on one of them, the
+    turns taken over both lists together (:func:`~kvcore.conformance.cases.on_caches`)."""
     selected = [target.registry.create_variant(name) for name in cfg.attention_variants]
-    return op_cases(cfg.quick, target.cache_names(), cfg.dtypes) + variant_cases(target.cache_names(), cfg.dtypes,
-                                                                                selected)
+    both = op_cases(cfg.quick, None, cfg.dtypes) + variant_cases(None, cfg.dtypes, selected)
+    return on_caches(both, target.cache_names(), cfg.quick)
 
 
 def skip_reasons(target: Target, case: OpCase, cfg: SuiteConfig) -> list[str]:

@@ -17,7 +17,7 @@ from test_paged import _one_thread, make_spec, shuffle_pool  # noqa: F401 (autou
 
 from kvcore import Engine, EngineConfig, SamplingParams
 from kvcore.backends.contiguous import ContiguousKVCache
-from kvcore.backends.flex import FlexBackend
+from kvcore.backends.flex import RECOMPILE_LIMIT, FlexBackend
 from kvcore.backends.flex_mods import block_mask, bucket, flex_reason, mask_mod, use_kvcore_inductor_cache
 from kvcore.backends.naive import NaiveBackend
 from kvcore.backends.paged import PagedKVCache
@@ -319,6 +319,15 @@ def decode_graphs(h: Harness) -> tuple[int, int]:
     for _ in range(6):
         h.step([0], [1], atol=1e-4)
     return before, dynamo_utils.counters["stats"]["unique_graphs"]
+
+
+def test_compiled_flex_keeps_compiling_new_shapes_instead_of_falling_back_to_eager(cache_dir):
+    """Past dynamo's recompile limits (per function, and over all functions) every later shape would run through
+    its eager fallback: a conformance run meets hundreds of shapes, so the compiled backend raises both."""
+    config = torch._dynamo.config
+    with config.patch(recompile_limit=8, accumulated_recompile_limit=256):  # torch's defaults, restored after
+        FlexBackend()
+        assert config.recompile_limit == config.accumulated_recompile_limit == RECOMPILE_LIMIT
 
 
 def test_decode_steps_in_one_bucket_trace_no_new_graph():

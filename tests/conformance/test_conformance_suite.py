@@ -25,6 +25,8 @@ from kvcore.conformance.cases import (
     covering_array,
     op_cases,
 )
+from kvcore.conformance import op_tier
+from kvcore.conformance.attention_cases import variant_cases
 from kvcore.conformance.driver import Stream
 from kvcore.conformance.report import to_json, to_markdown, to_text
 from kvcore.conformance.results import EXIT_FAIL, EXIT_PASS, EXIT_UNAVAILABLE, FAIL, PASS, SKIP, CaseResult
@@ -119,6 +121,24 @@ def test_multi_cache_backends_run_every_case_per_cache():
     cases = op_cases(quick=True, kv_caches=("contiguous", "paged"))
     assert {c.kv_cache for c in cases} == {"contiguous", "paged"}
     assert len(cases) == 2 * len(op_cases(quick=True))
+
+
+def test_quick_runs_each_case_on_one_cache_and_every_cache_meets_every_scenario_and_precision():
+    target = resolve_target("flex")  # reads both layouts: two caches under test
+    caches = target.cache_names()
+    assert len(caches) == 2
+    every_dtype = SuiteConfig(quick=True)
+    cases = op_tier.cases(target, every_dtype)
+    plain = op_cases(quick=True, dtypes=every_dtype.dtypes) + variant_cases(None, every_dtype.dtypes)
+    assert sorted(dataclasses.replace(c, kv_cache=None).id for c in cases) == sorted(c.id for c in plain)
+    for name in caches:
+        mine = [c for c in cases if c.kv_cache == name]
+        assert {c.scenario for c in mine} >= set(SHORT_SCENARIOS) | {"long2k"}, name
+        for dtype in every_dtype.dtypes[1:]:  # each reduced precision: its long reduction on every cache too
+            assert {c.scenario for c in mine if c.dtype == dtype} >= {"ragged", "fragmented", "long2k"}, (name, dtype)
+        assert {c.block_size for c in mine} == set(BLOCK_SIZES), name
+    full = op_tier.cases(target, dataclasses.replace(every_dtype, quick=False))
+    assert len(full) == 2 * len({dataclasses.replace(c, kv_cache=None).id for c in full})
 
 
 def test_tolerance_table_is_documented_for_every_dtype():
