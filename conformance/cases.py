@@ -56,7 +56,8 @@ from kvcore.interfaces.dtypes import dtype_name
 
 __all__ = [
     "OpCase", "Fork", "HEAD_LAYOUTS", "HEAD_DIMS", "LAYOUTS", "HEAD_SIZES", "BLOCK_SIZES", "SCENARIOS",
-    "op_cases", "on_caches", "base_cases", "reduced_cases", "covering_array", "BLOCK_SIZE", "REDUCED_DTYPES", "dtype_suffix",
+    "op_cases", "on_caches", "base_cases", "reduced_cases", "covering_array", "BLOCK_SIZE", "REDUCED_DTYPES",
+    "dtype_suffix",
 ]
 
 BLOCK_SIZE = 16  # default block size of paged caches (the engine's)
@@ -228,8 +229,8 @@ def op_cases(
     dtypes: Sequence[torch.dtype] = (torch.float32,),
 ) -> list[OpCase]:
     """The case list. ``kv_caches`` (the caches under test): with more than one, every case runs once per
-    cache (:func:`on_caches`); with one (or None) the target's first cache is used. ``dtypes``: float32 runs the full matrix
-    (:func:`base_cases`), each reduced precision :func:`reduced_cases`."""
+    cache (:func:`on_caches`); with one (or None) the target's first cache is used. ``dtypes``: float32 runs the
+    full matrix (:func:`base_cases`), each reduced precision :func:`reduced_cases`."""
     base: list[OpCase] = []
     for dtype in dtypes:
         rows = base_cases(quick) if dtype == torch.float32 else reduced_cases(quick)

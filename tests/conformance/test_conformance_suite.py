@@ -11,7 +11,8 @@ import torch
 
 from kvcore import AttentionBackend, BackendCapabilities, hookimpl
 from kvcore.backends.sdpa import SDPABackend
-from kvcore.conformance import tolerances
+from kvcore.conformance import op_tier, tolerances
+from kvcore.conformance.attention_cases import variant_cases
 from kvcore.conformance.cases import (
     BLOCK_SIZES,
     HEAD_DIMS,
@@ -25,8 +26,6 @@ from kvcore.conformance.cases import (
     covering_array,
     op_cases,
 )
-from kvcore.conformance import op_tier
-from kvcore.conformance.attention_cases import variant_cases
 from kvcore.conformance.driver import Stream
 from kvcore.conformance.report import to_json, to_markdown, to_text
 from kvcore.conformance.results import EXIT_FAIL, EXIT_PASS, EXIT_UNAVAILABLE, FAIL, PASS, SKIP, CaseResult
