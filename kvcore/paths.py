@@ -34,8 +34,9 @@ from pathlib import Path
 
 from kvcore.errors import CacheTrustError
 
-__all__ = ["cache_root", "MARKER", "private_dir", "check_trusted", "new_entry", "write_entry", "verify_entry",
-           "is_entry", "remove_entry", "warn_no_cache"]
+__all__ = ["cache_root", "MARKER", "private_dir", "check_trusted", "write_entry", "verify_entry", "is_entry",
+           "remove_entry",
+           "warn_no_cache"]
 
 
 def cache_root() -> Path:
@@ -114,30 +115,17 @@ def _whole(path: Path, record) -> bool:
     return isinstance(record, str) and _digest(path) == record  # an entry written before identities were kept
 
 
-def new_entry(parent: Path) -> Path:
-    """A private temporary folder in ``parent`` for an entry's files (:func:`write_entry` renames it into place), marked
-    from the start: a crash leaves a folder kvcore may delete. Raises ``OSError`` when the disk refuses."""
-    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=parent))  # mode 0700
-    try:
-        (tmp / MARKER).write_text("{}")
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return tmp
-
-
-def write_entry(parent: Path, name: str, fill: Callable[[Path], None], checksums: bool = True,
-                folder: Path | None = None) -> Path:
-    """Entry ``parent / name``: ``fill(folder)`` writes its files into a private temporary folder (``folder``, from
-    :func:`new_entry`, when some were written there before), which gets the marker and is renamed into place
-    (atomically). When another process put the entry there first, that one stays. Raises ``OSError`` when the disk
-    refuses; the temporary folder is gone either way.
+def write_entry(parent: Path, name: str, fill: Callable[[Path], None], checksums: bool = True) -> Path:
+    """Entry ``parent / name``: ``fill(folder)`` writes its files into a private temporary folder, which
+    gets the marker and is renamed into place (atomically). When another process put the entry there
+    first, that one stays. Raises ``OSError`` when the disk refuses.
 
     Without ``checksums`` the marker keeps only each file's identity: a file that is no longer the one written is
     then damaged (rebuilt) rather than hashed again, and writing costs no read of the files (a prepared model's
     entry is as large as the model)."""
-    tmp = folder or new_entry(parent)
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=parent))  # mode 0700
     try:
+        (tmp / MARKER).write_text("{}")  # marked from the start: a crash leaves a folder kvcore may delete
         fill(tmp)
         files = [p for p in sorted(tmp.iterdir()) if p.name != MARKER]
         for p in files:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import mmap
-import os
 import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -24,29 +23,28 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["HUGE_PAGE", "HugePageArena", "Relocatable", "advise_huge_pages", "arenas_in", "huge_page_reason",
-           "move_into_huge_pages"]
+__all__ = ["HUGE_PAGE", "HugePageArena", "Relocatable", "advise_huge_pages", "huge_page_reason", "move_into_huge_pages",
+           "plain_pages"]
 
 HUGE_PAGE = 2 << 20  # bytes of a transparent huge page over 4 KiB pages (x86-64, most arm64 kernels)
 _ALIGN = 64  # each tensor's first byte: a cache line, as the kernels' vector loads want
 _THP_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
-#: set inside :func:`arenas_in`: the folder, and the arenas made there
-_FILE_ARENAS: ContextVar[tuple[Path, list[HugePageArena]] | None] = ContextVar("kvcore_file_arenas", default=None)
+#: set inside :func:`plain_pages`
+_PLAIN_PAGES: ContextVar[bool] = ContextVar("kvcore_plain_pages", default=False)
 
 
 @contextmanager
-def arenas_in(folder: Path) -> Iterator[list[HugePageArena]]:
-    """Arenas made inside (in this thread or task) are files in ``folder`` (``arena-N.bin``), mapped shared: weights
-    made in them are written once, straight into the page cache of a file that is kept and mapped back
-    (:mod:`kvcore.loaders.model_cache`), not made in memory and then copied into a file. Yields the arenas made."""
-    made: list[HugePageArena] = []
-    token = _FILE_ARENAS.set((folder, made))
+def plain_pages() -> Iterator[None]:
+    """Arenas made inside (in this thread or task) take plain pages: for weights that are written to a file and then
+    used from its mapping, so that nothing streams them from the arena. Where memory is fragmented, a huge page is
+    made by compacting memory first, which costs far more than faulting in plain pages."""
+    token = _PLAIN_PAGES.set(True)
     try:
-        yield made
+        yield
     finally:
-        _FILE_ARENAS.reset(token)
+        _PLAIN_PAGES.reset(token)
 
 
 @functools.cache
@@ -75,22 +73,6 @@ class HugePageArena:
     ``huge``: whether the kernel took the advice (False where :func:`huge_page_reason` says why not)."""
 
     def __init__(self, nbytes: int) -> None:
-        #: the file the arena is (made inside :func:`arenas_in`: plain pages of the page cache), or None
-        self.path: Path | None = None
-        files = _FILE_ARENAS.get()
-        if files is not None:
-            folder, made = files
-            self.path = folder / f"arena-{len(made)}.bin"
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-            try:
-                os.ftruncate(fd, max(nbytes, 1))
-                self._map = mmap.mmap(fd, max(nbytes, 1), flags=mmap.MAP_SHARED)
-            finally:
-                os.close(fd)
-            self._buffer = torch.frombuffer(self._map, dtype=torch.uint8)
-            self._start, self._end, self._used, self.huge = 0, nbytes, 0, False
-            made.append(self)
-            return
         # a mapping of its own (not the allocator's heap, whose pages other allocations reuse once freed), in whole
         # huge pages from a huge-page boundary; untouched, none of it is resident yet
         size = -(-max(nbytes, 1) // HUGE_PAGE) * HUGE_PAGE
@@ -99,17 +81,12 @@ class HugePageArena:
         self._start = -self._buffer.data_ptr() % HUGE_PAGE
         self._end = self._start + nbytes
         self._used = self._start
-        self.huge = huge_page_reason() is None
+        self.huge = huge_page_reason() is None and not _PLAIN_PAGES.get()
         if self.huge:
             try:
                 self._map.madvise(mmap.MADV_HUGEPAGE, self._start, size)
             except OSError:  # the kernel refused the advice: plain pages
                 self.huge = False
-
-    def offset_of(self, t: torch.Tensor) -> int | None:
-        """Where in the arena ``t``'s first byte lies, or None when ``t`` is not in it."""
-        at = t.data_ptr() - self._buffer.data_ptr()
-        return at if 0 <= at < self._end and t.device.type == "cpu" else None
 
     @property
     def free_bytes(self) -> int:
@@ -150,10 +127,10 @@ def move_into_huge_pages(
 ) -> HugePageArena | None:
     """Move the weights of ``objects`` into one :class:`HugePageArena` (their tensors' bytes, in order), leaving
     room after them for tensors of the ``(shape, dtype)`` in ``room`` (weights then made in place, with
-    :meth:`HugePageArena.empty`); returns it, or None where it would be plain memory (:func:`huge_page_reason`:
-    the weights then stay where they are; inside :func:`arenas_in` it is a file, in any case)."""
+    :meth:`HugePageArena.empty`); returns it, or None where it would be plain memory (:func:`huge_page_reason`,
+    :func:`plain_pages`: the weights then stay where they are)."""
     specs: list[tuple[tuple[int, ...], torch.dtype]] = list(room)
-    if (huge_page_reason() is not None and _FILE_ARENAS.get() is None) or not (objects or specs):
+    if huge_page_reason() is not None or _PLAIN_PAGES.get() or not (objects or specs):
         return None
 
     def measure(t: torch.Tensor) -> torch.Tensor:

@@ -3,19 +3,16 @@
 A cold start of a GGUF model spends most of its time turning the file into the decoder kvcore runs:
 reading ~100k metadata values, checking every weight is finite, packing each quantized matmul for kvcore's
 kernels (or dequantising it), building the decoder and laying its weights out for the CPU kernels; all of it
-grows with the file. :func:`load_pretrained` saves the result once: the packed matmul weights and int4 head
-(:mod:`kvcore.loaders.prepared`) are made straight in the entry's arena files (``arena-N.bin``,
-:func:`~kvcore.kernels.huge_pages.arenas_in`), every other parameter and buffer of the built
-:class:`~kvcore.model.decoder.DecoderModel` goes to ``model.pt``, the config, tokenizer and where each arena
-tensor lies to ``meta.json``. Every start, the first included once its entry is written, maps those files
-(``torch.load(mmap=True)``, ``torch.from_file``): the weights are then pages of the cache files, read on first use
-and shared by every process that maps them (the page cache holds one copy), and nothing is copied or converted. A
-token table kept as the file's blocks is read from the model file itself, as on a cold start. The entry's files
-are watched while the model runs (:mod:`kvcore.loaders.watched`): truncated or written to in place, the engine
-refuses to use them.
+grows with the file. :func:`load_pretrained` saves the result once, every parameter and buffer of the built
+:class:`~kvcore.model.decoder.DecoderModel` (with its memory layout), its packed matmul weights and int4 head
+(:mod:`kvcore.loaders.prepared`), plus the config and tokenizer, and later loads it with ``torch.load(mmap=True)``:
+the weights are then pages of the cache file, read on first use and shared by every process that maps them
+(the page cache holds one copy), and nothing is copied or converted. A token table kept as the file's blocks
+is read from the model file itself, as on a cold start. The entry's file is watched while the model runs
+(:mod:`kvcore.loaders.watched`): truncated or written to in place, the engine refuses to use it.
 
 Where: ``$KVCORE_CACHE_DIR/models``, else ``$XDG_CACHE_HOME/kvcore/models``, else
-``~/.cache/kvcore/models``; one folder per entry (its files + the identity of each, see
+``~/.cache/kvcore/models``; one folder per entry (``model.pt`` + ``meta.json`` + the identity of both, see
 :mod:`kvcore.paths`: folders others could write are refused, a damaged entry is rebuilt, and only
 folders kvcore wrote are ever deleted; a cache that cannot be written is skipped with a warning). An
 entry's key covers the source file (path, size, mtime and a hash of its first MiB), kvcore's and torch's versions,
@@ -43,29 +40,14 @@ from torch import nn
 from torch.utils.serialization import config as serialization_config
 
 from kvcore.errors import KVCoreError
-from kvcore.kernels.huge_pages import HugePageArena, arenas_in
-from kvcore.loaders.entry_format import (
-    arena_tensors,
-    config_from_json,
-    config_to_json,
-    tokenizer_from_json,
-    tokenizer_to_json,
-)
+from kvcore.kernels.huge_pages import advise_huge_pages, plain_pages
 from kvcore.loaders.load import DEFAULT_MODEL, build_model, load_model
 from kvcore.loaders.prepared import into_huge_pages, prepare_head, restore_runtime, runtime_state
 from kvcore.loaders.resolve import smollm2_path
 from kvcore.loaders.watched import WatchedFile
 from kvcore.model.config import ModelConfig, check_max_model_len
-from kvcore.paths import (
-    cache_root,
-    is_entry,
-    new_entry,
-    private_dir,
-    remove_entry,
-    verify_entry,
-    warn_no_cache,
-    write_entry,
-)
+from kvcore.model.rope import RopeScaling
+from kvcore.paths import cache_root, is_entry, private_dir, remove_entry, verify_entry, warn_no_cache, write_entry
 from kvcore.text.tokenizer import Tokenizer
 from kvcore.version import __version__
 
@@ -73,7 +55,7 @@ __all__ = ["CACHE_FORMAT", "MAX_ENTRIES", "cache_dir", "cache_root", "cache_enab
            "load_pretrained"]
 
 #: bumped whenever what an entry holds or how the decoder stores its weights changes
-CACHE_FORMAT = 5
+CACHE_FORMAT = 4
 #: entries kept (each holds a whole model's weights as it runs them)
 MAX_ENTRIES = 4
 _HEADER_BYTES = 1 << 20
@@ -131,23 +113,12 @@ def load_pretrained(
     hit = _read(entry)
     if hit is not None:
         return hit
-    try:
-        folder = new_entry(entry.parent)
-    except OSError as exc:
-        warn_no_cache("model", entry.parent, exc)
+    with plain_pages():  # built to be written, then run from the entry's mapping as every later start runs it
         loaded, model = load()
-        return model, loaded.tokenizer
-    try:
-        with arenas_in(folder) as arenas:  # packed weights made straight in the entry's files
-            loaded, model = load()
-            prepare_head(model)  # made now, where a later start would make it again
-        info = {"source": str(source), "stamp": stamp, "options": options}
-        written = _write(entry, folder, arenas, model, loaded.tokenizer, info)
-    finally:
-        remove_entry(folder)  # still there only when it was not written
-    hit = _read(entry) if written else None  # run as every later start runs it
+    written = _write(entry, model, loaded.tokenizer, {"source": str(source), "stamp": stamp, "options": options})
+    hit = _read(entry) if written else None
     if hit is None:
-        into_huge_pages(model)  # run as built after all: off the deleted files, into huge pages
+        into_huge_pages(model)  # runs as built after all
     return hit or (model, loaded.tokenizer)
 
 
@@ -187,14 +158,13 @@ def _read(entry: Path) -> tuple[nn.Module, Tokenizer] | None:
         return None
     try:
         meta = json.loads((entry / "meta.json").read_text())
-        names = ["model.pt", *sorted({file for file, *_ in meta["in_arenas"].values()})]
-        watched = [WatchedFile(entry / name) for name in names]  # open from before the mappings: they see changes
+        watched = WatchedFile(entry / "model.pt")  # held open from before the mapping: it sees what changes
         tensors = torch.load(entry / "model.pt", mmap=True, weights_only=True)
-        tensors.update(arena_tensors(entry, meta["in_arenas"]))
-        model = _assemble(config_from_json(meta["config"]), meta["dtype"], meta["max_positions"], tensors)
+        advise_huge_pages(tensors.values())  # streamed every decode step: huge pages where the kernel can
+        model = _assemble(_config_from_json(meta["config"]), meta["dtype"], meta["max_positions"], tensors)
         restore_runtime(model, tensors, meta["runtime"])
-        model.mapped_files = watched
-        tokenizer = tokenizer_from_json(meta["tokenizer"])
+        model.mapped_files = [watched]
+        tokenizer = _tokenizer_from_json(meta["tokenizer"])
     except Exception:  # noqa: BLE001 - whole but unusable (another format): rebuild from the source
         remove_entry(entry)
         return None
@@ -231,46 +201,38 @@ def _assemble(config: ModelConfig, dtype: str, max_positions: int, tensors: dict
 
 
 # -- writing --------------------------------------------------------------------------------------------
-def _write(entry: Path, folder: Path, arenas: list[HugePageArena], model: nn.Module, tokenizer: Tokenizer,
-           info: dict[str, Any]) -> bool:
-    """Save ``model`` and ``tokenizer`` as ``entry`` from ``folder`` (:func:`~kvcore.paths.new_entry`, holding the
-    ``arenas`` its packed weights were made in: they are described, not written again), renamed into place
-    atomically; whether it was. A cache that cannot be written (read-only or full disk) is skipped with a warning:
-    it only ever saves time; nor is a model holding a weight with no saved form
-    (:func:`~kvcore.loaders.prepared.runtime_state`)."""
+def _write(entry: Path, model: nn.Module, tokenizer: Tokenizer, info: dict[str, Any]) -> bool:
+    """Save ``model`` and ``tokenizer`` as ``entry`` (atomically: a folder renamed into place); whether it was. A
+    cache that cannot be written (read-only or full disk) is skipped with a warning: it only ever saves time; nor is
+    a model holding a weight with no saved form (:func:`~kvcore.loaders.prepared.runtime_state`)."""
+    with plain_pages():
+        prepare_head(model)  # made now, where a later start would make it again
     runtime = runtime_state(model)
     if runtime is None:
         return False
     tensors = dict(model.named_parameters(remove_duplicate=False))
     tensors.update({n: t for n, t in model.named_buffers()})
     tensors.update(runtime[0])
-    in_arenas = {}  # name -> [file, offset, dtype, shape]
-    for name, t in tensors.items():
-        for arena in arenas:
-            at = arena.offset_of(t)
-            if at is not None:
-                in_arenas[name] = [arena.path.name, at, str(t.dtype).removeprefix("torch."), list(t.shape)]
     meta = {
         "format": CACHE_FORMAT,
         # the file's config, window included (model.config reports the RoPE tables' length, "max_positions")
-        "config": config_to_json(dataclasses.replace(model.config, max_position_embeddings=model.context_window)),
+        "config": _config_to_json(dataclasses.replace(model.config, max_position_embeddings=model.context_window)),
         "dtype": str(model.dtype),
         "max_positions": model.config.max_position_embeddings,
-        "tokenizer": tokenizer_to_json(tokenizer),
+        "tokenizer": _tokenizer_to_json(tokenizer),
         "runtime": runtime[1],
-        "in_arenas": in_arenas,
         **info,
     }
 
     def fill(folder: Path) -> None:
-        # no zip CRC per record: it is a slow single-threaded pass over every byte, and the entry's files are guarded
-        # by their identities (kvcore.paths)
+        # no zip CRC per record: it is a slow single-threaded pass over every byte, and the entry's own checksum
+        # (kvcore.paths) already guards the file
         with serialization_config.patch({"save.compute_crc32": False}):
-            torch.save({n: t.detach() for n, t in tensors.items() if n not in in_arenas}, folder / "model.pt")
+            torch.save({n: t.detach() for n, t in tensors.items()}, folder / "model.pt")
         (folder / "meta.json").write_text(json.dumps(meta))
 
     try:
-        write_entry(entry.parent, entry.name, fill, checksums=False, folder=folder)
+        write_entry(entry.parent, entry.name, fill, checksums=False)
         _evict(entry, info["source"], info["stamp"])
     except OSError as exc:  # a full disk, a read-only folder
         warn_no_cache("model", entry.parent, exc)
@@ -296,3 +258,42 @@ def _evict(keep: Path, source: str, stamp: str) -> None:
             entries.append((os.lstat(path).st_mtime, path))
     for _, path in sorted(entries)[: max(0, len(entries) + 1 - MAX_ENTRIES)]:
         remove_entry(path)
+
+
+# -- config and tokenizer as JSON -----------------------------------------------------------------------
+def _config_to_json(config: ModelConfig) -> dict[str, Any]:
+    return dataclasses.asdict(config)
+
+
+def _tuples(value: Any) -> Any:
+    return tuple(value) if isinstance(value, list) else value
+
+
+def _config_from_json(fields: dict[str, Any]) -> ModelConfig:
+    """Inverse of :func:`_config_to_json`: JSON lists back to the tuples the dataclasses hold."""
+    fields = dict(fields)
+    rope = fields.get("rope_scaling")
+    if rope is not None:
+        fields["rope_scaling"] = RopeScaling(**{k: _tuples(v) for k, v in rope.items()})
+    if fields.get("sliding_window_layers") is not None:
+        fields["sliding_window_layers"] = tuple(fields["sliding_window_layers"])
+    return ModelConfig(**fields)
+
+
+def _tokenizer_to_json(tok: Tokenizer) -> dict[str, Any]:
+    return {
+        "backend": tok.backend.to_str(),
+        "bos_token_id": tok.bos_token_id,
+        "eos_token_ids": list(tok.eos_token_ids),
+        "pad_token_id": tok.pad_token_id,
+        "add_bos": tok.add_bos,
+        "chat_template": tok.chat_template,
+        "recommended_sampling": tok.recommended_sampling,
+    }
+
+
+def _tokenizer_from_json(state: dict[str, Any]) -> Tokenizer:
+    import tokenizers
+
+    backend = tokenizers.Tokenizer.from_str(state.pop("backend"))
+    return Tokenizer(backend, **state)

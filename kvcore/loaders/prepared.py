@@ -51,7 +51,7 @@ def prepare_head(model: torch.nn.Module) -> None:
 
 def into_huge_pages(model: torch.nn.Module) -> None:
     """Move the model's packed weights (layer matmuls, int4 head) into one huge-page arena: for a model built under
-    :func:`~kvcore.kernels.huge_pages.arenas_in` for an entry that was not written after all (its files deleted)."""
+    :func:`~kvcore.kernels.huge_pages.plain_pages` to be saved whose entry was not written after all."""
     objects = [f for fns in (model._quantized or {}).values() for f in fns if isinstance(f, Relocatable)]
     if isinstance(model.head_int4, Relocatable):
         objects.append(model.head_int4)

@@ -1,7 +1,7 @@
 """Model files a running model keeps reading, held open so that a change made to them in place is seen.
 
 Two kinds of weights stay in their file after loading: a prepared-model cache entry's tensors are pages of
-its files (``model.pt``, ``arena-N.bin``) mapped (:mod:`kvcore.loaders.model_cache`), and a quantized token table
+``model.pt`` mapped with ``torch.load(mmap=True)`` (:mod:`kvcore.loaders.model_cache`), and a quantized token table
 is read row by row from the GGUF file (:mod:`kvcore.loaders.file_rows`); so do a draft model's that speculative
 decoding loads (:attr:`kvcore.speculative.speculator.Speculator.models`). Replacing such a file (``mv``, an
 editor's save, kvcore's own cache rebuild) is harmless: the open descriptor and the mapping keep the old file.

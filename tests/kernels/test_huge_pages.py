@@ -17,9 +17,9 @@ from kvcore.kernels.huge_pages import (
     HUGE_PAGE,
     HugePageArena,
     advise_huge_pages,
-    arenas_in,
     huge_page_reason,
     move_into_huge_pages,
+    plain_pages,
 )
 from kvcore.kernels.quant import Int4A8Linear
 from kvcore.model.lm_head import int4a8_in_chunks
@@ -104,25 +104,19 @@ def test_a_quantized_model_holds_its_kernel_weights_in_one_huge_page_region_with
     assert torch.equal(model.compute_logits(model(ids, pos, full_attention)), logits)
 
 
+@needs_thp
 @needs_kernel
-def test_arenas_made_in_a_folder_are_its_files_and_weights_moved_there_keep_their_results(tmp_path):
-    """Inside arenas_in, arenas are files of the folder mapped shared (what is made there is the file's content,
-    written once); weights made or moved there compute what they did; outside, arenas are memory again."""
+def test_arenas_made_under_plain_pages_are_plain_and_nothing_moves_into_them():
+    """Weights made to be written to a file take plain pages (no compaction for huge ones); the setting ends with
+    its block."""
     w = (torch.randn(1024, 64, generator=torch.Generator().manual_seed(1)) * 0.1).to(torch.bfloat16)
-    x = torch.randn(3, 64).to(torch.bfloat16)
-    moved = int4a8_in_chunks(w, rows=512)
-    before = moved(x)
-    with arenas_in(tmp_path) as arenas:
-        made = int4a8_in_chunks(w, rows=512)
-        assert move_into_huge_pages([moved]) is not None
-    assert [a.path for a in arenas] == [tmp_path / "arena-0.bin", tmp_path / "arena-1.bin"]
-    assert not any(a.huge for a in arenas) and HugePageArena(1 << 20).path is None
-    assert _mapping(made.codes.data_ptr())["path"] == str(tmp_path / "arena-0.bin")
-    at = arenas[0].offset_of(made.codes)
-    assert at is not None and arenas[1].offset_of(made.codes) is None
-    on_disk = (tmp_path / "arena-0.bin").read_bytes()[at : at + made.codes.nbytes]
-    assert on_disk == made.codes.numpy().tobytes()  # the file holds the weights: nothing to copy into it
-    assert torch.equal(made(x), before) and torch.equal(moved(x), before)
+    with plain_pages():
+        arena = HugePageArena(1 << 20)
+        head = int4a8_in_chunks(w, rows=512)
+        assert move_into_huge_pages([head]) is None
+    assert not arena.huge and "hg" not in _vm_flags(arena.empty((64,), torch.uint8).data_ptr())
+    assert "hg" not in _vm_flags(head.codes.data_ptr())
+    assert HugePageArena(1 << 20).huge
 
 
 @needs_thp

@@ -4,12 +4,10 @@ very tokens of a fresh build."""
 
 from __future__ import annotations
 
-import json
-import os
 import sys
-from pathlib import Path
 
 import pytest
+import torch
 
 import kvcore.engine.build
 import kvcore.loaders.model_cache as mc
@@ -18,7 +16,6 @@ from kvcore import Engine, EngineConfig, SamplingParams
 from kvcore.kernels.cpu_kernels import kernel_reasons
 from kvcore.kernels.huge_pages import huge_page_reason
 from kvcore.kernels.quant import Int4A8Linear
-from kvcore.paths import MARKER, _identity
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(bool(kernel_reasons()), reason="kvcore's CPU kernels cannot run")]
 
@@ -37,13 +34,12 @@ def _greedy(engine: Engine) -> list[list[int]]:
     return [r.token_ids for r in engine.generate(prompts, SamplingParams(max_new_tokens=8, ignore_eos=True))]
 
 
-def _mapped_ranges(folder) -> list[tuple[int, int]]:
-    """The address ranges of this process's mappings of files in ``folder``."""
+def _mapped_ranges(suffix: str) -> list[tuple[int, int]]:
     ranges = []
     with open("/proc/self/maps") as f:
         for line in f:
             parts = line.split()
-            if len(parts) >= 6 and parts[5].startswith(f"{folder}/"):
+            if len(parts) >= 6 and parts[5].endswith(suffix):
                 lo, hi = (int(x, 16) for x in parts[0].split("-"))
                 ranges.append((lo, hi))
     return ranges
@@ -71,23 +67,20 @@ def test_quantized_start_maps_its_prepared_weights(cache, monkeypatch):
     assert engine.lm_head is not None and engine.lm_head.int4 is model.head_int4
     assert _greedy(engine) == expected
     if sys.platform.startswith("linux"):  # the packed weights are the cache file's pages, not a copy
-        ranges = _mapped_ranges(entry)
+        ranges = _mapped_ranges(str(entry / "model.pt"))
         weights = [model.head_int4.codes, *(f.codes for fns in model._quantized.values() for f in fns)]
         assert ranges and all(any(lo <= w.data_ptr() < hi for lo, hi in ranges) for w in weights)
 
 
 def test_the_first_start_runs_from_the_entry_it_wrote(cache):
-    """Built once straight into the entry's files, then run from the entry's mapping as later starts are: the packed
+    """Built once to be written (plain pages), then run from the entry's mapping as later starts are: the packed
     weights are the file's pages, not the build's."""
     engine = Engine.from_pretrained("smollm2", EngineConfig())
     (entry,) = [p for p in cache.iterdir() if p.is_dir()]
     model = engine.model
-    files = {p.name for p in entry.iterdir()} - {MARKER, "meta.json"}
-    assert "model.pt" in files and any(name.startswith("arena-") for name in files)
-    assert {Path(f.path).name for f in model.mapped_files} == files  # every mapped file watched for changes
     weights = [model.head_int4.codes, *(f.codes for fns in model._quantized.values() for f in fns)]
     if sys.platform.startswith("linux"):
-        ranges = _mapped_ranges(entry)
+        ranges = _mapped_ranges(str(entry / "model.pt"))
         assert ranges and all(any(lo <= w.data_ptr() < hi for lo, hi in ranges) for w in weights)
 
 
@@ -129,27 +122,12 @@ def test_a_format_without_a_saved_form_is_not_written(cache):
 
 
 def test_entry_without_its_runtime_weights_is_rebuilt(cache, monkeypatch):
-    """An entry whose description names weights its files lack is damaged: rebuilt from the source file. Here the
-    entry is whole as written (its marker agrees with its files), only inconsistent; then a file changed under its
-    marker is damaged too, with a warning."""
+    """An entry whose description names weights its file lacks is damaged: rebuilt from the source file."""
     Engine.from_pretrained("smollm2", EngineConfig())
     (entry,) = [p for p in cache.iterdir() if p.is_dir()]
-    meta = json.loads((entry / "meta.json").read_text())
-    assert "quantized.qkv.0.codes" in meta["in_arenas"]  # the packed weights live in the arena files
-    del meta["in_arenas"]["quantized.qkv.0.codes"]
-    (entry / "meta.json").write_text(json.dumps(meta))
-    marker = json.loads((entry / MARKER).read_text())
-    marker["meta.json"] = {"identity": _identity(entry / "meta.json")}
-    (entry / MARKER).write_text(json.dumps(marker))
-    engine = Engine.from_pretrained("smollm2", EngineConfig())
-    assert engine.model.weight_format == "int4a8"
-    assert "quantized.qkv.0.codes" in json.loads((entry / "meta.json").read_text())["in_arenas"]  # written anew
-    del engine
-    arena = entry / "arena-0.bin"
-    written = arena.stat().st_mtime_ns
-    with open(arena, "r+b") as f:
-        f.write(b"\0")
-    os.utime(arena, ns=(written, written + 1_000_000))  # file times tick coarser than a quick write
+    tensors = torch.load(entry / "model.pt", weights_only=True)
+    del tensors["quantized.qkv.0.codes"]
+    torch.save(tensors, entry / "model.pt")  # a new file: its identity no longer matches, so it is hashed again
     with pytest.warns(RuntimeWarning, match="damaged"):
         engine = Engine.from_pretrained("smollm2", EngineConfig())
     assert engine.model.weight_format == "int4a8"
