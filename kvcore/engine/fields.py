@@ -77,8 +77,8 @@ class EngineFields:
                                      "layer 0 of one sequence against float32 attention")
     #: kvcore/execution/compile.py; needs a compilable decode backend
     compile: bool = setting(
-        False, help="run decode steps through torch.compile (faster once compiled; the first decode step "
-                    "compiles for tens of seconds; needs a C++ compiler on CPU)")
+        False, help="run decode steps through torch.compile (the first decode step compiles for tens of seconds; "
+                    "needs a C++ compiler on CPU; slower than the eager default on the CPUs measured)")
     #: docs/speculative.md; verified in one forward
     proposer: str | None = setting(None, flag="--speculative", metavar="PROPOSER",
                                    help="speculative decoding with this proposer: ngram, draft (docs/speculative.md)")
