@@ -1,6 +1,7 @@
 // int4a8 weights (the layout int4_linear.cpp reads: per block of 16 rows and group of 32 columns, byte 64 j + 4 r + i
-// holds codes 4 j + i (low nibble) and 16 + 4 j + i (high) of row r, then d and m of the 16 rows as float16) made in one
-// pass. Both run over a whole model's weights the first time its file is prepared, so they go at memory speed.
+// holds codes 4 j + i (low nibble) and 16 + 4 j + i (high) of row r, then d and m of the 16 rows as float16) made
+// in one pass. Both run over a whole model's weights the first time its file is prepared, so they go at memory
+// speed.
 //
 // kvcore::q4_blocks_to_int4a8: GGUF Q4_0 / Q4_1 blocks rewritten in that layout, nothing decoded. A block's byte i
 // holds codes i and 16 + i, the pair the layout's byte 64 j + 4 r + i' holds for i = 4 j + i': so each block's 16
@@ -50,6 +51,21 @@ void check_outputs(const char* op, const at::Tensor& codes, const at::Tensor& dm
               op, ": dm must be contiguous float16 [rows / 16, cols / 32, 2, 16]");
 }
 
+// Calls row(b, g, r, packed, d_out) for row r of every block (b: 16 rows, g: 32 columns) of the layout, blocks of rows
+// split over threads: packed is the block's 256 code bytes, d_out its 32 float16 (d of the 16 rows, then m).
+template <typename Row>
+void for_each_block_row(int64_t row_blocks, int64_t groups, uint8_t* codes, c10::Half* dm, const Row& row) {
+  at::parallel_for(0, row_blocks, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      for (int64_t g = 0; g < groups; ++g) {
+        uint8_t* packed = codes + (b * groups + g) * 256;
+        c10::Half* d_out = dm + (b * groups + g) * 2 * kRows;
+        for (int64_t r = 0; r < kRows; ++r) row(b, g, r, packed, d_out);
+      }
+    }
+  });
+}
+
 bool q4_blocks_to_int4a8(const at::Tensor& blocks, bool q4_1, const at::Tensor& codes, const at::Tensor& dm) {
   const int64_t scale_bytes = q4_1 ? 4 : 2, block_bytes = scale_bytes + 16;
   check_outputs("q4_blocks_to_int4a8", codes, dm);
@@ -62,28 +78,21 @@ bool q4_blocks_to_int4a8(const at::Tensor& blocks, bool q4_1, const at::Tensor& 
   c10::Half* scales = dm.data_ptr<c10::Half>();
   const int64_t row_bytes = groups * block_bytes;
   std::atomic<bool> fits{true};
-  at::parallel_for(0, row_blocks, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      for (int64_t g = 0; g < groups; ++g) {
-        uint8_t* packed = out + (b * groups + g) * 256;
-        c10::Half* d_out = scales + (b * groups + g) * 2 * kRows;
-        for (int64_t r = 0; r < kRows; ++r) {
-          const uint8_t* block = src + (b * kRows + r) * row_bytes + g * block_bytes;
-          for (int64_t j = 0; j < 4; ++j) std::memcpy(packed + 64 * j + 4 * r, block + scale_bytes + 4 * j, 4);
-          c10::Half d, m;
-          std::memcpy(&d, block, 2);  // unaligned: blocks are 18 or 20 bytes
-          if (q4_1) {
-            std::memcpy(&m, block + 2, 2);
-          } else {
-            const float offset = -8.0f * static_cast<float>(d);
-            m = c10::Half(offset);
-            if (static_cast<float>(m) != offset) fits.store(false, std::memory_order_relaxed);
-          }
-          d_out[r] = d;
-          d_out[kRows + r] = m;
-        }
-      }
+  for_each_block_row(row_blocks, groups, out, scales, [&](int64_t b, int64_t g, int64_t r, uint8_t* packed,
+                                                          c10::Half* d_out) {
+    const uint8_t* block = src + (b * kRows + r) * row_bytes + g * block_bytes;
+    for (int64_t j = 0; j < 4; ++j) std::memcpy(packed + 64 * j + 4 * r, block + scale_bytes + 4 * j, 4);
+    c10::Half d, m;
+    std::memcpy(&d, block, 2);  // unaligned: blocks are 18 or 20 bytes
+    if (q4_1) {
+      std::memcpy(&m, block + 2, 2);
+    } else {
+      const float offset = -8.0f * static_cast<float>(d);
+      m = c10::Half(offset);
+      if (static_cast<float>(m) != offset) fits.store(false, std::memory_order_relaxed);
     }
+    d_out[r] = d;
+    d_out[kRows + r] = m;
   });
   return fits.load();
 }
@@ -103,38 +112,31 @@ void quantize(const T* w, int64_t row_blocks, int64_t groups, uint8_t* codes, c1
   using Vec = at::vec::Vectorized<float>;
   static_assert(kGroup % Vec::size() == 0, "a group is whole vectors");
   const int64_t cols = groups * kGroup;
-  at::parallel_for(0, row_blocks, 1, [&](int64_t b0, int64_t b1) {
+  for_each_block_row(row_blocks, groups, codes, dm, [&](int64_t b, int64_t gi, int64_t r, uint8_t* packed,
+                                                       c10::Half* d_out) {
     float g[kGroup], qf[kGroup];
-    for (int64_t b = b0; b < b1; ++b) {
-      for (int64_t gi = 0; gi < groups; ++gi) {
-        uint8_t* packed = codes + (b * groups + gi) * 256;
-        c10::Half* d_out = dm + (b * groups + gi) * 2 * kRows;
-        for (int64_t r = 0; r < kRows; ++r) {
-          const T* src = w + (b * kRows + r) * cols + gi * kGroup;
-          for (int64_t i = 0; i < kGroup; ++i) g[i] = static_cast<float>(src[i]);
-          Vec lo_v = Vec::loadu(g), hi_v = lo_v;
-          for (int64_t i = Vec::size(); i < kGroup; i += Vec::size()) {
-            lo_v = at::vec::minimum(lo_v, Vec::loadu(g + i));
-            hi_v = at::vec::maximum(hi_v, Vec::loadu(g + i));
-          }
-          const float lo = at::vec::vec_reduce_all<float>([](Vec& a, Vec& c) { return at::vec::minimum(a, c); }, lo_v);
-          const float hi = at::vec::vec_reduce_all<float>([](Vec& a, Vec& c) { return at::vec::maximum(a, c); }, hi_v);
-          const float s = rounded<T>(std::max((hi - lo) / 15.0f, 1e-12f));
-          const float z = rounded<T>(lo + 8.0f * s);
-          for (int64_t i = 0; i < kGroup; i += Vec::size()) {
-            // round(): to nearest, ties to even, as torch.round
-            const Vec v = ((Vec::loadu(g + i) - Vec(z)) / Vec(s)).round() + Vec(8.0f);
-            at::vec::clamp(v, Vec(0.0f), Vec(15.0f)).store(qf + i);
-          }
-          for (int64_t j = 0; j < 4; ++j)
-            for (int64_t i = 0; i < 4; ++i)
-              packed[64 * j + 4 * r + i] = static_cast<uint8_t>(static_cast<uint8_t>(qf[4 * j + i]) |
-                                                                (static_cast<uint8_t>(qf[16 + 4 * j + i]) << 4));
-          d_out[r] = c10::Half(s);
-          d_out[kRows + r] = c10::Half(z - 8.0f * s);
-        }
-      }
+    const T* src = w + (b * kRows + r) * cols + gi * kGroup;
+    for (int64_t i = 0; i < kGroup; ++i) g[i] = static_cast<float>(src[i]);
+    Vec lo_v = Vec::loadu(g), hi_v = lo_v;
+    for (int64_t i = Vec::size(); i < kGroup; i += Vec::size()) {
+      lo_v = at::vec::minimum(lo_v, Vec::loadu(g + i));
+      hi_v = at::vec::maximum(hi_v, Vec::loadu(g + i));
     }
+    const float lo = at::vec::vec_reduce_all<float>([](Vec& a, Vec& c) { return at::vec::minimum(a, c); }, lo_v);
+    const float hi = at::vec::vec_reduce_all<float>([](Vec& a, Vec& c) { return at::vec::maximum(a, c); }, hi_v);
+    const float s = rounded<T>(std::max((hi - lo) / 15.0f, 1e-12f));
+    const float z = rounded<T>(lo + 8.0f * s);
+    for (int64_t i = 0; i < kGroup; i += Vec::size()) {
+      // round(): to nearest, ties to even, as torch.round
+      const Vec v = ((Vec::loadu(g + i) - Vec(z)) / Vec(s)).round() + Vec(8.0f);
+      at::vec::clamp(v, Vec(0.0f), Vec(15.0f)).store(qf + i);
+    }
+    for (int64_t j = 0; j < 4; ++j)
+      for (int64_t i = 0; i < 4; ++i)
+        packed[64 * j + 4 * r + i] = static_cast<uint8_t>(static_cast<uint8_t>(qf[4 * j + i]) |
+                                                          (static_cast<uint8_t>(qf[16 + 4 * j + i]) << 4));
+    d_out[r] = c10::Half(s);
+    d_out[kRows + r] = c10::Half(z - 8.0f * s);
   });
 }
 
