@@ -27,7 +27,7 @@ each layer as one call, ``torch.ops.kvcore.cached_decode_attention``: the cache 
 calls and the decode kernel over the same views, without the Python and dispatch of the ops between them
 (each layer's arguments planned once per step). A compiled decode step traces sdpa's path instead.
 
-When every layer of a bfloat16 call takes that call (no layer with sinks, no sequence on the prefill path),
+When every layer of a bfloat16 or float32 call takes that call (no layer with sinks, no sequence on the prefill path),
 :meth:`CPUDecodeBackend.decode_stack` describes the call's cache rows, lengths and slots as a
 :class:`~kvcore.interfaces.decode_stack.DecodeStack`: a model with fused int4a8 layers then runs layers 1.. as one
 native operator that writes the cache and attends exactly as these per-layer calls do
@@ -98,7 +98,7 @@ class CPUDecodeBackend(SDPABackend):
         prefill_variants=frozenset(VARIANTS),
         decode_variants=frozenset(VARIANTS),
         multi_token_decode=True,  # a few rows after a cache take the decode kernel (ShortRows)
-        decode_stack=True,  # the calls that take the decode kernel in every layer, bfloat16 (see decode_stack)
+        decode_stack=True,  # the calls that take the decode kernel in every layer (see decode_stack)
     )
 
     #: each layer of a decode batch on consecutive slots as one cached_decode_attention call; False: sdpa's ops
@@ -154,9 +154,9 @@ class CPUDecodeBackend(SDPABackend):
 
     def decode_stack(self, plan: CPUDecodePlan, cache: ContiguousKVCache) -> DecodeStack | None:
         """The call's attention for ``torch.ops.kvcore.decode_stack`` when :meth:`forward` would run every layer as
-        ``cached_decode_attention`` calls on a bfloat16 cache (no layer with sinks, no sequence taking the prefill
-        path, not traced): the decode batch as one call group, or each sequence's short rows as its own."""
-        if (not self.native_stack or plan.stack_args is None or cache.k.dtype != torch.bfloat16
+        ``cached_decode_attention`` calls on a bfloat16 or float32 cache (no layer with sinks, no sequence taking the
+        prefill path, not traced): the decode batch as one call group, or each sequence's short rows as its own."""
+        if (not self.native_stack or plan.stack_args is None or cache.k.dtype not in (torch.bfloat16, torch.float32)
                 or torch.compiler.is_compiling()):
             return None
         if plan.sequences is None:

@@ -127,7 +127,8 @@ def local_execution(
     if config.lm_head == "int8":
         from kvcore.model.lm_head import Int8Head
 
-        head = Int8Head(head_rows(model))
+        head = Int8Head(head_rows(model), linear=getattr(model, "head_int8", None))
+        model.head_int8 = head.linear  # made once per model, however many engines run it
     if config.lm_head == "int4":
         from kvcore.model.lm_head import RescoredInt4Head
 
@@ -147,7 +148,8 @@ def load_model(
     from kvcore.loaders.model_cache import load_pretrained
 
     decoder, tokenizer = load_pretrained(
-        model, parse_dtype(config.dtype), config.device, config.max_model_len, model_cache, config.weights
+        model, parse_dtype(config.dtype), config.device, config.max_model_len, model_cache, config.weights,
+        config.lm_head
     )
     trim_heap()
     if request_tokens is not None and config.max_model_len is None:

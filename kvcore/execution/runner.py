@@ -73,7 +73,7 @@ def run_model(
 def decode_stack_reasons(model: LlamaModel, backend: AttentionBackend) -> list[str]:
     """Why no forward of ``model`` on ``backend`` runs layers 1.. as one native call
     (:mod:`kvcore.interfaces.decode_stack`); [] = the calls the backend describes do (for ``cpu_decode``: decode
-    batches and short rows after a cache on a bfloat16 cache, every layer without attention sinks)."""
+    batches and short rows after a cache on a bfloat16 or float32 cache, every layer without attention sinks)."""
     reasons = []
     if not model.fused_layers:
         reasons += fused_layer_reasons(model) or ["the model's fused layers are switched off"]

@@ -26,7 +26,7 @@ class DecodeStack:
     ``first_slots[g] ..``, token ``t`` of a sequence attending to its own causal length.
     """
 
-    k_cache: torch.Tensor  #: [L, S, H_kv, S_max, D] contiguous bfloat16, written in place
+    k_cache: torch.Tensor  #: [L, S, H_kv, S_max, D] contiguous, the model dtype, written in place
     v_cache: torch.Tensor  #: [L, S, H_kv, S_max, D], like ``k_cache``
     rows: tuple[torch.Tensor, ...]  #: per group: [L, T_g * H_kv] int64 cache row of each (layer, token, KV head)
     seq_lens: tuple[torch.Tensor, ...]  #: per group: [B_g] int32 keys of each sequence's last token

@@ -15,10 +15,9 @@ A decoder's matmul weights can be stored in one of these formats (``EngineConfig
 * ``gguf``: a GGUF's layer weights as stored, Q4_* on the ``int4a8`` kernel, Q5_*, Q6_K, Q8_0 on the int8-group one
   (:mod:`kvcore.kernels.group_quant`). ``auto``: see :func:`kvcore.engine.defaults.choose_defaults`.
 
-torch's kernels take bfloat16 activations and scales on CPU (their float32 paths are reference loops, several
-times slower than float32 dense weights), so the quantized formats need ``dtype = "bfloat16"`` and a CPU
-device. The embedding table and the LM head stay dense in the model dtype: the lookup needs dense rows, and
-an int8 head is no faster than oneDNN's bfloat16 one, for less accuracy.
+torch's kernels (``int4``, ``int8``) take bfloat16 activations on CPU (their float32 paths are reference loops);
+kvcore's int8-activation kernels (``int4a8``, ``gguf``) quantize float32 or bfloat16 activations alike. The LM head
+has formats of its own (:mod:`kvcore.model.lm_head`).
 """
 
 from __future__ import annotations
@@ -32,8 +31,8 @@ from kvcore.errors import ConfigError
 from kvcore.interfaces.dtypes import dtype_name
 
 __all__ = ["WEIGHT_FORMATS", "QUANTIZED_FORMATS", "DEFAULT_GROUP_SIZE", "Int4Groups", "Int4Linear",
-           "check_weight_format", "check_runnable", "quantized_reasons", "unpack_codes", "int4_dense", "pack_rows",
-           "Int4A8Linear", "pack_int4a8"]
+           "check_weight_format", "check_runnable", "quantized_reasons", "unpack_codes",
+           "int4_dense", "pack_rows", "Int4A8Linear", "pack_int4a8"]
 
 #: every value of ``EngineConfig.weights`` with what it means (the CLI help and errors list them)
 WEIGHT_FORMATS = {
@@ -49,6 +48,7 @@ QUANTIZED_FORMATS = ("int8", "int4", "int4a8", "gguf")
 DEFAULT_GROUP_SIZE = 32
 _GROUP_SIZES = (32, 64, 128, 256)  # what the int4 kernel accepts
 _QUANTIZE_ROWS = 1024  # rows per step of Int4Groups.from_float
+_ACTIVATIONS = dict.fromkeys(("int4a8", "gguf"), (torch.float32, torch.bfloat16))  # kvcore's kernels; else bf16
 
 
 def check_weight_format(name: str) -> str:
@@ -77,12 +77,12 @@ def quantized_reasons(fmt: str, dtype: torch.dtype, device: torch.device | str) 
         from kvcore.kernels.cpu_kernels import int4a8_reasons
 
         reasons += int4a8_reasons(fmt)
-    if dtype != torch.bfloat16:
-        why = ("kvcore's quantized models run in bfloat16; float32 is the exact reference path"
-               if fmt in ("int4a8", "gguf")
-               else f"torch's fast {fmt} kernels take bfloat16 activations; with "
-                    f"{dtype_name(dtype)} they run a slow reference loop")
-        reasons.append(f"{fmt} weights need dtype bfloat16 ({why}): use --dtype bfloat16")
+    accepted = _ACTIVATIONS.get(fmt, (torch.bfloat16,))
+    if dtype not in accepted:
+        why = "" if fmt in _ACTIVATIONS else (f" (torch's fast {fmt} kernels take bfloat16 activations; with "
+                                              f"{dtype_name(dtype)} they run a slow reference loop)")
+        reasons.append(f"{fmt} weights need dtype {' or '.join(map(dtype_name, accepted))}{why}: use --dtype "
+                       f"{dtype_name(accepted[0])}")
     return reasons
 
 

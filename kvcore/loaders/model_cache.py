@@ -86,10 +86,11 @@ def load_pretrained(
     max_model_len: int | None = None,
     use_cache: bool | None = None,
     weights: str = "float",
+    lm_head: str = "dense",
 ) -> tuple[nn.Module, Tokenizer]:
     """``(decoder, tokenizer)`` of model ``spec`` (as :func:`kvcore.loaders.load_model` reads it), built as
-    :func:`kvcore.loaders.build_model` builds it with matmul weights in the ``weights`` format, through the
-    cache when ``spec`` is a GGUF file on the CPU."""
+    :func:`kvcore.loaders.build_model` builds it with matmul weights in the ``weights`` format, through the cache
+    when ``spec`` is a GGUF file on the CPU (an entry holds the ``lm_head`` format's packed head too)."""
 
     def load():
         loaded = load_model(spec, keep_quantized=True)  # blocks are dequantized as the model is built
@@ -102,7 +103,7 @@ def load_pretrained(
         loaded, model = load()
         return model, loaded.tokenizer
     options = {"dtype": str(dtype), "device": str(torch.device(device)), "max_model_len": max_model_len,
-               "weights": weights}
+               "weights": weights, "lm_head": lm_head}
     key, stamp = _key(source, options)
     try:
         entry = private_dir(cache_dir(), cache_root()) / key
@@ -206,7 +207,7 @@ def _write(entry: Path, model: nn.Module, tokenizer: Tokenizer, info: dict[str, 
     cache that cannot be written (read-only or full disk) is skipped with a warning: it only ever saves time; nor is
     a model holding a weight with no saved form (:func:`~kvcore.loaders.prepared.runtime_state`)."""
     with plain_pages():
-        prepare_head(model)  # made now, where a later start would make it again
+        prepare_head(model, info["options"]["lm_head"])  # made now, where a later start would make it again
     runtime = runtime_state(model)
     if runtime is None:
         return False

@@ -1,10 +1,10 @@
 """A decoder's run-time weights that are no parameters or buffers, as named tensors and a JSON description.
 
 A quantized decoder runs its layer matmuls on weights packed for kvcore's kernels (``model._quantized``), scores
-its LM head with an int4a8 copy of the head (``model.head_int4``), and may hold its token table as the GGUF file's
-blocks (``model.embedding``). Packing is a pass over every weight of the file; :mod:`kvcore.loaders.model_cache`
-saves what it made with :func:`runtime_state` and gives it back to a later start with :func:`restore_runtime`, the
-tensors then being pages of the cache file, mapped and read on first use.
+its LM head with a packed copy of the head (``model.head_int4`` or ``model.head_int8``), and may hold its token
+table as the GGUF file's blocks (``model.embedding``). Packing is a pass over every weight of the file;
+:mod:`kvcore.loaders.model_cache` saves what it made with :func:`runtime_state` and gives it back to a later start
+with :func:`restore_runtime`, the tensors then being pages of the cache file, mapped and read on first use.
 
 Only formats named in :data:`SAVED_FORMATS` are saved, each rebuilt from its tensors and its shape, group size and
 dtype (nothing else of an entry is turned into an object); a model holding any other kind of matmul is not saved.
@@ -24,7 +24,7 @@ from kvcore.kernels.quant import Int4A8Linear, Int4Linear
 from kvcore.loaders.gguf_blocks import GGUFBlocks, file_blocks
 from kvcore.model.embedding import BlockTable, head_rows
 from kvcore.model.fused_layer import fused_layer_reasons
-from kvcore.model.lm_head import int4a8_in_chunks
+from kvcore.model.lm_head import int4a8_in_chunks, int8_linear
 from kvcore.model.weights import LINEAR_PARTS
 
 __all__ = ["SAVED_FORMATS", "into_huge_pages", "prepare_head", "runtime_state", "restore_runtime"]
@@ -37,24 +37,25 @@ SAVED_FORMATS: dict[str, tuple[type, tuple[str, ...]]] = {
 _NAMES = {cls: name for name, (cls, _) in SAVED_FORMATS.items()}
 
 
-def prepare_head(model: torch.nn.Module) -> None:
-    """Give a model whose weights run on kvcore's int8-activation kernels the int4a8 copy of its LM head that the
-    ``int4`` head scores with (:class:`~kvcore.model.lm_head.RescoredInt4Head`), so that it is saved with them.
-    Nothing where that head cannot run here."""
-    if getattr(model, "weight_format", "float") not in ("int4a8", "gguf") or model.head_int4 is not None:
+def prepare_head(model: torch.nn.Module, lm_head: str) -> None:
+    """Give a model whose weights run on kvcore's int8-activation kernels the packed copy of its LM head that the
+    ``lm_head`` format scores with, so that it is saved with them: the int4a8 copy of the ``int4`` head
+    (:class:`~kvcore.model.lm_head.RescoredInt4Head`), the 8-bit codes of the ``int8`` one
+    (:class:`~kvcore.model.lm_head.Int8Head`). Nothing for other formats, or where that head cannot run here."""
+    if getattr(model, "weight_format", "float") not in ("int4a8", "gguf") or kernel_reasons():
         return
     rows = head_rows(model)
-    if kernel_reasons() or not Int4Linear.fits(*rows.shape, 32):
-        return
-    model.head_int4 = int4a8_in_chunks(rows)
+    if lm_head == "int4" and model.head_int4 is None and Int4Linear.fits(*rows.shape, 32):
+        model.head_int4 = int4a8_in_chunks(rows)
+    if lm_head == "int8" and model.head_int8 is None and Int8GroupLinear.fits(*rows.shape, 32):
+        model.head_int8 = int8_linear(rows)
 
 
 def into_huge_pages(model: torch.nn.Module) -> None:
-    """Move the model's packed weights (layer matmuls, int4 head) into one huge-page arena: for a model built under
+    """Move the model's packed weights (layer matmuls, packed heads) into one huge-page arena: for a model built under
     :func:`~kvcore.kernels.huge_pages.plain_pages` to be saved whose entry was not written after all."""
     objects = [f for fns in (model._quantized or {}).values() for f in fns if isinstance(f, Relocatable)]
-    if isinstance(model.head_int4, Relocatable):
-        objects.append(model.head_int4)
+    objects += [head for head in (model.head_int4, model.head_int8) if isinstance(head, Relocatable)]
     move_into_huge_pages(objects)
 
 
@@ -97,8 +98,9 @@ def runtime_state(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict
                 return None
             info["quantized"][name] = states
         info["weight_format"] = model.weight_format
-    if model.head_int4 is not None:
-        info["head_int4"] = _linear_state(model.head_int4, "head_int4", tensors)
+    for name in ("head_int4", "head_int8"):
+        if getattr(model, name) is not None:
+            info[name] = _linear_state(getattr(model, name), name, tensors)
     if model.embedding is not None:
         blocks = model.embedding.blocks
         source = None if blocks is None else blocks.file_range
@@ -112,7 +114,7 @@ def runtime_state(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict
 def restore_runtime(model: torch.nn.Module, tensors: dict[str, torch.Tensor], info: dict[str, Any]) -> None:
     """Give ``model`` (assembled from an entry's parameters and buffers) the weights :func:`runtime_state`
     described. KeyError or ValueError when the entry does not hold what its description names."""
-    if any(i["format"] == "int4a8" for layers in info.get("quantized", {}).values() for i in layers):
+    if info.get("quantized") or "head_int4" in info or "head_int8" in info:  # operators of kvcore's kernels
         load_kernels()
     if "quantized" in info:
         if set(info["quantized"]) != set(LINEAR_PARTS):
@@ -121,8 +123,9 @@ def restore_runtime(model: torch.nn.Module, tensors: dict[str, torch.Tensor], in
                             for name, states in info["quantized"].items()}
         model.weight_format = info["weight_format"]
         model.fused_norm = model.weight_format == "int4a8"
-    if "head_int4" in info:
-        model.head_int4 = _linear(info["head_int4"], "head_int4", tensors)
+    for name in ("head_int4", "head_int8"):
+        if name in info:
+            setattr(model, name, _linear(info[name], name, tensors))
     if "embedding" in info:
         e = info["embedding"]
         blocks = GGUFBlocks(QType(e["qtype"]), file_blocks(e["path"], e["offset"], e["nbytes"]), tuple(e["shape"]))

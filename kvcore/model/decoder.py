@@ -25,6 +25,7 @@ from kvcore.errors import ConfigError
 from kvcore.interfaces.decode_stack import DecodeStack
 from kvcore.interfaces.dtypes import dtype_name
 from kvcore.kernels.linear import DenseMatmuls, set_layout
+from kvcore.kernels.quant import quantized_reasons
 from kvcore.model.config import ModelConfig
 from kvcore.model.embedding import BlockTable, dense_embedding, hold_blocks
 from kvcore.model.fused_layer import fused_forward, fused_layer_reasons
@@ -99,15 +100,18 @@ class DecoderModel(nn.Module):
         #: the int4a8 copy of the LM head its int4 head scores with (kvcore.model.lm_head), once made: kept with the
         #: model, so that a prepared model (kvcore.loaders.prepared) holds it too
         self.head_int4 = None
+        #: the int8-group copy of the LM head its int8 head scores with, once made (kept with the model likewise)
+        self.head_int8 = None
         self._dense = DenseMatmuls()
         self._set_weight_layout()
 
     def _apply(self, fn, recurse=True):  # .to() / .float() / .cuda() ... : re-pick the weight layout
         if self._quantized is not None:  # probe where fn sends a tensor before moving anything
             probe = fn(self.embed_tokens[:0])
-            if probe.device.type != "cpu" or probe.dtype != torch.bfloat16:
-                raise ConfigError(f"{self.weight_format} weights run on CPU in bfloat16; cannot move this model "
-                                  f"to {probe.device.type} {dtype_name(probe.dtype)}")
+            why = quantized_reasons(self.weight_format, probe.dtype, probe.device)
+            if why:
+                raise ConfigError(f"cannot move this model to {probe.device.type} {dtype_name(probe.dtype)}: "
+                                  f"{'; '.join(why)}")
         super()._apply(fn, recurse)
         self._set_weight_layout()
         return self

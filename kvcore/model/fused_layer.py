@@ -1,11 +1,12 @@
-"""The decoder's layers as two kvcore operators each (``csrc/fused_layer.cpp``), for bfloat16 ``int4a8`` models.
+"""The decoder's layers as two kvcore operators each (``csrc/fused_layer.cpp``), for ``int4a8`` models in bfloat16 or
+float32.
 
 At a decode step's few rows a layer's eager ops (norms, RoPE's products and sums, slices, the gate's activation
 and product) cost a Python and ATen dispatch each, together more than the int4a8 matmuls they sit between.
 ``torch.ops.kvcore.fused_qkv`` runs the residual add, the input norm, the Q/K/V matmul and RoPE; the backend's
 attention follows as in the eager path; ``torch.ops.kvcore.fused_mlp`` runs the output projection, the residual
 add, the second norm, the gated MLP. Every value is rounded where the eager ops round it, by the same functions,
-so the hidden states are the eager path's bit for bit (tests/kernels/test_fused_layer.py).
+so the hidden states are the eager path's bit for bit, in bfloat16 and in float32 (tests/kernels/test_fused_layer.py).
 
 A call whose attention the backend can describe as data (a :class:`~kvcore.interfaces.decode_stack.DecodeStack`:
 ``cpu_decode``'s decode batches and short rows after a cache) goes further: layer 0 runs as above, its attention
@@ -33,8 +34,8 @@ def fused_layer_reasons(model) -> list[str]:
     """Why ``model``'s layers cannot run on the fused operators ([] = they can)."""
     c = model.config
     reasons = []
-    if not model.fused_norm or model.dtype != torch.bfloat16 or model.device.type != "cpu":
-        reasons.append("the fused layers run int4a8 weights with bfloat16 activations on CPU")
+    if not model.fused_norm or model.dtype not in (torch.bfloat16, torch.float32) or model.device.type != "cpu":
+        reasons.append("the fused layers run int4a8 weights with bfloat16 or float32 activations on CPU")
     matmuls = model._quantized or {}
     if not matmuls or not all(isinstance(f, Int4A8Linear) for fns in matmuls.values() for f in fns):
         reasons.append("every layer matmul must run on the int4a8 kernel")

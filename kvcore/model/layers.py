@@ -37,10 +37,10 @@ def add_rms_norm(
     h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float, fused: bool = False
 ) -> torch.Tensor:
     """``rms_norm(h + delta)``, ``h`` updated to ``h + delta`` in place (``delta`` None: no add): a residual add
-    and the next norm. ``fused``: one call of kvcore's kernel (``csrc/rms_norm.cpp``; bfloat16 ``[T, d]``, the
-    kernels loaded) instead of a dozen eager ops; the same rounding steps, a sum of squares in another order (a
-    value may differ by one bfloat16 step)."""
-    if fused and h.dtype == weight.dtype == torch.bfloat16 and h.dim() == 2:
+    and the next norm. ``fused``: one call of kvcore's kernel (``csrc/rms_norm.cpp``; bfloat16 or float32 ``[T, d]``,
+    the kernels loaded) instead of a dozen eager ops; the same rounding steps, a sum of squares in another order (a
+    value may differ by one step of the dtype)."""
+    if fused and h.dtype == weight.dtype and h.dtype in (torch.bfloat16, torch.float32) and h.dim() == 2:
         return torch.ops.kvcore.rms_norm(h, delta, weight, eps)
     if delta is not None:
         h.add_(delta)

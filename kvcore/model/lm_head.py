@@ -35,7 +35,7 @@ from kvcore.kernels.quant import A8_GROUP, Int4A8Linear, Int4Groups, Int4Linear,
 from kvcore.model.embedding import BlockTable
 
 __all__ = ["LM_HEAD_FORMATS", "INT4_MAX_ROWS", "A8_MAX_ROWS", "LMHead", "RescoredInt4Head", "Int8Head", "check_lm_head",
-           "int4a8_in_chunks"]
+           "int4a8_in_chunks", "int8_linear"]
 
 #: every value of ``EngineConfig.lm_head`` with what it means
 LM_HEAD_FORMATS = {
@@ -54,15 +54,12 @@ def check_lm_head(fmt: str, dtype: torch.dtype, device: torch.device | str) -> s
     if fmt not in LM_HEAD_FORMATS:
         raise ConfigError(f"unknown lm_head format '{fmt}' (choose from: {', '.join(LM_HEAD_FORMATS)})")
     reasons = []
-    if fmt == "int4":
+    if fmt == "int4":  # in float32 the int4a8 kernel scores (torch's int4 kernel takes bfloat16 only)
         from kvcore.kernels.cpu_kernels import kernel_reasons
 
-        reasons = quantized_reasons("int4", dtype, device) + kernel_reasons()
-    elif fmt == "int8":  # the gguf format's int8-group kernel: its device and CPU reasons, then the dtype's
-        reasons = quantized_reasons("gguf", torch.bfloat16, device)
-        if dtype != torch.bfloat16:
-            reasons.append("it scores with bfloat16 activations (float32 is the exact reference path): use --dtype "
-                           "bfloat16")
+        reasons = quantized_reasons("int4a8" if dtype == torch.float32 else "int4", dtype, device) + kernel_reasons()
+    elif fmt == "int8":  # the gguf format's int8-group kernel
+        reasons = quantized_reasons("gguf", dtype, device)
     if reasons:
         raise ConfigError(f"lm_head '{fmt}' cannot run here: {'; '.join(reasons)}")
     return fmt
@@ -88,7 +85,9 @@ class RescoredInt4Head:
                               f"[{vocab}, {width}]")
         load_kernels()
         self.weight, self.top_k = weight, min(top_k, vocab)
-        # a8 (the model's weights are int4a8): scores from kvcore's int8-activation kernel, up to its row limit
+        # a8 (the model's weights are int4a8, or float32 activations, which torch's int4 kernel does not take): scores
+        # from kvcore's int8-activation kernel, up to its row limit
+        a8 = a8 or weight.dtype == torch.float32
         linear, self.max_rows = (Int4A8Linear, A8_MAX_ROWS) if a8 else (Int4Linear, INT4_MAX_ROWS)
         if a8 and group_size == 32:  # in row chunks: the head's unpacked codes never exist whole
             self.int4 = int4 if int4 is not None else int4a8_in_chunks(weight)
@@ -112,6 +111,7 @@ def rescore(
     """``scores [N, V]`` with each row's ``top_k`` best recomputed from ``hidden [N, d]`` and the dense rows of
     ``weight`` (a :class:`BlockTable` decodes only the candidates' rows); float32 with ``widen``."""
     ops = torch.ops.kvcore
+    widen = widen and scores.dtype != torch.float32  # float32 scores are rescored in place
     if isinstance(weight, torch.Tensor):
         return (ops.rescore_top_k_float if widen else ops.rescore_top_k)(scores, hidden, weight, top_k)
     index = ops.top_k_candidates(scores, top_k)  # [N, k]
@@ -140,24 +140,19 @@ def int4a8_in_chunks(w: torch.Tensor | BlockTable, rows: int = 1024) -> Int4A8Li
 class Int8Head:
     """``hidden [N, d] -> logits [N, V]`` from the head's 8-bit codes in groups of 32 (``lm_head = "int8"``).
 
-    :param weight: the dense head ``[V, d]``, or the model's :class:`~kvcore.model.embedding.BlockTable` whose blocks
-        have 8-bit codes (Q8_0): those are taken as stored; a dense head is quantized per group of 32 rows' columns
-        with ``d = max|w| / 127`` (Q8_0's rule). Each row's ``top_k`` best are then rescored with the dense rows.
+    :param weight: the dense head ``[V, d]``, or the model's :class:`~kvcore.model.embedding.BlockTable`.
+    :param linear: the head's :func:`int8_linear` made before (a prepared model's), else made here.
+    Each row's ``top_k`` best are then rescored with the dense rows.
     """
 
     max_rows = A8_MAX_ROWS  # more rows run the dense head, as the int4a8 head does
 
-    def __init__(self, weight: torch.Tensor | BlockTable, top_k: int = 64) -> None:
+    def __init__(self, weight: torch.Tensor | BlockTable, top_k: int = 64, linear: Int8GroupLinear | None = None):
         vocab, width = weight.shape
         if not Int8GroupLinear.fits(vocab, width, 32):
             raise ConfigError(f"lm_head 'int8' cannot take this model's head: the int8-group kernel needs a vocabulary "
                               f"in multiples of 16 and a hidden size in multiples of 32, got [{vocab}, {width}]")
-        blocks = getattr(weight, "blocks", None)
-        codes = blocks.codes() if blocks is not None and hasattr(blocks, "codes") else None
-        if codes is None or codes.bits > 8 or codes.group_size % 32:
-            codes = q8_codes(weight[:])
-        load_kernels()
-        self.linear = Int8GroupLinear(codes.regroup(32), weight.dtype)
+        self.linear = linear if linear is not None else int8_linear(weight)
         self.weight, self.top_k = weight, min(top_k, vocab)
 
     @property
@@ -168,6 +163,18 @@ class Int8Head:
         """``[N, V]`` in the model dtype (float32 with ``widen``)."""
         hidden = hidden.contiguous()
         return rescore(self.linear(hidden), hidden, self.weight, self.top_k, widen)
+
+
+def int8_linear(w: torch.Tensor | BlockTable) -> Int8GroupLinear:
+    """The head ``w`` as 8-bit codes per group of 32 on the int8-group kernel: a :class:`BlockTable` whose blocks have
+    8-bit codes (Q8_0) as stored; a dense head quantized per group of 32 columns with ``d = max|w| / 127`` (Q8_0's
+    rule)."""
+    blocks = getattr(w, "blocks", None)
+    codes = blocks.codes() if blocks is not None and hasattr(blocks, "codes") else None
+    if codes is None or codes.bits > 8 or codes.group_size % 32:
+        codes = q8_codes(w[:])
+    load_kernels()
+    return Int8GroupLinear(codes.regroup(32), w.dtype)
 
 
 def q8_codes(w: torch.Tensor) -> GroupCodes:

@@ -63,11 +63,15 @@ def uses_quantized_blocks(requested: str, dtype: torch.dtype, device: torch.devi
 def resolve_weights(
     requested: str, dtype: torch.dtype, device: torch.device | str, config: ModelConfig, weights: Mapping[str, Any]
 ) -> str:
-    """The format a model runs with: ``requested``, or for ``auto`` ``int4`` when every layer weight is a Q4_0 /
-    Q4_1 GGUF block tensor and int4 runs with ``dtype`` on ``device``, ``gguf`` when every one is of a type the
-    ``gguf`` format runs and it runs here, else ``float``. ConfigError when a quantized format cannot run here."""
+    """The format a model runs with: ``requested``, or for ``auto`` in bfloat16 ``int4`` when every layer weight is a
+    Q4_0 / Q4_1 GGUF block tensor and int4 runs on ``device``, ``gguf`` when every one is of a type the ``gguf``
+    format runs and it runs here, else ``float`` (and always in float32, the exact reference: the engine's defaults,
+    :mod:`kvcore.engine.defaults`, ask for quantized weights with float32 activations by name). ConfigError when a
+    quantized format cannot run here."""
     check_weight_format(requested)
     if requested == "auto":
+        if dtype != torch.bfloat16:
+            return "float"
         layer_weights = list(_linear_weights(config, weights))
         if all(getattr(w, "int4_exact", False) for w in layer_weights) and not quantized_reasons("int4", dtype, device):
             return "int4"

@@ -205,8 +205,9 @@ class DraftModelProposer(Proposer):
 
 
 def _own_head(model, device) -> RescoredInt4Head | None:
-    """A draft model's LM head as the engine's defaults would run it: int4 (the top candidates rescored) for quantized
-    weights where the int4 kernel runs and takes the head's shape, else None (dense)."""
+    """A separate draft model's LM head: int4, the fastest packed head (the top candidates rescored; a draft's
+    accuracy moves only how many of its tokens are kept), for quantized weights where the int4 kernel runs and takes
+    the head's shape, else None (dense)."""
     fmt = getattr(model, "weight_format", "float")
     if fmt not in QUANTIZED_FORMATS:
         return None

@@ -47,7 +47,7 @@ def speculator_for(engine: Any, registry: PluginRegistry) -> Speculator | None:
 
     def load_model(spec: str, weights: str | None = None) -> tuple[Any, Any]:
         model, tokenizer = load_pretrained(spec, engine.dtype, engine.device, engine.max_model_len, None,
-                                           weights or config.weights)
+                                           weights or config.weights, lm_head="int4")  # a draft's own head
         loaded.append(model)
         return model, tokenizer
 

@@ -74,7 +74,8 @@ def test_rescore_top_k_rejects_bad_input():
 
 def test_lm_head_option_errors(monkeypatch):
     with pytest.raises(ConfigError, match="lm_head 'int4' cannot run here: .*need dtype bfloat16"):
-        EngineConfig(lm_head="int4", dtype="float32")
+        EngineConfig(lm_head="int4", dtype="float16")
+    EngineConfig(lm_head="int4", dtype="float32")  # float32 scores on the int8-activation kernel
     import kvcore.kernels.cpu_kernels
 
     # the rescoring is a kvcore kernel: without a compiler to build it, the int4 head is unavailable, and says why

@@ -35,15 +35,16 @@ HEAD_DIM = 64
 NUM_LAYERS = 4
 
 
-def _model(layers: tuple[LayerAttention, ...] | None = None) -> LlamaModel:
-    """A random 4-layer int4a8 model (4 query heads, 2 KV heads of 64), each layer attending as ``layers`` says."""
+def _model(layers: tuple[LayerAttention, ...] | None = None, dtype: torch.dtype = torch.bfloat16) -> LlamaModel:
+    """A random 4-layer int4a8 model (4 query heads, 2 KV heads of 64) in ``dtype``, each layer attending as
+    ``layers`` says."""
     config = dataclasses.replace(make_random_model(num_layers=NUM_LAYERS, head_dim=HEAD_DIM).config,
                                  intermediate_size=256, max_position_embeddings=1024)
     gen = torch.Generator().manual_seed(0)
     weights = {name: torch.randn(shape, generator=gen) * (0.3 if "embed" in name else shape[1] ** -0.5)
                if len(shape) == 2 else 1.0 + 0.1 * torch.randn(shape, generator=gen)
                for name, shape in expected_shapes(config).items()}
-    model = LlamaModel.from_weights(config, weights, torch.bfloat16, weight_format="int4a8")
+    model = LlamaModel.from_weights(config, weights, dtype, weight_format="int4a8")
     assert model.fused_layers
     if layers is not None:
         model.attention_layers = layers
@@ -64,7 +65,7 @@ STEPS = [([12, 7, 300], [0, 0, 0]), ([1, 1, 1], [12, 7, 300]), ([1], [13]), ([5,
 
 def _run(model: LlamaModel, backend: CPUDecodeBackend, steps=STEPS):
     """Each call's hidden states, and the caches after the last."""
-    spec = CacheSpec(num_layers=NUM_LAYERS, num_kv_heads=2, head_dim=HEAD_DIM, dtype=torch.bfloat16,
+    spec = CacheSpec(num_layers=NUM_LAYERS, num_kv_heads=2, head_dim=HEAD_DIM, dtype=model.dtype,
                      device=torch.device("cpu"), max_num_seqs=4, max_seq_len=512)
     cache, gen, hidden = ContiguousKVCache(spec), torch.Generator().manual_seed(1), []
     for query_lens, context_lens in steps:
@@ -107,9 +108,11 @@ def one_thread(request):
 
 @pytest.mark.parametrize("one_thread", [1, 2], indirect=True, ids=["1-thread", "2-threads"])
 @pytest.mark.parametrize("layers", [None, VARIANT_LAYERS], ids=["plain", "window-softcap"])
-def test_the_stack_computes_the_per_layer_path_bit_for_bit(layers, stack_calls, one_thread):
-    """The call groups' attention splits the context by the thread count: both counts, the same results."""
-    model = _model(layers)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_the_stack_computes_the_per_layer_path_bit_for_bit(layers, dtype, stack_calls, one_thread):
+    """The call groups' attention splits the context by the thread count: both counts, the same results, in both
+    activation dtypes."""
+    model = _model(layers, dtype)
     native = _run(model, _backend(True))
     assert stack_calls == [3, 1, 8, 3]  # every call but the prefills
     assert _same(native, _run(model, _backend(False)))
@@ -227,7 +230,7 @@ def _op_args(model: LlamaModel):
     (19, "rows 999", "row 999999 out of range"),
     (20, "seq_len 40", "seq_lens out of range 1..11"),
     (19, "17 tokens", "1..16 query tokens per sequence"),
-    (17, "float cache", "caches must be contiguous bfloat16"),
+    (17, "float cache", "caches must be contiguous \\[L, S, H_kv, S_max, D\\] of h's dtype"),
     (25, "negative window", "window and softcap must be >= 0"),
 ])
 def test_bad_arguments_are_refused_with_a_message(index, value, message):
@@ -270,5 +273,5 @@ def test_the_reasons_say_why_no_stack_runs():
     assert decode_stack_reasons(model, _backend(True)) == ["the model's fused layers are switched off"]
     dense = make_random_model(num_layers=1, head_dim=HEAD_DIM, dtype=torch.bfloat16)
     assert decode_stack_reasons(dense, _backend(True)) == [
-        "the fused layers run int4a8 weights with bfloat16 activations on CPU",
+        "the fused layers run int4a8 weights with bfloat16 or float32 activations on CPU",
         "every layer matmul must run on the int4a8 kernel"]

@@ -120,8 +120,8 @@ def test_a_model_runs_close_to_int4():
 
 
 def test_option_errors():
-    with pytest.raises(ConfigError, match="weights 'int4a8' cannot run here: .*need dtype bfloat16"):
-        EngineConfig(weights="int4a8", dtype="float32")
+    with pytest.raises(ConfigError, match="weights 'int4a8' cannot run here: .*need dtype float32 or bfloat16"):
+        EngineConfig(weights="int4a8", dtype="float16")
 
 
 @needs_kernel
@@ -154,17 +154,18 @@ def test_the_kernel_was_built_with_a_vector_path():
 
 
 @needs_kernel
-def test_the_dense_head_is_not_packed_while_the_int4_head_serves_every_step(monkeypatch):
-    """A quantized model whose int4 head scores its decode steps holds the dense head once (the tied embedding
-    table): no packed copy of it is built for forwards that never read it; a batch above the int4 head's rows
-    still gets the dense head."""
+@pytest.mark.parametrize("lm_head", ["auto", "int4"])
+def test_the_dense_head_is_not_packed_while_the_int4_head_serves_every_step(monkeypatch, lm_head):
+    """A quantized model whose packed head (int8 by default, or int4) scores its decode steps holds the dense head
+    once (the tied embedding table): no packed copy of it is built for forwards that never read it; a batch above the
+    packed head's rows still gets the dense head."""
     import kvcore.kernels.linear
 
     monkeypatch.setattr(kvcore.kernels.linear, "COLUMN_MAJOR_MIN_NUMEL", 1)  # the tiny head counts as big: packable
     base = make_random_model(num_layers=2, vocab_size=512, tie=True)
     model = LlamaModel.from_weights(base.config, weights_of(base), torch.bfloat16, weight_format="int4a8")
-    engine = Engine(model, None, EngineConfig(backend="sdpa", max_model_len=64))
-    assert engine.config.lm_head == "int4"  # automatic: quantized weights, a head the int4 kernel takes
+    engine = Engine(model, None, EngineConfig(backend="sdpa", max_model_len=64, lm_head=lm_head))
+    assert engine.config.lm_head == ("int8" if lm_head == "auto" else lm_head)  # auto: quantized weights
     result = engine.generate([[5, 9, 200, 31, 7]], SamplingParams(max_new_tokens=6, ignore_eos=True))[0]
     assert result.error is None and len(result.token_ids) == 6
     assert model._dense._cache == {}  # neither a kernel-packed nor a oneDNN copy of the head

@@ -170,7 +170,7 @@ def test_weights_option_errors_and_plumbing(tmp_path):
                                     weight_format="int4")
     with pytest.raises(ConfigError, match="tensor parallelism shards dense weights"):
         Engine(quant, None, EngineConfig(dtype="bfloat16", backend="sdpa", tensor_parallel_size=2))
-    with pytest.raises(ConfigError, match="run on CPU in bfloat16"):
+    with pytest.raises(ConfigError, match="cannot move this model to cpu float32: int4 weights need dtype bfloat16"):
         quant.float()
     assert quant.dtype == torch.bfloat16 and quant.embed_tokens.dtype == torch.bfloat16  # nothing was moved
     from kvcore.engine.file_config import load_config

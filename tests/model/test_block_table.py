@@ -205,7 +205,7 @@ def test_int8_head_quantizes_a_dense_head_as_q8_0_does():
 
 
 @needs_kernel
-def test_the_engine_builds_the_int8_head_and_refuses_it_in_float32():
+def test_the_engine_builds_the_int8_head_in_float32_and_bfloat16_not_float16():
     from helpers import make_random_model
 
     from kvcore import Engine, EngineConfig, SamplingParams
@@ -217,5 +217,12 @@ def test_the_engine_builds_the_int8_head_and_refuses_it_in_float32():
     assert isinstance(engine.lm_head, Int8Head)
     out = engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=4, ignore_eos=True))
     assert len(out[0].token_ids) == 4
-    with pytest.raises(ConfigError, match="lm_head 'int8' cannot run here: .*bfloat16"):
-        EngineConfig(dtype="float32", lm_head="int8")
+    fp32 = make_random_model(vocab_size=320)
+    head = Engine(fp32, None, EngineConfig(dtype="float32", lm_head="int8")).lm_head
+    hidden = torch.randn(5, 64, generator=torch.Generator().manual_seed(0))
+    logits, exact = head(hidden), hidden @ fp32.lm_head.t()
+    assert logits.dtype == torch.float32 and torch.equal(logits.argmax(-1), exact.argmax(-1))
+    best = exact.argmax(-1, keepdim=True)  # rescored: the dense head's float32 logit, to float32 rounding
+    torch.testing.assert_close(logits.gather(1, best), exact.gather(1, best))
+    with pytest.raises(ConfigError, match="lm_head 'int8' cannot run here: .*need dtype float32 or bfloat16"):
+        EngineConfig(dtype="float16", lm_head="int8")

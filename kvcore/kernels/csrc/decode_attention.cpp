@@ -574,8 +574,9 @@ void check_shape(int64_t R, int64_t H, int64_t H_kv, int64_t D) {
   TORCH_CHECK(R >= 1 && R <= kMaxRows, "cached_decode_attention: 1..16 query tokens per sequence");
 }
 
-void cached_attention(const CachedCall& c) {
-  const int64_t T = c.B * c.R, D = c.D, bytes = D * int64_t(sizeof(c10::BFloat16));
+template <typename E>
+void cached_attention(const CachedCall<E>& c) {
+  const int64_t T = c.B * c.R, D = c.D, bytes = D * int64_t(sizeof(E));
   for (int64_t i = 0; i < T * c.H_kv; ++i) {
     const int64_t from = (i / c.H_kv) * c.kv_ld + (i % c.H_kv) * D;
     std::memcpy(c.k_cache + c.rows[i] * D, c.k + from, bytes);
@@ -584,9 +585,12 @@ void cached_attention(const CachedCall& c) {
   const int64_t slot = c.H_kv * c.S_max * D;
   const Strides s{c.B, c.R, c.H_kv, c.H / c.H_kv, D, c.R * c.q_ld, c.q_ld, slot, c.S_max * D, D, slot,
                   c.S_max * D, D};
-  const Operands<c10::BFloat16> x{s, c.q, c.k_cache + c.slot_offset, c.v_cache + c.slot_offset, c.out};
-  dispatch_head_dim<c10::BFloat16>(x, c.seq_lens, c.scale, c.window, c.softcap);
+  const Operands<E> x{s, c.q, c.k_cache + c.slot_offset, c.v_cache + c.slot_offset, c.out};
+  dispatch_head_dim<E>(x, c.seq_lens, c.scale, c.window, c.softcap);
 }
+
+template void cached_attention<c10::BFloat16>(const CachedCall<c10::BFloat16>&);
+template void cached_attention<float>(const CachedCall<float>&);
 
 }  // namespace kvcore_attn
 
