@@ -4,17 +4,20 @@
 :func:`choose_defaults` decides them from the model file and this machine, and says why. The rule: the
 fastest configuration whose accuracy is measured and stated (docs/performance.md):
 
-* a GGUF whose layer matmul weights are all Q4_0 / Q4_1 blocks runs them natively: bfloat16 activations,
-  ``int4a8`` weights (kvcore's VNNI kernel; ``int4`` on torch's kernel where it cannot run), the ``int4`` LM
-  head (exact top 64) and the ``cpu_decode`` backend where kvcore's C++ kernels can be built;
+* a GGUF whose layer matmul weights are all Q4_0 / Q4_1 blocks runs them natively: ``int4a8`` weights (kvcore's
+  int8-activation kernel, AVX512-VNNI or AVX2) with float32 activations, quantized per group of 32 at each matmul
+  as llama.cpp does (bfloat16 activations measurably cost accuracy), the ``int8`` LM head (8-bit codes, exact top
+  64) and the ``cpu_decode`` backend where kvcore's C++ kernels can be built; where those kernels cannot run,
+  ``int4`` weights on torch's kernel, which takes bfloat16 activations;
 * a GGUF whose layer matmul weights are all of the block types kvcore decodes exactly (the K-quant mixes:
-  Q4_K, Q5_0, Q5_K, Q6_K, Q8_0, ...) runs them the same way with ``gguf`` weights, where its VNNI kernels run;
+  Q4_K, Q5_0, Q5_K, Q6_K, Q8_0, ...) runs them the same way with ``gguf`` weights, where its kernels run;
 * anything else (float checkpoints, other GGUF types, non-CPU devices, ``tensor_parallel_size > 1``, which
   shards dense weights only) runs float32 dense weights, the exact reference: a float checkpoint is never
   quantized or rounded silently.
 
 A setting given explicitly is kept as given, and the rest follows from it (``dtype="float32"`` alone gives
-the whole reference configuration). ``--dtype float32`` is the exact path, one flag away.
+the whole reference configuration, dense weights). ``--dtype bfloat16 --lm-head int4`` is the fastest configuration
+on quantized files, less accurate (benchmarks/results/accuracy-vs-llamacpp.md).
 """
 
 from __future__ import annotations
@@ -103,30 +106,28 @@ def choose_defaults(config: EngineConfig, facts: ModelFacts, registry: PluginReg
     on_cpu = device.type == "cpu"
     sharded = config.tensor_parallel_size > 1  # tensor parallelism splits dense weights only
 
+    native = _native_format(config, facts, device)  # how auto weights would run the file's own blocks
     dtype = config.dtype
     if dtype == AUTO:
         if facts.dtype is not None:
             dtype = facts.dtype
             reasons.append(f"dtype follows the model's {dtype} weights")
-        elif config.weights in QUANTIZED_FORMATS or config.lm_head in ("int4", "int8"):
+        elif config.weights in ("int4", "int8") or (native == "int4" and not sharded):
             dtype = "bfloat16"
-            quantized = config.weights in QUANTIZED_FORMATS
-            given = f"{config.weights} weights" if quantized else f"the {config.lm_head} LM head"
-            reasons.append(f"dtype bfloat16: {given} run with bfloat16 activations")
-        elif sharded and config.weights == AUTO:
+            given = f"{config.weights} weights" if config.weights != AUTO else "the file's Q4_0/Q4_1 blocks"
+            reasons.append(f"dtype bfloat16: {given} run on torch's kernels, which take bfloat16 activations")
+        elif config.weights in ("int4a8", "gguf") or (native is not None and not sharded):
             dtype = "float32"
-            reasons.append(f"dtype float32, the exact reference: {_SHARDS_DENSE}")
-        elif facts.native_int4 and config.weights == AUTO and not quantized_reasons("int4", torch.bfloat16, device):
+            given = f"{config.weights} weights" if config.weights != AUTO else "the file's blocks, run as stored,"
+            reasons.append(f"dtype float32: {given} take float32 activations quantized per group of 32 as llama.cpp "
+                           "does (bfloat16 activations cost accuracy; --weights float is the exact reference)")
+        elif config.lm_head == "int4" and int4a8_reasons():
             dtype = "bfloat16"
-            reasons.append("dtype bfloat16: the file's layer weights are Q4_0/Q4_1 blocks, which run as stored with "
-                           "bfloat16 activations (--dtype float32 is the exact reference)")
-        elif _runs_codes(config, facts, torch.bfloat16, device):
-            dtype = "bfloat16"
-            reasons.append("dtype bfloat16: the file's layer weights are GGUF blocks kvcore runs as stored with "
-                           "bfloat16 activations (--dtype float32 is the exact reference)")
+            reasons.append("dtype bfloat16: the int4 LM head runs on torch's int4 kernel here, which takes bfloat16 "
+                           "activations")
         else:
             dtype = "float32"
-            what = ("the device is not a CPU" if not on_cpu else
+            what = ("the device is not a CPU" if not on_cpu else _SHARDS_DENSE if sharded else
                     "the weights are float" if config.weights == "float" else
                     "the file's weights are not all blocks kvcore runs as stored")
             reasons.append(f"dtype float32, the exact reference: {what}")
@@ -140,25 +141,23 @@ def choose_defaults(config: EngineConfig, facts: ModelFacts, registry: PluginReg
             weights = "float"
             if torch_dtype != torch.float32:
                 reasons.append(f"weights float: {_SHARDS_DENSE}")
-        elif facts.native_int4 and torch_dtype == torch.bfloat16 and not quantized_reasons("int4", torch_dtype, device):
-            a8 = int4a8_reasons()
-            weights = "int4" if a8 else "int4a8"
+        elif native is not None and (config.dtype == AUTO or torch_dtype == torch.bfloat16) \
+                and not quantized_reasons(native, torch_dtype, device):
+            weights = native
             isa = _DOT_ISA[int8_dot_isa()]
-            reasons.append(f"weights int4a8: the Q4 blocks on kvcore's int8-activation kernel ({isa})" if not a8
-                           else f"weights int4 (torch's kernel on the Q4 blocks): int4a8 cannot run: {'; '.join(a8)}")
-        elif _runs_codes(config, facts, torch_dtype, device):
-            weights = "gguf"
-            reasons.append("weights gguf: the file's blocks as stored, on kvcore's int8-activation kernels "
-                           f"({_DOT_ISA[int8_dot_isa()]})")
+            reasons.append({"int4a8": f"weights int4a8: the Q4 blocks on kvcore's int8-activation kernel ({isa})",
+                            "gguf": f"weights gguf: the file's blocks as stored, on kvcore's int8-activation kernels "
+                                    f"({isa})",
+                            "int4": "weights int4 (torch's kernel on the Q4 blocks): int4a8 cannot run: "
+                                    + "; ".join(int4a8_reasons())}[native])
         else:
             weights = "float"
-            native = facts.native_int4 or facts.native_codes
-            if native and torch_dtype == torch.bfloat16:  # the branches above found why the blocks cannot run
-                why = quantized_reasons("int4" if facts.native_int4 else "gguf", torch_dtype, device)
+            if native is not None and torch_dtype == torch.float32:
+                reasons.append("weights float: dtype float32 is the exact reference, on dense weights")
+            elif facts.native_int4 or facts.native_codes:
+                fmt = native or ("int4a8" if facts.native_int4 else "gguf")
+                why = quantized_reasons(fmt, torch_dtype, device) or [f"{fmt} weights run with bfloat16 activations"]
                 reasons.append(f"weights float: the file's blocks cannot run as stored here: {'; '.join(why)}")
-            elif native and torch_dtype != torch.float32:
-                reasons.append(f"weights float: the file's blocks run as stored with bfloat16 activations only, "
-                               f"not {dtype_name(torch_dtype)}")
             elif torch_dtype != torch.float32:
                 reasons.append("weights float: only a file's own quantized blocks are run quantized unasked")
             elif config.dtype != AUTO:
@@ -166,13 +165,9 @@ def choose_defaults(config: EngineConfig, facts: ModelFacts, registry: PluginReg
 
     lm_head = config.lm_head
     if lm_head == AUTO:
-        why_not = _int4_head_reasons(weights, torch_dtype, device, config, facts.head_shape)
-        lm_head = "dense" if why_not else "int4"
-        if why_not and weights in QUANTIZED_FORMATS:
-            reasons.append(f"lm_head dense: {why_not}")
-        elif not why_not:
-            reasons.append("lm_head int4: the head is a decode step's biggest matmul; int4 scores it, the top 64 "
-                           "are rescored exactly")
+        lm_head, why = _auto_head(weights, torch_dtype, device, config, facts.head_shape)
+        if weights in QUANTIZED_FORMATS:
+            reasons.append(f"lm_head {lm_head}: {why}")
 
     backend = None
     if not _backend_given(config) and weights in QUANTIZED_FORMATS and on_cpu:
@@ -185,21 +180,43 @@ def choose_defaults(config: EngineConfig, facts: ModelFacts, registry: PluginReg
     return DefaultChoice(dtype, weights, lm_head, backend, tuple(reasons))
 
 
-def _runs_codes(config: EngineConfig, facts: ModelFacts, dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether ``auto`` weights run the file's blocks in the ``gguf`` format (not for all-Q4_0/Q4_1 files: int4a8)."""
-    return (facts.native_codes and not facts.native_int4 and config.weights == AUTO
-            and not quantized_reasons("gguf", dtype, device))
+def _native_format(config: EngineConfig, facts: ModelFacts, device: torch.device) -> str | None:
+    """The format ``auto`` weights run the file's own GGUF blocks in on ``device``: ``int4a8`` (all Q4_0/Q4_1) or
+    ``gguf`` (all of the types it decodes) on kvcore's int8-activation kernels, else ``int4`` on torch's kernel (all
+    Q4_0/Q4_1, bfloat16), else None (they do not run as stored here, or the weights are given)."""
+    if config.weights != AUTO or not (facts.native_int4 or facts.native_codes):
+        return None
+    if facts.native_int4:
+        return "int4a8" if not _a8_reasons(device) else "int4" if not quantized_reasons("int4", torch.bfloat16,
+                                                                                        device) else None
+    return "gguf" if not quantized_reasons("gguf", torch.float32, device) else None
 
 
-def _int4_head_reasons(weights: str, dtype: torch.dtype, device: torch.device, config: EngineConfig,
-                       head_shape: tuple[int, int] | None) -> str:
+def _a8_reasons(device: torch.device) -> list[str]:
+    """Why kvcore's int8-activation kernels (int4a8 weights, the int8 head) cannot run on ``device``."""
+    return ([] if device.type == "cpu" else [f"kvcore's int8-activation kernels run on CPU only, not {device.type}"]) \
+        + int4a8_reasons()
+
+
+def _auto_head(weights: str, dtype: torch.dtype, device: torch.device, config: EngineConfig,
+               head_shape: tuple[int, int] | None) -> tuple[str, str]:
+    """The LM head ``auto`` gives with quantized weights, and why: ``int8`` (as accurate as llama.cpp's head on the
+    same file: benchmarks/results/accuracy-vs-llamacpp.md) where its kernel runs, else ``int4``, else dense."""
     if weights not in QUANTIZED_FORMATS:
-        return "the weights are dense"
-    if head_shape is not None and not Int4Linear.fits(*head_shape, DEFAULT_GROUP_SIZE):
-        return f"the int4 kernel cannot take a [{head_shape[0]}, {head_shape[1]}] head"
+        return "dense", "the weights are dense"
     if config.tensor_parallel_size > 1:
-        return "the int4 head runs in one process (tensor_parallel_size > 1)"
-    return "; ".join(quantized_reasons("int4", dtype, device) + kernel_reasons())
+        return "dense", "the packed heads run in one process (tensor_parallel_size > 1)"
+    fits = head_shape is None or Int4Linear.fits(*head_shape, DEFAULT_GROUP_SIZE)  # both kernels: V % 16, d % 32
+    if not fits:
+        return "dense", f"the packed heads' kernels cannot take a [{head_shape[0]}, {head_shape[1]}] head"
+    no_int8 = _a8_reasons(device) or quantized_reasons("gguf", dtype, device)
+    if not no_int8:
+        return "int8", ("the head's 8-bit codes per group of 32 on the int8-activation kernel (the top 64 rescored "
+                        "exactly): half the dense head's bytes, as accurate as llama.cpp's head")
+    no_int4 = quantized_reasons("int4", dtype, device) + kernel_reasons()
+    if not no_int4:
+        return "int4", f"int4 scores, the top 64 rescored exactly (the int8 head cannot run: {'; '.join(no_int8)})"
+    return "dense", "; ".join(no_int4)
 
 
 def _fast_backend_reasons(config: EngineConfig, facts: ModelFacts, dtype: torch.dtype, registry: PluginRegistry | None,

@@ -30,20 +30,22 @@ class EngineFields:
     decode_backend: str | None = setting(None, help="backend for decode (overrides --backend)")
     kv_cache: str | None = setting(None, help="KV cache (`kvcore plugins`; default: the backend's layout)")
     sampler: str = setting("default", help="sampler (see `kvcore plugins`; default '{default}')")
-    dtype: str = setting("auto", help="auto (default: bfloat16 for a Q4_0/Q4_1 GGUF on CPU, else float32), "
-                                      "float32 (the exact reference), bfloat16 or float16")
+    dtype: str = setting("auto", help="auto (default: float32; bfloat16 only for weights on torch's int4/int8 "
+                                      "kernels), float32 (given: the exact reference, dense weights), bfloat16 "
+                                      "(with --lm-head int4: the fastest, less accurate) or float16")
     device: str = setting("cpu", help="torch device (default {default})")
     weights: str = setting(
         "auto", choices=_WEIGHT_FORMATS,
-        help="matmul weights: auto (default: a Q4 GGUF's blocks as int4a8, else int4, a K-quant GGUF's as gguf, "
-             "in bfloat16; else float), float, int8 or int4 (weight-only quantized), int4a8 (int4 with int8 "
-             "activations, kvcore's kernel, AVX512-VNNI), gguf (a GGUF's blocks as stored, int8 activations, "
-             "AVX512-VNNI); quantized formats need --dtype bfloat16 on CPU")
+        help="matmul weights: auto (default: a Q4 GGUF's blocks as int4a8, else int4, a K-quant GGUF's as gguf; "
+             "else float), float, int8 or int4 (weight-only quantized, torch's kernels: bfloat16 on CPU), int4a8 "
+             "(int4 with int8 activations, kvcore's kernel, AVX512-VNNI or AVX2), gguf (a GGUF's blocks as stored, "
+             "int8 activations); int4a8 and gguf take float32 or bfloat16 activations")
     lm_head: str = setting(
         "auto", choices=_LM_HEADS,
-        help="LM head: auto (default: int4 with quantized weights where it runs, else dense), dense, int4 "
-             "(int4 scores, the top 64 candidates rescored with the dense head) or int8 (8-bit codes per group of "
-             "32, a GGUF's Q8_0 blocks as stored, int8 activations); int4 and int8 need bfloat16 on CPU")
+        help="LM head: auto (default: int8 with quantized weights where it runs, else int4, else dense), dense, "
+             "int8 (8-bit codes per group of 32, a GGUF's Q8_0 blocks as stored, int8 activations, the top 64 "
+             "candidates rescored with the dense head: as accurate as llama.cpp's head) or int4 (int4 scores, the "
+             "top 64 rescored: faster, a less accurate tail)")
     max_num_seqs: int = setting(8, min=1, commands=("serve",),
                                 help="requests run at once (kvcore serve: default 16; the Python API: {default})")
     max_model_len: int | None = setting(

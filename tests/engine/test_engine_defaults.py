@@ -37,13 +37,19 @@ def test_engine_config_leaves_precision_and_formats_to_kvcore():
 def test_a_q4_file_runs_its_blocks_on_the_fast_kernels(kernels_build):
     choice = choose_defaults(EngineConfig(), Q4_FILE)
     chosen = (choice.dtype, choice.weights, choice.lm_head, choice.backend)
-    assert chosen == ("bfloat16", "int4a8", "int4", "cpu_decode")
-    assert len(choice.reasons) == 4 and "Q4_0/Q4_1" in choice.reasons[0] and "--dtype float32" in choice.reasons[0]
+    # float32 activations and the int8 head: as accurate as llama.cpp on the same file
+    assert chosen == ("float32", "int4a8", "int8", "cpu_decode")
+    assert len(choice.reasons) == 4 and "float32 activations" in choice.reasons[0]
+    assert "--weights float is the exact reference" in choice.reasons[0]
     config = choice.apply(EngineConfig(max_num_seqs=3))
     assert (config.dtype, config.weights, config.lm_head, config.backend, config.max_num_seqs) == (
-        "bfloat16", "int4a8", "int4", "cpu_decode", 3)
-    assert choice.describe().startswith("chose dtype bfloat16, weights int4a8, lm_head int4, backend cpu_decode "
-                                        "because dtype bfloat16:")
+        "float32", "int4a8", "int8", "cpu_decode", 3)
+    assert choice.describe().startswith("chose dtype float32, weights int4a8, lm_head int8, backend cpu_decode "
+                                        "because dtype float32:")
+    fastest = choose_defaults(EngineConfig(dtype="bfloat16", lm_head="int4"), Q4_FILE)  # the documented fast path
+    assert (fastest.weights, fastest.backend) == ("int4a8", "cpu_decode")
+    kquant = choose_defaults(EngineConfig(), ModelFacts(native_codes=True, head_shape=(262144, 640)))
+    assert (kquant.dtype, kquant.weights, kquant.lm_head) == ("float32", "gguf", "int8")
 
 
 def test_without_vnni_the_q4_blocks_run_on_torchs_int4_kernel(kernels_build, monkeypatch):
@@ -59,7 +65,7 @@ def test_without_a_compiler_no_kvcore_kernel_is_chosen(monkeypatch):
     monkeypatch.setattr(defaults, "int4a8_reasons", lambda: no_cxx)
     choice = choose_defaults(EngineConfig(), Q4_FILE)
     assert (choice.dtype, choice.weights, choice.lm_head, choice.backend) == ("bfloat16", "int4", "dense", None)
-    assert "lm_head dense: no g++ or clang++ on PATH" in choice.reasons
+    assert "lm_head dense: no g++ or clang++ on PATH" in choice.reasons  # neither packed head can run
     assert any(r.startswith("backend left to the registry: ") for r in choice.reasons)
 
 
@@ -85,8 +91,8 @@ def test_given_settings_are_kept(kernels_build):
     alibi = choose_defaults(EngineConfig(attention_variants=("alibi",)), Q4_FILE)  # cpu_decode has no code variants
     assert alibi.backend is None and any("decode: no variant 'alibi'" in r for r in alibi.reasons)
     odd_head = choose_defaults(EngineConfig(), ModelFacts(native_int4=True, head_shape=(300, 64)))
-    assert odd_head.lm_head == "dense" and "lm_head dense: the int4 kernel cannot take a [300, 64] head" in \
-        odd_head.reasons
+    assert odd_head.lm_head == "dense" and "lm_head dense: the packed heads' kernels cannot take a [300, 64] head" \
+        in odd_head.reasons
 
 
 def test_tensor_parallelism_gets_the_dense_weights_it_can_shard(kernels_build):
@@ -104,9 +110,9 @@ def test_every_decided_setting_says_why(kernels_build, monkeypatch):
     reference = choose_defaults(EngineConfig(dtype="float32"), Q4_FILE)
     assert reference.reasons == ("weights float: dtype float32 is the exact reference, on dense weights",)
     assert "every setting was given" not in reference.describe()
-    half = choose_defaults(EngineConfig(dtype="float16"), Q4_FILE)  # the Q4 blocks need bfloat16 activations
-    assert half.weights == "float" and half.reasons == (
-        "weights float: the file's blocks run as stored with bfloat16 activations only, not float16",)
+    half = choose_defaults(EngineConfig(dtype="float16"), Q4_FILE)  # the Q4 blocks take float32 or bfloat16
+    assert half.weights == "float" and len(half.reasons) == 1 and half.reasons[0].startswith(
+        "weights float: the file's blocks cannot run as stored here: int4a8 weights need dtype float32 or bfloat16")
     kquant = ModelFacts(native_codes=True, head_shape=(49152, 576))
     monkeypatch.setattr(cpu_kernels, "int4a8_reasons", lambda fmt="int4a8": ["no AVX2 on this CPU"])
     stuck = choose_defaults(EngineConfig(dtype="bfloat16"), kquant)  # the blocks' kernels cannot run here

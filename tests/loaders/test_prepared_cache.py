@@ -1,6 +1,6 @@
 """A quantized model's second start (kvcore/loaders/prepared.py through the model cache): its packed matmul weights and
-int4 head come back as pages of the cache file, nothing is read from the loader or packed again, and it generates the
-very tokens of a fresh build."""
+packed LM head (int8 by default, or int4) come back as pages of the cache file, nothing is read from the loader or
+packed again, and it generates the very tokens of a fresh build."""
 
 from __future__ import annotations
 
@@ -45,13 +45,21 @@ def _mapped_ranges(suffix: str) -> list[tuple[int, int]]:
     return ranges
 
 
-def test_quantized_start_maps_its_prepared_weights(cache, monkeypatch):
-    fresh = Engine.from_pretrained("smollm2", EngineConfig(), model_cache=False)
-    assert fresh.model.weight_format == "int4a8" and fresh.config.lm_head == "int4"  # the default, on this CPU
+def _packed(model) -> list[torch.Tensor]:
+    """The packed head's codes, then every layer matmul's."""
+    head = model.head_int8.packed if model.head_int8 is not None else model.head_int4.codes
+    return [head, *(f.codes for fns in model._quantized.values() for f in fns)]
+
+
+@pytest.mark.parametrize("lm_head", ["auto", "int4"])
+def test_quantized_start_maps_its_prepared_weights(cache, monkeypatch, lm_head):
+    fresh = Engine.from_pretrained("smollm2", EngineConfig(lm_head=lm_head), model_cache=False)
+    chosen = "int8" if lm_head == "auto" else lm_head  # the default, on this CPU
+    assert fresh.model.weight_format == "int4a8" and fresh.config.lm_head == chosen
     expected = _greedy(fresh)
     del fresh
 
-    Engine.from_pretrained("smollm2", EngineConfig())  # builds the model and writes its entry
+    Engine.from_pretrained("smollm2", EngineConfig(lm_head=lm_head))  # builds the model and writes its entry
     (entry,) = [p for p in cache.iterdir() if p.is_dir()]
 
     def refuse(*args, **kwargs):
@@ -59,17 +67,18 @@ def test_quantized_start_maps_its_prepared_weights(cache, monkeypatch):
 
     monkeypatch.setattr(mc, "load_model", refuse)
     monkeypatch.setattr(kvcore.model.lm_head, "int4a8_in_chunks", refuse)
+    monkeypatch.setattr(kvcore.model.lm_head, "int8_linear", refuse)
     monkeypatch.setattr(Int4A8Linear, "__init__", refuse)
-    engine = Engine.from_pretrained("smollm2", EngineConfig())
+    engine = Engine.from_pretrained("smollm2", EngineConfig(lm_head=lm_head))
     model = engine.model
     assert model.weight_format == "int4a8" and model.fused_layers and model.fused_norm
     assert model.embedding is not None and model.embedding.blocks.in_file  # the token table read from the file
-    assert engine.lm_head is not None and engine.lm_head.int4 is model.head_int4
+    packed = engine.lm_head.linear if chosen == "int8" else engine.lm_head.int4
+    assert packed is (model.head_int8 if chosen == "int8" else model.head_int4)
     assert _greedy(engine) == expected
     if sys.platform.startswith("linux"):  # the packed weights are the cache file's pages, not a copy
         ranges = _mapped_ranges(str(entry / "model.pt"))
-        weights = [model.head_int4.codes, *(f.codes for fns in model._quantized.values() for f in fns)]
-        assert ranges and all(any(lo <= w.data_ptr() < hi for lo, hi in ranges) for w in weights)
+        assert ranges and all(any(lo <= w.data_ptr() < hi for lo, hi in ranges) for w in _packed(model))
 
 
 def test_the_first_start_runs_from_the_entry_it_wrote(cache):
@@ -77,8 +86,7 @@ def test_the_first_start_runs_from_the_entry_it_wrote(cache):
     weights are the file's pages, not the build's."""
     engine = Engine.from_pretrained("smollm2", EngineConfig())
     (entry,) = [p for p in cache.iterdir() if p.is_dir()]
-    model = engine.model
-    weights = [model.head_int4.codes, *(f.codes for fns in model._quantized.values() for f in fns)]
+    weights = _packed(engine.model)
     if sys.platform.startswith("linux"):
         ranges = _mapped_ranges(str(entry / "model.pt"))
         assert ranges and all(any(lo <= w.data_ptr() < hi for lo, hi in ranges) for w in weights)
@@ -93,8 +101,7 @@ def test_a_first_start_whose_entry_cannot_be_written_runs_on_huge_pages(cache, m
     monkeypatch.setattr(mc, "write_entry", full)
     with pytest.warns(RuntimeWarning):
         engine = Engine.from_pretrained("smollm2", EngineConfig())
-    model = engine.model
-    tensors = [model.head_int4.codes, *(f.codes for fns in model._quantized.values() for f in fns)]
+    tensors = _packed(engine.model)
     assert len({t.untyped_storage().data_ptr() for t in tensors}) == 1  # one arena
     if huge_page_reason() is None:
         with open("/proc/self/smaps") as f:

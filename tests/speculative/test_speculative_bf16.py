@@ -1,4 +1,5 @@
-"""Speculative decoding on the default bfloat16 path (int4a8 fused layers, ``cpu_decode``, the int4 LM head): a
+"""Speculative decoding on the fastest path (bfloat16 int4a8 fused layers, ``cpu_decode``, the int4 LM head) and on
+the default one (float32 activations, the int8 head): a
 verification row computes what the one-token step at its position computes, bit for bit, so greedy streams and
 their logprobs are identical with speculation on and off. Contexts past one split-K chunk of the decode kernel
 (256 keys), batches of several requests; planted differences (verification attention on the prefill kernel,
@@ -74,8 +75,8 @@ def _prompts(num: int, length: int) -> list[list[int]]:
 
 
 def _generate(model, prompts, proposer=None):
-    config = EngineConfig(backend="cpu_decode", dtype="bfloat16", max_model_len=512, max_num_seqs=len(prompts),
-                          proposer=proposer, num_speculative_tokens=K)
+    config = EngineConfig(backend="cpu_decode", dtype="bfloat16", lm_head="int4", max_model_len=512,
+                          max_num_seqs=len(prompts), proposer=proposer, num_speculative_tokens=K)
     engine = Engine(model, None, config)
     assert engine.model.fused_layers and isinstance(engine.runner.head, RescoredInt4Head)
     params = SamplingParams(max_new_tokens=NEW, ignore_eos=True, logprobs=2)
@@ -124,7 +125,7 @@ def test_smollm2_default_engine_streams_identical_with_and_without_speculation()
     summary of a ~560-token passage (past two split-K chunks) alone, with n-gram speculation: the same tokens
     and logprobs as without."""
     base = Engine.from_pretrained("smollm2", EngineConfig(max_model_len=1024, max_num_seqs=11))
-    assert base.config.dtype == "bfloat16" and base.config.weights == "int4a8"
+    assert (base.config.dtype, base.config.weights, base.config.lm_head) == ("float32", "int4a8", "int8")
     spec = Engine(base.model, base.tokenizer, dataclasses.replace(base.config, proposer="ngram",
                                                                   num_speculative_tokens=K))
     golden = json.loads((Path(__file__).parents[1] / "data" / "golden_smollm2.json").read_text())
@@ -149,8 +150,9 @@ def test_the_draft_model_runs_as_the_engine_runs_the_target(model, options):
     one kept; with either draft the streams are those without speculation."""
     prompts = _prompts(2, 280)
     base = _generate(model, prompts)
-    config = EngineConfig(backend="cpu_decode", dtype="bfloat16", max_model_len=512, max_num_seqs=len(prompts),
-                          proposer="draft", num_speculative_tokens=4, proposer_options={"draft": options})
+    config = EngineConfig(backend="cpu_decode", dtype="bfloat16", lm_head="int4", max_model_len=512,
+                          max_num_seqs=len(prompts), proposer="draft", num_speculative_tokens=4,
+                          proposer_options={"draft": options})
     engine = Engine(model, None, config)
     proposer = engine.speculator.proposer
     assert isinstance(proposer.backend, cpu_decode.CPUDecodeBackend) and proposer.head is engine.runner.head
