@@ -142,7 +142,9 @@ def describe_kernels(engine) -> str:
     else:
         matmul = f"{str(model.dtype).removeprefix('torch.')} F.linear"
     head = getattr(engine, "lm_head", None)
-    if head is not None:
+    if hasattr(head, "linear"):  # the int8 head
+        matmul += "; LM head int8 (kvcore int8_group_linear), top 64 rescored dense"
+    elif head is not None:
         scores = "kvcore int4_linear" if getattr(head.int4, "format", "") == "int4a8" else "_weight_int4pack_mm_for_cpu"
         matmul += f"; LM head int4 ({scores}), top 64 rescored dense"
     compiled = getattr(engine, "compiled_decode", None) is not None

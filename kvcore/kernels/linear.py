@@ -221,10 +221,13 @@ def _kernel_linear(p: torch.Tensor) -> Bf16Linear | DenseLinear:
     return DenseLinear(p) if packed is None else Bf16Linear(p, packed)
 
 
-def set_layout(p: nn.Parameter, column_major: bool) -> None:
+def set_layout(p: nn.Parameter, column_major: bool, values: bool = True) -> None:
+    """Store ``p`` (``[out, in]``) column-major or row-major; without ``values`` (a parameter not written yet) the
+    new storage is allocated, not copied: copying would write every page of a weight a quantized model then drops."""
     column_major = column_major and p.numel() >= COLUMN_MAJOR_MIN_NUMEL
     is_column_major = p.dim() == 2 and p.stride() == (1, p.shape[0])
     if column_major and not is_column_major:
-        p.data = p.data.t().contiguous().t()
+        p.data = (p.data.t().contiguous().t() if values else
+                  torch.empty_strided(p.shape, (1, p.shape[0]), dtype=p.dtype, device=p.device))
     elif not column_major and not p.is_contiguous():
         p.data = p.data.contiguous()

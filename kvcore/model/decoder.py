@@ -103,7 +103,7 @@ class DecoderModel(nn.Module):
         #: the int8-group copy of the LM head its int8 head scores with, once made (kept with the model likewise)
         self.head_int8 = None
         self._dense = DenseMatmuls()
-        self._set_weight_layout()
+        self._set_weight_layout(values=False)  # the parameters are written after
 
     def _apply(self, fn, recurse=True):  # .to() / .float() / .cuda() ... : re-pick the weight layout
         if self._quantized is not None:  # probe where fn sends a tensor before moving anything
@@ -116,7 +116,7 @@ class DecoderModel(nn.Module):
         self._set_weight_layout()
         return self
 
-    def _set_weight_layout(self) -> None:
+    def _set_weight_layout(self, values: bool = True) -> None:
         """Store each matmul weight (logical shape ``[out, in]``) in the order its device and dtype read fastest:
         column-major on CPU in float32 (``F.linear`` then runs MKL's ``x @ Wt`` kernel, faster for few-row
         decode GEMMs), row-major elsewhere (bfloat16 CPU GEMMs are slow column-major) and for small weights."""
@@ -125,8 +125,8 @@ class DecoderModel(nn.Module):
         with torch.no_grad():
             for plist in (self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj):
                 for p in plist:
-                    set_layout(p, column_major)
-            set_layout(self.lm_head, column_major)  # tied embeddings: the embedding table too
+                    set_layout(p, column_major, values)
+            set_layout(self.lm_head, column_major, values)  # tied embeddings: the embedding table too
 
     #: Dense bfloat16 matmuls on CPU run on copies of the big weights in a faster layout (kvcore's bf16_linear
     #: kernel's, or oneDNN's prepacked one); float32 keeps one copy. See :class:`DenseMatmuls`.

@@ -103,6 +103,24 @@ def test_a_cache_sized_for_many_long_sequences_costs_only_what_it_holds():
 
 
 @pytest.mark.slow
+def test_a_new_float32_model_allocates_its_column_major_weights_without_writing_them(monkeypatch):
+    """Float32 matmul weights are stored column-major; a new model's, not written yet, are allocated so rather than
+    copied into that order: a quantized model then drops them, and the copy wrote every page of the dense weights
+    first (several GB at 1.7B; an 8B file's start was killed for memory)."""
+    from helpers import make_random_model
+
+    import kvcore.kernels.linear
+    from kvcore import LlamaModel
+
+    monkeypatch.setattr(kvcore.kernels.linear, "COLUMN_MAJOR_MIN_NUMEL", 1)  # the tiny weights count as big
+    copied, contiguous = [], torch.Tensor.contiguous
+    monkeypatch.setattr(torch.Tensor, "contiguous", lambda t, *a, **k: copied.append(t.shape) or contiguous(t, *a, **k))
+    model = LlamaModel(make_random_model().config, torch.float32)
+    weights = [p for plist in (model.qkv_proj, model.o_proj, model.gate_up_proj, model.down_proj) for p in plist]
+    assert all(p.stride() == (1, p.shape[0]) for p in [*weights, model.lm_head])
+    assert copied == []
+
+
 def test_a_quantized_gguf_model_holds_each_weight_once_in_its_packed_form():
     from kvcore.loaders import build_model, load_model
     from kvcore.loaders.gguf_validate import validate_gguf
