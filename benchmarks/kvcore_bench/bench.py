@@ -53,8 +53,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    """``kvcore bench``: the backend comparison, or the mode a flag names (``--scale``, ``--llamacpp-native``,
-    ``--llamacpp``), each imported only when asked for."""
+    """``kvcore bench``: the backend comparison, or the mode a flag names (``--real-size``, ``--scale``,
+    ``--llamacpp-native``, ``--llamacpp``), each imported only when asked for."""
+    if args.real_size:
+        from kvcore_bench.sizes import run_real_size
+
+        args.progress = not args.no_progress
+        return run_real_size(args)
     if args.scale:
         from kvcore_bench.scale import run_scale
 

@@ -26,7 +26,8 @@ def add_parser(subparsers, run: Callable[[argparse.Namespace], int]) -> argparse
     p.add_argument("--out", default="bench-out", metavar="DIR", help="output directory (default bench-out/)")
     p.add_argument("--cases", default=",".join(CASES), help=f"comma-separated cases (default all: {','.join(CASES)})")
     p.add_argument("--model", default="smollm2", help="model spec (default: the embedded SmolLM2-135M)")
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default 0: torch's default)")
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch CPU threads (default 0: torch's default; 2 for --real-size)")
     p.add_argument("--reps", type=int, default=None, help="repetitions per measurement (default 2 quick / 5 full)")
     p.add_argument("--no-progress", action="store_true", help="do not print progress on stderr")
     p.add_argument("--llamacpp", action="store_true",
@@ -38,6 +39,12 @@ def add_parser(subparsers, run: Callable[[argparse.Namespace], int]) -> argparse
                    help="instead: aggregate decode tok/s at 1/8/32/64 concurrent requests and at an 8k context, "
                         "kvcore (paged + prefix caching, and the defaults) vs native llama-batched-bench "
                         "(scale-curves.md/json/png)")
+    p.add_argument("--real-size", default=None, metavar="FILES",
+                   help="instead: start-up, memory, decode, prefill and 8 concurrent requests at real model sizes "
+                        "(comma-separated SHAPE[:TYPE], e.g. 360m,1.7b,3b,8b or 1.7b:q4_k; random weights in "
+                        "real-shape GGUFs written on first use) vs native llama.cpp on the same files "
+                        "(real-size.md/json/png)")
+    p.add_argument("--no-llamacpp", action="store_true", help="--real-size: measure kvcore alone")
     p.add_argument("--backend", default=None, help="--llamacpp: kvcore's backend (default: the engine's choice)")
     p.add_argument("--dtype", default="float32", help="--llamacpp: kvcore's dtype (default float32)")
     p.add_argument("--engine-option", action="append", metavar="KEY=VALUE",

@@ -90,11 +90,14 @@ def _run_json(command: list[str]) -> list[dict[str, Any]]:
     return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
 
 
-def llama_bench(bin_dir: Path, gguf: Path, threads: int, n_gen: int = 128, reps: int = 1) -> dict[str, Any]:
-    """``llama-bench -p 0 -n n_gen`` (llama.cpp's tg128 at the default): its JSON row (``avg_ts`` tok/s,
-    ``cpu_info``, ``backends``, ``build_commit``...)."""
-    rows = _run_json([str(bin_dir / "llama-bench"), "-m", str(gguf), "-t", str(threads), "-p", "0", "-n", str(n_gen),
-                      "-r", str(reps), "-o", "json"])
+def llama_bench(bin_dir: Path, gguf: Path, threads: int, n_gen: int = 128, reps: int = 1,
+                n_prompt: int = 0) -> dict[str, Any]:
+    """``llama-bench -p n_prompt -n n_gen`` (llama.cpp's tg128 at the default; ``n_gen=0, n_prompt=512``: its
+    pp512): its JSON row (``avg_ts`` tok/s, ``cpu_info``, ``backends``, ``build_commit``...)."""
+    if bool(n_gen) == bool(n_prompt):
+        raise ValueError("llama_bench measures generation or a prompt, one at a time")
+    rows = _run_json([str(bin_dir / "llama-bench"), "-m", str(gguf), "-t", str(threads), "-p", str(n_prompt),
+                      "-n", str(n_gen), "-r", str(reps), "-o", "json"])
     return rows[0]
 
 

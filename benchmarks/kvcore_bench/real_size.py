@@ -2,13 +2,14 @@
 
 The files have the shapes of real Llama-architecture models (SmolLM2 360M and 1.7B, a 3B and an 8B shape),
 SmolLM2's tokenizer and chat template (copied from the embedded SmolLM2 file) and random weights stored as the
-embedded file stores them: layer matrices Q4_1 (or Q4_0 / Q8_0), norms F32 (all ones), the tied token embedding
-Q8_0. The work per token is therefore the real one; the text is junk.
+embedded file stores them: layer matrices Q4_1 (or Q4_0 / Q8_0 / Q4_K), norms F32 (all ones), the tied token
+embedding Q8_0. The work per token is therefore the real one; the text is junk.
 
 Weights are written as random quantized blocks directly (uniform codes, one fp16 scale per tensor chosen for a
-weight std of :data:`WEIGHT_STD`, Q4_1 offsets centring the codes on zero), not quantized from floats: quantizing
-in numpy would take longer than the measurement. Every tensor comes from its own generator seeded with
-``(seed, tensor index)`` and is written as it is made, so a file is reproducible and never held in memory whole.
+weight std of :data:`WEIGHT_STD`, offsets centring the codes on zero; Q4_K's 6-bit sub-block scales and minimums
+random too), not quantized from floats: quantizing in numpy would take longer than the measurement. Every tensor
+comes from its own generator seeded with ``(seed, tensor index)`` and is written as it is made, so a file is
+reproducible and never held in memory whole.
 
 Files live in ``$KVCORE_BENCH_CACHE``, else ``~/.cache/kvcore-bench/real-size/``, named like
 ``llama-1.7b-q4_1.gguf``; they are written to a temporary name and renamed, and reused when present.
@@ -16,11 +17,8 @@ Files live in ``$KVCORE_BENCH_CACHE``, else ``~/.cache/kvcore-bench/real-size/``
 Run (from a venv with kvcore and ``pip install -e ./benchmarks``)::
 
     python -m kvcore_bench.real_size write 1.7b [--type q4_1]      # prints the file's path
-    python -m kvcore_bench.real_size startup 360m 1.7b --reps 3 [--type q4_1] [--json OUT]
 
-``startup`` times ``kvcore generate --max-new-tokens 1 --model FILE "Hello"`` from process start to exit (the one
-token printed; wall and CPU seconds), with the file read before each run so the page cache is warm, and prints a
-Markdown table row per shape with the CPU's name and the instruction sets kvcore's kernels use.
+``kvcore bench --real-size`` (:mod:`kvcore_bench.sizes`) measures kvcore and llama.cpp on them.
 """
 
 from __future__ import annotations
@@ -28,22 +26,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import json
 import os
-import resource
-import shutil
-import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as QType
 
-__all__ = ["SHAPES", "QTYPES", "WEIGHT_STD", "Shape", "cache_dir", "ensure_file", "write_gguf", "measure_startup",
-           "cpu_summary", "main"]
+__all__ = ["SHAPES", "QTYPES", "WEIGHT_STD", "Shape", "cache_dir", "ensure_file", "write_gguf", "cpu_summary", "main"]
 
 #: target standard deviation of every random weight: small enough that activations stay finite and moderate
 WEIGHT_STD = 0.02
@@ -70,13 +61,16 @@ SHAPES: dict[str, Shape] = {
     "3b": Shape(hidden=3072, layers=28, ffn=8192, heads=24, kv_heads=8, head_dim=128),  # Llama 3.2 3B's dims
     "8b": Shape(hidden=4096, layers=32, ffn=14336, heads=32, kv_heads=8, head_dim=128),  # Llama 3.1 8B's dims
 }
-QTYPES = {"q4_0": QType.Q4_0, "q4_1": QType.Q4_1, "q8_0": QType.Q8_0}
+QTYPES = {"q4_0": QType.Q4_0, "q4_1": QType.Q4_1, "q8_0": QType.Q8_0, "q4_k": QType.Q4_K}
 _FILE_TYPES = {QType.Q4_0: gguf.LlamaFileType.MOSTLY_Q4_0, QType.Q4_1: gguf.LlamaFileType.MOSTLY_Q4_1,
-               QType.Q8_0: gguf.LlamaFileType.MOSTLY_Q8_0}
-# bytes of fp16 scale(s) at the head of each block, and the std of the block's codes as stored (uniform codes:
-# Q4 ones 0..15 less 8 (Q4_0) or 7.5 (Q4_1, through its offset m), Q8_0's bytes as int8 -128..127)
-_HEAD_BYTES = {QType.Q4_0: 2, QType.Q4_1: 4, QType.Q8_0: 2}
-_CODE_STD = {QType.Q4_0: (255 / 12) ** 0.5, QType.Q4_1: (255 / 12) ** 0.5, QType.Q8_0: (65535 / 12) ** 0.5}
+               QType.Q8_0: gguf.LlamaFileType.MOSTLY_Q8_0, QType.Q4_K: gguf.LlamaFileType.MOSTLY_Q4_K_S}
+# bytes of fp16 scale(s) at the head of each block, and the std of the weights per unit of the first one (uniform
+# codes: Q4 ones 0..15 less 8 (Q4_0) or 7.5 (Q4_1, through its offset m), Q8_0's bytes as int8 -128..127; Q4_K's
+# weight d * sc * q - dmin * m with sc, m uniform in 0..63 and dmin = 7.5 d: the sub-blocks' spread
+# 1333.5 * 21.25 plus their means' 56.25 * 2 * 341.25, in d^2)
+_HEAD_BYTES = {QType.Q4_0: 2, QType.Q4_1: 4, QType.Q8_0: 2, QType.Q4_K: 4}
+_CODE_STD = {QType.Q4_0: (255 / 12) ** 0.5, QType.Q4_1: (255 / 12) ** 0.5, QType.Q8_0: (65535 / 12) ** 0.5,
+             QType.Q4_K: (1333.5 * 21.25 + 56.25 * 2 * 341.25) ** 0.5}
 
 
 def cache_dir() -> Path:
@@ -108,7 +102,7 @@ def _random_tensor(rng: np.random.Generator, qtype: QType, dims: tuple[int, ...]
     if cols % block:
         raise ValueError(f"{qtype.name} needs rows of a multiple of {block} values, not {cols}")
     d = WEIGHT_STD / _CODE_STD[qtype]
-    scales = [d, -7.5 * d] if qtype == QType.Q4_1 else [d]
+    scales = {QType.Q4_1: [d, -7.5 * d], QType.Q4_K: [d, 7.5 * d]}.get(qtype, [d])
     blocks = rng.integers(0, 256, size=(rows * cols // block, size), dtype=np.uint8)  # codes: any byte will do
     blocks[:, : _HEAD_BYTES[qtype]] = np.array(scales, "<f2").view(np.uint8)
     return blocks.reshape(rows, cols // block * size)
@@ -203,73 +197,14 @@ def cpu_summary() -> tuple[str, str]:
     return name, " ".join(have) or "none of avx2/avx512/amx"
 
 
-def _warm(path: Path) -> None:
-    """Read the file once (as ``cat FILE > /dev/null``) so its pages are in the page cache."""
-    with open(path, "rb") as f:
-        while f.read(1 << 24):
-            pass
-
-
-def _kvcore() -> str:
-    beside = Path(sys.executable).with_name("kvcore")  # this venv's kvcore, not whichever is first on PATH
-    return str(beside) if beside.exists() else (shutil.which("kvcore") or "kvcore")
-
-
-def measure_startup(path: Path, reps: int = 3, prompt: str = "Hello") -> tuple[list[float], list[float]]:
-    """Wall and CPU (user + system) seconds of ``kvcore generate --max-new-tokens 1`` on ``path``, process start
-    to exit, per rep. CPU seconds say more than wall ones on a machine others are using."""
-    command = [_kvcore(), "generate", "--max-new-tokens", "1", "--model", str(path), prompt]
-    walls, cpus = [], []
-    for _ in range(reps):
-        _warm(path)
-        before = resource.getrusage(resource.RUSAGE_CHILDREN)
-        start = time.perf_counter()
-        done = subprocess.run(command, capture_output=True, text=True)
-        walls.append(time.perf_counter() - start)
-        after = resource.getrusage(resource.RUSAGE_CHILDREN)
-        cpus.append(after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime)
-        if done.returncode:
-            raise RuntimeError(f"{' '.join(command)} exited with {done.returncode}:\n{done.stderr[-2000:]}")
-    return walls, cpus
-
-
-def _startup(shapes: list[str], qtype: str, reps: int, json_out: str | None) -> None:
-    cpu, flags = cpu_summary()
-    print("| shape | file MiB | start → first token, s (median) | reps, s | CPU s (median) | load 1m | CPU | flags |")
-    print("|---|---|---|---|---|---|---|---|")
-    rows = []
-    for shape in shapes:
-        path = ensure_file(shape, qtype)
-        load = os.getloadavg()[0]
-        times, cpu_s = measure_startup(path, reps)
-        mib = path.stat().st_size / 2**20
-        median = statistics.median(times)
-        reps_s = ", ".join(f"{t:.2f}" for t in times)
-        print(f"| {shape} {qtype} | {mib:,.0f} | {median:.2f} | {reps_s} | {statistics.median(cpu_s):.2f} | {load:.2f} "
-              f"| {cpu} | {flags} |", flush=True)
-        rows.append(dict(shape=shape, qtype=qtype, file=str(path), file_mib=round(mib, 1), median_s=median,
-                         reps_s=times, cpu_s=cpu_s, cpu=cpu, flags=flags, loadavg_1m_before=load,
-                         command=f"kvcore generate --max-new-tokens 1 --model {path} Hello"))
-    if json_out:
-        Path(json_out).write_text(json.dumps(rows, indent=2) + "\n")
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvcore_bench.real_size", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     write = sub.add_parser("write", help="write (or find) a shape's file and print its path")
     write.add_argument("shape", choices=SHAPES)
-    startup = sub.add_parser("startup", help="time process start → first token of `kvcore generate`")
-    startup.add_argument("shapes", nargs="+", choices=SHAPES)
-    startup.add_argument("--reps", type=int, default=3)
-    startup.add_argument("--json", metavar="OUT", help="also write the rows as JSON to OUT")
-    for p in (write, startup):
-        p.add_argument("--type", dest="qtype", choices=QTYPES, default="q4_1", help="layer weights (default q4_1)")
+    write.add_argument("--type", dest="qtype", choices=QTYPES, default="q4_1", help="layer weights (default q4_1)")
     args = parser.parse_args(argv)
-    if args.command == "write":
-        print(ensure_file(args.shape, args.qtype))
-    else:
-        _startup(args.shapes, args.qtype, args.reps, args.json)
+    print(ensure_file(args.shape, args.qtype))
     return 0
 
 
