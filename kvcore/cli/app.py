@@ -60,10 +60,11 @@ def _run(args, state: RunState) -> int:
         from kvcore.cli.kernels import run_kernels
 
         return run_kernels(args)
-    if args.command in ("backends", "plugins"):
+    if args.command in ("backends", "plugins", "models"):
         from kvcore.cli import listing
 
-        return listing.run_backends(args) if args.command == "backends" else listing.run_plugins(args)
+        run = {"backends": listing.run_backends, "plugins": listing.run_plugins, "models": listing.run_models}
+        return run[args.command](args)
     return args.func(args)
 
 

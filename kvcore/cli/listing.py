@@ -1,11 +1,11 @@
-"""``kvcore plugins`` and ``kvcore backends``: what is registered, and whether it can run here."""
+"""``kvcore plugins``, ``kvcore backends`` and ``kvcore models``: what is registered, and whether it can run here."""
 
 from __future__ import annotations
 
 import argparse
 import json
 
-__all__ = ["run_plugins", "run_backends"]
+__all__ = ["run_plugins", "run_backends", "run_models"]
 
 
 def run_plugins(args: argparse.Namespace) -> int:
@@ -34,4 +34,19 @@ def run_backends(args: argparse.Namespace) -> int:
         print(markdown_table(rows))
     else:
         print(format_table(rows))
+    return 0
+
+
+def run_models(args: argparse.Namespace) -> int:
+    from kvcore.plugins.model_support import architecture_rows, markdown_rows, unserved_note
+    from kvcore.plugins.registry import get_registry
+    from kvcore.plugins.support import format_table
+
+    rows = architecture_rows(get_registry())
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    elif args.markdown:
+        print(markdown_rows(rows))
+    else:
+        print(format_table(rows, notes=unserved_note))
     return 0

@@ -121,6 +121,11 @@ def build_parser(plugin_commands: bool = True) -> argparse.ArgumentParser:
     p.add_argument("--markdown", action="store_true", help="a Markdown table (the README's support matrix)")
     _hidden_debug(p)
 
+    p = sub.add_parser("models", help="list supported model architectures and the backends that serve them")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--markdown", action="store_true", help="a Markdown table (the README's)")
+    _hidden_debug(p)
+
     p = sub.add_parser("kernels", help="kvcore's C++ CPU kernels: whether they can run here; build them ahead")
     p.add_argument("action", nargs="?", choices=["status", "build"], default="status",
                    help="status (default): report; build: build now (otherwise the first use builds them)")
@@ -141,8 +146,8 @@ def build_parser(plugin_commands: bool = True) -> argparse.ArgumentParser:
 def parse_args(argv: list[str]) -> argparse.Namespace:
     """``argv`` parsed as :func:`main` runs it. A built-in command, ``--version`` and their errors are parsed
     without loading plugins, so they answer before torch is imported; a bare ``kvcore``, ``kvcore --help`` and
-    any other command load the plugins, whose commands belong in the list. An unknown flag is an error naming
-    the closest flags of its command."""
+    any other command load the third-party plugins, whose commands belong in the list. An unknown flag is an
+    error naming the closest flags of its command."""
     command = next((a for a in argv if not a.startswith("-")), None)
     parser = build_parser(plugin_commands=False)
     builtin = command in _commands(parser).choices
@@ -173,13 +178,12 @@ def _generation_args(p: argparse.ArgumentParser, command: str) -> None:
 
 
 def _plugin_commands(sub) -> None:
-    """Commands from plugins (kvcore_register_commands), e.g. `kvcore bench` from kvcore-bench. A hook that
-    raises is skipped with one warning line, and what it added before raising is removed again."""
-    from kvcore.plugins.registry import get_registry
+    """Commands from plugins (kvcore_register_commands), e.g. `kvcore bench` from kvcore-bench: only the plugins
+    are imported, not kvcore's built-ins (nor torch, unless a plugin imports it). A hook that raises is skipped
+    with one warning line, and what it added before raising is removed again."""
+    from kvcore.plugins.entry_points import command_plugins
 
-    registry = get_registry()
-    registry.backends  # noqa: B018 - the registry loads its plugins on first use
-    for impl in registry.pm.hook.kvcore_register_commands.get_hookimpls():
+    for impl in command_plugins().hook.kvcore_register_commands.get_hookimpls():
         names, helps = dict(sub.choices), list(sub._choices_actions)
         try:
             impl.function(subparsers=sub)

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
-from kvcore.hookspecs import hookimpl
 from kvcore.interfaces.layer_attention import VARIANTS
-from kvcore.plugins.registry import ARCHITECTURE, PluginRegistry, get_registry
-from kvcore.plugins.support import format_table
+from kvcore.plugins.registry import ARCHITECTURE, PluginRegistry
 
-__all__ = ["architecture_rows", "serving_backends", "unserved_reasons", "markdown_rows"]
+__all__ = ["architecture_rows", "serving_backends", "unserved_reasons", "unserved_note", "markdown_rows"]
 
 
 def serving_backends(registry: PluginRegistry, arch: type) -> tuple[list[str], list[str]]:
@@ -69,23 +66,7 @@ def markdown_rows(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-@hookimpl
-def kvcore_register_commands(subparsers):
-    p = subparsers.add_parser("models", help="list supported model architectures and the backends that serve them")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.add_argument("--markdown", action="store_true", help="a Markdown table (the README's)")
-    p.set_defaults(func=_run_models)
-
-
-def _run_models(args) -> int:
-    rows = architecture_rows(get_registry())
-    if args.json:
-        print(json.dumps(rows, indent=2))
-    else:
-        print(markdown_rows(rows) if args.markdown else format_table(rows, notes=_unserved_note))
-    return 0
-
-
-def _unserved_note(row: dict[str, Any]) -> list[str]:
+def unserved_note(row: dict[str, Any]) -> list[str]:
+    """A row's line under it in ``kvcore models``' table: the backends that do not serve it, and why."""
     unserved = row["unserved_by"]
     return [f"not served by: {', '.join(f'{b} ({why})' for b, why in unserved.items())}"] if unserved else []

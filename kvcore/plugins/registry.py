@@ -5,15 +5,13 @@ Built-ins are plugins registered through the same ``kvcore_register_*`` hooks as
 third-party plugins come from the ``kvcore`` entry-point group. Everything is loaded lazily, on the
 first call that needs the registry.
 
-``KVCORE_LOAD_PLUGINS`` (comma-separated entry-point names) limits which third-party plugins load;
-set to an empty string to load none. Built-ins always load.
+``KVCORE_LOAD_PLUGINS`` (comma-separated entry-point names) limits which third-party plugins load
+(:mod:`kvcore.plugins.entry_points`); set to an empty string to load none. Built-ins always load.
 """
 
 from __future__ import annotations
 
 import importlib
-import importlib.metadata
-import os
 import warnings
 from dataclasses import replace
 from typing import Any
@@ -26,6 +24,7 @@ from kvcore.interfaces.attention import AttentionBackend
 from kvcore.interfaces.kv_cache import CacheSpec, KVCache
 from kvcore.interfaces.sampler import Sampler
 from kvcore.interfaces.variants import AttentionVariant
+from kvcore.plugins.entry_points import load_entry_points, reset_command_plugins
 from kvcore.plugins.kinds import (
     ARCHITECTURE,
     BACKEND,
@@ -47,7 +46,6 @@ __all__ = [
     "get_registry", "reset_registry", "BUILTIN_PLUGINS",
 ]
 
-ENTRY_POINT_GROUP = "kvcore"
 BUILTIN_PLUGINS = (
     "kvcore.backends.contiguous",
     "kvcore.backends.naive",
@@ -62,7 +60,6 @@ BUILTIN_PLUGINS = (
     "kvcore.speculative.ngram",
     "kvcore.speculative.draft",
     "kvcore.model.families",
-    "kvcore.plugins.model_support",
 )
 
 
@@ -93,20 +90,8 @@ class PluginRegistry:
                 continue
             if not self.pm.is_registered(module):
                 self.pm.register(module, name=module_name)
-        if not self._load_entrypoints:
-            return
-        allow = os.environ.get("KVCORE_LOAD_PLUGINS")
-        allowed = None if allow is None else {n.strip() for n in allow.split(",") if n.strip()}
-        for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
-            if allowed is not None and ep.name not in allowed:
-                continue
-            if self.pm.get_plugin(ep.name) is not None:
-                continue
-            try:
-                plugin = ep.load()
-                self.pm.register(plugin, name=ep.name)
-            except Exception as exc:
-                self._warn(f"kvcore: plugin '{ep.name}' failed to load and was skipped: {type(exc).__name__}: {exc}")
+        if self._load_entrypoints:
+            self.load_warnings += load_entry_points(self.pm)
 
     def register_plugin(self, plugin: object, name: str | None = None) -> str:
         """Register a plugin object at run time (tests, notebooks); returns its name."""
@@ -284,6 +269,8 @@ def get_registry() -> PluginRegistry:
 
 
 def reset_registry() -> None:
-    """Forget the process-wide registry (tests; after changing KVCORE_LOAD_PLUGINS)."""
+    """Forget the process-wide registry and the command line's plugin manager (tests; after changing
+    KVCORE_LOAD_PLUGINS)."""
     global _REGISTRY
     _REGISTRY = None
+    reset_command_plugins()

@@ -162,17 +162,16 @@ def command_plugin(name: str, *, raises_after_adding: bool = False):
 
 @pytest.fixture
 def with_command_plugins():
-    """Register throwaway plugins in the process-wide registry; always unregistered afterwards."""
-    from kvcore.plugins.registry import get_registry
+    """Register throwaway plugins where the command line finds plugin commands; always unregistered afterwards."""
+    from kvcore.plugins.entry_points import command_plugins
 
-    registry = get_registry()
-    registry.backends  # noqa: B018 - load the built-ins first (registering first would skip them)
+    pm = command_plugins()
     names = []
     try:
-        yield lambda plugin, name: names.append(registry.register_plugin(plugin, name=name))
+        yield lambda plugin, name: names.append(pm.register(plugin, name=name))
     finally:
         for name in names:
-            registry.unregister_plugin(name)
+            pm.unregister(name=name)
 
 
 def test_plugin_adds_a_command_with_its_exit_code(capsys, with_command_plugins):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import subprocess
@@ -24,9 +25,10 @@ print(json.dumps({"rc": rc, "torch": "torch" in sys.modules}), file=sys.stderr)
 """
 
 
-def probe(*argv: str, cwd=None) -> tuple[int, bool, str, str]:
-    """``(exit code, torch imported, stdout, stderr without the probe's line)`` of ``kvcore *argv``."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVCORE_")}
+def probe(*argv: str, cwd=None, env: dict[str, str] | None = None) -> tuple[int, bool, str, str]:
+    """``(exit code, torch imported, stdout, stderr without the probe's line)`` of ``kvcore *argv``, with ``env``
+    as the only KVCORE_ variables."""
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("KVCORE_")}, **(env or {})}
     proc = subprocess.run([sys.executable, "-c", _PROBE, *argv], capture_output=True, text=True, timeout=120,
                           env=env, cwd=cwd)
     *err, last = proc.stderr.strip().splitlines()
@@ -62,8 +64,19 @@ def test_config_file_errors_answer_before_torch_loads(tmp_path):
     assert not torch_loaded
 
 
-def test_plugin_commands_still_listed_and_run(capsys):
-    """A command no built-in defines loads the plugins: ``models`` comes from a plugin hook."""
+def test_help_lists_plugin_commands_without_importing_torch():
+    """``kvcore --help`` imports the third-party plugins to list their commands, not kvcore's built-ins: with only
+    kvcore-bench's (which imports nothing heavy at load), torch stays out."""
+    installed = {ep.name for ep in importlib.metadata.entry_points(group="kvcore")}
+    light = "bench" if "bench" in installed else ""
+    rc, torch_loaded, out, err = probe("--help", env={"KVCORE_LOAD_PLUGINS": light})
+    assert rc == 0 and not err and not torch_loaded
+    commands = out.split("{", 1)[1].split("}", 1)[0].split(",")
+    assert {"generate", "chat", "serve", "models", "plugins", "backends", "kernels"} <= set(commands)
+    assert ("bench" in commands) == bool(light)
+
+
+def test_built_in_and_plugin_commands_are_listed_and_run(capsys):
     with pytest.raises(SystemExit) as exc:
         run_cli(capsys, "--help")
     assert exc.value.code == 0 and "models" in capsys.readouterr().out
