@@ -43,7 +43,7 @@ from kvcore_bench.native_llamacpp import batched_bench, build_tools, llama_bench
 from kvcore_bench.real_size import QTYPES, SHAPES, cpu_summary, ensure_file
 from kvcore_bench.sizes_report import plot, render
 
-__all__ = ["parse_files", "measure", "run_real_size"]
+__all__ = ["parse_files", "measure", "prepared_entries", "run_real_size"]
 
 PREFILL = 512
 BATCH, BATCH_PROMPT, NEW_TOKENS = 8, 16, 64
@@ -141,7 +141,7 @@ def _read_seconds(path: Path) -> float:
     return time.perf_counter() - start
 
 
-def _entries(path: Path) -> list[Path]:
+def prepared_entries(path: Path) -> list[Path]:
     """The prepared-model cache's entries made from ``path``."""
     cache, found = model_cache_dir(), []
     for entry in cache.iterdir() if cache.is_dir() else ():
@@ -233,14 +233,14 @@ def measure(shape: str, qtype: str, reps: int, threads: int, bin_dir: Path | Non
     read_s = _read_seconds(path)
     firsts = []
     for _ in range(2):
-        for entry in _entries(path):
+        for entry in prepared_entries(path):
             shutil.rmtree(entry)
         firsts.append(_start(base)[0])
     say(f"first starts {firsts}")
     starts: dict[str, list[float]] = {"cold": [], "warm": [], "built": []}
     above: list[float] = []
     for rep in range(reps):
-        for entry in _entries(path):
+        for entry in prepared_entries(path):
             _drop_pages(entry / "model.pt")
         _drop_pages(path)
         starts["cold"].append(_start(base)[0])

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 import shutil
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 
 def _clock() -> tuple[float, float, float]:
@@ -63,14 +63,11 @@ def main() -> int:
     if args.child:
         _child(args.file, args.child == "cache")
         return 0
-    from kvcore.loaders.model_cache import cache_dir
+    from kvcore_bench.sizes import prepared_entries  # here: it imports kvcore, which the child must time
 
-    source = os.path.realpath(args.file)
     for run in range(args.runs):
-        for entry in cache_dir().iterdir() if cache_dir().is_dir() else ():
-            meta = entry / "meta.json"
-            if meta.is_file() and json.loads(meta.read_text()).get("source") == source:
-                shutil.rmtree(entry)
+        for entry in prepared_entries(Path(args.file)):
+            shutil.rmtree(entry)
         for label, mode in (("first start", "cache"), ("from the entry", "cache"), ("cache off", "no-cache")):
             print(f"run {run + 1}, {label}:", flush=True)
             subprocess.run([sys.executable, __file__, args.file, "--child", mode], check=True)

@@ -27,14 +27,7 @@ def run_backends(args: argparse.Namespace) -> int:
     from kvcore.plugins.registry import get_registry
     from kvcore.plugins.support import backend_rows, format_table, markdown_table
 
-    rows = backend_rows(get_registry())
-    if args.json:
-        print(json.dumps(rows, indent=2))
-    elif args.markdown:
-        print(markdown_table(rows))
-    else:
-        print(format_table(rows))
-    return 0
+    return _show(args, backend_rows(get_registry()), markdown_table, format_table)
 
 
 def run_models(args: argparse.Namespace) -> int:
@@ -42,11 +35,14 @@ def run_models(args: argparse.Namespace) -> int:
     from kvcore.plugins.registry import get_registry
     from kvcore.plugins.support import format_table
 
-    rows = architecture_rows(get_registry())
+    return _show(args, architecture_rows(get_registry()), markdown_rows,
+                 lambda rows: format_table(rows, notes=unserved_note))
+
+
+def _show(args: argparse.Namespace, rows: list[dict], markdown, table) -> int:
+    """Print ``rows`` as ``--json``, ``--markdown`` (``markdown(rows)``) or a terminal table (``table(rows)``)."""
     if args.json:
         print(json.dumps(rows, indent=2))
-    elif args.markdown:
-        print(markdown_rows(rows))
     else:
-        print(format_table(rows, notes=unserved_note))
+        print(markdown(rows) if args.markdown else table(rows))
     return 0

@@ -93,7 +93,8 @@ def test_real_size_tier_measures_a_file_and_writes_its_table(tiny_cache, tmp_pat
     path = tiny_cache / "llama-tiny-q4_1.gguf"
     assert (row["shape"], row["qtype"], row["file"]) == ("tiny", "q4_1", str(path))
     # the starts' entry, and the speed run's (its own max_model_len)
-    assert {e.parent for e in sizes._entries(path)} == {cache / "models"} and len(sizes._entries(path)) == 2
+    entries = sizes.prepared_entries(path)
+    assert {e.parent for e in entries} == {cache / "models"} and len(entries) == 2
     assert len(row["first_start_s"]) == 2 and all(len(v) == 1 for v in row["start_s"].values())
     assert all(s > 0 for s in [row["read_from_disk_s"], *row["first_start_s"], *sum(row["start_s"].values(), [])])
     assert 0 < row["pss_bare_adds_mib"] and 0 < row["pss_second_adds_mib"] and row["rss_above_import_mib"][0] > 0
